@@ -1,0 +1,167 @@
+"""Paged KV cache bookkeeping: ref-counted blocks, chain-hashed prefix reuse, LRU eviction.
+
+Only ids and counters live here; the tensors are the model runner's. A full block's hash chains
+its parent's hash with its token ids, so equal hashes mean equal prefixes. A freed block keeps
+its hash and stays findable until the free list hands it out again; the free list is ordered
+so that the block to reuse next comes first (blocks without a hash, then the least recently
+freed, and within one sequence its tail before its head).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from conveyor.engine.sequence import Sequence
+
+
+class Block:
+    """One block of ``block_size`` token slots."""
+
+    __slots__ = ("block_id", "ref_count", "block_hash")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Cached blocks that hold a prompt's leading tokens."""
+
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+
+
+def chain_hash(parent: int | None, tokens: list[int]) -> int:
+    """Hash of a full block given its parent block's hash (None for the first block)."""
+    return hash((parent, tuple(tokens)))
+
+
+class BlockManager:
+    """Hands out blocks to sequences and finds cached prefixes."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._num_hashed: dict[int, int] = {}  # seq id -> leading blocks of its table already hashed
+        self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # ... of which were found
+
+    @property
+    def num_blocks(self) -> int:
+        """Total blocks in the cache."""
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no user (some may still hold a reusable cached prefix)."""
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use."""
+        return 1.0 - len(self._free) / len(self.blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def find_prefix(self, token_ids: list[int]) -> PrefixMatch:
+        """The longest run of cached full blocks matching the start of ``token_ids``.
+
+        At least one token is always left uncomputed: the last prompt token must run through
+        the model to give the logits of the first generated token.
+        """
+        if not self.enable_prefix_caching:
+            return PrefixMatch()
+        self.prefix_query_tokens += len(token_ids)
+        bs, parent, found = self.block_size, None, []
+        for i in range((len(token_ids) - 1) // bs):
+            parent = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            block_id = self._cached.get(parent)
+            if block_id is None:
+                break
+            found.append(block_id)
+        self.prefix_hit_tokens += len(found) * bs
+        return PrefixMatch(tuple(found), len(found) * bs)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch = PrefixMatch()) -> bool:
+        """Whether ``allocate`` would succeed."""
+        return self._blocks_to_take(seq, num_new_tokens, prefix) <= len(self._free)
+
+    def _blocks_to_take(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch) -> int:
+        total = seq.num_computed_tokens + prefix.num_tokens + num_new_tokens
+        fresh = self.blocks_needed(total) - len(seq.block_table) - len(prefix.block_ids)
+        # Reusing a cached block that nobody holds takes it off the free list too.
+        revived = sum(1 for b in prefix.block_ids if self.blocks[b].ref_count == 0)
+        return max(fresh, 0) + revived
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch = PrefixMatch()) -> bool:
+        """Give ``seq`` the prefix blocks and enough fresh blocks for ``num_new_tokens`` more tokens.
+
+        Returns False (and changes nothing) when the free list is too short.
+        """
+        if not self.can_allocate(seq, num_new_tokens, prefix):
+            return False
+        for block_id in prefix.block_ids:
+            self._take(block_id)
+        seq.block_table.extend(prefix.block_ids)
+        seq.num_computed_tokens += prefix.num_tokens
+        seq.num_cached_tokens += prefix.num_tokens
+        if prefix.block_ids:
+            self._num_hashed[seq.seq_id] = len(seq.block_table)
+        total = seq.num_computed_tokens + num_new_tokens
+        while len(seq.block_table) < self.blocks_needed(total):
+            block_id = next(iter(self._free))
+            block = self.blocks[block_id]
+            if block.block_hash is not None:  # evict the cached prefix it held
+                if self._cached.get(block.block_hash) == block_id:
+                    del self._cached[block.block_hash]
+                block.block_hash = None
+            self._take(block_id)
+            seq.block_table.append(block_id)
+        return True
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of ``seq``; its KV counts as not computed any more."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:  # nothing worth keeping: reuse it first
+                    self._free.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        self._num_hashed.pop(seq.seq_id, None)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Publish the hashes of blocks that became full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        start = self._num_hashed.get(seq.seq_id, 0)
+        end = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        parent = self.blocks[seq.block_table[start - 1]].block_hash if start else None
+        for i in range(start, end):
+            block = self.blocks[seq.block_table[i]]
+            parent = chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            if block.block_hash is None and parent not in self._cached:
+                block.block_hash = parent
+                self._cached[parent] = block.block_id
+            # A second block with content already cached stays unhashed: the cache keeps one copy.
+        self._num_hashed[seq.seq_id] = max(start, end)

@@ -1,0 +1,217 @@
+"""The engine as a library: requests in, one batch of new tokens out per step.
+
+Not thread-safe: one thread (the pipeline's engine loop, later the engine process) owns it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from conveyor.engine.block_manager import BlockManager
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.errors import InvalidRequestError, PromptTooLongError
+from conveyor.engine.model_config import ModelConfig, parse_dtype
+from conveyor.engine.model_runner import ModelRunner
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.sequence import FinishReason, Sequence, SequenceStatus
+from conveyor.engine.weight_loader import load_gguf_config, resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """What one step did to one sequence."""
+
+    seq_id: int
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+def validate_params(params: SamplingParams) -> None:
+    """Raise InvalidRequestError naming the parameter and its valid range."""
+    checks = [
+        (params.max_new_tokens >= 1, "max_new_tokens", "must be >= 1"),
+        (params.min_new_tokens >= 0, "min_new_tokens", "must be >= 0"),
+        (params.temperature >= 0, "temperature", "must be >= 0 (0 means greedy)"),
+        (0 < params.top_p <= 1, "top_p", "must be in (0, 1]"),
+        (0 <= params.min_p <= 1, "min_p", "must be in [0, 1]"),
+        (params.top_k >= 0, "top_k", "must be >= 0 (0 means no limit)"),
+        (params.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1 means none)"),
+        (params.logprobs is None or 0 <= params.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+    ]
+    for ok, name, rule in checks:
+        if not ok:
+            raise InvalidRequestError(f"{name}={getattr(params, name)!r}: {rule}", param=name)
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _pick_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return parse_dtype(name)
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in half precision are slow and less exact
+    return torch.bfloat16 if model_dtype == torch.float32 else model_dtype
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache."""
+
+    def __init__(self, model_path: str | Path, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model_path = resolve_model_path(model_path, config.revision)
+        if self.model_path.suffix == ".gguf":
+            self.model_config = ModelConfig.from_dict(load_gguf_config(self.model_path))
+        else:
+            self.model_config = ModelConfig.from_pretrained(self.model_path)
+        self.device = _pick_device(config.device)
+        self.dtype = _pick_dtype(config.dtype, self.model_config.dtype, self.device)
+        self.runner = ModelRunner(self.model_path, self.model_config, config, self.device, self.dtype)
+        self.session_len = config.session_len or self.model_config.max_position_embeddings
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_size,
+                                   config.max_prefill_token_num, self.session_len)
+        self._seqs: dict[int, Sequence] = {}  # unfinished turns, by seq id
+        self._sessions: dict[int, Sequence] = {}
+        self._generators: dict[int, torch.Generator] = {}
+        self._pending: list[StepOutput] = []  # finishes decided outside step(), reported by it
+
+    @property
+    def has_work(self) -> bool:
+        """True while a step would do something or report something."""
+        return self.scheduler.has_work or bool(self._pending)
+
+    def add_request(self, token_ids: list[int], params: SamplingParams, seq_id: int | None = None,
+                    session_id: int | None = None) -> Sequence:
+        """Queue a request (or a session's next turn); raises InvalidRequestError on bad input."""
+        validate_params(params)
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
+        vocab = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="input_ids")
+        seq = self._sessions.get(session_id) if session_id is not None else None
+        if seq is not None and seq.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING):
+            raise InvalidRequestError(f"session {session_id} is still generating: wait for it or abort it")
+        total = len(token_ids) + (seq.num_tokens if seq is not None else 0)
+        if total >= self.session_len:
+            raise PromptTooLongError(total, self.session_len)
+        if self.block_manager.blocks_needed(total + 1) > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"the prompt needs {self.block_manager.blocks_needed(total + 1)} KV blocks but the cache "
+                f"has {self.block_manager.num_blocks}: raise cache_max_entry_count", param="messages")
+        if seq is None:
+            seq = Sequence(token_ids, params, seq_id=seq_id, session_id=session_id)
+            if session_id is not None:
+                self._sessions[session_id] = seq
+        else:
+            if seq_id is not None:
+                seq.seq_id = seq_id
+            seq.start_turn(token_ids, params)
+        if params.random_seed is not None:
+            self._generators[seq.seq_id] = torch.Generator().manual_seed(params.random_seed)
+        self._seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq_id: int) -> None:
+        """Stop a request now (client gone); it is reported finished with reason ABORT."""
+        self._finish_outside(seq_id, FinishReason.ABORT)
+
+    def stop(self, seq_id: int) -> None:
+        """Stop a request because a stop string appeared in its text."""
+        self._finish_outside(seq_id, FinishReason.STOP)
+
+    def _finish_outside(self, seq_id: int, reason: FinishReason) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        self.scheduler.finish(seq, reason)
+        self._generators.pop(seq_id, None)
+        self._pending.append(StepOutput(seq_id, [], True, reason, num_cached_tokens=seq.num_cached_tokens))
+
+    def end_session(self, session_id: int) -> None:
+        """Release a session's KV blocks and forget its history."""
+        seq = self._sessions.pop(session_id, None)
+        if seq is None:
+            return
+        if seq.seq_id in self._seqs:
+            self.abort(seq.seq_id)
+        self.scheduler.end_session(session_id)
+
+    def step(self) -> list[StepOutput]:
+        """Schedule, run the model, sample, and report every sequence that moved."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        # A sequence the scheduler dropped because it can never fit in the cache.
+        outputs += [StepOutput(s.seq_id, [], True, s.finish_reason)
+                    for s in self._seqs.values() if s.is_finished]
+        if not sched:
+            self._forget_finished()
+            return outputs
+        samples = self.runner.execute(sched, self._generators)
+        finished = self.scheduler.update(sched, {k: v.token_id for k, v in samples.items()})
+        done = {s.seq_id for s in finished}
+        for seq_id, sample in samples.items():
+            seq = self._seqs[seq_id]
+            out = StepOutput(seq_id, [sample.token_id], seq_id in done,
+                             seq.finish_reason if seq_id in done else None,
+                             num_cached_tokens=seq.num_cached_tokens)
+            if sample.logprob is not None:
+                out.logprobs = [sample.logprob]
+                out.top_logprobs = [sample.top_logprobs or []]
+            outputs.append(out)
+        self._forget_finished()
+        return outputs
+
+    def _forget_finished(self) -> None:
+        for seq_id in [k for k, s in self._seqs.items() if s.status in (SequenceStatus.FINISHED, SequenceStatus.PARKED)]:
+            del self._seqs[seq_id]
+            self._generators.pop(seq_id, None)
+
+    def get_ppl(self, input_ids: list[list[int]]) -> list[float]:
+        """Mean negative log-likelihood of each token sequence (LMDeploy's get_ppl: exp() it for perplexity)."""
+        losses = []
+        for ids in input_ids:
+            if len(ids) < 2:
+                raise InvalidRequestError("get_ppl needs at least 2 tokens per sequence", param="input_ids")
+            seq = Sequence(ids, SamplingParams(max_new_tokens=1))
+            total = 0.0
+            try:
+                while seq.num_computed_tokens < len(ids) - 1:
+                    n = min(len(ids) - 1 - seq.num_computed_tokens, self.config.max_prefill_token_num)
+                    if not self.block_manager.allocate(seq, n):
+                        raise InvalidRequestError(
+                            f"not enough free KV blocks to score {len(ids)} tokens: raise "
+                            "cache_max_entry_count or score while the engine is idle", param="input_ids")
+                    total += float(self.runner.score_chunk(seq, n))
+                    seq.num_computed_tokens += n
+            finally:
+                self.block_manager.free(seq)
+            losses.append(total / (len(ids) - 1))
+        return losses
+
+    def stats(self) -> dict[str, float]:
+        """Queue lengths, cache usage and prefix-cache hits, for logs and /metrics."""
+        bm = self.block_manager
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_usage": bm.usage,
+            "prefix_query_tokens": bm.prefix_query_tokens,
+            "prefix_hit_tokens": bm.prefix_hit_tokens,
+        }

@@ -1,0 +1,64 @@
+"""Model implementations and the registry mapping Hugging Face architecture names to them."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch import nn
+
+from conveyor.engine.errors import UnsupportedModelError
+from conveyor.engine.model_config import ModelConfig
+from conveyor.engine.models.internlm2 import InternLM2ForCausalLM
+from conveyor.engine.models.llama import LlamaForCausalLM, MistralForCausalLM
+from conveyor.engine.models.qwen2 import Qwen2ForCausalLM
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "InternLM2ForCausalLM": InternLM2ForCausalLM,
+}
+
+
+def build_model(
+    config: ModelConfig,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    rope_scaling_factor: float = 0.0,
+    max_position: int | None = None,
+) -> nn.Module:
+    """Instantiate the model for ``config`` with uninitialized weights, in eval / no-grad mode.
+
+    ``dtype`` defaults to ``config.dtype``; ``device`` to the current default device.
+    ``rope_scaling_factor > 0`` turns on dynamic NTK RoPE with that factor (LMDeploy's setting)
+    unless the config already scales RoPE. ``max_position`` sizes the RoPE table (default: the
+    context the config's scaling reaches).
+    """
+    cls = SUPPORTED_ARCHITECTURES.get(config.architecture)
+    if cls is None:
+        raise UnsupportedModelError(
+            f"model architecture {config.architecture!r} is not supported; "
+            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    dtype = dtype or config.dtype
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            model = cls(config, rope_scaling_factor=rope_scaling_factor, max_position=max_position)
+    finally:
+        torch.set_default_dtype(previous)
+    model.requires_grad_(False)
+    model.eval()
+    logger.debug("built %s (%s, %s)", cls.__name__, dtype, device)
+    return model
+
+
+__all__ = [
+    "InternLM2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+    "SUPPORTED_ARCHITECTURES", "build_model",
+]

@@ -1,0 +1,264 @@
+"""Llama decoder (also Mistral, and the base the Qwen2/InternLM2 models subclass).
+
+Projections are fused (``qkv_proj``, ``gate_up_proj``); ``load_weights`` splits Hugging Face's
+separate ``q/k/v_proj`` and ``gate/up_proj`` tensors into them. Subclasses change only the bias
+flags and ``map_weight`` (checkpoint name -> parameter name and shard).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from conveyor.engine.errors import UnsupportedModelError
+from conveyor.engine.layers import (
+    Attention,
+    LMHead,
+    MergedLinear,
+    QKVLinear,
+    ReplicatedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    VocabEmbedding,
+    get_rope,
+)
+from conveyor.engine.layers.linear import ShardId
+from conveyor.engine.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+WeightTarget = tuple[str, ShardId | None, torch.Tensor]
+
+# Checkpoint tensors that carry no parameters (old checkpoints saved RoPE buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+_MAX_LISTED = 20
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, RoPE, paged attention, output projection."""
+
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool
+    ) -> None:
+        super().__init__()
+        h, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, d
+        self.q_size, self.kv_size = h * d, hkv * d
+        self.qkv_proj = QKVLinear(config.hidden_size, d, h, hkv, bias=qkv_bias)
+        self.o_proj = ReplicatedLinear(h * d, config.hidden_size, bias=o_bias)
+        self.rotary_emb = rotary
+        self.attn = Attention(h, hkv, d)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]."""
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP over a fused gate/up projection."""
+
+    def __init__(self, config: ModelConfig, bias: bool) -> None:
+        super().__init__()
+        act = config.raw.get("hidden_act", config.raw.get("hidden_activation", "silu"))
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"MLP activation {act!r} is not supported (only silu)")
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias)
+        self.down_proj = ReplicatedLinear(inter, config.hidden_size, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]."""
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block; the residual add is fused into the next norm."""
+
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias)
+        self.mlp = LlamaMLP(config, mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this block's output, residual stream before it); their sum is the true hidden state."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder stack, final norm."""
+
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary, qkv_bias, o_bias, mlp_bias) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[T] ids and positions -> [T, hidden] final-normed hidden states."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama causal LM with the engine's model interface (forward / compute_logits / load_weights)."""
+
+    # Hugging Face projection name -> (fused parameter, shard id).
+    stacked_params: tuple[tuple[str, str, ShardId], ...] = (
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
+
+    def __init__(
+        self, config: ModelConfig, rope_scaling_factor: float = 0.0, max_position: int | None = None
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self._warn_unsupported(config)
+        rotary = get_rope(config, rope_scaling_factor, max_position)
+        qkv_bias, o_bias = self.attention_biases(config)
+        mlp_bias = bool(config.raw.get("mlp_bias", False))
+        self.model = LlamaModel(config, rotary, qkv_bias, o_bias, mlp_bias)
+        tie = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie)
+
+    @staticmethod
+    def attention_biases(config: ModelConfig) -> tuple[bool, bool]:
+        """(q/k/v bias, o_proj bias); Llama's ``attention_bias`` covers both."""
+        return config.attention_bias, config.attention_bias
+
+    @staticmethod
+    def _warn_unsupported(config: ModelConfig) -> None:
+        window = config.raw.get("sliding_window")
+        uses_window = config.raw.get("use_sliding_window", config.model_type != "qwen2")
+        if window and uses_window and window < config.max_position_embeddings:
+            logger.warning(
+                "sliding_window=%s is ignored: conveyor attends over the full context, which matches "
+                "the reference model only for sequences up to %s tokens", window, window,
+            )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[T] ids and positions of a flattened batch -> [T, hidden]; reads the attention metadata."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        return self.lm_head(hidden_rows)
+
+    def attention_layers(self) -> list[Attention]:
+        """Each layer's Attention in order, for the runner to assign ``k_cache``/``v_cache``."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    # ---- weight loading ---------------------------------------------------------------------
+
+    def map_weight(self, name: str, tensor: torch.Tensor) -> Iterator[WeightTarget]:
+        """Checkpoint tensor -> the (parameter name, shard id, tensor) pieces it fills."""
+        for fused, hf_name, shard in self.stacked_params:
+            if f".{hf_name}." in name:
+                yield name.replace(f".{hf_name}.", f".{fused}."), shard, tensor
+                return
+        yield name, None, tensor
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors; raise if any parameter (or fused shard) stays unloaded."""
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, ShardId | None]] = set()
+        unexpected: list[str] = []
+        saw_lm_head = False
+        for ckpt_name, tensor in weights:
+            if ckpt_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            for name, shard, piece in self.map_weight(ckpt_name, tensor):
+                if name == "lm_head.weight":
+                    saw_lm_head = True
+                    if self.lm_head.tied:
+                        continue  # tied: the embedding provides it (Hugging Face does the same)
+                param = params.get(name)
+                if param is None:
+                    unexpected.append(ckpt_name)
+                    continue
+                loader = getattr(param, "weight_loader", None)
+                if loader is not None:
+                    loader(param, piece, shard)
+                elif shard is not None:
+                    raise ValueError(f"{name} is not fused but got shard {shard!r} from {ckpt_name}")
+                else:
+                    if param.shape != piece.shape:
+                        raise ValueError(
+                            f"checkpoint tensor {ckpt_name} has shape {tuple(piece.shape)}, "
+                            f"expected {tuple(param.shape)} for {name}"
+                        )
+                    param.data.copy_(piece)
+                loaded.add((name, shard))
+        if not self.lm_head.tied and not saw_lm_head and ("model.embed_tokens.weight", None) in loaded:
+            logger.info("checkpoint has no lm_head.weight: using the input embedding (tied)")
+            self.lm_head.weight.data.copy_(self.model.embed_tokens.weight.data)
+            loaded.add(("lm_head.weight", None))
+        self._check_complete(params, loaded, unexpected)
+
+    @staticmethod
+    def _check_complete(
+        params: dict[str, nn.Parameter], loaded: set[tuple[str, ShardId | None]], unexpected: list[str]
+    ) -> None:
+        missing = []
+        for name, param in params.items():
+            shards = getattr(param, "shard_ids", None)
+            if (name, None) in loaded:
+                continue
+            if shards is None:
+                missing.append(name)
+            else:
+                missing += [f"{name}[{s}]" for s in shards if (name, s) not in loaded]
+
+        def listing(names: list[str]) -> str:
+            more = f" ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
+            return ", ".join(names[:_MAX_LISTED]) + more
+
+        problems = []
+        if missing:
+            problems.append(f"missing parameters ({len(missing)}): {listing(missing)}")
+        if unexpected:
+            problems.append(f"unexpected checkpoint tensors ({len(unexpected)}): {listing(unexpected)}")
+        if problems:
+            raise UnsupportedModelError(
+                "checkpoint does not match the model: " + "; ".join(problems)
+                + ". Check that config.json matches the weights (architecture, layer count, biases)."
+            )
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama's layout. Its sliding window is ignored (full attention; exact up to the window)."""

@@ -1,0 +1,190 @@
+"""Batched next-token selection: penalties, bans, greedy/temperature/top-k/top-p/min-p, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.engine.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplerOutput:
+    """What the sampler chose for each row of the batch.
+
+    ``logprobs`` holds the chosen token's logprob for every row as soon as any row asked for
+    logprobs (computing it for all rows costs nothing extra), else ``None``. ``top_logprobs``
+    holds, per row, the ``params.logprobs`` most likely ``(token, logprob)`` pairs sorted by
+    descending logprob (an empty list for rows with ``logprobs`` of ``None`` or ``0``), or
+    ``None`` when no row asked.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def _pair_mask(
+    rows: list[int], cols: list[int], shape: tuple[int, int], device: torch.device
+) -> torch.Tensor:
+    """Boolean ``[B, V]`` mask that is True at each ``(rows[i], cols[i])``."""
+    mask = torch.zeros(shape, dtype=torch.bool, device=device)
+    if rows:
+        mask[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = True
+    return mask
+
+
+class Sampler:
+    """Picks the next token of every row of a batch in one call, each row with its own params.
+
+    Order of processing (Hugging Face / vLLM conventions):
+
+    1. repetition penalty (HF style) on every token that appears in the row's ``token_history``;
+    2. bans (``-inf``): ``bad_token_ids``; the last token of each ``bad_sequences`` entry whose
+       prefix equals the last generated tokens (only generated tokens count, not the prompt);
+       ``stop_token_ids`` while fewer than ``min_new_tokens`` tokens were generated. A row whose
+       every token ends up banned ignores its bans for this step (the least surprising choice
+       that never yields NaN); a row whose raw logits are all ``-inf`` samples uniformly;
+    3. logprobs: ``log_softmax`` of the logits at this point, i.e. after penalties and bans but
+       before temperature / top-k / top-p / min-p (vLLM's "raw" logprobs);
+    4. greedy rows (``params.greedy``) take the argmax; the others divide by temperature, keep
+       the top-k (``<= 0`` means off), then the smallest nucleus of mass ``>= top_p`` (the top
+       token is always kept), then drop tokens with ``prob < min_p * max_prob``, and sample.
+
+    Sampling uses the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``, equivalent to
+    drawing from ``probs``. Rows with a generator draw their own ``q`` one row at a time, so
+    their random stream does not depend on the rest of the batch; the lead's generators are CPU
+    generators, so ``q`` is drawn on the generator's device and moved to the logits device
+    (one small copy per seeded row). Unseeded rows share one draw from the default generator
+    of the logits device.
+    """
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        token_history: list[list[int]],
+        num_generated: list[int],
+        generators: list[torch.Generator | None],
+    ) -> SamplerOutput:
+        """Choose one token per row of ``logits`` (``[B, V]``); see the class docstring."""
+        batch, vocab = logits.shape
+        device = logits.device
+        # A private float32 copy: the bans below write in place and the caller's tensor is theirs.
+        logits = logits.to(torch.float32, copy=True)
+        logits = self._penalize(logits, params, token_history)
+        logits = self._ban(logits, params, token_history, num_generated)
+        logprobs = torch.log_softmax(logits, dim=-1)
+
+        token_ids = logits.argmax(dim=-1)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:
+            rows = torch.tensor(sampled, device=device)
+            probs = self._truncated_probs(logits[rows], [params[i] for i in sampled])
+            noise = self._exponential_noise(len(sampled), vocab, [generators[i] for i in sampled], device)
+            token_ids[rows] = (probs / noise).argmax(dim=-1)
+        return self._output(token_ids, logprobs, params)
+
+    @staticmethod
+    def _penalize(
+        logits: torch.Tensor, params: list[SamplingParams], history: list[list[int]]
+    ) -> torch.Tensor:
+        """HF repetition penalty: seen tokens with a positive logit are divided by p, others multiplied."""
+        rows, cols = [], []
+        for i, p in enumerate(params):
+            if p.repetition_penalty != 1.0 and history[i]:
+                seen = set(history[i])  # each token is penalized once, however often it appeared
+                rows.extend([i] * len(seen))
+                cols.extend(seen)
+        if not rows:
+            return logits
+        seen_mask = _pair_mask(rows, cols, tuple(logits.shape), logits.device)
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=logits.device)[:, None]
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        return torch.where(seen_mask, penalized, logits)
+
+    @staticmethod
+    def _ban(
+        logits: torch.Tensor, params: list[SamplingParams], history: list[list[int]], num_generated: list[int]
+    ) -> torch.Tensor:
+        """Set banned tokens to ``-inf``; rows left with nothing allowed fall back (class docstring)."""
+        rows, cols = [], []
+        for i, p in enumerate(params):
+            banned = list(p.bad_token_ids)
+            for seq in p.bad_sequences:
+                n = len(seq) - 1
+                # The prefix must lie wholly in the generated tokens: a prompt never triggers a ban.
+                if n >= 1 and num_generated[i] >= n and history[i][-n:] == seq[:-1]:
+                    banned.append(seq[-1])
+            if num_generated[i] < p.min_new_tokens:
+                banned.extend(p.stop_token_ids)
+            rows.extend([i] * len(banned))
+            cols.extend(banned)
+        if rows:
+            allowed = logits
+            logits = logits.masked_fill(_pair_mask(rows, cols, tuple(logits.shape), logits.device), _NEG_INF)
+            dead = torch.isneginf(logits).all(dim=-1, keepdim=True)
+            logits = torch.where(dead, allowed, logits)
+        # Raw logits that are all -inf would turn softmax into NaN; uniform is the only sane reading.
+        dead = torch.isneginf(logits).all(dim=-1, keepdim=True)
+        return logits.masked_fill(dead, 0.0)
+
+    @staticmethod
+    def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Temperature, then top-k, top-p, min-p; returns the renormalized probabilities ``[n, V]``."""
+        device, vocab = logits.device, logits.shape[-1]
+        temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+        logits = logits / temperature
+        # "Off" maps to values that mask nothing, so one batched pass serves every row.
+        top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+        top_p = [p.top_p if p.top_p < 1.0 else 2.0 for p in params]
+        if any(k < vocab for k in top_k) or any(q < 1.0 for q in top_p):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            position = torch.arange(vocab, device=device)
+            k = torch.tensor(top_k, device=device)[:, None]
+            sorted_logits = sorted_logits.masked_fill(position >= k, _NEG_INF)
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            # Drop a token when the mass strictly above it already reaches top_p; keep the top one.
+            mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+            outside = mass_above >= torch.tensor(top_p, device=device)[:, None]
+            outside[:, 0] = False
+            sorted_logits = sorted_logits.masked_fill(outside, _NEG_INF)
+            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        # Relative threshold: unaffected by the renormalization after top-k/top-p.
+        return probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+
+    @staticmethod
+    def _exponential_noise(
+        n: int, vocab: int, generators: list[torch.Generator | None], device: torch.device
+    ) -> torch.Tensor:
+        """``[n, V]`` Exp(1) noise: seeded rows from their own generator, the rest in one draw."""
+        noise = torch.empty(n, vocab, device=device)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if unseeded:
+            idx = torch.tensor(unseeded, device=device)
+            noise[idx] = torch.empty(len(unseeded), vocab, device=device).exponential_()
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i] = torch.empty(vocab, device=g.device).exponential_(generator=g).to(device)
+        # Exp(1) may return 0 in float32; a tiny floor avoids 0/0 without changing the race.
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    @staticmethod
+    def _output(
+        token_ids: torch.Tensor, logprobs: torch.Tensor, params: list[SamplingParams]
+    ) -> SamplerOutput:
+        """Move the results to the host, adding logprobs only when some row asked for them."""
+        wanted = [p.logprobs for p in params]
+        if all(n is None for n in wanted):
+            return SamplerOutput(token_ids.tolist(), None, None)
+        chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+        top_n = min(max(n or 0 for n in wanted), logprobs.shape[-1])
+        top_values, top_ids = logprobs.topk(top_n, dim=-1)
+        values, ids = top_values.tolist(), top_ids.tolist()
+        top = [list(zip(ids[i][: n or 0], values[i][: n or 0])) for i, n in enumerate(wanted)]
+        return SamplerOutput(token_ids.tolist(), chosen.tolist(), top)

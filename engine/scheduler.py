@@ -1,0 +1,188 @@
+"""Continuous batching under a token budget, with chunked prefill, preemption and sessions.
+
+Each step gives every sequence some of its uncomputed tokens, within ``max_num_tokens`` in
+all: running sequences first (a decode is one token, an unfinished prompt its next chunk), then
+waiting ones while there is room in the batch. So a long prompt is cut into chunks and never
+stalls the decodes running beside it. When the cache runs out, a parked session is evicted
+first, then the most recently admitted running sequence is preempted and later recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from conveyor.engine.block_manager import BlockManager, PrefixMatch
+from conveyor.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens, so a token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What runs in one step."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the flattened batch."""
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    """Owns the queues; asks the block manager for room; applies each step's sampled tokens."""
+
+    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int, session_len: int):
+        self.block_manager = block_manager
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.session_len = session_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.parked: OrderedDict[int, Sequence] = OrderedDict()  # session id -> seq, LRU first
+
+    @property
+    def has_work(self) -> bool:
+        """True while some sequence wants a step."""
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (or a session's next turn)."""
+        if seq.session_id is not None:
+            self.parked.pop(seq.session_id, None)  # its blocks now belong to a live turn
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's sequences and token counts, allocating their blocks."""
+        out = SchedulerOutput()
+        budget = self.max_num_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate(seq, n):
+                if self._evict_parked():
+                    continue
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+        if out.preempted:
+            return out  # the cache is short: admit nothing new this step
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            prefix = PrefixMatch()
+            if seq.num_computed_tokens == 0 and not seq.block_table:
+                prefix = self.block_manager.find_prefix(seq.token_ids)
+            n = min(seq.num_uncomputed_tokens - prefix.num_tokens, budget)
+            while not self.block_manager.allocate(seq, n, prefix):
+                if not self._evict_parked():
+                    break
+            else:
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                continue
+            if not self.running and not out.scheduled:
+                # Nothing holds blocks and it still does not fit: it never will.
+                self.waiting.popleft()
+                self._finish(seq, FinishReason.LENGTH)
+                logger.warning("sequence %d needs more KV blocks than the cache has", seq.seq_id)
+                continue
+            break
+        return out
+
+    def _evict_parked(self) -> bool:
+        """Drop the least recently used parked session's blocks; it keeps its token ids."""
+        if not self.parked:
+            return False
+        _, seq = self.parked.popitem(last=False)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        logger.info("preempted sequence %d (recompute later)", seq.seq_id)
+
+    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Advance counters, append sampled tokens, stop finished sequences; returns those."""
+        finished = []
+        for item in out.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            token = sampled.get(seq.seq_id)
+            if token is None:
+                continue
+            seq.append_token(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        if token in seq.params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.session_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish_reason = reason
+        seq.status = SequenceStatus.FINISHED
+        if seq.session_id is not None:  # keep the KV for the next turn
+            seq.status = SequenceStatus.PARKED
+            self.parked[seq.session_id] = seq
+            self.parked.move_to_end(seq.session_id)
+        else:
+            self.block_manager.free(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence from outside (abort, or a stop string the detokenizer found)."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self._finish(seq, reason)
+
+    def end_session(self, session_id: int) -> None:
+        """Forget a session and free its blocks."""
+        seq = self.parked.pop(session_id, None)
+        if seq is not None:
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,170 @@
+"""Finding a checkpoint and streaming its tensors into a model.
+
+Sources: a Hugging Face directory (``*.safetensors``, sharded via ``model.safetensors.index.json``,
+or ``pytorch_model*.bin`` as a fallback), a single ``.gguf`` file (dequantized through
+transformers, which needs the ``gguf`` package), or a hub id (downloaded with
+``huggingface_hub.snapshot_download``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from conveyor.engine.errors import EngineConfigError, UnsupportedModelError
+from conveyor.engine.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+_BIN_INDEX = "pytorch_model.bin.index.json"
+# Files a hub download needs besides the weights (config, tokenizer, chat template).
+_HUB_META_PATTERNS = ["*.json", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
+# Mistral-format duplicates of the weights and Meta's original checkpoints: not Hugging Face names.
+_HUB_IGNORE_PATTERNS = ["consolidated*", "original/*"]
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether ``path`` names a GGUF file."""
+    return Path(path).suffix.lower() == ".gguf"
+
+
+def resolve_model_path(model_path: str | Path, revision: str | None = None) -> Path:
+    """A local model directory or ``.gguf`` file for ``model_path``; hub ids are downloaded first."""
+    path = Path(model_path).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        if is_gguf(path):
+            return path
+        raise UnsupportedModelError(
+            f"{path} is a file but not a .gguf: pass a Hugging Face model directory or a .gguf file"
+        )
+    text = str(model_path)
+    if not _HUB_ID.match(text) or text.startswith((".", "/", "~")):
+        raise EngineConfigError(f"model path {text!r} does not exist (and is not a hub id like 'org/name')")
+    return _download_from_hub(text, revision)
+
+
+def _download_from_hub(repo_id: str, revision: str | None) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = Path(snapshot_download(
+            repo_id, revision=revision,
+            allow_patterns=_HUB_META_PATTERNS + ["*.safetensors"], ignore_patterns=_HUB_IGNORE_PATTERNS,
+        ))
+        if not any(local.glob("*.safetensors")):
+            logger.info("%s has no safetensors weights; downloading pytorch_model*.bin", repo_id)
+            local = Path(snapshot_download(
+                repo_id, revision=revision,
+                allow_patterns=_HUB_META_PATTERNS + ["*.bin"], ignore_patterns=_HUB_IGNORE_PATTERNS,
+            ))
+    except Exception as exc:  # noqa: BLE001 - any hub failure gets the same advice
+        raise EngineConfigError(
+            f"could not download {repo_id!r} from the Hugging Face hub ({type(exc).__name__}: {exc}). "
+            "Check the id and network access (HF_TOKEN for gated models), or pass a local directory."
+        ) from exc
+    return local
+
+
+def load_gguf_config(path: str | Path) -> dict[str, Any]:
+    """The Hugging Face config dict transformers derives from a GGUF file's metadata."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+    if not cfg.get("architectures"):
+        # GGUF metadata names only the model type; use the causal-LM class transformers maps it to.
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.get("model_type", ""))
+        cfg["architectures"] = [arch] if arch else []
+    return cfg
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """ModelConfig for a local model directory or ``.gguf`` file."""
+    path = Path(path)
+    if is_gguf(path):
+        return ModelConfig.from_dict(load_gguf_config(path))
+    return ModelConfig.from_pretrained(path)
+
+
+def _index_files(model_dir: Path, index_name: str) -> list[Path]:
+    index = json.loads((model_dir / index_name).read_text())
+    return [model_dir / name for name in sorted(set(index["weight_map"].values()))]
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The weight files of a Hugging Face directory, safetensors preferred."""
+    if (model_dir / _SAFETENSORS_INDEX).exists():
+        return _index_files(model_dir, _SAFETENSORS_INDEX)
+    files = sorted(model_dir.glob("*.safetensors"))
+    hf_named = [f for f in files if not f.name.startswith("consolidated")]
+    if hf_named or files:
+        return hf_named or files
+    if (model_dir / _BIN_INDEX).exists():
+        return _index_files(model_dir, _BIN_INDEX)
+    files = sorted(model_dir.glob("pytorch_model*.bin")) or sorted(model_dir.glob("*.bin"))
+    if files:
+        return files
+    raise UnsupportedModelError(
+        f"no weights found in {model_dir}: expected *.safetensors or pytorch_model*.bin files"
+    )
+
+
+def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name)
+
+
+def _iter_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    yield from state.items()
+
+
+def _iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    # transformers dequantizes and renames GGUF tensors (and undoes llama.cpp's q/k permutation).
+    from transformers import AutoModelForCausalLM
+
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+    except ImportError as exc:
+        raise UnsupportedModelError(
+            f"loading {path.name} needs the gguf package: pip install 'conveyor[gguf]' ({exc})"
+        ) from exc
+    yield from hf_model.state_dict().items()
+
+
+def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, CPU tensor) for every weight of a model directory or ``.gguf`` file."""
+    path = Path(path)
+    if is_gguf(path):
+        yield from _iter_gguf(path)
+        return
+    for file in checkpoint_files(path):
+        logger.debug("reading %s", file)
+        if file.suffix == ".safetensors":
+            yield from _iter_safetensors(file)
+        else:
+            yield from _iter_bin(file)
+
+
+def load_model(model: nn.Module, path: str | Path) -> nn.Module:
+    """Stream the checkpoint at ``path`` into ``model`` via its ``load_weights``."""
+    model.load_weights(iter_checkpoint(path))
+    return model

@@ -1,0 +1,420 @@
+"""Chat templates: turn a chat (or one user turn) into the prompt text a model was trained on.
+
+Mirrors LMDeploy's ``ChatTemplateConfig`` / ``BaseChatTemplate``: a template is a set of strings
+wrapped around each turn::
+
+    {system}{meta_instruction}{eosys}{user}{user_content}{eoh}{assistant}{assistant_content}{eoa}{separator}{user}...
+
+Built-in templates never contain the BOS token: the tokenizer adds it when encoding (LMDeploy's
+llama3 puts ``<|begin_of_text|>`` in the text, which would double it with a HF tokenizer). Only
+``HFChatTemplate`` may render a BOS, and then says so through ``includes_bos``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+from conveyor.engine.errors import ConveyorError
+
+logger = logging.getLogger(__name__)
+
+Capability = Literal["completion", "infilling", "chat", "python"]
+
+CAPABILITIES = ("completion", "infilling", "chat", "python")
+Messages = str | list[dict[str, Any]]
+
+# Fields a ChatTemplateConfig may override on a template (same names on both sides).
+TEMPLATE_FIELDS = ("system", "meta_instruction", "eosys", "user", "eoh", "assistant", "eoa",
+                   "separator", "capability", "stop_words")
+
+
+class UnknownChatTemplateError(ConveyorError, ValueError):
+    """A chat template name that is neither built in nor defined by explicit fields."""
+
+
+def _text(content: Any) -> str:
+    """Content as a string; OpenAI multi-part content keeps its text parts only."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    raise TypeError(f"message content must be a str or a list of parts, got {type(content).__name__}")
+
+
+@dataclass
+class BaseChatTemplate:
+    """A template built from LMDeploy's strings; with all defaults it returns the text as is."""
+
+    system: str = ""
+    meta_instruction: str | None = None  # default system prompt; None (not "") means none at all
+    eosys: str = ""
+    user: str = ""
+    eoh: str = ""
+    assistant: str = ""
+    eoa: str = ""
+    separator: str = ""
+    capability: Capability | None = "chat"
+    stop_words: list[str] = field(default_factory=list)
+
+    name: ClassVar[str] = "base"
+    # Lowercased substrings of a model name/path that select this template.
+    match_patterns: ClassVar[tuple[str, ...]] = ()
+    # Models without a system role (llama2, mistral) put the system block inside the first user turn.
+    system_in_user: ClassVar[bool] = False
+    # True when the prompt already holds the BOS the tokenizer adds (encode with add_special_tokens=False).
+    includes_bos: ClassVar[bool] = False
+
+    @classmethod
+    def match(cls, model_path: str) -> bool:
+        """True when the lowercased model name or path contains one of ``match_patterns``."""
+        lowered = model_path.lower()
+        return any(p in lowered for p in cls.match_patterns)
+
+    def get_prompt(self, prompt: str, sequence_start: bool = True) -> str:
+        """Prompt for one user turn; later turns of a session (sequence_start=False) get no system prompt."""
+        if self.capability == "completion":
+            return prompt
+        if sequence_start:
+            return self._render([{"role": "user", "content": prompt}])
+        # The previous turn ended at the generated eoa, so only the separator is missing.
+        return f"{self.separator}{self.user}{prompt}{self.eoh}{self.assistant}"
+
+    def messages2prompt(self, messages: Messages, sequence_start: bool = True) -> str:
+        """Prompt for a user string or an OpenAI-style message list, ending where the assistant speaks."""
+        if isinstance(messages, str):
+            return self.get_prompt(messages, sequence_start)
+        return self._render(messages, sequence_start)
+
+    def _render(self, messages: list[dict[str, Any]], sequence_start: bool = True) -> str:
+        ret, pending = "", ""
+        has_system = bool(messages) and messages[0].get("role") == "system"
+        if sequence_start and self.meta_instruction is not None and not has_system:
+            messages = [{"role": "system", "content": self.meta_instruction}, *messages]
+        for msg in messages:
+            role, content = msg.get("role"), _text(msg.get("content", ""))
+            if role == "system":
+                block = f"{self.system}{content}{self.eosys}"
+                if self.system_in_user:
+                    pending += block
+                else:
+                    ret += block
+            elif role == "user":
+                ret += f"{self.user}{pending}{content}{self.eoh}"
+                pending = ""
+            elif role == "assistant":
+                ret += f"{self.assistant}{content}{self.eoa}{self.separator}"
+            else:
+                raise ValueError(f"unsupported message role {role!r}: use 'system', 'user' or 'assistant'")
+        return f"{ret}{pending}{self.assistant}"
+
+
+CHAT_TEMPLATES: dict[str, type[BaseChatTemplate]] = {}
+
+
+def register_chat_template(
+        name: str, *aliases: str) -> Callable[[type[BaseChatTemplate]], type[BaseChatTemplate]]:
+    """Class decorator adding a template under ``name`` (and aliases) to ``CHAT_TEMPLATES``."""
+
+    def wrap(cls: type[BaseChatTemplate]) -> type[BaseChatTemplate]:
+        for key in (name, *aliases):
+            if key in CHAT_TEMPLATES:
+                raise ValueError(f"chat template {key!r} is already registered; pick another name")
+            CHAT_TEMPLATES[key] = cls
+        cls.name = name
+        return cls
+
+    return wrap
+
+
+def list_chat_templates() -> list[str]:
+    """Names of all registered chat templates, aliases included."""
+    return list(CHAT_TEMPLATES)
+
+
+@register_chat_template("base")
+@dataclass
+class Base(BaseChatTemplate):
+    """No template: the prompt is the user's text as is (base, non-chat models)."""
+
+    capability: Capability | None = "completion"
+
+
+@register_chat_template("chatml")
+@dataclass
+class ChatML(BaseChatTemplate):
+    """OpenAI ChatML: ``<|im_start|>role\\n...<|im_end|>``."""
+
+    system: str = "<|im_start|>system\n"
+    eosys: str = "<|im_end|>\n"
+    user: str = "<|im_start|>user\n"
+    eoh: str = "<|im_end|>\n"
+    assistant: str = "<|im_start|>assistant\n"
+    eoa: str = "<|im_end|>"
+    separator: str = "\n"
+    stop_words: list[str] = field(default_factory=lambda: ["<|im_end|>"])
+
+
+@register_chat_template("qwen", "qwen2")
+@dataclass
+class Qwen(ChatML):
+    """Qwen chat models: ChatML with Qwen's default system prompt."""
+
+    meta_instruction: str | None = "You are a helpful assistant."
+    stop_words: list[str] = field(default_factory=lambda: ["<|im_end|>", "<|endoftext|>"])
+    match_patterns: ClassVar[tuple[str, ...]] = ("qwen",)
+
+
+@register_chat_template("internlm2")
+@dataclass
+class InternLM2(ChatML):
+    """InternLM2 chat models: ChatML with InternLM's default system prompt."""
+
+    meta_instruction: str | None = (
+        "You are an AI assistant whose name is InternLM (书生·浦语).\n"
+        "- InternLM (书生·浦语) is a conversational language model that is developed by Shanghai AI "
+        "Laboratory (上海人工智能实验室). It is designed to be helpful, honest, and harmless.\n"
+        "- InternLM (书生·浦语) can understand and communicate fluently in the language chosen by the "
+        "user such as English and 中文."
+    )
+    stop_words: list[str] = field(default_factory=lambda: ["<|im_end|>", "<|action_end|>"])
+    match_patterns: ClassVar[tuple[str, ...]] = ("internlm2",)
+
+
+@register_chat_template("llama3")
+@dataclass
+class Llama3(BaseChatTemplate):
+    """Llama 3 / 3.x instruct; ``<|begin_of_text|>`` is left to the tokenizer."""
+
+    system: str = "<|start_header_id|>system<|end_header_id|>\n\n"
+    eosys: str = "<|eot_id|>"
+    user: str = "<|start_header_id|>user<|end_header_id|>\n\n"
+    eoh: str = "<|eot_id|>"
+    assistant: str = "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    eoa: str = "<|eot_id|>"
+    stop_words: list[str] = field(default_factory=lambda: ["<|eot_id|>", "<|end_of_text|>"])
+    match_patterns: ClassVar[tuple[str, ...]] = ("llama-3", "llama3", "llama_3")
+
+
+@register_chat_template("llama2")
+@dataclass
+class Llama2(BaseChatTemplate):
+    """Llama 2 chat: ``[INST] <<SYS>>...<</SYS>> ... [/INST]``; later turns start with ``<s>``."""
+
+    system: str = "<<SYS>>\n"
+    meta_instruction: str | None = (
+        "You are a helpful, respectful and honest assistant. Always answer as helpfully as possible, "
+        "while being safe. Your answers should not include any harmful, unethical, racist, sexist, "
+        "toxic, dangerous, or illegal content. Please ensure that your responses are socially unbiased "
+        "and positive in nature.\n\nIf a question does not make any sense, or is not factually "
+        "coherent, explain why instead of answering something not correct. If you don't know the "
+        "answer to a question, please don't share false information."
+    )
+    eosys: str = "\n<</SYS>>\n\n"
+    user: str = "[INST] "
+    eoh: str = " [/INST]"
+    assistant: str = " "
+    eoa: str = " </s>"
+    # Each turn of Llama 2 is its own BOS...EOS sequence; the first BOS comes from the tokenizer.
+    separator: str = "<s>"
+    stop_words: list[str] = field(default_factory=lambda: ["</s>"])
+    match_patterns: ClassVar[tuple[str, ...]] = ("llama-2", "llama2", "llama_2")
+    system_in_user: ClassVar[bool] = True
+
+
+@register_chat_template("mistral")
+@dataclass
+class Mistral(BaseChatTemplate):
+    """Mistral instruct: ``[INST] ... [/INST]answer</s>``; no system role, so it joins the first user turn."""
+
+    eosys: str = "\n\n"
+    user: str = "[INST] "
+    eoh: str = " [/INST]"
+    eoa: str = "</s>"
+    stop_words: list[str] = field(default_factory=lambda: ["</s>"])
+    match_patterns: ClassVar[tuple[str, ...]] = ("mistral", "mixtral")
+    system_in_user: ClassVar[bool] = True
+
+
+@register_chat_template("vicuna")
+@dataclass
+class Vicuna(BaseChatTemplate):
+    """Vicuna v1.1+: ``SYSTEM USER: ... ASSISTANT: ...</s>``."""
+
+    meta_instruction: str | None = (
+        "A chat between a curious user and an artificial intelligence assistant. "
+        "The assistant gives helpful, detailed, and polite answers to the user's questions."
+    )
+    eosys: str = " "
+    user: str = "USER: "
+    eoh: str = " "
+    assistant: str = "ASSISTANT: "
+    eoa: str = "</s>"
+    stop_words: list[str] = field(default_factory=lambda: ["</s>"])
+    match_patterns: ClassVar[tuple[str, ...]] = ("vicuna",)
+
+
+class HFChatTemplate:
+    """The Jinja ``chat_template`` a transformers tokenizer ships with."""
+
+    name: ClassVar[str] = "hf"
+    capability: Capability | None = "chat"
+
+    def __init__(self, tokenizer: Any) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("tokenizer has no chat_template; use a built-in template (conveyor list)")
+        self.tokenizer = tokenizer
+        eos = getattr(tokenizer, "eos_token", None)
+        self.stop_words: list[str] = [eos] if eos else []
+        # Templates such as Llama 3's render the BOS that the tokenizer also adds on encode: then the
+        # caller must encode with add_special_tokens=False, or the model sees two BOS tokens.
+        bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
+        adds_bos = bos_id is not None and tokenizer("x")["input_ids"][:1] == [bos_id]
+        probe = self._apply([{"role": "user", "content": "x"}], True)
+        self.includes_bos: bool = bool(adds_bos and bos and probe.startswith(bos))
+
+    @classmethod
+    def match(cls, model_path: str) -> bool:
+        """Never selected by name: it is chosen when the tokenizer has a template."""
+        return False
+
+    def _apply(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def get_prompt(self, prompt: str, sequence_start: bool = True) -> str:
+        """Prompt for one user turn; with sequence_start=False only the new turn's text."""
+        if sequence_start:
+            return self._apply([{"role": "user", "content": prompt}], True)
+        # Render a dummy history with and without the new turn and keep the difference, cut just
+        # after the history's last eos, because the session's previous output ended there.
+        history = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+        head = self._apply(history, False)
+        full = self._apply([*history, {"role": "user", "content": prompt}], True)
+        cut = len(head)
+        if self.stop_words and self.stop_words[0] in head:
+            cut = head.rindex(self.stop_words[0]) + len(self.stop_words[0])
+        if not full.startswith(head[:cut]):
+            logger.warning("chat template re-renders history differently; sending the whole prompt")
+            return full
+        return full[cut:]
+
+    def messages2prompt(self, messages: Messages, sequence_start: bool = True) -> str:
+        """Prompt for a user string or an OpenAI-style message list, via ``apply_chat_template``."""
+        if isinstance(messages, str):
+            return self.get_prompt(messages, sequence_start)
+        return self._apply(messages, True)
+
+
+ChatTemplate = BaseChatTemplate | HFChatTemplate
+
+
+@dataclass
+class ChatTemplateConfig:
+    """Which chat template to use and which of its strings to override (LMDeploy-compatible).
+
+    ``model_name`` is a built-in name (``conveyor list``) whose non-None fields here override the
+    defaults, or a new name, in which case ``user`` and ``assistant`` at least must be given.
+    """
+
+    model_name: str
+    system: str | None = None
+    meta_instruction: str | None = None
+    eosys: str | None = None
+    user: str | None = None
+    eoh: str | None = None
+    assistant: str | None = None
+    eoa: str | None = None
+    separator: str | None = None
+    capability: Capability | None = None
+    stop_words: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise ValueError("ChatTemplateConfig.model_name must be a non-empty str, e.g. 'llama3'")
+        for name in TEMPLATE_FIELDS[:-2]:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"ChatTemplateConfig.{name} must be a str or None, got {value!r}")
+        if self.capability is not None and self.capability not in CAPABILITIES:
+            raise ValueError(f"ChatTemplateConfig.capability must be one of {CAPABILITIES} or None, "
+                             f"got {self.capability!r}")
+        if self.stop_words is not None:
+            if isinstance(self.stop_words, str) or not all(isinstance(w, str) for w in self.stop_words):
+                raise ValueError("ChatTemplateConfig.stop_words must be a list of str, e.g. ['<|im_end|>']")
+            self.stop_words = list(self.stop_words)
+
+    def _overrides(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in TEMPLATE_FIELDS if getattr(self, k) is not None}
+
+    def to_template(self) -> BaseChatTemplate:
+        """The built-in template for ``model_name`` with this config's non-None fields applied."""
+        overrides = self._overrides()
+        cls = CHAT_TEMPLATES.get(self.model_name)
+        if cls is not None:
+            return cls(**overrides)
+        if self.user is None or self.assistant is None:
+            raise UnknownChatTemplateError(
+                f"unknown chat template {self.model_name!r}; available: {', '.join(list_chat_templates())}. "
+                "Run `conveyor list` to see them, or pass a ChatTemplateConfig with explicit fields "
+                "(at least user and assistant) to define a new one.")
+        template = BaseChatTemplate(**overrides)
+        template.name = self.model_name  # a custom template reports the name it was given
+        logger.info("using custom chat template %r", self.model_name)
+        return template
+
+    @property
+    def chat_template(self) -> BaseChatTemplate:
+        """Same as ``to_template()`` (LMDeploy's spelling)."""
+        return self.to_template()
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """JSON text of this config; also written to ``path`` when given."""
+        text = json.dumps(asdict(self), ensure_ascii=False, indent=4)
+        if path is not None:
+            Path(path).write_text(text, encoding="utf-8")
+        return text
+
+    @classmethod
+    def from_json(cls, file_or_string: str | Path) -> ChatTemplateConfig:
+        """Config from a JSON file path or a JSON string."""
+        text = str(file_or_string)
+        if not text.lstrip().startswith("{"):
+            path = Path(text)
+            if not path.is_file():
+                raise ValueError(f"{text!r} is neither a JSON file nor a JSON object string")
+            text = path.read_text(encoding="utf-8")
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ChatTemplateConfig keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**data)
+
+
+def get_chat_template(model_path: str, chat_template_config: ChatTemplateConfig | None = None,
+                      tokenizer: Any = None) -> ChatTemplate:
+    """Pick the template: the config's, else the tokenizer's own Jinja one, else by model path, else base."""
+    if chat_template_config is not None:
+        template: ChatTemplate = chat_template_config.to_template()
+    elif tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        template = HFChatTemplate(tokenizer)
+    else:
+        template = _match_builtin(model_path)
+    logger.info("chat template for %s: %s", model_path, template.name)
+    return template
+
+
+def _match_builtin(model_path: str) -> BaseChatTemplate:
+    # The last path component is tried first so that parent folders (e.g. "/models/qwen/...") do
+    # not decide; the full path is the fallback for snapshot folders named by a hash.
+    tail = str(model_path).rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
+    for candidate in (tail, str(model_path)):
+        for cls in dict.fromkeys(CHAT_TEMPLATES.values()):  # aliases map to the same class: try once
+            if cls.match(candidate):
+                return cls()
+    return Base()

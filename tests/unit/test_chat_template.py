@@ -1,0 +1,220 @@
+"""Chat templates: exact rendering of the built-ins, config overrides/JSON, matching, HF templates, CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from conveyor.services.chat_template import (
+    CHAT_TEMPLATES,
+    BaseChatTemplate,
+    ChatTemplateConfig,
+    HFChatTemplate,
+    UnknownChatTemplateError,
+    get_chat_template,
+    list_chat_templates,
+)
+
+CHAT = [
+    {"role": "system", "content": "S"},
+    {"role": "user", "content": "U1"},
+    {"role": "assistant", "content": "A1"},
+    {"role": "user", "content": "U2"},
+]
+CHATML = ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\n"
+          "A1<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\n")
+EXPECTED = {
+    "base": "SU1A1U2",
+    "chatml": CHATML,
+    "qwen": CHATML,
+    "qwen2": CHATML,
+    "internlm2": CHATML,
+    "llama3": ("<|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
+               "<|start_header_id|>user<|end_header_id|>\n\nU1<|eot_id|>"
+               "<|start_header_id|>assistant<|end_header_id|>\n\nA1<|eot_id|>"
+               "<|start_header_id|>user<|end_header_id|>\n\nU2<|eot_id|>"
+               "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+    "llama2": "[INST] <<SYS>>\nS\n<</SYS>>\n\nU1 [/INST] A1 </s><s>[INST] U2 [/INST] ",
+    "mistral": "[INST] S\n\nU1 [/INST]A1</s>[INST] U2 [/INST]",
+    "vicuna": "S USER: U1 ASSISTANT: A1</s>USER: U2 ASSISTANT: ",
+}
+
+
+def _fetch_default_dest() -> Path:
+    script = Path(__file__).resolve().parents[2] / "scripts" / "fetch_test_model.py"
+    spec = importlib.util.spec_from_file_location("_fetch_test_model", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.default_dest()
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir() -> Path:
+    """The cached SmolLM2-135M-Instruct directory; skips when it was not fetched."""
+    path = _fetch_default_dest()
+    if not (path / "config.json").is_file():
+        pytest.skip(f"test model missing at {path}; run scripts/fetch_test_model.py")
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_builtin_renders_exact_prompt(name: str) -> None:
+    assert ChatTemplateConfig(name).to_template().messages2prompt(CHAT) == EXPECTED[name]
+
+
+def test_every_builtin_is_covered() -> None:
+    assert set(list_chat_templates()) == set(EXPECTED)
+
+
+@pytest.mark.parametrize(("name", "stop"), [("chatml", "<|im_end|>"), ("qwen", "<|im_end|>"),
+                                            ("internlm2", "<|im_end|>"), ("llama3", "<|eot_id|>"),
+                                            ("llama2", "</s>"), ("mistral", "</s>"), ("vicuna", "</s>")])
+def test_stop_words(name: str, stop: str) -> None:
+    assert stop in CHAT_TEMPLATES[name]().stop_words
+
+
+def test_default_system_prompt_and_string_input() -> None:
+    qwen = CHAT_TEMPLATES["qwen"]()
+    assert qwen.messages2prompt("hi") == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    # An explicit system message replaces the default one.
+    assert "helpful" not in qwen.messages2prompt(CHAT)
+    llama3 = CHAT_TEMPLATES["llama3"]()
+    assert llama3.messages2prompt("hi") == (
+        "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert "<|begin_of_text|>" not in llama3.messages2prompt(CHAT)  # the tokenizer adds the BOS
+
+
+def test_sequence_start_false_drops_system_prompt() -> None:
+    qwen = CHAT_TEMPLATES["qwen"]()
+    later = qwen.messages2prompt("hi", sequence_start=False)
+    assert later == "\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert qwen.get_prompt("hi", sequence_start=False) == qwen.messages2prompt("hi", sequence_start=False)
+    assert CHAT_TEMPLATES["llama2"]().get_prompt("hi", sequence_start=False) == "<s>[INST] hi [/INST] "
+    assert "InternLM" not in CHAT_TEMPLATES["internlm2"]().get_prompt("hi", sequence_start=False)
+
+
+def test_base_returns_text_as_is() -> None:
+    assert get_chat_template("some/unknown-model").messages2prompt("hello") == "hello"
+
+
+def test_multipart_content_and_bad_role() -> None:
+    chatml = CHAT_TEMPLATES["chatml"]()
+    content = [{"type": "text", "text": "a"}, {"type": "image_url"}, {"type": "text", "text": "b"}]
+    parts = [{"role": "user", "content": content}]
+    assert chatml.messages2prompt(parts) == "<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ValueError, match="role"):
+        chatml.messages2prompt([{"role": "tool", "content": "x"}])
+
+
+def test_config_overrides_builtin() -> None:
+    cfg = ChatTemplateConfig("internlm2", meta_instruction="You are a robot.", stop_words=["<|x|>"])
+    tpl = get_chat_template("whatever", cfg)
+    assert type(tpl).__name__ == "InternLM2" and tpl.stop_words == ["<|x|>"]
+    assert tpl.messages2prompt("hi").startswith(
+        "<|im_start|>system\nYou are a robot.<|im_end|>\n<|im_start|>user\nhi")
+    assert cfg.chat_template == tpl
+    assert ChatTemplateConfig("chatml", capability="completion").to_template().messages2prompt("hi") == "hi"
+
+
+def test_config_new_name_with_fields_is_custom_template() -> None:
+    cfg = ChatTemplateConfig("mine", user="<u>", eoh="</u>", assistant="<a>", eoa="</a>")
+    tpl = cfg.to_template()
+    assert isinstance(tpl, BaseChatTemplate) and tpl.name == "mine"
+    assert tpl.messages2prompt(CHAT[1:]) == "<u>U1</u><a>A1</a><u>U2</u><a>"
+
+
+def test_unknown_name_raises_typed_error() -> None:
+    with pytest.raises(UnknownChatTemplateError, match="conveyor list") as info:
+        get_chat_template("x", ChatTemplateConfig("no-such-template"))
+    assert isinstance(info.value, ValueError) and "llama3" in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs", [{"model_name": ""}, {"model_name": "qwen", "capability": "talk"},
+                                    {"model_name": "qwen", "stop_words": "<|im_end|>"},
+                                    {"model_name": "qwen", "user": 3}])
+def test_config_validation(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        ChatTemplateConfig(**kwargs)
+
+
+def test_json_roundtrip(tmp_path: Path) -> None:
+    cfg = ChatTemplateConfig("qwen", meta_instruction="中文 ok", stop_words=["<|im_end|>"], capability="chat")
+    path = tmp_path / "tpl.json"
+    text = cfg.to_json(path)
+    assert json.loads(path.read_text(encoding="utf-8")) == json.loads(text)
+    assert ChatTemplateConfig.from_json(path) == cfg
+    assert ChatTemplateConfig.from_json(str(path)) == cfg
+    assert ChatTemplateConfig.from_json(text) == cfg
+    assert ChatTemplateConfig.from_json('{"model_name": "llama3"}') == ChatTemplateConfig("llama3")
+    with pytest.raises(ValueError, match="valid keys"):
+        ChatTemplateConfig.from_json('{"model_name": "llama3", "sytem": "x"}')
+    with pytest.raises(ValueError, match="neither"):
+        ChatTemplateConfig.from_json(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.parametrize(("path", "name"), [
+    ("meta-llama/Meta-Llama-3-8B-Instruct", "llama3"),
+    ("/models/llama3.1-8b", "llama3"),
+    ("meta-llama/Llama-2-7b-chat-hf", "llama2"),
+    ("Qwen/Qwen2-7B-Instruct", "qwen"),
+    ("internlm/internlm2-chat-7b", "internlm2"),
+    ("lmsys/vicuna-7b-v1.5", "vicuna"),
+    ("mistralai/Mistral-7B-Instruct-v0.2", "mistral"),
+    ("/hub/models--Qwen--Qwen2-7B/snapshots/0123abc", "qwen"),  # falls back to the full path
+    ("/data/qwen-models/llama-2-7b-chat", "llama2"),  # the last component wins over parent folders
+    ("gpt2", "base"),
+])
+def test_match_from_path(path: str, name: str) -> None:
+    assert get_chat_template(path).name == name
+
+
+def test_hf_template_matches_transformers(smollm2_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    tpl = get_chat_template(str(smollm2_dir), tokenizer=tok)
+    assert isinstance(tpl, HFChatTemplate)
+    assert tpl.stop_words == [tok.eos_token]
+    for messages in (CHAT, CHAT[1:], [{"role": "user", "content": "hi"}]):
+        assert tpl.messages2prompt(messages) == tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True)
+    assert tpl.messages2prompt("hi") == tpl.messages2prompt([{"role": "user", "content": "hi"}])
+    later = tpl.messages2prompt("hi", sequence_start=False)
+    assert later == "\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert not tpl.includes_bos  # SmolLM2's tokenizer adds no BOS of its own
+    # An explicit config wins over the tokenizer's template.
+    assert get_chat_template(str(smollm2_dir), ChatTemplateConfig("llama3"), tok).name == "llama3"
+
+
+def test_cli_list(capsys: pytest.CaptureFixture[str]) -> None:
+    from conveyor.cli import main
+
+    assert main(["list"]) == 0
+    assert capsys.readouterr().out.split() == list_chat_templates()
+
+
+class _FakeBosTokenizer:
+    """A tokenizer whose Jinja template renders the BOS that encoding also adds (like Llama 3's)."""
+
+    chat_template = "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    bos_token, bos_token_id, eos_token = "<bos>", 1, "<eos>"
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": [1, 7]}
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool,
+                            add_generation_prompt: bool) -> str:
+        body = "".join(f"<{m['role']}>{m['content']}<eos>" for m in messages)
+        return "<bos>" + body + ("<assistant>" if add_generation_prompt else "")
+
+
+def test_hf_template_reports_bos_in_prompt() -> None:
+    tpl = get_chat_template("m", tokenizer=_FakeBosTokenizer())
+    assert tpl.includes_bos and tpl.stop_words == ["<eos>"]
+    assert tpl.messages2prompt("hi", sequence_start=False) == "<user>hi<eos><assistant>"
