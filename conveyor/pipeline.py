@@ -13,6 +13,7 @@ from typing import Any
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.errors import InvalidRequestError, PromptTooLongError
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.weight_loader import load_model_config, resolve_model_path
 from conveyor.engine_thread import Delta, EngineThread
 from conveyor.messages import GenerationConfig, Response
 from conveyor.services.chat_template import ChatTemplateConfig
@@ -57,9 +58,12 @@ class Pipeline:
     def __init__(self, model_path: str | Path, backend_config: EngineConfig | None = None,
                  chat_template_config: ChatTemplateConfig | None = None):
         self.backend_config = backend_config or EngineConfig()
-        self.engine = LLMEngine(model_path, self.backend_config)
-        self.model_path = self.engine.model_path
-        self.preprocessor = Preprocessor(self.model_path, chat_template_config, self.engine.model_config.eos_token_ids)
+        self.model_path = resolve_model_path(model_path, self.backend_config.revision)
+        # Tokenizer, template and architecture are checked before the weights load: bad
+        # settings fail in a second, not after the model is in memory.
+        model_config = load_model_config(self.model_path)
+        self.preprocessor = Preprocessor(self.model_path, chat_template_config, model_config.eos_token_ids)
+        self.engine = LLMEngine(self.model_path, self.backend_config)
         self.tokenizer = self.preprocessor.tokenizer
         self.session_len = self.engine.session_len
         self._thread = EngineThread(self.engine, self.tokenizer)
@@ -171,10 +175,9 @@ class Pipeline:
         gen = gen_config or GenerationConfig()
         if gen.n != 1:
             raise InvalidRequestError("chat() generates one response per turn: use n=1", param="n")
-        start = session is None
-        if session is None:
-            session = Session(next(self._session_ids), self)
-        elif session.closed:
+        session = session or self.session()
+        start = not session.history  # the first turn renders the system prompt
+        if session.closed:
             raise InvalidRequestError("this session was closed: start a new one with session=None")
         stream = self._stream([prompt], gen, do_preprocess, session.session_id, sequence_start=start)
         if stream_response:
@@ -196,6 +199,10 @@ class Pipeline:
             session.response = r
             yield r
         session.history.append((prompt, text))
+
+    def session(self) -> Session:
+        """A new, empty session to pass to ``chat``."""
+        return Session(next(self._session_ids), self)
 
     def end_session(self, session_id: int) -> None:
         """Release a session's KV blocks."""

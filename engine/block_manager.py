@@ -50,7 +50,8 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
-        self._num_hashed: dict[int, int] = {}  # seq id -> leading blocks of its table already hashed
+        # seq id -> (leading blocks of its table already hashed, chain hash of the last of them)
+        self._num_hashed: dict[int, tuple[int, int | None]] = {}
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # ... of which were found
 
@@ -116,7 +117,8 @@ class BlockManager:
         seq.num_computed_tokens += prefix.num_tokens
         seq.num_cached_tokens += prefix.num_tokens
         if prefix.block_ids:
-            self._num_hashed[seq.seq_id] = len(seq.block_table)
+            last_hash = self.blocks[prefix.block_ids[-1]].block_hash
+            self._num_hashed[seq.seq_id] = (len(seq.block_table), last_hash)
         total = seq.num_computed_tokens + num_new_tokens
         while len(seq.block_table) < self.blocks_needed(total):
             block_id = next(iter(self._free))
@@ -154,9 +156,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        start = self._num_hashed.get(seq.seq_id, 0)
+        # The parent hash is carried along, not read off the previous block: a block whose content
+        # was already cached stays unhashed, and its successors must still chain its true hash.
+        start, parent = self._num_hashed.get(seq.seq_id, (0, None))
         end = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        parent = self.blocks[seq.block_table[start - 1]].block_hash if start else None
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
             parent = chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
@@ -164,4 +167,5 @@ class BlockManager:
                 block.block_hash = parent
                 self._cached[parent] = block.block_id
             # A second block with content already cached stays unhashed: the cache keeps one copy.
-        self._num_hashed[seq.seq_id] = max(start, end)
+        if end > start:
+            self._num_hashed[seq.seq_id] = (end, parent)

@@ -14,12 +14,12 @@ import torch
 from conveyor.engine.block_manager import BlockManager
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.errors import InvalidRequestError, PromptTooLongError
-from conveyor.engine.model_config import ModelConfig, parse_dtype
+from conveyor.engine.model_config import parse_dtype
 from conveyor.engine.model_runner import ModelRunner
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scheduler import Scheduler
 from conveyor.engine.sequence import FinishReason, Sequence, SequenceStatus
-from conveyor.engine.weight_loader import load_gguf_config, resolve_model_path
+from conveyor.engine.weight_loader import load_model_config, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +74,7 @@ class LLMEngine:
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
         self.model_path = resolve_model_path(model_path, config.revision)
-        if self.model_path.suffix == ".gguf":
-            self.model_config = ModelConfig.from_dict(load_gguf_config(self.model_path))
-        else:
-            self.model_config = ModelConfig.from_pretrained(self.model_path)
+        self.model_config = load_model_config(self.model_path)
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.model_config.dtype, self.device)
         self.runner = ModelRunner(self.model_path, self.model_config, config, self.device, self.dtype)

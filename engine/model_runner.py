@@ -55,8 +55,10 @@ class ModelRunner:
         self.config = config
         self.device, self.dtype = device, dtype
         self.block_size = config.block_size
+        # The rotary table must reach session_len when that is set past the model's own context.
         self.model = build_model(model_config, dtype=dtype, device=device,
-                                 rope_scaling_factor=config.rope_scaling_factor)
+                                 rope_scaling_factor=config.rope_scaling_factor,
+                                 max_position=config.session_len)
         load_model(self.model, model_path)
         self.model.eval()
         self.num_blocks = self._num_cache_blocks()

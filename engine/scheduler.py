@@ -79,6 +79,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._never_fits(seq):
+                self.running.pop(i)
+                self._drop(seq)
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.allocate(seq, n):
                 if self._evict_parked():
@@ -95,6 +99,10 @@ class Scheduler:
             return out  # the cache is short: admit nothing new this step
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
+            if self._never_fits(seq):
+                self.waiting.popleft()
+                self._drop(seq)
+                continue
             prefix = PrefixMatch()
             if seq.num_computed_tokens == 0 and not seq.block_table:
                 prefix = self.block_manager.find_prefix(seq.token_ids)
@@ -112,11 +120,22 @@ class Scheduler:
             if not self.running and not out.scheduled:
                 # Nothing holds blocks and it still does not fit: it never will.
                 self.waiting.popleft()
-                self._finish(seq, FinishReason.LENGTH)
-                logger.warning("sequence %d needs more KV blocks than the cache has", seq.seq_id)
+                self._drop(seq)
                 continue
             break
         return out
+
+    def _never_fits(self, seq: Sequence) -> bool:
+        """Whether the KV of all of ``seq``'s known tokens is more than the whole cache holds."""
+        return self.block_manager.blocks_needed(seq.num_tokens) > self.block_manager.num_blocks
+
+    def _drop(self, seq: Sequence) -> None:
+        """Finish a sequence the cache cannot hold with LENGTH; a session is not parked (nor its
+        blocks kept): its turn ends FINISHED so that the engine reports it."""
+        logger.warning("sequence %d needs more KV blocks than the cache has", seq.seq_id)
+        seq.finish_reason = FinishReason.LENGTH
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq)
 
     def _evict_parked(self) -> bool:
         """Drop the least recently used parked session's blocks; it keeps its token ids."""
@@ -130,6 +149,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        seq.num_cached_tokens = 0  # everything is looked up (and recomputed) again
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         out.preempted.append(seq)

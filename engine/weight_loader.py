@@ -131,7 +131,11 @@ def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _iter_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    try:
+        state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:
+        # Pre-zipfile (legacy) checkpoints cannot be memory-mapped.
+        state = torch.load(str(path), map_location="cpu", weights_only=True)
     yield from state.items()
 
 

@@ -31,22 +31,22 @@ ShardId = int | str
 class LinearMethod(Protocol):
     """How a linear layer stores and applies its weight (the quantization seam)."""
 
-    def create_weights(self, layer: "LinearBase", input_size: int, output_size: int, bias: bool) -> None:
+    def create_weights(self, layer: LinearBase, input_size: int, output_size: int, bias: bool) -> None:
         """Register the layer's parameters."""
 
-    def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         """Compute ``x @ W.T (+ b)`` from the stored parameters."""
 
 
 class UnquantizedLinearMethod:
     """Dense weight ``[out, in]`` in the model dtype."""
 
-    def create_weights(self, layer: "LinearBase", input_size: int, output_size: int, bias: bool) -> None:
+    def create_weights(self, layer: LinearBase, input_size: int, output_size: int, bias: bool) -> None:
         """Register ``weight`` and optional ``bias``."""
         layer.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         layer.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
-    def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         """Dense matmul."""
         return F.linear(x, layer.weight, layer.bias)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -41,23 +40,6 @@ EXPECTED = {
     "mistral": "[INST] S\n\nU1 [/INST]A1</s>[INST] U2 [/INST]",
     "vicuna": "S USER: U1 ASSISTANT: A1</s>USER: U2 ASSISTANT: ",
 }
-
-
-def _fetch_default_dest() -> Path:
-    script = Path(__file__).resolve().parents[2] / "scripts" / "fetch_test_model.py"
-    spec = importlib.util.spec_from_file_location("_fetch_test_model", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.default_dest()
-
-
-@pytest.fixture(scope="module")
-def smollm2_dir() -> Path:
-    """The cached SmolLM2-135M-Instruct directory; skips when it was not fetched."""
-    path = _fetch_default_dest()
-    if not (path / "config.json").is_file():
-        pytest.skip(f"test model missing at {path}; run scripts/fetch_test_model.py")
-    return path
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

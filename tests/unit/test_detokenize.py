@@ -9,7 +9,6 @@ import pytest
 
 from conveyor.services.detokenize import IncrementalDetokenizer
 
-MODEL_DIR = Path("~/.cache/conveyor/SmolLM2-135M-Instruct").expanduser()
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -28,12 +27,10 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    """The test model's byte-level BPE tokenizer (skipped when not downloaded)."""
-    if not (MODEL_DIR / "config.json").exists():
-        pytest.skip(f"test model not found at {MODEL_DIR}")
+def smollm2_tokenizer(smollm2_dir):
+    """The test model's byte-level BPE tokenizer (the shared fixture fetches the model)."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
 
 
 @pytest.fixture(scope="module")

