@@ -67,14 +67,22 @@ def convert(gguf_path: Path, dest: Path) -> None:
     tmp.rename(dest)
 
 
+def gguf_path(dest: Path | None = None) -> Path:
+    """The original GGUF file, kept beside the converted directory (downloaded if missing)."""
+    target = (dest or default_dest()).with_suffix(".gguf")
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as work:
+            _download_gguf(Path(work)).rename(target)
+    return target
+
+
 def fetch(dest: Path | None = None) -> Path:
     """Return the cached model directory, creating it on first use."""
     dest = dest or default_dest()
     if (dest / "config.json").exists():
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as work:
-        convert(_download_gguf(Path(work)), dest)
+    convert(gguf_path(dest), dest)
     return dest
 
 

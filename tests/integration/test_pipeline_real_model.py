@@ -293,3 +293,27 @@ def test_abandoned_stream_frees_its_blocks(pipe):
     pipe._thread.call(lambda e: None)  # let the engine thread process the aborts
     assert pipe._thread.call(lambda e: e.block_manager.num_free_blocks) == bm.num_blocks
     assert not pipe.engine.scheduler.has_work
+
+
+def test_plain_script_without_main_guard(smollm2_dir, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        "from conveyor import pipeline, EngineConfig, GenerationConfig\n"
+        f"pipe = pipeline({str(smollm2_dir)!r}, EngineConfig(cache_max_entry_count=32, block_size=16))\n"
+        "print(pipe('Hi', GenerationConfig(max_new_tokens=3, ignore_eos=True)).generate_token_len)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "3"
+
+
+def test_gguf_file_through_the_pipeline(smollm2_dir, hf_greedy):
+    pytest.importorskip("gguf")
+    from conveyor.default_model import gguf_path
+
+    with pipeline(str(gguf_path(smollm2_dir)), EngineConfig(cache_max_entry_count=64, block_size=16)) as p:
+        r = p(PROMPTS[0], GREEDY)
+    assert r.token_ids == hf_greedy[PROMPTS[0]][1]

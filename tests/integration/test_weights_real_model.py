@@ -64,12 +64,11 @@ def test_safetensors_model_matches_hf(smollm2_dir: Path, reference) -> None:
 
 
 def test_gguf_model_matches_hf(smollm2_dir: Path, reference) -> None:
-    """Loads CONVEYOR_TEST_GGUF (the Q4_1 SmolLM2 file the safetensors test model was converted from)."""
-    gguf = os.environ.get("CONVEYOR_TEST_GGUF")
-    if not gguf or not Path(gguf).is_file():
-        pytest.skip("set CONVEYOR_TEST_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf to run")
+    """Loads the Q4_1 GGUF file the safetensors test model was converted from (kept beside it)."""
     pytest.importorskip("gguf")
-    path = resolve_model_path(gguf)
+    from conveyor.default_model import gguf_path
+
+    path = resolve_model_path(os.environ.get("CONVEYOR_TEST_GGUF") or gguf_path(smollm2_dir))
     tokens, ref = reference
     # The cached safetensors model is this file dequantized, so the same reference applies.
     diff = (_conveyor_logits(path, tokens) - ref).abs().max().item()
