@@ -1,4 +1,4 @@
-"""The ``conveyor`` command line: ``list`` (chat templates) and ``chat`` (terminal chat, in-process)."""
+"""The ``conveyor`` command line: ``list``, ``chat`` (in-process), ``serve api_server`` and ``serve api_client``."""
 
 from __future__ import annotations
 
@@ -69,6 +69,110 @@ def _read_prompt(interactive: bool) -> str | None:
         lines.append(line)
 
 
+def _cmd_api_server(args: argparse.Namespace) -> int:
+    """Start every stage as a process and serve the OpenAI-compatible API until SIGTERM."""
+    from conveyor.default_model import fetch
+    from conveyor.services.launcher import ServerArgs, serve
+
+    model = args.model or str(fetch())
+    engine = _engine_config(args)
+    return serve(ServerArgs(
+        model_path=model, server_name=args.server_name, server_port=args.server_port,
+        tokenizer_workers=args.tokenizer_workers, api_keys=args.api_keys, chat_template=args.chat_template,
+        served_model_name=args.model_name, engine=engine, log_level=args.log_level, fake_engine=args.fake_engine))
+
+
+def _engine_config(args: argparse.Namespace):
+    from conveyor.engine.config import EngineConfig
+
+    cache = args.cache_max_entry_count
+    return EngineConfig(tp=args.tp, session_len=args.session_len, max_batch_size=args.max_batch_size,
+                        cache_max_entry_count=int(cache) if cache > 1 and cache.is_integer() else cache,
+                        quant_policy=args.quant_policy, model_format=args.model_format,
+                        enable_prefix_caching=args.enable_prefix_caching, block_size=args.cache_block_seq_len,
+                        max_prefill_token_num=args.max_prefill_token_num, dtype=args.dtype, device=args.device)
+
+
+def _cmd_stage(args: argparse.Namespace) -> int:
+    """Run one stage in the foreground over tcp:// (a compose service); peers found by service name."""
+    from conveyor.default_model import fetch
+    from conveyor.engine.weight_loader import load_model_config
+    from conveyor.protocol import Addresses
+
+    model = args.model or str(fetch())
+    addresses = Addresses.tcp(base_port=args.base_port)
+    session_len = args.session_len or load_model_config(model).max_position_embeddings
+    if args.stage == "engine":
+        from conveyor.services.engine import run_engine_process
+
+        run_engine_process(addresses, model, _engine_config(args), None, args.log_level, args.fake_engine)
+    elif args.stage == "tokenizer":
+        from conveyor.services.tokenizer import run_tokenizer_process
+
+        run_tokenizer_process(addresses, model, session_len, args.chat_template, None, args.log_level)
+    elif args.stage == "detokenizer":
+        from conveyor.services.detokenizer import run_detokenizer_process
+
+        run_detokenizer_process(addresses, model, None, args.log_level)
+    else:
+        from conveyor.services.ingress_process import run_ingress_process
+
+        name = args.model_name or model.rstrip("/").split("/")[-1]
+        run_ingress_process(addresses, model, name, session_len, args.server_name, args.server_port,
+                            args.api_keys, None, args.log_level)
+    return 0
+
+
+def _cmd_api_client(args: argparse.Namespace) -> int:
+    """Terminal chat against a running server's /v1/chat/interactive."""
+    from conveyor.api_client import terminal_chat
+
+    return terminal_chat(args.api_server_url, api_key=args.api_key, session_id=args.session_id)
+
+
+def _server_options(s: argparse.ArgumentParser) -> None:
+    s.add_argument("model", nargs="?", default=None,
+                   help="model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
+    s.add_argument("--server-name", default="0.0.0.0")
+    s.add_argument("--server-port", type=int, default=23333)
+    s.add_argument("--tokenizer-workers", type=int, default=1, help="tokenizer/chat-template processes")
+    s.add_argument("--api-keys", nargs="*", default=None, help="accepted API keys (Authorization: Bearer KEY)")
+    s.add_argument("--model-name", default=None, help="the name /v1/models reports (default: the folder name)")
+    s.add_argument("--session-len", type=int, default=None)
+    s.add_argument("--max-batch-size", type=int, default=128)
+    s.add_argument("--cache-max-entry-count", type=float, default=0.8,
+                   help="KV cache: fraction of free memory (<=1) or number of blocks (>1)")
+    s.add_argument("--cache-block-seq-len", type=int, default=64)
+    s.add_argument("--enable-prefix-caching", action="store_true")
+    s.add_argument("--max-prefill-token-num", type=int, default=8192)
+    s.add_argument("--quant-policy", type=int, default=0)
+    s.add_argument("--chat-template", default=None, help="a built-in template name (see conveyor list)")
+    s.add_argument("--model-format", default=None)
+    s.add_argument("--tp", type=int, default=1)
+    s.add_argument("--dtype", default="auto")
+    s.add_argument("--device", default="auto")
+    s.add_argument("--log-level", default="INFO")
+    s.add_argument("--fake-engine", action="store_true", help=argparse.SUPPRESS)
+
+
+def _add_serve(sub) -> None:
+    serve = sub.add_parser("serve", help="serve a model over HTTP, or talk to a server")
+    serve_sub = serve.add_subparsers(dest="serve_command", metavar="SERVE_COMMAND", required=True)
+    s = serve_sub.add_parser("api_server", help="OpenAI-compatible server: every stage as a process")
+    _server_options(s)
+    s.set_defaults(func=_cmd_api_server)
+    st = serve_sub.add_parser("stage", help="run one stage over tcp:// (one compose service)")
+    st.add_argument("stage", choices=["ingress", "tokenizer", "engine", "detokenizer"])
+    _server_options(st)
+    st.add_argument("--base-port", type=int, default=5550, help="first of the stages' ZeroMQ ports")
+    st.set_defaults(func=_cmd_stage)
+    c = serve_sub.add_parser("api_client", help="chat in the terminal with a running server")
+    c.add_argument("api_server_url", help="e.g. http://localhost:23333")
+    c.add_argument("--api-key", default=None)
+    c.add_argument("--session-id", type=int, default=1)
+    c.set_defaults(func=_cmd_api_client)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser; each subcommand sets ``func`` to its handler (args -> exit code)."""
     parser = argparse.ArgumentParser(prog="conveyor", description="Serve large language models.")
@@ -87,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_chat.add_argument("--top-p", type=float, default=0.8)
     p_chat.add_argument("--device", default="auto")
     p_chat.set_defaults(func=_cmd_chat)
+    _add_serve(sub)
     return parser
 
 

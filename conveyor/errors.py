@@ -7,7 +7,7 @@ from conveyor.engine.errors import (
     PromptTooLongError,
     UnsupportedModelError,
 )
-from conveyor.engine_thread import EngineDiedError
+from conveyor.local_stack import EngineDiedError
 from conveyor.services.chat_template import UnknownChatTemplateError
 
 __all__ = [

@@ -5,16 +5,18 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from conveyor.engine.config import EngineConfig
-from conveyor.engine.errors import InvalidRequestError, PromptTooLongError
+from conveyor.engine.errors import InvalidRequestError, rebuild_error
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.weight_loader import load_model_config, resolve_model_path
-from conveyor.engine_thread import Delta, EngineThread
+from conveyor.local_stack import Delta, EngineDiedError, LocalStack
+from conveyor.protocol import GenerateReq, SamplingOptions
 from conveyor.messages import GenerationConfig, Response
 from conveyor.services.chat_template import ChatTemplateConfig
 from conveyor.services.tokenize import Preprocessor, Prompt
@@ -66,72 +68,63 @@ class Pipeline:
         self.engine = LLMEngine(self.model_path, self.backend_config)
         self.tokenizer = self.preprocessor.tokenizer
         self.session_len = self.engine.session_len
-        self._thread = EngineThread(self.engine, self.tokenizer)
-        self._ids = itertools.count()
+        # The same stage code as the server, as threads over inproc:// sockets.
+        self._stack = LocalStack(self.engine, self.preprocessor, self.session_len)
         self._session_ids = itertools.count(1)
 
     # ---- requests -------------------------------------------------------------------------
-    def _submit(self, token_ids: list[int], gen: GenerationConfig, out: queue.Queue, sample: int,
-                session_id: int | None = None) -> int:
-        seed = None if gen.random_seed is None else gen.random_seed + sample
-        params, stops = self.preprocessor.sampling_params(
-            max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_k=gen.top_k,
-            top_p=gen.top_p, min_p=gen.min_p, repetition_penalty=gen.repetition_penalty,
-            ignore_eos=gen.ignore_eos, random_seed=seed, min_new_tokens=gen.min_new_tokens,
-            stop_words=gen.stop_words, bad_words=gen.bad_words, stop_token_ids=gen.stop_token_ids,
-            bad_token_ids=gen.bad_token_ids, logprobs=gen.logprobs)
-        seq_id = next(self._ids)
-        self._thread.submit(seq_id, token_ids, params, stops, gen.skip_special_tokens,
-                            gen.include_stop_str_in_output, out, session_id)
-        return seq_id
-
-    def _encode_all(self, prompts: list[Prompt], do_preprocess: bool) -> list[list[int]]:
-        """Tokenize every prompt first, so a bad one fails the call before anything is queued."""
-        encoded = []
-        for p in prompts:
-            ids = self.preprocessor.encode(p, do_preprocess)
-            if len(ids) >= self.session_len:
-                raise PromptTooLongError(len(ids), self.session_len)
-            encoded.append(ids)
-        return encoded
+    def _request(self, prompt: Prompt, gen: GenerationConfig, sample: int, do_preprocess: bool,
+                 session_id: int | None, sequence_start: bool) -> GenerateReq:
+        options = SamplingOptions(
+            max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens or 0,
+            temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, min_p=gen.min_p,
+            repetition_penalty=gen.repetition_penalty, ignore_eos=gen.ignore_eos,
+            seed=None if gen.random_seed is None else gen.random_seed + sample,
+            stop=list(gen.stop_words or []), bad_words=list(gen.bad_words or []),
+            stop_token_ids=list(gen.stop_token_ids or []), bad_token_ids=list(gen.bad_token_ids or []),
+            logprobs=gen.logprobs, skip_special_tokens=gen.skip_special_tokens,
+            include_stop_str=gen.include_stop_str_in_output)
+        text, messages = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+        return GenerateReq(self._stack.new_rid(), "", options, prompt=text, messages=messages,
+                           do_preprocess=do_preprocess, session_id=session_id, sequence_start=sequence_start)
 
     def _stream(self, prompts: list[Prompt], gen: GenerationConfig, do_preprocess: bool,
                 session_id: int | None = None, sequence_start: bool = True) -> Iterator[tuple[int, Response]]:
         """Yield (request tag, delta) as they come, for every (prompt, sample) of the call."""
-        if session_id is None:
-            encoded = self._encode_all(prompts, do_preprocess)
-        else:
-            encoded = [self.preprocessor.encode(prompts[0], do_preprocess, sequence_start)]
+        # Cheap checks first (no tokenization), so a malformed prompt fails the call before
+        # anything is queued; lengths are checked by the tokenizer stage.
+        for p in prompts:
+            self.preprocessor.render(p, do_preprocess, sequence_start)
         out: queue.Queue[tuple[int, Delta]] = queue.Queue()
         live: dict[int, Response] = {}
-        submitted: list[int] = []
+        rids: list[str] = []
         try:
-            for index, ids in enumerate(encoded):
+            for index, prompt in enumerate(prompts):
                 for sample in range(gen.n):
-                    tagged = _TaggedQueue(out, len(live))
-                    seq_id = self._submit(ids, gen, tagged, sample, session_id)
-                    submitted.append(seq_id)
-                    live[tagged.tag] = Response("", 0, len(ids), session_id if session_id is not None else index,
-                                                index=index)
+                    req = self._request(prompt, gen, sample, do_preprocess, session_id, sequence_start)
+                    tag = len(live)
+                    rids.append(req.rid)
+                    self._stack.submit(req, out, tag)
+                    live[tag] = Response("", 0, 0, session_id if session_id is not None else index, index=index)
             remaining = len(live)
             while remaining:
                 tag, delta = out.get()
                 if delta.error is not None:
-                    raise delta.error
+                    err = delta.error
+                    if err.status == 503:
+                        raise EngineDiedError(err.message)
+                    raise rebuild_error(err.message, err.param, err.code)
                 state = live[tag]
-                state.generate_token_len += len(delta.token_ids)
-                yield tag, Response(delta.text, state.generate_token_len, state.input_token_len, state.session_id,
-                               delta.finish_reason, delta.token_ids, delta.logprobs, state.index,
-                               delta.num_cached_tokens)
+                state.generate_token_len = delta.completion_tokens
+                yield tag, Response(delta.text, delta.completion_tokens, delta.prompt_tokens, state.session_id,
+                                    delta.finish_reason, delta.token_ids, delta.logprobs, state.index,
+                                    delta.cached_tokens)
                 if delta.finish_reason is not None:
                     remaining -= 1
         finally:
             # A consumer that stops early (break, exception) must not leave work in the engine.
-            for seq_id in submitted:
-                try:
-                    self._thread.abort(seq_id)
-                except Exception:  # noqa: BLE001 - closing; nothing to report to
-                    pass
+            for rid in rids:
+                self._stack.abort(rid)
 
     def __call__(self, prompts: Prompt | list[Prompt], gen_config: GenerationConfig | None = None,
                  do_preprocess: bool = True, **kwargs: Any) -> Response | list[Response]:
@@ -206,22 +199,22 @@ class Pipeline:
 
     def end_session(self, session_id: int) -> None:
         """Release a session's KV blocks."""
-        self._thread.call(lambda engine: engine.end_session(session_id))
+        self._stack.end_session(session_id)
 
     # ---- scoring ---------------------------------------------------------------------------
     def get_ppl(self, input_ids: list[int] | list[list[int]]) -> list[float]:
         """Mean cross-entropy loss per token sequence (exp() of it is the perplexity)."""
         if input_ids and isinstance(input_ids[0], int):
             input_ids = [input_ids]
-        return self._thread.call(lambda engine: engine.get_ppl(input_ids))
+        return self._stack.call(lambda engine: engine.get_ppl(input_ids))
 
     # ---- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the engine thread and free the model and KV cache memory."""
-        if self._thread is None:
+        if self._stack is None:
             return
-        self._thread.close()
-        self._thread = None
+        self._stack.close()
+        self._stack = None
         self.engine = None
         import gc
 
@@ -236,16 +229,6 @@ class Pipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _TaggedQueue:
-    """Puts (tag, delta) on a shared queue, so one reader can follow many requests."""
-
-    def __init__(self, q: queue.Queue, tag: int):
-        self.q, self.tag = q, tag
-
-    def put(self, item: Delta) -> None:
-        self.q.put((self.tag, item))
 
 
 def pipeline(model_path: str | Path, backend_config: EngineConfig | None = None,

@@ -10,6 +10,8 @@ class ConveyorError(Exception):
 class InvalidRequestError(ConveyorError, ValueError):
     """A request's input or parameters are invalid (OpenAI type: invalid_request_error)."""
 
+    code: str | None = None  # OpenAI's machine-readable error code, where one applies
+
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
@@ -17,6 +19,8 @@ class InvalidRequestError(ConveyorError, ValueError):
 
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus history) does not fit in session_len."""
+
+    code = "context_length_exceeded"  # OpenAI's code for it
 
     def __init__(self, num_tokens: int, limit: int):
         super().__init__(
@@ -33,3 +37,18 @@ class UnsupportedModelError(ConveyorError, ValueError):
 
 class EngineConfigError(ConveyorError, ValueError):
     """An engine setting is invalid or cannot be met on this machine."""
+
+
+def error_code(exc: BaseException) -> str | None:
+    """The OpenAI error code of an exception (None for most)."""
+    return getattr(exc, "code", None)
+
+
+def rebuild_error(message: str, param: str | None, code: str | None) -> InvalidRequestError:
+    """The typed exception for an error that came back over the wire."""
+    if code == PromptTooLongError.code:
+        exc = PromptTooLongError.__new__(PromptTooLongError)
+        InvalidRequestError.__init__(exc, message, param)
+        exc.num_tokens = exc.limit = None
+        return exc
+    return InvalidRequestError(message, param)

@@ -86,6 +86,7 @@ class LLMEngine:
         self._sessions: dict[int, Sequence] = {}
         self._generators: dict[int, torch.Generator] = {}
         self._pending: list[StepOutput] = []  # finishes decided outside step(), reported by it
+        self.generated_tokens = 0
 
     @property
     def has_work(self) -> bool:
@@ -161,6 +162,7 @@ class LLMEngine:
             self._forget_finished()
             return outputs
         samples = self.runner.execute(sched, self._generators)
+        self.generated_tokens += len(samples)
         finished = self.scheduler.update(sched, {k: v.token_id for k, v in samples.items()})
         done = {s.seq_id for s in finished}
         for seq_id, sample in samples.items():
@@ -211,4 +213,5 @@ class LLMEngine:
             "kv_usage": bm.usage,
             "prefix_query_tokens": bm.prefix_query_tokens,
             "prefix_hit_tokens": bm.prefix_hit_tokens,
+            "generated_tokens": self.generated_tokens,
         }

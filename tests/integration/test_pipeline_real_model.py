@@ -135,7 +135,7 @@ def test_prefix_cache_reuses_blocks_and_keeps_tokens(prefix_pipe, pipe):
     assert second.num_cached_tokens % 16 == 0
     plain = pipe(msgs("Name a planet."), GREEDY)
     assert second.token_ids == plain.token_ids
-    stats = prefix_pipe._thread.call(lambda e: e.stats())
+    stats = prefix_pipe._stack.call(lambda e: e.stats())
     assert stats["prefix_hit_tokens"] >= second.num_cached_tokens
 
 
@@ -159,7 +159,7 @@ def test_multi_turn_session_equals_full_history(pipe, hf):
     # Only the new turn's tokens were sent; the history came from the session's KV.
     assert sess.response.input_token_len < again.input_token_len
     sess.close()
-    assert pipe._thread.call(lambda e: e.block_manager.num_free_blocks) == pipe.engine.block_manager.num_blocks
+    assert pipe._stack.call(lambda e: e.block_manager.num_free_blocks) == pipe.engine.block_manager.num_blocks
 
 
 def test_session_survives_eviction(smollm2_dir):
@@ -290,8 +290,8 @@ def test_abandoned_stream_frees_its_blocks(pipe):
     next(stream)
     stream.close()  # the consumer walks away mid-generation
     bm = pipe.engine.block_manager
-    pipe._thread.call(lambda e: None)  # let the engine thread process the aborts
-    assert pipe._thread.call(lambda e: e.block_manager.num_free_blocks) == bm.num_blocks
+    pipe._stack.call(lambda e: None)  # let the engine thread process the aborts
+    assert pipe._stack.call(lambda e: e.block_manager.num_free_blocks) == bm.num_blocks
     assert not pipe.engine.scheduler.has_work
 
 

@@ -1,0 +1,90 @@
+"""Every socket address, built in one place, for the three topologies.
+
+- ``inproc://``: stages are threads of one process (the offline pipeline);
+- ``ipc://``: stages are processes on one host, sockets under a private temp dir;
+- ``tcp://``: stages are containers; each endpoint is bound on the owner's own address (never
+  ``tcp://*``) and reached through its service name.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import uuid
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where the owning stage binds, and where its peers connect."""
+
+    bind: str
+    connect: str
+
+
+@dataclass(frozen=True)
+class Addresses:
+    """The fixed endpoints of one deployment (each ingress's reply address is made per ingress)."""
+
+    tokenizer_in: Endpoint  # bound by the ingress (PUSH); tokenizer workers connect and PULL
+    engine_in: Endpoint  # bound by the engine (PULL)
+    detokenizer_in: Endpoint  # bound by the detokenizer (PULL)
+    launcher: Endpoint  # bound by the launcher (PULL): READY handshakes
+    kind: str = "ipc"
+    run_dir: str = ""
+
+    @classmethod
+    def inproc(cls) -> "Addresses":
+        """Threads of one process; unique names so several pipelines can coexist."""
+        tag = uuid.uuid4().hex[:8]
+        ep = lambda name: Endpoint(f"inproc://conveyor-{tag}-{name}", f"inproc://conveyor-{tag}-{name}")  # noqa: E731
+        return cls(ep("tokenizer"), ep("engine"), ep("detokenizer"), ep("launcher"), kind="inproc")
+
+    @classmethod
+    def ipc(cls, run_dir: str | None = None) -> "Addresses":
+        """Processes on one host, sockets in a fresh private directory."""
+        run_dir = run_dir or tempfile.mkdtemp(prefix="conveyor-")
+        ep = lambda name: Endpoint(f"ipc://{run_dir}/{name}", f"ipc://{run_dir}/{name}")  # noqa: E731
+        return cls(ep("tokenizer"), ep("engine"), ep("detokenizer"), ep("launcher"), kind="ipc", run_dir=run_dir)
+
+    @classmethod
+    def tcp(cls, hosts: dict[str, str] | None = None, base_port: int = 5550) -> "Addresses":
+        """Containers: stage ``name`` is reached at ``tcp://{hosts[name]}:{port}``.
+
+        Defaults follow compose.yaml's service names; CONVEYOR_<NAME>_HOST overrides one.
+        """
+        hosts = dict(hosts or {})
+        names = ("ingress", "engine", "detokenizer", "launcher")
+        for n in names:
+            hosts.setdefault(n, os.environ.get(f"CONVEYOR_{n.upper()}_HOST", n))
+
+        def ep(owner: str, port: int) -> Endpoint:
+            return Endpoint(f"tcp://{_bind_host(hosts[owner])}:{port}", f"tcp://{hosts[owner]}:{port}")
+
+        return cls(ep("ingress", base_port), ep("engine", base_port + 1), ep("detokenizer", base_port + 2),
+                   ep("launcher", base_port + 3), kind="tcp")
+
+    def reply_endpoint(self, port: int = 5560, host: str | None = None) -> Endpoint:
+        """A fresh address for one ingress to receive its results on."""
+        if self.kind == "inproc":
+            addr = f"inproc://conveyor-reply-{uuid.uuid4().hex[:8]}"
+            return Endpoint(addr, addr)
+        if self.kind == "ipc":
+            addr = f"ipc://{self.run_dir}/reply-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+            return Endpoint(addr, addr)
+        host = host or os.environ.get("CONVEYOR_INGRESS_HOST", "ingress")
+        return Endpoint(f"tcp://{_bind_host(host)}:{port}", f"tcp://{host}:{port}")
+
+
+def _bind_host(name: str) -> str:
+    """The IP to bind for a host name that names this machine (binding needs an address).
+
+    CONVEYOR_BIND_HOST wins: a container on several networks sets the one its peers use.
+    """
+    if os.environ.get("CONVEYOR_BIND_HOST"):
+        return os.environ["CONVEYOR_BIND_HOST"]
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return "127.0.0.1"

@@ -1,0 +1,518 @@
+"""The HTTP ingress: an OpenAI-compatible FastAPI app in front of an EngineClient.
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/chat/interactive
+(LMDeploy's stateful chat), GET /health, GET /metrics, and FastAPI's /docs and /openapi.json.
+
+Every error body is OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}`` and
+invalid parameters are 400, never FastAPI's 422. API keys, when set, guard /v1/* and /metrics;
+/health stays open for load balancers and probes, /docs and /openapi.json stay open because they
+describe the API without touching the model.
+
+A request whose HTTP client goes away is aborted in the engine: a stream when its response ends
+(``ClosingStreamingResponse``), a non-streamed request through a watcher on the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import anyio
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from conveyor.protocol import GenerateReq, LoadReport
+from conveyor.services.engine_client import RequestError, RequestOutput
+from conveyor.services.metrics import CONTENT_TYPE, IngressMetrics, RequestCounter, RequestStats
+from conveyor.services.openai_schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    HealthResponse,
+    InteractiveRequest,
+    InteractiveResponse,
+    ModelList,
+    error_envelope,
+)
+from conveyor.services.sse import (
+    ChatFormat,
+    ClosingStreamingResponse,
+    CompletionFormat,
+    Event,
+    InteractiveFormat,
+    LogprobRenderer,
+    ResponseFormat,
+    iter_choices,
+    stream_body,
+    usage_dict,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_encode = msgspec.json.Encoder().encode
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+_STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
+_ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 503)}
+_STREAMED = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE with stream: true"}}
+
+
+class EngineClientLike(Protocol):
+    """What the ingress needs from ``services.engine_client.EngineClient``."""
+
+    model_name: str
+    session_len: int
+    reply_to: str
+
+    def generate(self, req: GenerateReq) -> AsyncIterator[RequestOutput]: ...
+    async def abort(self, rid: str) -> None: ...
+    async def end_session(self, session_id: int) -> None: ...
+    @property
+    def healthy(self) -> bool: ...
+    @property
+    def load(self) -> LoadReport | None: ...
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+def error_response(status: int, message: str, type: str | None = None, param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> Response:
+    """An error in OpenAI's envelope."""
+    return Response(_encode(error_envelope(status, message, type, param, code)), status_code=status,
+                    headers=headers, media_type="application/json")
+
+
+def _json(obj: Any) -> Response:
+    return Response(_encode(obj), media_type="application/json")
+
+
+# ---- middleware --------------------------------------------------------------------------------
+
+class ApiKeyGuard:
+    """ASGI middleware: 401 unless ``Authorization: Bearer <key>`` names a known key (/v1/* and /metrics)."""
+
+    def __init__(self, app: Any, api_keys: list[str]):
+        self.app, self.keys = app, [k.encode() for k in api_keys]
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1/") or path == "/metrics") and not self._ok(scope):
+            await error_response(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+                                 )(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _ok(self, scope: dict) -> bool:
+        auth = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+        scheme, _, token = auth.partition(b" ")
+        token = token.strip()
+        # compare_digest against every key: the time taken says nothing about which key is close.
+        return scheme.lower() == b"bearer" and any([hmac.compare_digest(token, k) for k in self.keys])
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a body over ``max_bytes``, by Content-Length and by bytes really received.
+
+    The body is read here in full (a chunked body has no Content-Length, and a client may send
+    more than it announced) and replayed to the app; JSON bodies are read whole anyway.
+    """
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._reject(scope, receive, send)
+            return
+        chunks, total = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # gone before the body arrived: nobody to answer
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > self.max_bytes:
+                await self._reject(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later calls wait for the disconnect, as the app expects
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: dict, receive: Callable, send: Callable) -> None:
+        await error_response(413, f"the request body exceeds {self.max_bytes} bytes",
+                             code="request_too_large")(scope, receive, send)
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+_UNION_TAG = re.compile(r"[\[(]|^(str|int|float|bool|bytes|dict|list|none)$|^[A-Z]")
+
+
+def _field_path(loc: Any) -> list[str]:
+    # Drop the leading "body" and union branches ('str', 'list[int]', 'TextContent', ...), which
+    # mean nothing to a user.
+    items = list(loc or ())[1:] if list(loc or ("",))[0] == "body" else list(loc or ())
+    return [str(p) for p in items if not (isinstance(p, str) and _UNION_TAG.search(p))]
+
+
+def describe_validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """A readable message naming the field, and the field's path, for a RequestValidationError."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    kind, msg = first.get("type", ""), str(first.get("msg", "")).removeprefix("Value error, ")
+    path = _field_path(first.get("loc"))
+    if kind == "json_invalid":
+        where = f" at position {path[0]}" if path else ""
+        return f"malformed JSON in the request body{where}: {first.get('ctx', {}).get('error', msg)}", None
+    if not path:
+        if kind == "missing":
+            return "the request body is missing: send a JSON object (Content-Type: application/json)", None
+        if kind == "value_error":  # a whole-body check; its message starts with the field it blames
+            field = re.match(r"(\w+): ", msg)
+            return msg, field.group(1) if field else None
+        return "the request body must be a JSON object sent with Content-Type: application/json", None
+    # Of a union's failed branches, the one that got deepest into the value says the most.
+    deepest = max((e for e in errors if _field_path(e.get("loc"))[:len(path)] == path),
+                  key=lambda e: len(_field_path(e.get("loc"))))
+    if deepest is not first:
+        first, path = deepest, _field_path(deepest.get("loc"))
+        kind, msg = first.get("type", ""), str(first.get("msg", "")).removeprefix("Value error, ")
+    param = ".".join(path)
+    if kind == "missing":
+        return f"{param}: field required", param
+    # A union field fails once per branch: list each distinct reason.
+    msgs = dict.fromkeys(str(e.get("msg", "")).removeprefix("Value error, ")
+                         for e in errors if _field_path(e.get("loc")) == path)
+    got = repr(first.get("input"))
+    got = got if len(got) <= 60 else got[:57] + "..."
+    return f"{param}: {', or '.join(msgs) or msg} (got {got})", param
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        message, param = describe_validation_error(list(exc.errors()))
+        return error_response(400, message, param=param)
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        status, code = exc.status_code, None
+        if status == 404:
+            message, code = f"no route {request.method} {request.url.path}: see /docs", "not_found"
+        elif status == 405:
+            message, code = f"{request.method} is not allowed on {request.url.path}", "method_not_allowed"
+        else:
+            message = str(exc.detail)
+        return error_response(status, message, code=code, headers=getattr(exc, "headers", None))
+
+    async def failed(request: Request, exc: RequestError) -> Response:
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    async def gone(request: Request, exc: ClientDisconnected) -> Response:
+        return error_response(499, "the client closed the connection", code="client_closed_request")
+
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unexpected error serving %s %s", request.method, request.url.path)
+        return error_response(500, "internal server error", code="internal_error")
+
+    app.add_exception_handler(RequestValidationError, invalid)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestError, failed)  # type: ignore[arg-type]
+    app.add_exception_handler(ClientDisconnected, gone)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, unexpected)
+
+
+# ---- the request flow --------------------------------------------------------------------------
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the HTTP client disconnects first, cancel it and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(request.receive))
+    try:
+        done, _ = await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        if task not in done and watch.exception() is not None:
+            # The server cannot tell us about the connection: just wait for the work.
+            logger.debug("disconnect watch failed: %r", watch.exception())
+            done, _ = await asyncio.wait((task,))
+    except BaseException:  # cancelled ourselves (server shutdown): leave nothing running
+        watch.cancel()
+        task.cancel()
+        raise
+    watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()  # the engine stream inside is cancelled, which aborts the request
+    await asyncio.wait((task,))
+    raise ClientDisconnected()
+
+
+async def _disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+    # The body has been read, so the next message the server has for us is the disconnect.
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _first(events: AsyncIterator[Event]) -> Event | None:
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _collect(events: AsyncIterator[Event], fmt: ResponseFormat) -> None:
+    async for i, out in events:
+        fmt.add(i, out)
+
+
+@dataclass
+class _Session:
+    """An interactive session as this ingress knows it."""
+
+    history_tokens: int = 0
+    running: str | None = None  # rid of the turn being generated
+
+
+class _Ingress:
+    """Per-app state, and the request flow the generation routes share."""
+
+    def __init__(self, app: FastAPI, client: EngineClientLike, model_name: str, tokenizer: Any | None):
+        self.app, self.client, self.model_name, self.tokenizer = app, client, model_name, tokenizer
+        self.inflight = 0
+        self.sessions: dict[int, _Session] = {}
+        self.metrics = IngressMetrics(client, lambda: self.inflight)
+        self.renderer = LogprobRenderer(tokenizer)
+
+    def admit(self, model: str | None) -> None:
+        """Raise unless a new generation request can be taken."""
+        if model is not None and model != self.model_name:
+            raise RequestError(404, f"the model `{model}` does not exist: this server serves "
+                               f"`{self.model_name}` (see GET /v1/models)", param="model", code="model_not_found")
+        if self.app.state.draining:
+            raise RequestError(503, "the server is shutting down: retry on another replica",
+                               type="service_unavailable", code="draining")
+        if not self.client.healthy:
+            raise RequestError(503, "the engine is not answering: retry later",
+                               type="service_unavailable", code="engine_unavailable")
+
+    async def respond(self, request: Request, reqs: list[GenerateReq], fmt: ResponseFormat, *, stream: bool,
+                      n: int, start: float, on_done: Callable[[list[RequestStats]], None] | None = None) -> Response:
+        """Run ``reqs`` (n choices per prompt) and answer with ``fmt``, streamed or whole."""
+        stats = [self.metrics.track(start) for _ in reqs]
+        events = iter_choices(self.client, reqs, stats)
+        self.inflight += 1
+
+        async def finish() -> None:
+            try:
+                await events.aclose()
+            finally:
+                self.inflight -= 1
+                self.metrics.e2e.observe(time.perf_counter() - start)
+                if on_done is not None:
+                    on_done(stats)
+
+        handed_off = False
+        try:
+            if stream:
+                # Wait for the first output before answering, so that a request the tokenizer
+                # refuses (prompt too long, ...) gets its 400 status rather than a 200 stream.
+                first = await until_disconnected(request, _first(events))
+                body = stream_body(first, events, fmt, lambda: usage_dict(stats, n))
+                response = ClosingStreamingResponse(body, finish, media_type=fmt.media_type,
+                                                    headers=_STREAM_HEADERS)
+                handed_off = True
+                return response
+            await until_disconnected(request, _collect(events, fmt))
+            return _json(fmt.body(usage_dict(stats, n)))
+        finally:
+            if not handed_off:
+                with anyio.CancelScope(shield=True):
+                    await finish()
+
+    def new_session_id(self) -> int:
+        """An unused session id, far from the small ids users pick, and exact in JSON doubles."""
+        while (sid := 2**32 + secrets.randbelow(2**53 - 2**32)) in self.sessions:
+            pass
+        return sid
+
+
+def _ingress(request: Request) -> _Ingress:
+    return request.app.state.ingress
+
+
+def _rid(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ---- the app -----------------------------------------------------------------------------------
+
+def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, served_model_name: str | None = None,
+              tokenizer: Any | None = None) -> FastAPI:
+    """The OpenAI-compatible app serving ``client``'s model.
+
+    ``served_model_name`` is the name clients use (default: ``client.model_name``); ``tokenizer``
+    (a transformers tokenizer) renders logprob tokens as text and enables ``echo`` of token-id
+    prompts; without it tokens are shown as their ids.
+    """
+    app = FastAPI(title="conveyor", summary="OpenAI-compatible LLM server", version="0.1.0")
+    app.state.draining = False
+    app.state.ingress = ing = _Ingress(app, client, served_model_name or client.model_name, tokenizer)
+    _install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if api_keys:
+        app.add_middleware(ApiKeyGuard, api_keys=list(api_keys))
+    app.add_middleware(RequestCounter, metrics=ing.metrics)  # outermost: counts 401s and 413s too
+
+    @app.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
+    async def health() -> Response:
+        """200 while the engine answers and the server is not draining; 503 otherwise."""
+        if app.state.draining:
+            return error_response(503, "the server is shutting down", code="draining")
+        if not client.healthy:
+            return error_response(503, "the engine is not answering", code="engine_unavailable")
+        return _json({"status": "ok"})
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        """Prometheus metrics."""
+        return Response(ing.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def models() -> Response:
+        """The served model."""
+        name = ing.model_name
+        return _json({"object": "list", "data": [{
+            "id": name, "object": "model", "created": int(time.time()), "owned_by": "conveyor", "root": name,
+            "parent": None, "max_model_len": client.session_len, "permission": []}]})
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, **_STREAMED})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI chat completions (set ``stream`` for server-sent events)."""
+        start = time.perf_counter()
+        ing.admit(body.model)
+        rid, n, k = _rid("chatcmpl"), body.num_choices, body.num_logprobs
+        messages = [m.to_wire() for m in body.messages]
+        max_new = body.requested_max_tokens or client.session_len  # the tokenizer caps it to what fits
+        reqs = [GenerateReq(rid=f"{rid}-{i}", reply_to=client.reply_to, messages=messages,
+                            options=body.sampling_options(max_new, k, i)) for i in range(n)]
+        fmt = ChatFormat(rid, int(time.time()), ing.model_name, n, ing.renderer, k, body.wants_usage_chunk)
+        return await ing.respond(request, reqs, fmt, stream=bool(body.stream), n=n, start=start)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, **_STREAMED})
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """OpenAI (legacy) text completions: no chat template; a batch of prompts gives n choices each."""
+        start = time.perf_counter()
+        ing.admit(body.model)
+        rid, n, prompts = _rid("cmpl"), body.num_choices, body.prompts
+        echo: list[str] | None = None
+        if body.echo:
+            if tokenizer is None and any(isinstance(p, list) for p in prompts):
+                raise RequestError(400, "echo of a token-id prompt needs the server's tokenizer: send text",
+                                   param="echo")
+            echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts for _ in range(n)]
+        max_new = body.max_tokens or client.session_len
+        reqs = [GenerateReq(rid=f"{rid}-{j * n + i}", reply_to=client.reply_to, do_preprocess=False,
+                            prompt=p if isinstance(p, str) else None, input_ids=None if isinstance(p, str) else p,
+                            options=body.sampling_options(max_new, body.logprobs, i))
+                for j, p in enumerate(prompts) for i in range(n)]
+        fmt = CompletionFormat(rid, int(time.time()), ing.model_name, len(reqs), ing.renderer, body.logprobs,
+                               body.wants_usage_chunk, echo=echo)
+        return await ing.respond(request, reqs, fmt, stream=bool(body.stream), n=n, start=start)
+
+    @app.post("/v1/chat/interactive", response_model=InteractiveResponse, responses=_ERRORS)
+    async def chat_interactive(body: InteractiveRequest, request: Request) -> Response:
+        """LMDeploy's stateful chat: with ``interactive_mode`` the server keeps the session's history.
+
+        ``interactive_mode: false`` ends the session (if open) and answers the prompt statelessly;
+        ``cancel`` aborts the session's running turn; ``end`` (extension) only ends the session.
+        Streamed as one JSON object per line.
+        """
+        start = time.perf_counter()
+        sid, sessions = body.session_id, ing.sessions
+        if body.cancel:
+            if sid == -1:
+                raise RequestError(400, "cancel needs the session_id of the turn to cancel", param="session_id")
+            session = sessions.get(sid)
+            if session is not None and session.running is not None:
+                await client.abort(session.running)
+            return _json({"text": "", "tokens": 0, "input_tokens": 0, "history_tokens": 0,
+                          "finish_reason": "stop", "session_id": sid})
+        if body.end or not body.interactive_mode:
+            if sessions.pop(sid, None) is not None:
+                await client.end_session(sid)
+            if body.end:
+                return _json({"text": "", "tokens": 0, "input_tokens": 0, "history_tokens": 0,
+                              "finish_reason": None, "session_id": sid})
+        ing.admit(None)
+        if not body.prompt:
+            raise RequestError(400, "the prompt is empty: give some text or messages", param="prompt")
+        prompt, messages = (body.prompt, None) if isinstance(body.prompt, str) else \
+            (None, [m.to_wire() for m in body.prompt])
+        session, session_id, first_turn = None, None, True
+        if body.interactive_mode:
+            session_id = sid if sid != -1 else ing.new_session_id()
+            session = sessions.get(session_id)
+            if session is not None and session.running is not None:
+                raise RequestError(400, f"session {session_id} is still generating: wait for its turn to end "
+                                   "or cancel it", param="session_id")
+            first_turn = session is None
+            session = sessions.setdefault(session_id, _Session())
+        rid = _rid("interactive")
+        req = GenerateReq(rid=rid, reply_to=client.reply_to, prompt=prompt, messages=messages,
+                          session_id=session_id, sequence_start=first_turn,
+                          options=body.sampling_options(body.request_output_len or client.session_len))
+        on_done = None
+        if session is not None:
+            session.running = rid
+
+            def on_done(stats: list[RequestStats], session: _Session = session, sid: int = session_id) -> None:
+                session.running = None
+                if first_turn and stats[0].failed:
+                    sessions.pop(sid, None)  # the engine never opened it
+                else:
+                    session.history_tokens += stats[0].prompt_tokens + stats[0].completion_tokens
+
+        fmt = InteractiveFormat(session.history_tokens if session else 0, session_id)
+        return await ing.respond(request, [req], fmt, stream=body.stream, n=1, start=start, on_done=on_done)
+
+    return app
+
+
+def begin_drain(app: FastAPI) -> None:
+    """Refuse new generation requests (503) and fail /health; requests in flight run to the end."""
+    app.state.draining = True
+    logger.info("draining: %d requests in flight", inflight_requests(app))
+
+
+def inflight_requests(app: FastAPI) -> int:
+    """Generation requests this app is serving now (a launcher waits for 0 before stopping)."""
+    return app.state.ingress.inflight

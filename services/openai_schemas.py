@@ -1,0 +1,405 @@
+"""Request and response bodies of the HTTP ingress: OpenAI's API plus LMDeploy's /v1/chat/interactive.
+
+Requests check types and ranges here, so the ingress answers 400 before anything reaches the
+engine; prompt lengths and the chat template are checked by the tokenizer stage. Unknown fields
+are ignored (OpenAI clients send some conveyor has no use for, e.g. ``logit_bias``, ``tools``).
+``presence_penalty`` and ``frequency_penalty`` are accepted and ignored: the engine implements
+``repetition_penalty`` (an extension) instead. Sampling defaults follow LMDeploy's api_server
+(temperature 0.7, top_p 1.0, top_k 40) rather than OpenAI's.
+
+Streamed chunks are not built from these models (see ``sse.py``, which writes the same shapes
+directly for speed); they are here so /docs and /openapi.json describe them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from conveyor.protocol import SamplingOptions
+
+INT32_MAX = 2**31 - 1
+MAX_N = 128  # choices per request: each is a separate engine request
+MAX_TOP_LOGPROBS = 20  # chat completions (OpenAI's limit)
+MAX_COMPLETION_LOGPROBS = 5  # legacy completions (OpenAI's limit)
+
+
+class _Body(BaseModel):
+    """Base of every request body: extra fields ignored, NaN / Infinity refused."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class TextContent(_Body):
+    """One part of a message's content; only text parts are supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    """One message of a conversation ("developer" is OpenAI's newer name for "system")."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContent] | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_given(self) -> "ChatMessage":
+        # Only an assistant turn may lack content (OpenAI allows it beside tool calls).
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def to_wire(self) -> dict[str, str]:
+        """The {role, content} dict the tokenizer stage's chat template takes."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)  # as vLLM and LMDeploy merge parts
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class StreamOptions(_Body):
+    """OpenAI's stream_options."""
+
+    include_usage: bool = False
+
+
+class _SamplingBody(_Body):
+    """Sampling fields shared by chat and text completions (None means the default)."""
+
+    model: str | None = Field(None, description="The served model's name (GET /v1/models); omitted: that one.")
+    temperature: float | None = Field(None, ge=0, le=2, description="Default 0.7.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Default 1.0.")
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX,
+                              description="Extension. Default 40; 0 or -1: no top-k limit.")
+    min_p: float | None = Field(None, ge=0, le=1, description="Extension. Default 0.")
+    n: int | None = Field(None, ge=1, le=MAX_N, description="Choices to generate. Default 1.")
+    stop: str | list[str] | None = Field(None, description="Strings that end generation (not returned).")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Choice i uses seed + i.")
+    user: str | None = Field(None, description="Accepted and ignored.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="Accepted and ignored.")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Accepted and ignored.")
+    repetition_penalty: float | None = Field(None, gt=0, le=100, description="Extension. Default 1.0 (off).")
+    ignore_eos: bool = Field(False, description="Extension: keep generating past the end-of-sequence token.")
+    skip_special_tokens: bool = Field(True, description="Extension.")
+    min_new_tokens: int | None = Field(None, ge=0, le=INT32_MAX, description="Extension.")
+    stop_token_ids: list[int] | None = Field(None, description="Extension: token ids that end generation.")
+    include_stop_str_in_output: bool = Field(False, description="Extension: keep the matched stop string.")
+
+    @property
+    def num_choices(self) -> int:
+        """n, defaulted."""
+        return self.n or 1
+
+    @property
+    def wants_usage_chunk(self) -> bool:
+        """A streamed response ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling_options(self, max_new_tokens: int, logprobs: int | None, choice: int = 0) -> SamplingOptions:
+        """The wire SamplingOptions for choice ``choice`` (its seed is seed + choice)."""
+        top_k = 40 if self.top_k is None else self.top_k
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingOptions(
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=self.min_new_tokens or 0,
+            temperature=0.7 if self.temperature is None else self.temperature,
+            top_k=max(top_k, 0),  # the engine reads top_k <= 0 as "no limit"; vLLM clients send -1
+            top_p=1.0 if self.top_p is None else self.top_p,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            ignore_eos=self.ignore_eos,
+            seed=None if self.seed is None else self.seed + choice,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str=self.include_stop_str_in_output,
+        )
+
+
+class ChatCompletionRequest(_SamplingBody):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX,
+                                   description="Default: as many as the context length leaves.")
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="Wins over max_tokens.")
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _logprobs_consistent(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token the engine must report (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens, else max_tokens."""
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_SamplingBody):
+    """POST /v1/completions (legacy text completions)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="A string, a list of strings, a list of token ids, or a list of token-id lists.")
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX, description="Default 16, as OpenAI's.")
+    echo: bool = Field(False, description="Prepend the prompt to the text (the prompt gets no logprobs).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    suffix: str | None = Field(None, description="Accepted and ignored.")
+
+    @model_validator(mode="after")
+    def _prompt_not_empty(self) -> "CompletionRequest":
+        p = self.prompt
+        if p == "" or p == [] or (isinstance(p, list) and any(x == "" or x == [] for x in p)):
+            raise ValueError("prompt: empty; give some text or token ids")
+        ids = [t for x in p if isinstance(x, list) for t in x] if isinstance(p, list) else []
+        ids += [x for x in p if isinstance(x, int)] if isinstance(p, list) else []
+        if any(not 0 <= t <= INT32_MAX for t in ids):
+            raise ValueError(f"prompt: token ids must be in [0, {INT32_MAX}]")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per element of a batch (a token list is one prompt)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class InteractiveRequest(_Body):
+    """POST /v1/chat/interactive, LMDeploy's stateful chat (its ``GenerateRequest``) plus ``end``."""
+
+    prompt: str | list[ChatMessage] = Field("", description="This turn's text, or messages.")
+    session_id: int = Field(-1, ge=-1, le=2**53 - 1, description="-1: a fresh session.")
+    interactive_mode: bool = Field(False, description="True: keep the history on the server for the next turn.")
+    stream: bool = False
+    stop: str | list[str] | None = None
+    request_output_len: int | None = Field(None, ge=1, le=INT32_MAX)
+    top_p: float = Field(0.8, gt=0, le=1)
+    top_k: int = Field(40, ge=-1, le=INT32_MAX)
+    temperature: float = Field(0.8, ge=0, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=100)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    cancel: bool = Field(False, description="Abort the session's running turn.")
+    adapter_name: str | None = Field(None, description="Accepted and ignored (no LoRA adapters).")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    end: bool = Field(False, description="Extension: end the session and free its cache.")
+
+    def sampling_options(self, max_new_tokens: int) -> SamplingOptions:
+        """The wire SamplingOptions of this turn."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingOptions(
+            max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=max(self.top_k, 0),
+            top_p=self.top_p, repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
+            seed=self.seed, stop=stop, skip_special_tokens=self.skip_special_tokens)
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class PromptTokensDetails(BaseModel):
+    """Prompt tokens served from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    """Token counts of a response (a prompt counts once however many choices it has)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(BaseModel):
+    """One alternative token."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """The chosen token and its alternatives."""
+
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's logprobs."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    """The generated message."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    """One choice of a chat completion."""
+
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """Response of POST /v1/chat/completions without streaming."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """New text of a streamed chat choice (role only in its first chunk)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionChunkChoice(BaseModel):
+    """One choice's piece of a streamed chat chunk."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of POST /v1/chat/completions with ``stream: true``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completion logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a text completion (also the streamed chunk's choice)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Response of POST /v1/completions without streaming."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionChunk(BaseModel):
+    """One server-sent event of POST /v1/completions with ``stream: true``."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class InteractiveResponse(BaseModel):
+    """Response of /v1/chat/interactive (streamed: one such JSON object per line, ``text`` the delta)."""
+
+    text: str
+    tokens: int = 0  # generated so far in this turn
+    input_tokens: int = 0  # this turn's prompt
+    history_tokens: int = 0  # the session's tokens before this turn
+    finish_reason: FinishReason | None = None
+    session_id: int | None = None  # extension: the id a session_id=-1 request was given
+
+
+class ModelCard(BaseModel):
+    """One served model."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "conveyor"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    permission: list[dict[str, Any]] = []
+
+
+class ModelList(BaseModel):
+    """Response of GET /v1/models."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response, as OpenAI's: ``{"error": {...}}``."""
+
+    error: ErrorDetail
+
+
+_ERROR_TYPES = {401: "invalid_request_error", 500: "internal_error", 503: "service_unavailable"}
+
+
+def error_envelope(status: int, message: str, type: str | None = None, param: str | None = None,
+                   code: str | None = None) -> dict[str, Any]:
+    """The ``{"error": {...}}`` body of an error; ``type`` defaults from the status."""
+    kind = type or _ERROR_TYPES.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class HealthResponse(BaseModel):
+    """Response of GET /health when the server takes requests."""
+
+    status: Literal["ok"] = "ok"

@@ -1,0 +1,78 @@
+"""What every stage process shares: logging set-up, the READY handshake, SIGTERM, reply sockets."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+import msgspec
+import zmq
+
+from conveyor.protocol import Codec, Ready, Stage
+from conveyor.protocol.messages import IngressIn, LauncherIn
+
+logger = logging.getLogger(__name__)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    """One log format for every stage process."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+
+
+def announce_ready(ctx: zmq.Context, launcher_address: str | None, stage: Stage, **info) -> None:
+    """Tell the launcher this stage accepts traffic (no launcher: nothing to do)."""
+    if not launcher_address:
+        return
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(launcher_address)
+    Codec(LauncherIn).send(sock, Ready(stage, os.getpid(), info))
+    sock.close()
+
+
+def stop_on_sigterm() -> threading.Event:
+    """An Event set by SIGTERM, for loops that poll with a timeout (main thread only).
+
+    SIGINT is ignored: a Ctrl-C in the terminal reaches every process of the group, and the
+    launcher must stop the stages in order (ingress drains first), so only it acts on SIGINT.
+    """
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return stop
+
+
+class ReplySockets:
+    """PUSH sockets to ingress reply addresses, made on first use and kept."""
+
+    def __init__(self, ctx: zmq.Context, max_sockets: int = 256):
+        self._ctx = ctx
+        self._socks: dict[str, zmq.Socket] = {}
+        self._codec = Codec(IngressIn)
+        self._max = max_sockets
+
+    def send(self, address: str, msg: msgspec.Struct) -> None:
+        """Deliver ``msg`` to the ingress at ``address``; drops it if that ingress is gone."""
+        sock = self._socks.get(address)
+        if sock is None:
+            if len(self._socks) >= self._max:  # ingresses come and go; forget the oldest
+                old = next(iter(self._socks))
+                self._socks.pop(old).close(linger=0)
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+            sock.connect(address)
+            self._socks[address] = sock
+        try:
+            self._codec.send(sock, msg, zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("ingress %s is not reading; dropped a %s", address, type(msg).__name__)
+
+    def close(self) -> None:
+        """Close every socket."""
+        for s in self._socks.values():
+            s.close(linger=0)
+        self._socks.clear()

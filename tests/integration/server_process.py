@@ -1,0 +1,87 @@
+"""Start a real `conveyor serve api_server` process for tests, and find its stage processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`conveyor serve api_server ...` in a subprocess, its log in a file."""
+
+    def __init__(self, model: str | Path, *extra: str, log_dir: Path, api_key: str | None = None,
+                 start_timeout: float = 240.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = log_dir / f"server-{self.port}.log"
+        args = [sys.executable, "-m", "conveyor.cli", "serve", "api_server", str(model),
+                "--server-name", "127.0.0.1", "--server-port", str(self.port), "--log-level", "INFO", *extra]
+        if api_key:
+            args += ["--api-keys", api_key]
+        self._log = open(self.log_path, "w")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self._wait_healthy(start_timeout)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.kill()
+        raise RuntimeError(f"server not healthy after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        """Everything the server printed so far."""
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stage_pids(self, stage: str) -> list[int]:
+        """Pids of a stage ('engine', 'tokenizer', ...) from the launcher's READY log lines."""
+        return [int(p) for p in re.findall(rf"{stage} ready \(pid (\d+)\)", self.log())]
+
+    def headers(self) -> dict[str, str]:
+        """The Authorization header, when the server has a key."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM the launcher and wait for every process to exit."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """Kill the whole process group."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
