@@ -1,13 +1,26 @@
-"""Compute kernels, each with the plain-torch reference it is tested against."""
+"""Compute kernels, each with the plain-torch reference it is tested against.
 
-from conveyor.kernels.activation import silu_and_mul, silu_and_mul_ref
-from conveyor.kernels.attention import paged_attention, paged_attention_ref
-from conveyor.kernels.kv_cache import store_kv, store_kv_ref
-from conveyor.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
-from conveyor.kernels.rotary import apply_rotary, apply_rotary_ref
+Each public function dispatches to a Triton kernel for CUDA tensors when Triton imports and to
+its ``*_ref`` otherwise; ``CONVEYOR_KERNELS=ref|triton`` forces one side (see ``_triton``).
+"""
+
+from conveyor.kernels._triton import HAS_TRITON
+from conveyor.kernels.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton
+from conveyor.kernels.attention import paged_attention, paged_attention_ref, paged_attention_triton
+from conveyor.kernels.kv_cache import store_kv, store_kv_ref, store_kv_triton
+from conveyor.kernels.rms_norm import (
+    add_rms_norm,
+    add_rms_norm_ref,
+    add_rms_norm_triton,
+    rms_norm,
+    rms_norm_ref,
+    rms_norm_triton,
+)
+from conveyor.kernels.rotary import apply_rotary, apply_rotary_ref, apply_rotary_triton
 
 __all__ = [
-    "add_rms_norm", "add_rms_norm_ref", "apply_rotary", "apply_rotary_ref",
-    "paged_attention", "paged_attention_ref", "rms_norm", "rms_norm_ref",
-    "silu_and_mul", "silu_and_mul_ref", "store_kv", "store_kv_ref",
+    "HAS_TRITON", "add_rms_norm", "add_rms_norm_ref", "add_rms_norm_triton", "apply_rotary",
+    "apply_rotary_ref", "apply_rotary_triton", "paged_attention", "paged_attention_ref",
+    "paged_attention_triton", "rms_norm", "rms_norm_ref", "rms_norm_triton", "silu_and_mul",
+    "silu_and_mul_ref", "silu_and_mul_triton", "store_kv", "store_kv_ref", "store_kv_triton",
 ]

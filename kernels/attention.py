@@ -4,12 +4,42 @@ One entry point serves prefill, chunked prefill with a cached prefix, and decode
 brings ``q_len = cu_seqlens_q[b+1] - cu_seqlens_q[b]`` new queries, which are the *last*
 ``q_len`` positions of its ``seqlens_k[b]`` keys (already written to the cache). Masking is
 causal with that offset. The Triton kernels (GPU) are checked against ``paged_attention_ref``.
+
+Two Triton kernels sit behind :func:`paged_attention`, chosen by ``max_seqlen_q``:
+
+* **decode** (every sequence brings one query): flash-decoding. Grid ``(partition, kv_head,
+  sequence)``: each program reads one ``PARTITION``-token slice of one sequence's keys for one kv
+  head, once, and scores it against all ``H / Hkv`` query heads of that group together (the group
+  padded to a power of two >= 16 rows so it feeds ``tl.dot``). With more than one partition the
+  programs write partial (output, log-sum-exp) pairs and a second kernel, grid
+  ``(head, sequence)``, merges them; so a long context is spread over many programs even at batch 1.
+* **prefill** (any ``q_len >= 1``, with or without a cached prefix): flash attention. Grid
+  ``(query_tile, head, sequence)`` over ``cdiv(max_seqlen_q, BLOCK_M)`` query tiles; programs past
+  their sequence's ``q_len`` return at once (no host-side tile list, so no device sync when the
+  caller passes ``max_seqlen_q``). Key tiles after the tile's last query position are never read.
+
+Both read keys through the block table token by token (a gather per key row), so any block size
+works, including the one-token blocks of the attention layer's cache-less path. Softmax runs in
+fp32 with exp2 (the scale is folded with log2(e)); outputs are cast to ``q.dtype``.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: Triton reads ``tl.constexpr`` annotations as objects.
+
+import functools
 
 import torch
 import torch.nn.functional as F
+
+from conveyor.kernels._triton import (
+    FLOAT_DTYPES,
+    cdiv,
+    forced_triton,
+    is_pow2,
+    jit,
+    next_pow2,
+    tl,
+    use_triton,
+)
 
 
 def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -61,6 +91,319 @@ def paged_attention_ref(
     return out
 
 
+# Decode partition (tokens per program) bounds; the size in between is picked to fill the GPU.
+DECODE_PARTITION = 512  # used under the interpreter (no GPU to fill)
+_MIN_DECODE_PARTITION = 128
+_MAX_DECODE_PARTITION = 1024
+_LOG2E = 1.4426950408889634
+
+
+@jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, seqlens_k_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_ot, stride_oh,
+    stride_pob, stride_poh, stride_pop,
+    stride_plb, stride_plh,
+    qk_scale,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    part = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
+    seqlen = tl.load(seqlens_k_ptr + seq)
+    start = part * PARTITION
+    # The grid is sized for the longest sequence; shorter ones have fewer partitions.
+    if start >= seqlen:
+        return
+    end = tl.minimum(start + PARTITION, seqlen)
+    row = tl.load(cu_q_ptr + seq).to(tl.int64)
+
+    g = tl.arange(0, GROUP_PAD)
+    g_mask = g < GROUP
+    heads = kv_head * GROUP + g
+    d = tl.arange(0, HEAD_DIM)
+    # Padding rows (g >= GROUP) load zeros: their scores are finite and their results never stored.
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        slot = n % BLOCK_SIZE
+        k_off = block * stride_kb + slot * stride_ks + kv_head * stride_kh
+        v_off = block * stride_vb + slot * stride_vs + kv_head * stride_vh
+        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=n_mask[None, :], other=0.0)  # [D, N]
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        # The first tile always holds a valid key (start < seqlen), so m_new is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)  # [N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    if SPLIT:
+        # Partial result normalized by its own sum, plus its log2-sum-exp for the merge.
+        po = part_out_ptr + seq * stride_pob + heads[:, None] * stride_poh + part * stride_pop + d[None, :]
+        tl.store(po, o, mask=g_mask[:, None])
+        pl = part_lse_ptr + seq * stride_plb + heads * stride_plh + part
+        tl.store(pl, m_i + tl.log2(l_i), mask=g_mask)
+    else:
+        dst = out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+@jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, cu_q_ptr, seqlens_k_ptr, out_ptr,
+    stride_pob, stride_poh, stride_pop,
+    stride_plb, stride_plh,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    # Grid: (H, B). Merge a sequence's partitions: out = sum_p w_p o_p / sum_p w_p, w_p = 2^(lse_p - max).
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    seqlen = tl.load(seqlens_k_ptr + seq)
+    num_parts = (seqlen + PARTITION - 1) // PARTITION
+    p = tl.arange(0, BLOCK_P)
+    d = tl.arange(0, HEAD_DIM)
+    lse_row = part_lse_ptr + seq * stride_plb + head * stride_plh
+    out_row = part_out_ptr + seq * stride_pob + head * stride_poh
+
+    m = tl.full([BLOCK_P], float("-inf"), tl.float32)
+    for p0 in range(0, num_parts, BLOCK_P):
+        lse = tl.load(lse_row + p0 + p, mask=p0 + p < num_parts, other=float("-inf"))
+        m = tl.maximum(m, lse)
+    m_max = tl.max(m, 0)
+
+    acc = tl.zeros([BLOCK_P, HEAD_DIM], tl.float32)
+    w_sum = tl.zeros([BLOCK_P], tl.float32)
+    for p0 in range(0, num_parts, BLOCK_P):
+        p_mask = p0 + p < num_parts
+        lse = tl.load(lse_row + p0 + p, mask=p_mask, other=float("-inf"))
+        w = tl.where(p_mask, tl.exp2(lse - m_max), 0.0)
+        o = tl.load(out_row + (p0 + p)[:, None] * stride_pop + d[None, :], mask=p_mask[:, None], other=0.0)
+        acc += w[:, None] * o
+        w_sum += w
+    o = tl.sum(acc, 0) / tl.sum(w_sum, 0)
+    row = tl.load(cu_q_ptr + seq).to(tl.int64)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+@jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, seqlens_k_ptr, out_ptr,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_ot, stride_oh,
+    qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Later query tiles see more keys: hand them the lowest program ids so they start first.
+    m_tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    if m_tile * BLOCK_M >= q_len:
+        return
+    seqlen = tl.load(seqlens_k_ptr + seq)
+    # Query i of this sequence sits at absolute position ctx + i and sees keys 0..ctx + i.
+    ctx = seqlen - q_len
+    kv_head = head // GROUP
+
+    m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = m < q_len
+    pos = ctx + m
+    rows = (q_start + m).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=m_mask[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    # Keys past the tile's last query position are masked for every row: stop before them.
+    kv_end = tl.minimum(seqlen, ctx + (m_tile + 1) * BLOCK_M)
+    for n0 in range(0, kv_end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < kv_end
+        block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        slot = n % BLOCK_SIZE
+        k_off = block * stride_kb + slot * stride_ks + kv_head * stride_kh
+        v_off = block * stride_vb + slot * stride_vs + kv_head * stride_vh
+        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=n_mask[None, :], other=0.0)  # [D, N]
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        # Key 0 is visible to every row (pos >= 0), so each row's max is finite after the first tile
+        # and fully masked later tiles contribute exp2(-inf) = 0, never NaN.
+        s = tl.where((n[None, :] <= pos[:, None]) & n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)  # [N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    dst = out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :]
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _decode_partition(device: torch.device, num_seqs: int, num_kv_heads: int, max_seqlen_k: int) -> int:
+    """Tokens per decode program: the largest power of two that still gives ~2 programs per SM.
+
+    Large batches fill the GPU with few partitions per sequence (one: no merge kernel at all);
+    batch 1 with a long context splits it into many. Bounded to [128, 1024]: one program walking
+    more than ~1k keys alone is latency-bound, which matters when one long sequence shares a batch
+    with short ones (H100, bf16, D=128: 255 x 100 tokens + 1 x 32k took 246 us with 4096-token
+    partitions), while splitting a batch that already fills the GPU costs only ~3-5%.
+    """
+    if device.type != "cuda":  # the interpreter: nothing to fill
+        return DECODE_PARTITION
+    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    per_seq = cdiv(target, num_seqs * num_kv_heads)
+    partition = 1 << (max(max_seqlen_k // per_seq, 1).bit_length() - 1)  # round down to a power of two
+    return min(max(partition, _MIN_DECODE_PARTITION), _MAX_DECODE_PARTITION)
+
+
+def _check_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor,
+) -> str | None:
+    """Why the Triton kernels cannot take these inputs, or None when they can."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        return "q must be [T, H, D] and the caches [num_blocks, block_size, Hkv, D]"
+    if q.dtype not in FLOAT_DTYPES or not q.dtype == k_cache.dtype == v_cache.dtype:
+        return f"q/cache dtypes {q.dtype}/{k_cache.dtype}/{v_cache.dtype} must match and be fp16/bf16/fp32"
+    head_dim = q.shape[-1]
+    if k_cache.shape[-1] != head_dim or not is_pow2(head_dim) or not 16 <= head_dim <= 256:
+        return f"head_dim {head_dim} must be a power of two in [16, 256] and match the cache"
+    if q.shape[1] % k_cache.shape[2]:
+        return f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} kv heads"
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        return "caches need a unit stride along head_dim"
+    if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64):
+        return "block_tables must be a 2-D int32/int64 tensor"
+    if cu_seqlens_q.shape[0] != seqlens_k.shape[0] + 1 or block_tables.shape[0] < seqlens_k.shape[0]:
+        return "cu_seqlens_q must be [B+1], seqlens_k [B] and block_tables [>=B, max_blocks]"
+    return None
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    decode_partition: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Triton launcher for :func:`paged_attention_ref` (same arguments and result).
+
+    ``max_seqlen_q`` picks the kernel (1: decode) and sizes the prefill grid; ``max_seqlen_k``
+    sizes the decode grid. Either is read from the device (a sync) when not given; a value given
+    must be at least the true maximum. ``decode_partition``, ``block_m`` and ``block_n`` override
+    the tile choices (tests use small ones to cross more tile and partition boundaries).
+    """
+    problem = _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k)
+    assert problem is None, problem
+    devices = {t.device for t in (q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k)}
+    assert len(devices) == 1, f"tensors on several devices: {devices}"
+    assert not cu_seqlens_q.dtype.is_floating_point and not seqlens_k.dtype.is_floating_point
+
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    num_seqs = seqlens_k.shape[0]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    qk_scale = float(scale) * _LOG2E
+    # fp32 inputs would default to TF32 tensor-core products on the GPU: keep them exact.
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    common = (
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+    )
+
+    # (A batch whose sequences bring at most one query but some none goes to the prefill kernel.)
+    if max_seqlen_q == 1 and num_tokens == num_seqs:
+        if max_seqlen_k is None:
+            max_seqlen_k = int(seqlens_k.max())
+        partition = decode_partition or _decode_partition(q.device, num_seqs, num_kv_heads, max_seqlen_k)
+        bn = block_n or min(64 if head_dim <= 128 else 32, next_pow2(partition))
+        assert partition % bn == 0, "the decode partition must be a multiple of its key tile"
+        num_parts = max(cdiv(max_seqlen_k, partition), 1)
+        split = num_parts > 1
+        if split:
+            part_out = torch.empty(num_seqs, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
+            part_lse = torch.empty(num_seqs, num_heads, num_parts, dtype=torch.float32, device=q.device)
+        else:
+            part_out = part_lse = out  # unused (SPLIT=False); any valid pointer will do
+        po_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2)) if split else (0, 0, 0)
+        pl_strides = (part_lse.stride(0), part_lse.stride(1)) if split else (0, 0)
+        _decode_kernel[(num_parts, num_kv_heads, num_seqs)](
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, out, part_out, part_lse,
+            *common, *po_strides, *pl_strides, qk_scale,
+            GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            BLOCK_N=bn, PARTITION=partition, SPLIT=split, DOT_PRECISION=precision, num_warps=4,
+        )
+        if split:
+            _decode_reduce_kernel[(num_heads, num_seqs)](
+                part_out, part_lse, cu_seqlens_q, seqlens_k, out,
+                *po_strides, *pl_strides, out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, PARTITION=partition, BLOCK_P=min(next_pow2(num_parts), 16), num_warps=4,
+            )
+        return out
+
+    bm = block_m or (64 if max_seqlen_q >= 64 else max(16, next_pow2(max_seqlen_q)))
+    bn = block_n or (64 if head_dim <= 128 else 32)
+    _prefill_kernel[(cdiv(max_seqlen_q, bm), num_heads, num_seqs)](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, out,
+        *common, qk_scale,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn,
+        # Two stages measured best on an H100 (bf16, D=64 and 128) for 64x64 tiles and 4 warps.
+        DOT_PRECISION=precision, num_warps=4 if bm <= 64 else 8, num_stages=2,
+    )
+    return out
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -69,6 +412,24 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor,
     seqlens_k: torch.Tensor,
     scale: float,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
-    """Attention over the paged cache; the torch reference until the Triton path lands."""
+    """Attention of q [T, H, D] over the paged caches: Triton on CUDA, else the reference.
+
+    Pass ``max_seqlen_q`` / ``max_seqlen_k`` (from ``AttentionMetadata``) when known: without them
+    the Triton path reads the maxima from the device, a host sync per call. Values passed must be
+    at least the true maxima (an upper bound such as the model's max length is fine, and is what a
+    CUDA-graph capture should pass so the launch grid stays fixed).
+    """
+    if use_triton(q, k_cache, v_cache):
+        problem = _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k)
+        if problem is None:
+            return paged_attention_triton(
+                q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale,
+                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            )
+        if forced_triton():
+            raise ValueError(f"paged_attention Triton kernels do not support these inputs: {problem}")
     return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale)

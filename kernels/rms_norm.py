@@ -1,8 +1,10 @@
 """RMSNorm, optionally fused with the residual add that precedes it."""
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: Triton reads ``tl.constexpr`` annotations as objects.
 
 import torch
+
+from conveyor.kernels._triton import FLOAT_DTYPES, forced_triton, next_pow2, tl, jit, use_triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -21,11 +23,107 @@ def add_rms_norm_ref(
     return rms_norm_ref(residual, weight, eps), residual
 
 
-def rms_norm(x, weight, eps):
-    """RMSNorm; the torch reference until the Triton path lands."""
+@jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_res, stride_out, stride_res_out,
+    hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # Grid: (rows,); one program normalizes one whole row (BLOCK >= hidden), so one read of x.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        # The reference adds in the tensors' dtype (one rounding), then normalizes that sum.
+        summed = (x.to(tl.float32) + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + cols, summed, mask=mask)
+        x = summed
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    # Like the reference: round the normalized row to the input dtype, then scale by the weight.
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., hidden] as a 2-D [rows, hidden] tensor with unit stride along hidden."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    hidden = x.shape[-1]
+    assert x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES, f"unsupported dtypes {x.dtype}, {weight.dtype}"
+    assert weight.shape == (hidden,), f"weight {tuple(weight.shape)} does not match hidden size {hidden}"
+    assert weight.device == x.device, "weight and x on different devices"
+    x2 = _rows(x)
+    w = weight if weight.stride(0) == 1 else weight.contiguous()
+    if residual is not None:
+        assert residual.shape == x.shape and residual.device == x.device, "residual must match x"
+        assert residual.dtype in FLOAT_DTYPES, f"unsupported residual dtype {residual.dtype}"
+        r2 = _rows(residual)
+        res_dtype = torch.result_type(x, residual)
+        res_out = torch.empty(x2.shape, dtype=res_dtype, device=x.device)
+        normed_dtype = res_dtype
+    else:
+        r2 = res_out = x2  # unused by the kernel (HAS_RESIDUAL=False); any valid pointer will do
+        normed_dtype = x.dtype
+    # The reference multiplies ``weight * normed``: the product's dtype follows torch promotion.
+    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, normed_dtype), device=x.device)
+    if x2.shape[0]:
+        block = next_pow2(hidden)
+        num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, w, out, res_out,
+            x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
+            hidden, float(eps),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+        )
+    out = out.view(x.shape)
+    return out, (res_out.view(x.shape) if residual is not None else None)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton launcher for :func:`rms_norm_ref`."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton launcher for :func:`add_rms_norm_ref`: one pass computes the sum and its norm."""
+    out, res = _launch(x, residual, weight, eps)
+    assert res is not None
+    return out, res
+
+
+def _supported(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype in FLOAT_DTYPES for t in tensors) and tensors[0].shape[-1] <= 65536
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: Triton on CUDA, else the reference."""
+    if use_triton(x):
+        if _supported(x, weight):
+            return rms_norm_triton(x, weight, eps)
+        if forced_triton():
+            raise ValueError(f"rms_norm Triton kernel does not support {x.dtype} {tuple(x.shape)}")
     return rms_norm_ref(x, weight, eps)
 
 
-def add_rms_norm(x, residual, weight, eps):
-    """Fused residual add + RMSNorm; the torch reference until the Triton path lands."""
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``residual = x + residual; (rms_norm(residual), residual)``: Triton on CUDA, else the reference."""
+    if use_triton(x, residual):
+        if _supported(x, residual, weight):
+            return add_rms_norm_triton(x, residual, weight, eps)
+        if forced_triton():
+            raise ValueError(f"add_rms_norm Triton kernel does not support {x.dtype} {tuple(x.shape)}")
     return add_rms_norm_ref(x, residual, weight, eps)

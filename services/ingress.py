@@ -14,16 +14,14 @@ A request whose HTTP client goes away is aborted in the engine: a stream when it
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
-import re
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import anyio
 import msgspec
@@ -45,29 +43,33 @@ from conveyor.services.openai_schemas import (
     InteractiveRequest,
     InteractiveResponse,
     ModelList,
+    describe_validation_error,
     error_envelope,
 )
 from conveyor.services.sse import (
     ChatFormat,
+    ClientDisconnected,
     ClosingStreamingResponse,
     CompletionFormat,
-    Event,
     InteractiveFormat,
     LogprobRenderer,
     ResponseFormat,
+    collect,
+    first_event,
     iter_choices,
     stream_body,
+    until_disconnected,
     usage_dict,
 )
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 _encode = msgspec.json.Encoder().encode
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
 _ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 503)}
 _STREAMED = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE with stream: true"}}
+_LINES = {200: {"content": {"application/x-ndjson": {}}, "description": "JSON, or JSON lines with stream: true"}}
 
 
 class EngineClientLike(Protocol):
@@ -84,10 +86,6 @@ class EngineClientLike(Protocol):
     def healthy(self) -> bool: ...
     @property
     def load(self) -> LoadReport | None: ...
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away before its response was ready."""
 
 
 def error_response(status: int, message: str, type: str | None = None, param: str | None = None,
@@ -175,50 +173,6 @@ class BodyLimit:
 
 # ---- errors ------------------------------------------------------------------------------------
 
-_UNION_TAG = re.compile(r"[\[(]|^(str|int|float|bool|bytes|dict|list|none)$|^[A-Z]")
-
-
-def _field_path(loc: Any) -> list[str]:
-    # Drop the leading "body" and union branches ('str', 'list[int]', 'TextContent', ...), which
-    # mean nothing to a user.
-    items = list(loc or ())[1:] if list(loc or ("",))[0] == "body" else list(loc or ())
-    return [str(p) for p in items if not (isinstance(p, str) and _UNION_TAG.search(p))]
-
-
-def describe_validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """A readable message naming the field, and the field's path, for a RequestValidationError."""
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    kind, msg = first.get("type", ""), str(first.get("msg", "")).removeprefix("Value error, ")
-    path = _field_path(first.get("loc"))
-    if kind == "json_invalid":
-        where = f" at position {path[0]}" if path else ""
-        return f"malformed JSON in the request body{where}: {first.get('ctx', {}).get('error', msg)}", None
-    if not path:
-        if kind == "missing":
-            return "the request body is missing: send a JSON object (Content-Type: application/json)", None
-        if kind == "value_error":  # a whole-body check; its message starts with the field it blames
-            field = re.match(r"(\w+): ", msg)
-            return msg, field.group(1) if field else None
-        return "the request body must be a JSON object sent with Content-Type: application/json", None
-    # Of a union's failed branches, the one that got deepest into the value says the most.
-    deepest = max((e for e in errors if _field_path(e.get("loc"))[:len(path)] == path),
-                  key=lambda e: len(_field_path(e.get("loc"))))
-    if deepest is not first:
-        first, path = deepest, _field_path(deepest.get("loc"))
-        kind, msg = first.get("type", ""), str(first.get("msg", "")).removeprefix("Value error, ")
-    param = ".".join(path)
-    if kind == "missing":
-        return f"{param}: field required", param
-    # A union field fails once per branch: list each distinct reason.
-    msgs = dict.fromkeys(str(e.get("msg", "")).removeprefix("Value error, ")
-                         for e in errors if _field_path(e.get("loc")) == path)
-    got = repr(first.get("input"))
-    got = got if len(got) <= 60 else got[:57] + "..."
-    return f"{param}: {', or '.join(msgs) or msg} (got {got})", param
-
-
 def _install_error_handlers(app: FastAPI) -> None:
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
         message, param = describe_validation_error(list(exc.errors()))
@@ -252,46 +206,6 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 # ---- the request flow --------------------------------------------------------------------------
-
-async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; if the HTTP client disconnects first, cancel it and raise ClientDisconnected."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnect(request.receive))
-    try:
-        done, _ = await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-        if task not in done and watch.exception() is not None:
-            # The server cannot tell us about the connection: just wait for the work.
-            logger.debug("disconnect watch failed: %r", watch.exception())
-            done, _ = await asyncio.wait((task,))
-    except BaseException:  # cancelled ourselves (server shutdown): leave nothing running
-        watch.cancel()
-        task.cancel()
-        raise
-    watch.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()  # the engine stream inside is cancelled, which aborts the request
-    await asyncio.wait((task,))
-    raise ClientDisconnected()
-
-
-async def _disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
-    # The body has been read, so the next message the server has for us is the disconnect.
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _first(events: AsyncIterator[Event]) -> Event | None:
-    try:
-        return await events.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
-async def _collect(events: AsyncIterator[Event], fmt: ResponseFormat) -> None:
-    async for i, out in events:
-        fmt.add(i, out)
-
 
 @dataclass
 class _Session:
@@ -344,13 +258,13 @@ class _Ingress:
             if stream:
                 # Wait for the first output before answering, so that a request the tokenizer
                 # refuses (prompt too long, ...) gets its 400 status rather than a 200 stream.
-                first = await until_disconnected(request, _first(events))
+                first = await until_disconnected(request, first_event(events))
                 body = stream_body(first, events, fmt, lambda: usage_dict(stats, n))
                 response = ClosingStreamingResponse(body, finish, media_type=fmt.media_type,
                                                     headers=_STREAM_HEADERS)
                 handed_off = True
                 return response
-            await until_disconnected(request, _collect(events, fmt))
+            await until_disconnected(request, collect(events, fmt))
             return _json(fmt.body(usage_dict(stats, n)))
         finally:
             if not handed_off:
@@ -362,10 +276,6 @@ class _Ingress:
         while (sid := 2**32 + secrets.randbelow(2**53 - 2**32)) in self.sessions:
             pass
         return sid
-
-
-def _ingress(request: Request) -> _Ingress:
-    return request.app.state.ingress
 
 
 def _rid(prefix: str) -> str:
@@ -438,7 +348,11 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
             if tokenizer is None and any(isinstance(p, list) for p in prompts):
                 raise RequestError(400, "echo of a token-id prompt needs the server's tokenizer: send text",
                                    param="echo")
-            echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts for _ in range(n)]
+            try:
+                texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+            except Exception as exc:  # noqa: BLE001 - ids outside the vocabulary
+                raise RequestError(400, f"the prompt's token ids do not decode: {exc}", param="prompt") from exc
+            echo = [t for t in texts for _ in range(n)]
         max_new = body.max_tokens or client.session_len
         reqs = [GenerateReq(rid=f"{rid}-{j * n + i}", reply_to=client.reply_to, do_preprocess=False,
                             prompt=p if isinstance(p, str) else None, input_ids=None if isinstance(p, str) else p,
@@ -448,7 +362,7 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
                                body.wants_usage_chunk, echo=echo)
         return await ing.respond(request, reqs, fmt, stream=bool(body.stream), n=n, start=start)
 
-    @app.post("/v1/chat/interactive", response_model=InteractiveResponse, responses=_ERRORS)
+    @app.post("/v1/chat/interactive", response_model=InteractiveResponse, responses={**_ERRORS, **_LINES})
     async def chat_interactive(body: InteractiveRequest, request: Request) -> Response:
         """LMDeploy's stateful chat: with ``interactive_mode`` the server keeps the session's history.
 

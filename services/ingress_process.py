@@ -38,7 +38,6 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True  # a second SIGTERM: stop now
             return
         self._draining = True
-        logger.info("draining: %d requests in flight", inflight_requests(self.config.app))
         begin_drain(self.config.app)
         asyncio.get_running_loop().create_task(self._exit_when_idle())
 

@@ -9,13 +9,15 @@ are ignored (OpenAI clients send some conveyor has no use for, e.g. ``logit_bias
 
 Streamed chunks are not built from these models (see ``sse.py``, which writes the same shapes
 directly for speed); they are here so /docs and /openapi.json describe them.
+``describe_validation_error`` turns pydantic's errors into one message that names the field.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from conveyor.protocol import SamplingOptions
 
@@ -23,12 +25,31 @@ INT32_MAX = 2**31 - 1
 MAX_N = 128  # choices per request: each is a separate engine request
 MAX_TOP_LOGPROBS = 20  # chat completions (OpenAI's limit)
 MAX_COMPLETION_LOGPROBS = 5  # legacy completions (OpenAI's limit)
+MAX_SEED = 2**53 - 1  # exact as a JSON number (a double), so every client parses it alike
+
+
+def _integral(value: Any) -> Any:
+    # JSON Schema counts 2.0 as an integer; strict mode would refuse it, so turn it into 2 first.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def int_in(ge: int, le: int) -> Any:
+    """An integer field type in [ge, le] (bounds kept in the core schema so /openapi.json shows them)."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
+
+
+# Constraints live in the types (not in validators) so that /openapi.json states every rule.
+_T = TypeVar("_T")
+NonEmpty = Annotated[_T, Field(min_length=1)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = int_in(0, INT32_MAX)
 
 
 class _Body(BaseModel):
     """Base of every request body: extra fields ignored, NaN / Infinity refused."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # strict: no "1" -> 1 or false -> 0 coercions; a value is accepted only if the schema allows it.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class TextContent(_Body):
@@ -44,13 +65,6 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContent] | None = None
     name: str | None = None
-
-    @model_validator(mode="after")
-    def _content_given(self) -> "ChatMessage":
-        # Only an assistant turn may lack content (OpenAI allows it beside tool calls).
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content")
-        return self
 
     def to_wire(self) -> dict[str, str]:
         """The {role, content} dict the tokenizer stage's chat template takes."""
@@ -73,22 +87,22 @@ class _SamplingBody(_Body):
     model: str | None = Field(None, description="The served model's name (GET /v1/models); omitted: that one.")
     temperature: float | None = Field(None, ge=0, le=2, description="Default 0.7.")
     top_p: float | None = Field(None, gt=0, le=1, description="Default 1.0.")
-    top_k: int | None = Field(None, ge=-1, le=INT32_MAX,
+    top_k: int_in(-1, INT32_MAX) | None = Field(None,
                               description="Extension. Default 40; 0 or -1: no top-k limit.")
     min_p: float | None = Field(None, ge=0, le=1, description="Extension. Default 0.")
-    n: int | None = Field(None, ge=1, le=MAX_N, description="Choices to generate. Default 1.")
+    n: int_in(1, MAX_N) | None = Field(None, description="Choices to generate. Default 1.")
     stop: str | list[str] | None = Field(None, description="Strings that end generation (not returned).")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Choice i uses seed + i.")
+    seed: int_in(0, MAX_SEED) | None = Field(None, description="Choice i uses seed + i.")
     user: str | None = Field(None, description="Accepted and ignored.")
     presence_penalty: float | None = Field(None, ge=-2, le=2, description="Accepted and ignored.")
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Accepted and ignored.")
     repetition_penalty: float | None = Field(None, gt=0, le=100, description="Extension. Default 1.0 (off).")
     ignore_eos: bool = Field(False, description="Extension: keep generating past the end-of-sequence token.")
     skip_special_tokens: bool = Field(True, description="Extension.")
-    min_new_tokens: int | None = Field(None, ge=0, le=INT32_MAX, description="Extension.")
-    stop_token_ids: list[int] | None = Field(None, description="Extension: token ids that end generation.")
+    min_new_tokens: int_in(0, INT32_MAX) | None = Field(None, description="Extension.")
+    stop_token_ids: list[TokenId] | None = Field(None, description="Extension: token ids that end generation.")
     include_stop_str_in_output: bool = Field(False, description="Extension: keep the matched stop string.")
 
     @property
@@ -127,17 +141,11 @@ class ChatCompletionRequest(_SamplingBody):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX,
+    max_tokens: int_in(1, INT32_MAX) | None = Field(None,
                                    description="Default: as many as the context length leaves.")
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="Wins over max_tokens.")
+    max_completion_tokens: int_in(1, INT32_MAX) | None = Field(None, description="Wins over max_tokens.")
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-
-    @model_validator(mode="after")
-    def _logprobs_consistent(self) -> "ChatCompletionRequest":
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs: needs logprobs: true")
-        return self
+    top_logprobs: int_in(0, MAX_TOP_LOGPROBS) | None = Field(None, description="Ignored unless logprobs is true.")
 
     @property
     def num_logprobs(self) -> int | None:
@@ -153,23 +161,12 @@ class ChatCompletionRequest(_SamplingBody):
 class CompletionRequest(_SamplingBody):
     """POST /v1/completions (legacy text completions)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: NonEmptyStr | NonEmpty[list[NonEmptyStr]] | NonEmpty[list[TokenId]] | NonEmpty[list[NonEmpty[list[TokenId]]]] = Field(
         description="A string, a list of strings, a list of token ids, or a list of token-id lists.")
-    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX, description="Default 16, as OpenAI's.")
+    max_tokens: int_in(1, INT32_MAX) | None = Field(16, description="Default 16, as OpenAI's.")
     echo: bool = Field(False, description="Prepend the prompt to the text (the prompt gets no logprobs).")
-    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    logprobs: int_in(0, MAX_COMPLETION_LOGPROBS) | None = None
     suffix: str | None = Field(None, description="Accepted and ignored.")
-
-    @model_validator(mode="after")
-    def _prompt_not_empty(self) -> "CompletionRequest":
-        p = self.prompt
-        if p == "" or p == [] or (isinstance(p, list) and any(x == "" or x == [] for x in p)):
-            raise ValueError("prompt: empty; give some text or token ids")
-        ids = [t for x in p if isinstance(x, list) for t in x] if isinstance(p, list) else []
-        ids += [x for x in p if isinstance(x, int)] if isinstance(p, list) else []
-        if any(not 0 <= t <= INT32_MAX for t in ids):
-            raise ValueError(f"prompt: token ids must be in [0, {INT32_MAX}]")
-        return self
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -183,21 +180,32 @@ class CompletionRequest(_SamplingBody):
 class InteractiveRequest(_Body):
     """POST /v1/chat/interactive, LMDeploy's stateful chat (its ``GenerateRequest``) plus ``end``."""
 
-    prompt: str | list[ChatMessage] = Field("", description="This turn's text, or messages.")
-    session_id: int = Field(-1, ge=-1, le=2**53 - 1, description="-1: a fresh session.")
+    # Rules across fields, stated in the schema too: a prompt is required (non-empty) unless the
+    # request only cancels or ends; cancel needs a real session_id.
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"if": {"properties": {"cancel": {"const": False}, "end": {"const": False}}},
+         "then": {"required": ["prompt"],
+                  "properties": {"prompt": {"type": ["string", "array"], "minLength": 1, "minItems": 1}}}},
+        {"if": {"properties": {"cancel": {"const": True}}, "required": ["cancel"]},
+         "then": {"required": ["session_id"], "properties": {"session_id": {"minimum": 0}}}},
+    ]})
+
+    prompt: str | list[ChatMessage] | None = Field(
+        None, description="This turn's text, or messages; required unless cancel or end.")
+    session_id: int_in(-1, 2**53 - 1) = Field(-1, description="-1: a fresh session.")
     interactive_mode: bool = Field(False, description="True: keep the history on the server for the next turn.")
     stream: bool = False
     stop: str | list[str] | None = None
-    request_output_len: int | None = Field(None, ge=1, le=INT32_MAX)
+    request_output_len: int_in(1, INT32_MAX) | None = None
     top_p: float = Field(0.8, gt=0, le=1)
-    top_k: int = Field(40, ge=-1, le=INT32_MAX)
+    top_k: int_in(-1, INT32_MAX) = 40
     temperature: float = Field(0.8, ge=0, le=2)
     repetition_penalty: float = Field(1.0, gt=0, le=100)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     cancel: bool = Field(False, description="Abort the session's running turn.")
     adapter_name: str | None = Field(None, description="Accepted and ignored (no LoRA adapters).")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int_in(0, MAX_SEED) | None = None
     end: bool = Field(False, description="Extension: end the session and free its cache.")
 
     def sampling_options(self, max_new_tokens: int) -> SamplingOptions:
@@ -403,3 +411,49 @@ class HealthResponse(BaseModel):
     """Response of GET /health when the server takes requests."""
 
     status: Literal["ok"] = "ok"
+
+
+# ---- validation errors -------------------------------------------------------------------------
+
+_UNION_TAG = re.compile(r"[\[(]|^(str|int|float|bool|bytes|dict|list|none)$|^[A-Z]")
+
+
+def _field_path(loc: Any) -> list[str]:
+    # Drop the leading "body" and union branches ('str', 'list[int]', 'TextContent', ...), which
+    # mean nothing to a user.
+    items = list(loc or ())[1:] if list(loc or ("",))[0] == "body" else list(loc or ())
+    return [str(p) for p in items if not (isinstance(p, str) and _UNION_TAG.search(p))]
+
+
+def describe_validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """A readable message naming the field, and the field's path, for a RequestValidationError."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    kind, msg = first.get("type", ""), str(first.get("msg", "")).removeprefix("Value error, ")
+    path = _field_path(first.get("loc"))
+    if kind == "json_invalid":
+        where = f" at position {path[0]}" if path else ""
+        return f"malformed JSON in the request body{where}: {first.get('ctx', {}).get('error', msg)}", None
+    if not path:
+        if kind == "missing":
+            return "the request body is missing: send a JSON object (Content-Type: application/json)", None
+        if kind == "value_error":  # a whole-body check; its message starts with the field it blames
+            field = re.match(r"(\w+): ", msg)
+            return msg, field.group(1) if field else None
+        return "the request body must be a JSON object sent with Content-Type: application/json", None
+    # Of a union's failed branches, the one that got deepest into the value says the most.
+    deepest = max((e for e in errors if _field_path(e.get("loc"))[:len(path)] == path),
+                  key=lambda e: len(_field_path(e.get("loc"))))
+    if deepest is not first:
+        first, path = deepest, _field_path(deepest.get("loc"))
+        kind, msg = first.get("type", ""), str(first.get("msg", "")).removeprefix("Value error, ")
+    param = ".".join(path)
+    if kind == "missing":
+        return f"{param}: field required", param
+    # A union field fails once per branch: list each distinct reason.
+    msgs = dict.fromkeys(str(e.get("msg", "")).removeprefix("Value error, ")
+                         for e in errors if _field_path(e.get("loc")) == path)
+    got = repr(first.get("input"))
+    got = got if len(got) <= 60 else got[:57] + "..."
+    return f"{param}: {', or '.join(msgs) or msg} (got {got})", param

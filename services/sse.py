@@ -1,9 +1,10 @@
-"""Turning engine outputs into HTTP response bodies: SSE chunks, NDJSON lines, whole JSON bodies.
+"""Turning engine outputs into HTTP responses: SSE chunks, NDJSON lines, whole JSON bodies.
 
 ``iter_choices`` merges the output streams of a request's choices (n > 1, or a batch of
 completion prompts). A ``ResponseFormat`` renders those outputs for one endpoint, either as
 stream pieces or accumulated into one body; ``stream_body`` drives a format for a streamed
 response, ending a stream that fails midway with an error event rather than a cut connection.
+``until_disconnected`` cancels work whose HTTP client went away (the engine then aborts it).
 Chunks are written as bytes directly (a fixed JSON head per response, then the choices),
 matching OpenAI's chunk shapes field for field.
 """
@@ -13,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
+from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -32,6 +34,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 LOGPROB_FLOOR = -9999.0  # the chosen token's logprob when the engine did not report it (OpenAI's floor)
 
 Event = tuple[int, RequestOutput]
+T = TypeVar("T")
 
 
 # ---- merging choices ---------------------------------------------------------------------------
@@ -359,6 +362,54 @@ class InteractiveFormat(ResponseFormat):
         return obj
 
 
+# ---- the client's connection -------------------------------------------------------------------
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the HTTP client disconnects first, cancel it and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(request.receive))
+    try:
+        done, _ = await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        if task not in done and watch.exception() is not None:
+            # The server cannot tell us about the connection: just wait for the work.
+            logger.debug("disconnect watch failed: %r", watch.exception())
+            done, _ = await asyncio.wait((task,))
+    except BaseException:  # cancelled ourselves (server shutdown): leave nothing running
+        watch.cancel()
+        task.cancel()
+        raise
+    watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()  # the engine stream inside is cancelled, which aborts the request
+    await asyncio.wait((task,))
+    raise ClientDisconnected()
+
+
+async def _disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+    # The body has been read, so the next message the server has for us is the disconnect.
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def first_event(events: AsyncIterator[Event]) -> Event | None:
+    """The first event, or None for a stream that ends at once."""
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def collect(events: AsyncIterator[Event], fmt: ResponseFormat) -> None:
+    """Feed every event to ``fmt`` for a whole (non-streamed) body."""
+    async for i, out in events:
+        fmt.add(i, out)
+
+
 # ---- streaming ---------------------------------------------------------------------------------
 
 async def stream_body(first: Event | None, events: AsyncIterator[Event], fmt: ResponseFormat,
@@ -402,5 +453,7 @@ class ClosingStreamingResponse(StreamingResponse):
         finally:
             # Shielded: under a cancelled anyio scope every await would be cancelled again.
             with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
-                await self._cleanup()
+                try:
+                    await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                finally:
+                    await self._cleanup()

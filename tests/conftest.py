@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
+
+# Without a GPU, Triton kernels run in its interpreter. Triton reads this once, when it is first
+# imported, so it is set before anything can import it (the dispatchers still use the torch
+# references for CPU tensors unless CONVEYOR_KERNELS=triton).
+if not shutil.which("nvidia-smi"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 import sys
 from pathlib import Path
 

@@ -61,7 +61,7 @@ class ServerProcess:
 
     def stage_pids(self, stage: str) -> list[int]:
         """Pids of a stage ('engine', 'tokenizer', ...) from the launcher's READY log lines."""
-        return [int(p) for p in re.findall(rf"{stage} ready \(pid (\d+)\)", self.log())]
+        return [int(p) for p in re.findall(rf"INFO (?<![a-z]){stage} ready \(pid (\d+)\)", self.log())]
 
     def headers(self) -> dict[str, str]:
         """The Authorization header, when the server has a key."""

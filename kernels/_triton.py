@@ -1,0 +1,132 @@
+"""Optional Triton support shared by the kernel files: guarded import, dispatch policy, small helpers.
+
+Dispatch policy (``CONVEYOR_KERNELS``, read at every call so tests can switch it):
+
+* unset / ``auto``: Triton when it imports and the tensors are on CUDA, else the torch reference;
+* ``ref``: the torch reference everywhere;
+* ``triton``: Triton everywhere. CPU tensors then need Triton's interpreter, which Triton only
+  enables for a whole process: ``TRITON_INTERPRET=1`` must be set before ``triton`` is first
+  imported (Triton's own library functions such as ``tl.sum`` are decorated at that import, so the
+  mode cannot be switched later). Shapes the kernels do not support raise instead of silently
+  falling back, so a forced run really exercises Triton.
+"""
+
+import os
+import types
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # noqa: BLE001 - ImportError, or a broken install: either way, no Triton
+    triton = None
+    # Kernel signatures annotate ``tl.constexpr`` at definition time; give them something to name.
+    tl = types.SimpleNamespace(constexpr=Any)
+    HAS_TRITON = False
+
+
+def _interpreted() -> bool:
+    """Whether this process's Triton was imported in interpreter mode (see the module doc)."""
+    if not HAS_TRITON:
+        return False
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        # A library function decorated when triton.language was imported tells the mode it got.
+        return isinstance(tl.zeros, InterpretedFunction)
+    except Exception:  # noqa: BLE001 - internal layout changed: fall back to the variable
+        return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+TRITON_INTERPRETED = _interpreted()
+
+
+def _patch_interpreter_scalar_index() -> None:
+    """Let interpreted kernels loop over ``range(tensor_start, tensor_end)`` with NumPy >= 2.5.
+
+    The interpreter holds a scalar as a one-element 1-D array, and Triton <= 3.6 converts it with
+    ``int(array)``, which NumPy 2.5 turned from a deprecation into an error (Triton 3.7+ squeezes
+    first). Only the interpreter, a test/debug mode, is touched; compiled kernels are unaffected.
+    """
+    try:
+        from triton.runtime import interpreter
+    except Exception:  # noqa: BLE001 - no interpreter module: nothing to fix
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_conveyor_scalar_index", False):
+        return
+
+    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor._conveyor_scalar_index = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if TRITON_INTERPRETED:
+    _patch_interpreter_scalar_index()
+
+
+def jit(fn: _F) -> _F:
+    """``triton.jit`` when Triton imports; otherwise the plain function (never launched then)."""
+    return triton.jit(fn) if HAS_TRITON else fn
+
+
+KERNELS_ENV = "CONVEYOR_KERNELS"
+_MODES = ("auto", "ref", "triton")
+
+
+def kernel_mode() -> str:
+    """The dispatch mode from ``CONVEYOR_KERNELS``: ``auto`` (default), ``ref`` or ``triton``."""
+    mode = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"{KERNELS_ENV}={mode!r}; expected one of {_MODES}")
+    return mode
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Whether a dispatcher should run its Triton kernel on ``tensors`` (see the module doc)."""
+    mode = kernel_mode()
+    if mode == "ref":
+        return False
+    if mode == "triton":
+        if not HAS_TRITON:
+            raise RuntimeError(f"{KERNELS_ENV}=triton but triton cannot be imported")
+        if not TRITON_INTERPRETED and not all(t.is_cuda for t in tensors):
+            raise RuntimeError(
+                f"{KERNELS_ENV}=triton on CPU tensors needs Triton's interpreter: "
+                "set TRITON_INTERPRET=1 before triton is first imported"
+            )
+        return True
+    return HAS_TRITON and all(t.is_cuda for t in tensors)
+
+
+def forced_triton() -> bool:
+    """True when ``CONVEYOR_KERNELS=triton``: unsupported inputs must raise, not fall back."""
+    return kernel_mode() == "triton"
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def is_pow2(n: int) -> bool:
+    """Whether ``n`` is a positive power of two."""
+    return n > 0 and n & (n - 1) == 0
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(-a // b)
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

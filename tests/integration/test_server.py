@@ -1,0 +1,205 @@
+"""A real server process on the real SmolLM2 model, driven with the official openai client."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_process import ServerProcess
+
+KEY = "sk-conveyor-test"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir, tmp_path_factory):
+    srv = ServerProcess(smollm2_dir, "--cache-max-entry-count", "256", "--cache-block-seq-len", "16",
+                        "--session-len", "1024", "--tokenizer-workers", "2", "--enable-prefix-caching",
+                        log_dir=tmp_path_factory.mktemp("server"), api_key=KEY)
+    yield srv
+    assert srv.terminate() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def engine_idle(server) -> dict:
+    """Wait until the engine reports nothing running and every KV block free; return the metrics."""
+    deadline = time.monotonic() + 30
+    while True:
+        text = httpx.get(f"{server.url}/metrics", headers=server.headers()).text
+        values = {}
+        for line in text.splitlines():
+            if line.startswith("conveyor_") and " " in line:
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        running = next((v for k, v in values.items() if "running" in k), None)
+        usage = next((v for k, v in values.items() if "kv" in k and "usage" in k), None)
+        if running == 0 and usage == 0:
+            return values
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine not idle: running={running} kv_usage={usage}")
+        time.sleep(0.2)
+
+
+def test_models_and_health(server, client, smollm2_dir):
+    assert [m.id for m in client.models.list().data] == [smollm2_dir.name]
+    assert httpx.get(f"{server.url}/health").status_code == 200  # open without a key
+
+
+def test_chat_stream_equals_non_stream(client, model, hf_prompt_len):
+    full = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=40)
+    assert full.choices[0].finish_reason == "stop"
+    text, finishes, usage = "", [], None
+    for chunk in client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=40,
+                                                stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            if choice.finish_reason is not None:
+                finishes.append(choice.finish_reason)
+    assert text == full.choices[0].message.content
+    assert finishes == ["stop"]
+    assert full.usage.prompt_tokens == hf_prompt_len(MESSAGES)
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+    assert usage.completion_tokens == full.usage.completion_tokens
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+
+def test_completions_and_n(client, model):
+    out = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                    n=2)
+    assert len(out.choices) == 2
+    assert out.choices[0].text == out.choices[1].text  # greedy: both the same
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 16
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert streamed == out.choices[0].text
+
+
+def test_multi_token_stop_string(client, model):
+    base = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=40)
+    text = base.choices[0].message.content
+    stop = text[9:17]  # several tokens from the middle
+    out = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=40, stop=[stop])
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].message.content == text[: text.index(stop)]
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=40, stop=[stop], stream=True) if c.choices)
+    assert streamed == text[: text.index(stop)]
+
+
+def test_logprobs(client, model):
+    out = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=5,
+                                         logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+
+
+def _post(server, path, body, key=KEY, raw=None):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if raw is not None:
+        return httpx.post(f"{server.url}{path}", content=raw, headers={**headers, "Content-Type": "application/json"})
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60)
+
+
+@pytest.mark.parametrize("case, status", [
+    ("bad_temperature", 400), ("zero_max_tokens", 400), ("malformed_json", 400), ("too_long", 400),
+    ("no_key", 401), ("wrong_key", 401), ("unknown_model", 404), ("oversized", 413),
+])
+def test_errors_are_openai_envelopes_and_server_keeps_serving(server, model, case, status):
+    chat = {"model": model, "messages": MESSAGES, "max_tokens": 4}
+    if case == "bad_temperature":
+        r = _post(server, "/v1/chat/completions", {**chat, "temperature": -1})
+    elif case == "zero_max_tokens":
+        r = _post(server, "/v1/chat/completions", {**chat, "max_tokens": 0})
+    elif case == "malformed_json":
+        r = _post(server, "/v1/chat/completions", None, raw=b'{"model": "x", "messages": [')
+    elif case == "too_long":
+        r = _post(server, "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "hi " * 3000}]})
+    elif case == "no_key":
+        r = _post(server, "/v1/chat/completions", chat, key=None)
+    elif case == "wrong_key":
+        r = _post(server, "/v1/chat/completions", chat, key="sk-wrong")
+    elif case == "unknown_model":
+        r = _post(server, "/v1/chat/completions", {**chat, "model": "no-such-model"})
+    else:
+        r = _post(server, "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "x" * (9 << 20)}]})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["message"]
+    if case == "too_long":
+        assert "1024" in err["message"] and any(ch.isdigit() for ch in err["message"].replace("1024", ""))
+    ok = _post(server, "/v1/chat/completions", chat)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server, model):
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 500, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=server.headers(),
+                      timeout=60) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 5:
+                break  # walk away mid-stream
+    engine_idle(server)
+
+
+def test_interactive_session_keeps_history(server):
+    url = f"{server.url}/v1/chat/interactive"
+    first = httpx.post(url, json={"prompt": "What is the capital of France?", "session_id": 7,
+                                  "interactive_mode": True, "temperature": 0, "top_k": 1},
+                       headers=server.headers(), timeout=60).json()
+    assert first["text"] and first["finish_reason"] in ("stop", "length")
+    second = httpx.post(url, json={"prompt": "And of Germany?", "session_id": 7, "interactive_mode": True,
+                                   "temperature": 0, "top_k": 1}, headers=server.headers(), timeout=60).json()
+    assert "Berlin" in second["text"] or second["text"]
+    assert second["history_tokens"] > 0
+    httpx.post(url, json={"prompt": "", "session_id": 7, "interactive_mode": False, "end": True},
+               headers=server.headers(), timeout=60)
+    engine_idle(server)
+
+
+def test_metrics_count_requests_and_tokens(server):
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers()).text
+    assert "conveyor_" in text
+    assert httpx.get(f"{server.url}/metrics").status_code == 401  # guarded when keys are set
+
+
+def test_openapi_and_docs(server):
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    assert "/v1/chat/completions" in spec["paths"]
+    assert httpx.get(f"{server.url}/docs").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def hf_prompt_len(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    return lambda messages: len(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                        return_dict=False))
+
+
+def test_json_body_shapes(server, model):
+    r = _post(server, "/v1/chat/completions", {"model": model, "messages": MESSAGES, "max_tokens": 3})
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+    assert json.loads(json.dumps(body))["usage"]["total_tokens"] > 0

@@ -1,0 +1,478 @@
+"""Triton kernels against their torch references.
+
+Two kinds of case:
+
+* **interpreter** cases (CPU tensors, small sizes, fp32 mostly): run by Triton's interpreter.
+  Triton picks interpreter or compiled mode once per process, when ``triton`` is first imported.
+  On a machine without CUDA where nothing has imported triton yet, this module switches the
+  interpreter on below and the cases run here. Otherwise (a GPU machine, or an earlier test module
+  already imported triton compiled) they are skipped here and ``test_interpreter_cases_in_child``
+  runs them in a child pytest with ``TRITON_INTERPRET=1``.
+* **gpu** cases (marked ``gpu``, skipped without CUDA): realistic sizes in fp16/bf16.
+
+Outputs are checked as ``||out - ref|| / ||ref||``; every output buffer a launcher allocates is
+filled with NaN first (``poisoned_empty``), so an element a kernel forgets to write fails.
+"""
+
+import importlib
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import torch
+
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from conveyor.kernels._triton import TRITON_INTERPRETED  # noqa: E402
+from conveyor.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from conveyor.kernels.attention import (  # noqa: E402
+    paged_attention,
+    paged_attention_ref,
+    paged_attention_triton,
+)
+from conveyor.kernels.kv_cache import store_kv, store_kv_ref  # noqa: E402
+from conveyor.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
+from conveyor.kernels.rotary import apply_rotary, apply_rotary_ref  # noqa: E402
+
+# The package re-exports functions named like their modules (``rms_norm``): fetch the modules.
+activation_mod, attention_mod, kv_cache_mod, rms_norm_mod, rotary_mod = (
+    importlib.import_module(f"conveyor.kernels.{name}")
+    for name in ("activation", "attention", "kv_cache", "rms_norm", "rotary")
+)
+ROOT = Path(__file__).resolve().parents[2]
+FP32_TOL = 1e-5
+GPU_TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-5}
+
+interp = pytest.mark.skipif(
+    not TRITON_INTERPRETED,
+    reason="Triton runs compiled in this process: test_interpreter_cases_in_child runs these",
+)
+gpu = pytest.mark.gpu
+compiled_gpu = pytest.mark.skipif(TRITON_INTERPRETED, reason="Triton runs interpreted in this process")
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp64 (NaN anywhere in ``out`` makes it NaN, which fails a ``<``)."""
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    assert out.shape == ref.shape, f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert out.dtype == ref.dtype, f"dtype {out.dtype} != {ref.dtype}"
+    assert torch.isfinite(out).all(), "non-finite output (an unwritten element?)"
+    err = rel_err(out, ref)
+    assert err < tol, f"relative error {err:.3g} >= {tol:g}"
+
+
+@pytest.fixture
+def seed(request: pytest.FixtureRequest) -> int:
+    """A different, reproducible seed for every test case."""
+    return zlib.crc32(request.node.nodeid.encode())
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``torch.empty`` return NaN-filled floating tensors while the test runs."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):  # noqa: ANN002, ANN003 - torch.empty's signature
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.fixture
+def forced(monkeypatch: pytest.MonkeyPatch, poisoned_empty: None) -> None:
+    """Dispatchers run Triton whatever the device (and unsupported inputs raise)."""
+    monkeypatch.setenv("CONVEYOR_KERNELS", "triton")
+
+
+def randn(*shape: int, gen: torch.Generator, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+
+def paged_batch(
+    q_lens: list[int], k_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+    block_size: int, seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu",
+) -> tuple[torch.Tensor, ...]:
+    """q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k for a varlen batch.
+
+    Block ids are shuffled (tables are not contiguous); slots past a sequence's length, unused
+    table entries and one spare block hold NaN, so reading anything outside the sequence shows.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // block_size) for n in k_lens]
+    total = sum(blocks) + 1
+    perm = torch.randperm(total, generator=gen)
+    poison = int(perm[-1])
+    tables = torch.full((len(k_lens), max(blocks) + 1), poison, dtype=torch.int32)
+    k_cache = torch.randn(total, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(total, block_size, num_kv_heads, head_dim, generator=gen)
+    k_cache[poison] = v_cache[poison] = float("nan")
+    start = 0
+    for b, (n, nb) in enumerate(zip(k_lens, blocks)):
+        tables[b, :nb] = perm[start : start + nb]
+        start += nb
+        last, used = int(tables[b, nb - 1]), n - (nb - 1) * block_size
+        k_cache[last, used:] = v_cache[last, used:] = float("nan")
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seqlens = torch.tensor(k_lens, dtype=torch.int32)
+    return (
+        q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype),
+        tables.to(device), cu.to(device), seqlens.to(device),
+    )
+
+
+def check_attention(
+    q_lens: list[int], k_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+    block_size: int, seed: int, tol: float, dtype: torch.dtype = torch.float32, device: str = "cpu",
+    **tiles: int,
+) -> None:
+    q, kc, vc, bt, cu, sk = paged_batch(
+        q_lens, k_lens, num_heads, num_kv_heads, head_dim, block_size, seed, dtype, device
+    )
+    scale = head_dim**-0.5
+    out = paged_attention_triton(
+        q, kc, vc, bt, cu, sk, scale, max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), **tiles
+    )
+    ref = paged_attention_ref(q, kc, vc, bt, cu, sk, scale)
+    assert_close(out, ref, tol)
+
+
+# ------------------------------------------------------------------------------- interpreter: attention
+
+# (q_lens, k_lens, H, Hkv, D, block_size, tile overrides). Decode: every q_len is 1.
+DECODE_CASES = {
+    "g3_d64_bs16_boundaries": ([1] * 4, [16, 15, 17, 1], 9, 3, 64, 16, {}),
+    "g4_d128_split": ([1] * 3, [33, 64, 65], 8, 2, 128, 16, dict(decode_partition=32, block_n=16)),
+    "g8_batch1_split": ([1], [100], 8, 1, 64, 32, dict(decode_partition=32, block_n=16)),
+    "g1_bs64_split": ([1] * 3, [63, 64, 129], 4, 4, 64, 64, dict(decode_partition=64, block_n=32)),
+    "g3_d128_bs128": ([1] * 2, [130, 7], 6, 2, 128, 128, {}),
+    "one_token_blocks": ([1] * 2, [5, 9], 4, 2, 64, 1, {}),
+    "many_partitions": ([1] * 2, [300, 17], 4, 1, 64, 16, dict(decode_partition=16, block_n=16)),
+}
+
+PREFILL_CASES = {
+    "prefill_g3_bs16": ([16, 17, 15], [16, 17, 15], 9, 3, 64, 16, dict(block_m=16, block_n=16)),
+    "prefix_mixed_d128": ([5, 32, 1], [37, 64, 20], 8, 2, 128, 16, dict(block_m=16, block_n=16)),
+    "chunk_g8_batch1": ([40], [100], 8, 1, 64, 32, {}),
+    "g1_bs64": ([3, 64], [130, 64], 4, 4, 64, 64, dict(block_m=32, block_n=32)),
+    "one_token_blocks": ([7, 12], [7, 12], 4, 2, 64, 1, dict(block_m=16, block_n=16)),
+    "g3_d128_bs128": ([20], [200], 6, 2, 128, 128, dict(block_m=16, block_n=64)),
+    # At most one query per sequence but one sequence brings none: not a decode batch.
+    "seq_without_queries": ([1, 0, 1], [5, 3, 9], 4, 2, 64, 16, {}),
+}
+
+
+@interp
+@pytest.mark.parametrize("case", DECODE_CASES.values(), ids=DECODE_CASES.keys())
+def test_decode_attention(case: tuple, seed: int, poisoned_empty: None) -> None:
+    q_lens, k_lens, h, hkv, d, bs, tiles = case
+    check_attention(q_lens, k_lens, h, hkv, d, bs, seed, FP32_TOL, **tiles)
+
+
+@interp
+@pytest.mark.parametrize("case", PREFILL_CASES.values(), ids=PREFILL_CASES.keys())
+def test_prefill_attention(case: tuple, seed: int, poisoned_empty: None) -> None:
+    q_lens, k_lens, h, hkv, d, bs, tiles = case
+    check_attention(q_lens, k_lens, h, hkv, d, bs, seed, FP32_TOL, **tiles)
+
+
+@interp
+@pytest.mark.parametrize("q_lens,k_lens", [([1, 1], [40, 3]), ([6, 1], [40, 3])], ids=["decode", "prefill"])
+def test_attention_fp16(q_lens: list[int], k_lens: list[int], seed: int, poisoned_empty: None) -> None:
+    # The interpreter computes fp16 in numpy (round to nearest); bf16 it truncates, so no bf16 here.
+    check_attention(q_lens, k_lens, 8, 2, 64, 16, seed, 5e-3, dtype=torch.float16)
+
+
+@interp
+def test_attention_dispatcher(seed: int, forced: None) -> None:
+    """The public entry point, with and without the max_seqlen hints, on decode and prefill."""
+    for q_lens, k_lens in (([1, 1, 1], [9, 16, 33]), ([4, 1, 9], [9, 16, 33])):
+        q, kc, vc, bt, cu, sk = paged_batch(q_lens, k_lens, 6, 2, 64, 8, seed)
+        ref = paged_attention_ref(q, kc, vc, bt, cu, sk, 0.1)
+        assert_close(paged_attention(q, kc, vc, bt, cu, sk, 0.1), ref, FP32_TOL)
+        hinted = paged_attention(q, kc, vc, bt, cu, sk, 0.1, max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens))
+        assert_close(hinted, ref, FP32_TOL)
+
+
+@interp
+def test_attention_strided_cache(seed: int, poisoned_empty: None) -> None:
+    """The layer's cache-less path: one-token 'blocks' that are views of a fused qkv projection."""
+    gen = torch.Generator().manual_seed(seed)
+    h, hkv, d, lens = 4, 2, 64, [6, 3]
+    qkv = randn(sum(lens), (h + 2 * hkv) * d, gen=gen)
+    q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(-1, h, d), k.view(-1, hkv, d).unsqueeze(1), v.view(-1, hkv, d).unsqueeze(1)
+    cu = torch.tensor([0, 6, 9], dtype=torch.int32)
+    sk = torch.tensor(lens, dtype=torch.int32)
+    tables = torch.tensor([[0, 1, 2, 3, 4, 5], [6, 7, 8, 0, 0, 0]], dtype=torch.int32)
+    out = paged_attention_triton(q, k, v, tables, cu, sk, d**-0.5, block_m=16, block_n=16)
+    assert_close(out, paged_attention_ref(q, k, v, tables, cu, sk, d**-0.5), FP32_TOL)
+
+
+# ------------------------------------------------------------------------------- interpreter: the rest
+
+
+@interp
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_store_kv(block_size: int, seed: int, forced: None) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    hkv, d, num_blocks = 3, 64, 8
+    kv = randn(7, 2 * hkv * d + 5, gen=gen)  # strided views, like slices of a fused qkv
+    k = kv[:, : hkv * d].view(7, hkv, d)
+    v = kv[:, hkv * d : 2 * hkv * d].view(7, hkv, d)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:7]
+    slots[[1, 4]] = -1  # padding tokens
+    caches = [torch.full((num_blocks, block_size, hkv, d), float("nan")) for _ in range(4)]
+    store_kv(k, v, caches[0], caches[1], slots)
+    store_kv_ref(k, v, caches[2], caches[3], slots)
+    torch.testing.assert_close(caches[0], caches[2], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0, equal_nan=True)
+
+
+@interp
+@pytest.mark.parametrize("hidden", [64, 100, 576])
+def test_rms_norm(hidden: int, seed: int, forced: None) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = randn(5, hidden + 3, gen=gen)[:, :hidden]  # rows with a stride wider than the row
+    w = randn(hidden, gen=gen)
+    assert_close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), FP32_TOL)
+    assert_close(rms_norm(x[:1], w, 1e-5), rms_norm_ref(x[:1], w, 1e-5), FP32_TOL)
+
+
+@interp
+@pytest.mark.parametrize("hidden", [64, 100, 576])
+def test_add_rms_norm(hidden: int, seed: int, forced: None) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x, res, w = randn(2, 3, hidden, gen=gen), randn(2, 3, hidden, gen=gen), randn(hidden, gen=gen)
+    out, new_res = add_rms_norm(x, res, w, 1e-6)
+    ref_out, ref_res = add_rms_norm_ref(x, res, w, 1e-6)
+    assert_close(out, ref_out, FP32_TOL)
+    assert_close(new_res, ref_res, FP32_TOL)
+
+
+@interp
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 4, 128), (8, 1, 64), (2, 1, 96)])
+def test_apply_rotary(h: int, hkv: int, d: int, seed: int, forced: None) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    t = 6
+    qkv = randn(t, (h + 2 * hkv) * d, gen=gen)  # q and k as views of a fused projection
+    q = qkv[:, : h * d].view(t, h, d)
+    k = qkv[:, h * d : (h + hkv) * d].view(t, hkv, d)
+    cos_sin = randn(64, d, gen=gen)
+    positions = torch.randint(0, 64, (t,), generator=gen)
+    q_before, k_before = q.clone(), k.clone()
+    out_q, out_k = apply_rotary(q, k, positions, cos_sin)
+    ref_q, ref_k = apply_rotary_ref(q, k, positions, cos_sin)
+    assert_close(out_q, ref_q, FP32_TOL)
+    assert_close(out_k, ref_k, FP32_TOL)
+    assert torch.equal(q, q_before) and torch.equal(k, k_before), "inputs must be left untouched"
+
+
+@interp
+@pytest.mark.parametrize("shape", [(5, 128), (2, 3, 2 * 1536)])
+def test_silu_and_mul(shape: tuple[int, ...], seed: int, forced: None) -> None:
+    x = randn(*shape, gen=torch.Generator().manual_seed(seed))
+    assert_close(silu_and_mul(x), silu_and_mul_ref(x), FP32_TOL)
+
+
+@interp
+def test_forced_triton_rejects_unsupported_shapes(forced: None) -> None:
+    q, kc, vc, bt, cu, sk = paged_batch([1], [5], 2, 1, 64, 16, seed=0)
+    odd = (q[..., :40].contiguous(), kc[..., :40].contiguous(), vc[..., :40].contiguous())
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_attention(*odd, bt, cu, sk, 0.1)
+
+
+# -------------------------------------------------------------------------------- dispatch (any mode)
+
+
+def test_auto_and_ref_modes_use_the_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU tensors (auto) and with CONVEYOR_KERNELS=ref, no Triton launcher is reached."""
+
+    def boom(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise AssertionError("Triton launcher called")
+
+    for mod, name in ((attention_mod, "paged_attention_triton"), (kv_cache_mod, "store_kv_triton"),
+                      (rms_norm_mod, "rms_norm_triton"), (rms_norm_mod, "add_rms_norm_triton"),
+                      (rotary_mod, "apply_rotary_triton"), (activation_mod, "silu_and_mul_triton")):
+        monkeypatch.setattr(mod, name, boom)
+    for mode in ("auto", "ref"):
+        monkeypatch.setenv("CONVEYOR_KERNELS", mode)
+        q, kc, vc, bt, cu, sk = paged_batch([2], [5], 2, 1, 64, 16, seed=1)
+        paged_attention(q, kc, vc, bt, cu, sk, 0.1)
+        store_kv(q[:, :1], q[:, :1], kc, vc, torch.tensor([0, -1]))
+        rms_norm(q, torch.ones(64), 1e-6)
+        add_rms_norm(q, q, torch.ones(64), 1e-6)
+        apply_rotary(q, q[:, :1], torch.tensor([0, 1]), torch.randn(4, 64))
+        silu_and_mul(q)
+
+
+def test_unknown_mode_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONVEYOR_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="CONVEYOR_KERNELS"):
+        silu_and_mul(torch.randn(2, 4))
+
+
+@pytest.mark.skipif(TRITON_INTERPRETED, reason="Triton runs interpreted in this process")
+def test_forced_triton_on_cpu_without_interpreter_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONVEYOR_KERNELS", "triton")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        silu_and_mul(torch.randn(2, 4))
+
+
+@pytest.mark.skipif(TRITON_INTERPRETED, reason="the interpreter cases run in this process")
+def test_interpreter_cases_in_child() -> None:
+    """Run this file's interpreter cases in a child process that imports triton interpreted."""
+    env = {k: v for k, v in os.environ.items() if k != "CONVEYOR_KERNELS"}
+    env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-m", "not gpu", "-p", "no:cacheprovider"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    tail = (proc.stdout[-6000:] + proc.stderr[-3000:]).strip()
+    assert proc.returncode == 0, f"interpreter cases failed in the child:\n{tail}"
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in summary, f"the child ran no case:\n{tail}"
+
+
+# -------------------------------------------------------------------------------------------------- GPU
+
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+
+
+@gpu
+@compiled_gpu
+def test_dispatch_picks_triton_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With CUDA tensors (auto mode) no reference runs: every dispatcher reaches its kernel."""
+    monkeypatch.delenv("CONVEYOR_KERNELS", raising=False)
+
+    def boom(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise AssertionError("reference called on CUDA tensors")
+
+    for mod, name in ((attention_mod, "paged_attention_ref"), (kv_cache_mod, "store_kv_ref"),
+                      (rms_norm_mod, "rms_norm_ref"), (rms_norm_mod, "add_rms_norm_ref"),
+                      (rotary_mod, "apply_rotary_ref"), (activation_mod, "silu_and_mul_ref")):
+        monkeypatch.setattr(mod, name, boom)
+    dev = "cuda"
+    q, kc, vc, bt, cu, sk = paged_batch([3, 1], [20, 7], 4, 2, 64, 16, seed=2, dtype=torch.bfloat16, device=dev)
+    paged_attention(q, kc, vc, bt, cu, sk, 0.125, max_seqlen_q=3, max_seqlen_k=20)
+    store_kv(q[:, :2], q[:, :2], kc, vc, torch.tensor([0, 1, 2, -1], device=dev))
+    w = torch.ones(64, device=dev, dtype=torch.bfloat16)
+    rms_norm(q, w, 1e-6)
+    add_rms_norm(q, q, w, 1e-6)
+    apply_rotary(q, q[:, :2], torch.arange(4, device=dev), torch.randn(8, 64, device=dev))
+    silu_and_mul(q)
+    torch.cuda.synchronize()
+
+
+# (batch, context lengths, H, Hkv, D, block_size)
+GPU_DECODE = {
+    "batch1_4k_g3_d64": (1, [4096], 9, 3, 64, 16),
+    "batch1_32k_g4_d128": (1, [32768], 32, 8, 128, 64),
+    "batch1_short": (1, [37], 8, 8, 128, 16),
+    "batch256_mixed_g8": (256, None, 32, 4, 128, 16),
+    "batch256_mixed_g3_bs64": (256, None, 9, 3, 64, 64),
+    "batch4_long_mixed": (4, [17000, 4096, 511, 8193], 16, 2, 128, 64),
+}
+
+
+@gpu
+@compiled_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", GPU_DECODE.values(), ids=GPU_DECODE.keys())
+def test_gpu_decode(case: tuple, dtype: torch.dtype, seed: int, poisoned_empty: None) -> None:
+    batch, lens, h, hkv, d, bs = case
+    if lens is None:
+        lens = torch.randint(1, 2049, (batch,), generator=torch.Generator().manual_seed(seed)).tolist()
+    check_attention([1] * batch, lens, h, hkv, d, bs, seed, GPU_TOL[dtype], dtype, "cuda")
+
+
+# (q_lens, k_lens, H, Hkv, D, block_size)
+GPU_PREFILL = {
+    "prefill_2k_g3_d64": ([2048], [2048], 9, 3, 64, 16),
+    "prefill_2k_g4_d128_bs64": ([2048], [2048], 32, 8, 128, 64),
+    "varlen_prefill": ([1000, 17, 513, 64], [1000, 17, 513, 64], 16, 2, 128, 16),
+    "chunked_over_prefix": ([512, 1000, 1, 33], [3000, 1000, 700, 4129], 32, 8, 128, 64),
+    "chunk_after_long_prefix": ([256], [16384], 9, 3, 64, 16),
+}
+
+
+@gpu
+@compiled_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", GPU_PREFILL.values(), ids=GPU_PREFILL.keys())
+def test_gpu_prefill(case: tuple, dtype: torch.dtype, seed: int, poisoned_empty: None) -> None:
+    q_lens, k_lens, h, hkv, d, bs = case
+    check_attention(q_lens, k_lens, h, hkv, d, bs, seed, GPU_TOL[dtype], dtype, "cuda")
+
+
+@gpu
+@compiled_gpu
+def test_gpu_attention_fp32_exact(seed: int, poisoned_empty: None) -> None:
+    """fp32 inputs must not silently drop to TF32 tensor-core products."""
+    check_attention([1] * 3, [700, 5, 1025], 8, 2, 128, 16, seed, 1e-5, torch.float32, "cuda")
+    check_attention([300, 2], [300, 900], 8, 2, 128, 16, seed + 1, 1e-5, torch.float32, "cuda")
+
+
+@gpu
+@compiled_gpu
+def test_gpu_dispatcher_without_hints(seed: int, poisoned_empty: None) -> None:
+    """paged_attention reads max_seqlen_q/k from the device when the caller does not pass them."""
+    for q_lens, k_lens in (([1] * 5, [3000, 1, 17, 512, 513]), ([100, 1, 7], [100, 900, 7])):
+        q, kc, vc, bt, cu, sk = paged_batch(q_lens, k_lens, 8, 2, 128, 16, seed, torch.bfloat16, "cuda")
+        out = paged_attention(q, kc, vc, bt, cu, sk, 0.1)
+        assert_close(out, paged_attention_ref(q, kc, vc, bt, cu, sk, 0.1), GPU_TOL[torch.bfloat16])
+
+
+@gpu
+@compiled_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["bf16", "fp16"])
+def test_gpu_pointwise_kernels(dtype: torch.dtype, seed: int, poisoned_empty: None) -> None:
+    """store_kv, (add_)rms_norm, rotary, silu_and_mul at model sizes; exact or within one rounding."""
+    gen = torch.Generator().manual_seed(seed)
+    dev, t, h, hkv, d, hidden, inter = "cuda", 2048, 32, 8, 128, 4096, 11008
+    qkv = randn(t, (h + 2 * hkv) * d, gen=gen, dtype=dtype, device=dev)
+    q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)
+
+    num_blocks, bs = 200, 16
+    slots = torch.randperm(num_blocks * bs, generator=gen)[:t]
+    slots[::7] = -1
+    slots = slots.to(dev)
+    caches = [torch.full((num_blocks, bs, hkv, d), float("nan"), dtype=dtype, device=dev) for _ in range(4)]
+    store_kv(k, v, caches[0], caches[1], slots)
+    store_kv_ref(k, v, caches[2], caches[3], slots)
+    torch.testing.assert_close(caches[0], caches[2], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0, equal_nan=True)
+
+    cos_sin = randn(8192, d, gen=gen, device=dev)
+    positions = torch.randint(0, 8192, (t,), generator=gen).to(dev)
+    for out, ref in zip(apply_rotary(q, k, positions, cos_sin), apply_rotary_ref(q, k, positions, cos_sin)):
+        assert_close(out, ref, GPU_TOL[dtype])
+
+    x = randn(t, hidden, gen=gen, dtype=dtype, device=dev)
+    res = randn(t, hidden, gen=gen, dtype=dtype, device=dev)
+    w = randn(hidden, gen=gen, dtype=dtype, device=dev)
+    assert_close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), GPU_TOL[dtype])
+    out, new_res = add_rms_norm(x, res, w, 1e-6)
+    ref_out, ref_res = add_rms_norm_ref(x, res, w, 1e-6)
+    assert_close(out, ref_out, GPU_TOL[dtype])
+    torch.testing.assert_close(new_res, ref_res, rtol=0, atol=0)
+
+    gate_up = randn(t, 2 * inter, gen=gen, dtype=dtype, device=dev)
+    assert_close(silu_and_mul(gate_up), silu_and_mul_ref(gate_up), GPU_TOL[dtype])
