@@ -33,6 +33,7 @@ class Addresses:
     launcher: Endpoint  # bound by the launcher (PULL): READY handshakes
     kind: str = "ipc"
     run_dir: str = ""
+    base_port: int = 0  # tcp only: the ingress's reply port is base_port + 10
 
     @classmethod
     def inproc(cls) -> "Addresses":
@@ -63,9 +64,9 @@ class Addresses:
             return Endpoint(f"tcp://{_bind_host(hosts[owner])}:{port}", f"tcp://{hosts[owner]}:{port}")
 
         return cls(ep("ingress", base_port), ep("engine", base_port + 1), ep("detokenizer", base_port + 2),
-                   ep("launcher", base_port + 3), kind="tcp")
+                   ep("launcher", base_port + 3), kind="tcp", base_port=base_port)
 
-    def reply_endpoint(self, port: int = 5560, host: str | None = None) -> Endpoint:
+    def reply_endpoint(self, port: int | None = None, host: str | None = None) -> Endpoint:
         """A fresh address for one ingress to receive its results on."""
         if self.kind == "inproc":
             addr = f"inproc://conveyor-reply-{uuid.uuid4().hex[:8]}"
@@ -74,6 +75,7 @@ class Addresses:
             addr = f"ipc://{self.run_dir}/reply-{os.getpid()}-{uuid.uuid4().hex[:6]}"
             return Endpoint(addr, addr)
         host = host or os.environ.get("CONVEYOR_INGRESS_HOST", "ingress")
+        port = port or self.base_port + 10
         return Endpoint(f"tcp://{_bind_host(host)}:{port}", f"tcp://{host}:{port}")
 
 

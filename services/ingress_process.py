@@ -54,7 +54,7 @@ async def _serve(addresses: Addresses, model_path: str, model_name: str, session
     await client.start()
     app = build_app(client, api_keys=api_keys, served_model_name=model_name, tokenizer=load_tokenizer(model_path))
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
-                                           access_log=False, lifespan="off"))
+                                           access_log=False, lifespan="off", timeout_keep_alive=30))
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():

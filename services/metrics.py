@@ -44,6 +44,9 @@ class IngressMetrics:
         self._load_gauge(client, "conveyor_engine_requests_waiting", "Requests queued in the engine.", "waiting")
         self._load_gauge(client, "conveyor_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.",
                          "kv_usage")
+        self._load_gauge(client, "conveyor_engine_generated_tokens", "Tokens the engine generated since it started.",
+                         "generated_tokens")
+        r.register(_StageStats(client))
         self.ttft = Histogram("conveyor_time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("conveyor_inter_token_latency_seconds", "Time between generated tokens.",
@@ -64,6 +67,26 @@ class IngressMetrics:
     def render(self) -> bytes:
         """The exposition text."""
         return generate_latest(self.registry)
+
+
+class _StageStats:
+    """Per-stage busy seconds and item counts, as the last ring ping collected them."""
+
+    def __init__(self, client: Any):
+        self._client = client
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        family = GaugeMetricFamily("conveyor_stage_stat", "Counters reported by each stage (busy seconds, items).",
+                                   labels=["stat"])
+        load = self._client.load
+        for name, value in sorted((getattr(load, "stage_stats", None) or {}).items()):
+            family.add_metric([name], float(value))
+        yield family
 
 
 class RequestStats:

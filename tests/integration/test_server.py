@@ -203,3 +203,38 @@ def test_json_body_shapes(server, model):
     body = r.json()
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
     assert json.loads(json.dumps(body))["usage"]["total_tokens"] > 0
+
+
+def test_python_api_client(server, model):
+    from conveyor.api_client import APIClient, APIError
+
+    api = APIClient(server.url, api_key=KEY)
+    assert api.available_models == [model]
+    [full] = list(api.chat_completions_v1(model, MESSAGES, temperature=0, max_tokens=16))
+    text = full["choices"][0]["message"]["content"]
+    chunks = list(api.chat_completions_v1(model, MESSAGES, temperature=0, max_tokens=16, stream=True))
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == text
+    [comp] = list(api.completions_v1(model, "The capital of France is", max_tokens=4, temperature=0))
+    assert comp["choices"][0]["text"]
+    first = list(api.chat_interactive_v1("What is the capital of France?", session_id=11, interactive_mode=True,
+                                         temperature=0, top_k=1))[-1]
+    second = list(api.chat_interactive_v1("And of Germany?", session_id=11, interactive_mode=True, stream=True,
+                                          temperature=0, top_k=1))
+    assert first["text"] and "".join(c["text"] for c in second)
+    api.end_session(11)
+    with pytest.raises(APIError) as info:
+        list(api.chat_completions_v1("no-such-model", MESSAGES))
+    assert info.value.status == 404
+    api.close()
+    engine_idle(server)
+
+
+def test_terminal_api_client(server):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "conveyor.cli", "serve", "api_client", server.url, "--api-key", KEY,
+                           "--session-id", "21"], input="What is the capital of France?\nexit\n",
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "connected to" in done.stdout and len(done.stdout.splitlines()) >= 2

@@ -1,0 +1,85 @@
+"""The compose topology without Docker: each stage its own process, talking ZeroMQ over tcp://.
+
+compose.yaml runs `conveyor serve stage NAME` per service with CONVEYOR_<NAME>_HOST naming the
+peers; here every host is 127.0.0.1 and the ports come from a free base port.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+
+from server_process import free_port
+
+
+def _free_base_port() -> int:
+    while True:
+        base = free_port()
+        if base < 60000 and all(_port_free(base + i) for i in (1, 2, 3, 10)):
+            return base
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def test_stages_as_separate_processes_over_tcp(smollm2_dir, tmp_path):
+    base, http_port = _free_base_port(), free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CONVEYOR_INGRESS_HOST": "127.0.0.1",
+           "CONVEYOR_ENGINE_HOST": "127.0.0.1", "CONVEYOR_DETOKENIZER_HOST": "127.0.0.1"}
+    common = [str(smollm2_dir), "--base-port", str(base), "--session-len", "1024", "--log-level", "INFO"]
+    stages = {
+        "engine": ["--cache-max-entry-count", "64", "--cache-block-seq-len", "16"],
+        "detokenizer": [],
+        "tokenizer-0": [],
+        "tokenizer-1": [],
+        "ingress": ["--server-name", "127.0.0.1", "--server-port", str(http_port)],
+    }
+    procs = {}
+    try:
+        for name, extra in stages.items():
+            log = open(tmp_path / f"{name}.log", "w")
+            cmd = [sys.executable, "-m", "conveyor.cli", "serve", "stage", name.split("-")[0], *common, *extra]
+            procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        url = f"http://127.0.0.1:{http_port}"
+        deadline = time.monotonic() + 180
+        while True:
+            for name, p in procs.items():
+                assert p.poll() is None, f"{name} exited: {(tmp_path / f'{name}.log').read_text()}"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the tcp deployment never became healthy"
+            time.sleep(0.3)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        full = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=20)
+        assert "Paris" in full.choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=model, messages=messages, temperature=0, max_tokens=20, stream=True) if c.choices)
+        assert streamed == full.choices[0].message.content
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
