@@ -16,6 +16,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 
+import msgspec
 import zmq
 
 from conveyor.engine.config import EngineConfig
@@ -200,13 +201,7 @@ class EngineService:
         return errors
 
     def _add(self, msg: TokenizedReq) -> ErrorOut | None:
-        p = msg.params
-        params = SamplingParams(
-            max_new_tokens=p.max_new_tokens, min_new_tokens=p.min_new_tokens, temperature=p.temperature,
-            top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, repetition_penalty=p.repetition_penalty,
-            ignore_eos=p.ignore_eos, random_seed=p.random_seed, stop_token_ids=list(p.stop_token_ids),
-            bad_token_ids=list(p.bad_token_ids), bad_sequences=[list(s) for s in p.bad_sequences],
-            logprobs=p.logprobs)
+        params = SamplingParams(**msgspec.structs.asdict(msg.params))  # same fields as the wire form
         seq_id = self._next_seq
         self._next_seq += 1
         try:

@@ -6,6 +6,7 @@ TokenizedReq to the engine, and sends errors straight back to the waiting ingres
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -70,12 +71,7 @@ class TokenizerWorker:
         return TokenizedReq(
             rid=req.rid,
             token_ids=ids,
-            params=EngineParams(
-                max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens,
-                temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-                repetition_penalty=params.repetition_penalty, ignore_eos=params.ignore_eos,
-                random_seed=params.random_seed, stop_token_ids=params.stop_token_ids,
-                bad_token_ids=params.bad_token_ids, bad_sequences=params.bad_sequences, logprobs=params.logprobs),
+            params=EngineParams(**dataclasses.asdict(params)),  # same fields, wire form
             detok=DetokSpec(reply_to=req.reply_to, prompt_tail=ids[-PROMPT_TAIL:], stop=stops,
                             skip_special_tokens=o.skip_special_tokens, include_stop_str=o.include_stop_str),
             session_id=req.session_id,
