@@ -117,7 +117,8 @@ class APIClient:
             pass
 
 
-def terminal_chat(api_server_url: str, api_key: str | None = None, session_id: int = 1) -> int:
+def terminal_chat(api_server_url: str, api_key: str | None = None, session_id: int = 1,
+                  request_output_len: int = 512) -> int:
     """``conveyor serve api_client URL``: a multi-turn chat whose history stays on the server."""
     client = APIClient(api_server_url, api_key)
     print(f"connected to {api_server_url} (models: {', '.join(client.available_models)}); "
@@ -136,7 +137,7 @@ def terminal_chat(api_server_url: str, api_key: str | None = None, session_id: i
             if not prompt.strip():
                 continue
             for chunk in client.chat_interactive_v1(prompt, session_id=session_id, interactive_mode=True,
-                                                    stream=True):
+                                                    stream=True, request_output_len=request_output_len):
                 print(chunk.get("text", ""), end="", flush=True)
             print()
     finally:

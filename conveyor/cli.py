@@ -127,7 +127,8 @@ def _cmd_api_client(args: argparse.Namespace) -> int:
     """Terminal chat against a running server's /v1/chat/interactive."""
     from conveyor.api_client import terminal_chat
 
-    return terminal_chat(args.api_server_url, api_key=args.api_key, session_id=args.session_id)
+    return terminal_chat(args.api_server_url, api_key=args.api_key, session_id=args.session_id,
+                         request_output_len=args.request_output_len)
 
 
 def _server_options(s: argparse.ArgumentParser) -> None:
@@ -170,6 +171,7 @@ def _add_serve(sub) -> None:
     c.add_argument("api_server_url", help="e.g. http://localhost:23333")
     c.add_argument("--api-key", default=None)
     c.add_argument("--session-id", type=int, default=1)
+    c.add_argument("--request-output-len", type=int, default=512, help="most tokens per answer")
     c.set_defaults(func=_cmd_api_client)
 
 
