@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import statistics
@@ -87,7 +88,7 @@ async def run_level(url: str, model: str, concurrency: int, tokens: int, rounds:
         "wall_s": round(wall, 3),
         "delivered_tok_s": round(delivered / wall, 1),
         "engine_produced_tok_s": round(produced / wall, 1),
-        "ttft_ms_mean": round(statistics.mean(ttfts), 2), "ttft_ms_p99": round(ttfts[int(0.99 * (len(ttfts) - 1))], 2),
+        "ttft_ms_mean": round(statistics.mean(ttfts), 2), "ttft_ms_p99": round(ttfts[max(math.ceil(0.99 * len(ttfts)) - 1, 0)], 2),  # nearest rank
         "engine_busy_us_per_token": round(per_tok_us("engine_busy_s"), 2),
         # What the fake engine could produce if nothing downstream held it back.
         "engine_capacity_tok_s": round(delivered / max(delta("engine_busy_s"), 1e-9), 1),
