@@ -42,6 +42,9 @@ class EngineConfig:
     model_format: str | None = None
     dtype: str = "auto"
     device: str = "auto"
+    # "auto": read the checkpoint; "dummy": seeded random weights built on the device, no weight
+    # files read (vLLM's name; for benchmarks of a model shape whose weights are not at hand).
+    load_format: str = "auto"
     # LMDeploy spellings, folded into the fields above.
     cache_block_seq_len: int | None = None
     num_gpu_blocks: int = 0
@@ -83,6 +86,8 @@ class EngineConfig:
             raise EngineConfigError("quantized KV cache (quant_policy 4/8) is not implemented yet; use quant_policy=0")
         if self.model_format not in _MODEL_FORMATS:
             raise EngineConfigError(f"model_format={self.model_format!r}: use one of {_MODEL_FORMATS}")
+        if self.load_format not in ("auto", "dummy"):
+            raise EngineConfigError(f"load_format={self.load_format!r}: use 'auto' (read the weights) or 'dummy'")
         if self.rope_scaling_factor < 0:
             raise EngineConfigError(f"rope_scaling_factor={self.rope_scaling_factor}: must be >= 0 (0 disables)")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16"):

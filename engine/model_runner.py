@@ -2,22 +2,40 @@
 
 The batch is one variable-length sequence of tokens with no padding; block tables and slot
 mappings tell attention where each sequence's KV lives in the paged cache.
+
+On CUDA:
+
+* inputs are built on the host into pinned tensors and copied with ``non_blocking``, and the
+  attention layers get ``max_seqlen_q/k`` from the metadata, so a step syncs with the device
+  once, when the sampled token ids come back;
+* a step in which every sequence decodes one token replays a captured CUDA graph
+  (``engine/cuda_graph.py``); other steps (prefill, mixed, too large) run eagerly.
+  ``CONVEYOR_CUDA_GRAPHS=0`` (or ``runner.use_cuda_graphs = False``) turns graphs off;
+* the KV cache is sized after a profiling forward of ``max_prefill_token_num`` tokens:
+  ``cache_max_entry_count`` (a fraction) applies to the memory still free after the weights
+  *and* that forward's peak activations (LMDeploy's meaning).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from conveyor.engine.attention_metadata import AttentionMetadata, set_attention_metadata
 from conveyor.engine.config import EngineConfig
+from conveyor.engine.cuda_graph import DecodeGraphs
 from conveyor.engine.errors import EngineConfigError
 from conveyor.engine.model_config import ModelConfig
+from conveyor.engine.layers import RMSNorm
+from conveyor.engine.layers.attention import MixedBatchMetadata
 from conveyor.engine.models import build_model
 from conveyor.engine.sampler import Sampler
+from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scheduler import SchedulerOutput
 from conveyor.engine.sequence import Sequence
 from conveyor.engine.weight_loader import load_model
@@ -25,6 +43,8 @@ from conveyor.engine.weight_loader import load_model
 logger = logging.getLogger(__name__)
 
 _LOGIT_ROWS_PER_CHUNK = 1024  # bounds the [rows, vocab] float32 logits of a scoring pass
+CUDA_GRAPHS_ENV = "CONVEYOR_CUDA_GRAPHS"  # "0" turns decode CUDA graphs off
+DUMMY_WEIGHT_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -46,8 +66,27 @@ def _available_memory(device: torch.device) -> int:
     raise EngineConfigError("cannot read free memory; set cache_max_entry_count to a number of blocks (int)")
 
 
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = DUMMY_WEIGHT_SEED) -> None:
+    """Seeded random weights, drawn on the parameters' own device (no weight files).
+
+    Matrices ~ N(0, 0.02) (the usual initializer range), norm scales 1, biases 0: values that keep
+    the activations finite through a deep stack, so timings are those of real data.
+    """
+    params = list(model.parameters())
+    gen = torch.Generator(device=params[0].device).manual_seed(seed) if params else None
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    for p in params:
+        if id(p) in norms:
+            p.fill_(1.0)
+        elif p.dim() == 1:
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+
+
 class ModelRunner:
-    """Owns the model weights, the KV cache tensors and the sampler."""
+    """Owns the model weights, the KV cache tensors, the decode CUDA graphs and the sampler."""
 
     def __init__(self, model_path: Path, model_config: ModelConfig, config: EngineConfig,
                  device: torch.device, dtype: torch.dtype):
@@ -55,27 +94,105 @@ class ModelRunner:
         self.config = config
         self.device, self.dtype = device, dtype
         self.block_size = config.block_size
+        self.max_model_len = config.session_len or model_config.max_position_embeddings
         # The rotary table must reach session_len when that is set past the model's own context.
         self.model = build_model(model_config, dtype=dtype, device=device,
                                  rope_scaling_factor=config.rope_scaling_factor,
                                  max_position=config.session_len)
-        load_model(self.model, model_path)
+        if getattr(config, "load_format", "auto") == "dummy":
+            init_dummy_weights(self.model)
+        else:
+            load_model(self.model, model_path)
         self.model.eval()
+        self.sampler = Sampler()
+        # Benchmarks set a list here to collect (start, end) CUDA events around each step's device work.
+        self.gpu_spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+        self.graph_steps = 0  # steps that replayed a decode graph / ran eagerly (for benchmarks)
+        self.eager_steps = 0
+        self.activation_bytes = self._profile_activations() if device.type == "cuda" else 0
         self.num_blocks = self._num_cache_blocks()
         shape = (model_config.num_layers, self.num_blocks, self.block_size,
                  model_config.num_kv_heads, model_config.head_dim)
         try:
-            self.k_cache = torch.empty(shape, dtype=dtype, device=device)
-            self.v_cache = torch.empty(shape, dtype=dtype, device=device)
+            # Zeroed on the GPU (cheap there): padded graph rows read block 0, and stale NaN bit
+            # patterns are better never met. The CPU keeps empty(): zeroing gigabytes costs seconds.
+            alloc = torch.zeros if device.type == "cuda" else torch.empty
+            self.k_cache = alloc(shape, dtype=dtype, device=device)
+            self.v_cache = alloc(shape, dtype=dtype, device=device)
         except (RuntimeError, torch.OutOfMemoryError) as exc:
             raise EngineConfigError(
                 f"could not allocate a KV cache of {self.num_blocks} blocks ({exc}); "
-                "lower cache_max_entry_count"
+                f"lower cache_max_entry_count (now {config.cache_max_entry_count!r})"
             ) from exc
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_cache, layer.v_cache = self.k_cache[i], self.v_cache[i]
-        self.sampler = Sampler()
         logger.info("KV cache: %d blocks of %d tokens", self.num_blocks, self.block_size)
+        self.use_cuda_graphs = device.type == "cuda" and os.environ.get(CUDA_GRAPHS_ENV, "1") != "0"
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.use_cuda_graphs:
+            try:
+                self.decode_graphs = self._decode_graphs(capture=True)
+            except RuntimeError as exc:  # a capture failure costs speed, not the engine
+                logger.warning("decode CUDA graph capture failed (%s); decoding eagerly", exc)
+                self.use_cuda_graphs = False
+
+    def _decode_graphs(self, capture: bool) -> DecodeGraphs:
+        """Static decode buffers (and, with ``capture``, their CUDA graphs) for this runner."""
+        return DecodeGraphs(
+            self.model,
+            max_batch_size=self.config.max_batch_size,
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            max_seqlen_k=self.max_model_len,
+            block_size=self.block_size,
+            device=self.device,
+            capture=capture,
+        )
+
+    @torch.inference_mode()
+    def _profile_activations(self) -> int:
+        """Peak bytes a forward of ``max_prefill_token_num`` tokens (plus the LM head and sampler
+        on ``max_batch_size`` rows) allocates beyond the weights; runs before the cache exists,
+        so attention takes its cache-less path."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        total = self.config.max_prefill_token_num
+        # Several sequences when the budget exceeds the longest allowed one (positions must stay
+        # inside the rotary table).
+        per_seq = min(total, self.max_model_len)
+        lens = [per_seq] * (total // per_seq) + ([total % per_seq] if total % per_seq else [])
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros(len(lens), 1, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seqlens_k=torch.tensor(lens, dtype=torch.int32, device=dev),
+            max_seqlen_q=max(lens),
+            max_seqlen_k=max(lens),
+        )
+        ids = torch.zeros(total, dtype=torch.int64, device=dev)
+        pos = torch.cat([torch.arange(n, device=dev) for n in lens])
+        set_attention_metadata(meta)
+        try:
+            hidden = self.model(ids, pos)
+        finally:
+            set_attention_metadata(None)
+        rows = min(self.config.max_batch_size, total)
+        logits = self.model.compute_logits(hidden[-rows:])
+        # top-p sampling is the sampler's largest footprint (a sort of the whole vocabulary).
+        params = [SamplingParams(temperature=1.0, top_k=0, top_p=0.9)] * rows
+        self.sampler(logits, params, [[]] * rows, [0] * rows, [None] * rows)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        del hidden, logits
+        torch.cuda.empty_cache()
+        used = max(peak - before, 0)
+        logger.info("profiling forward of %d tokens: %.2f GiB of activations", total, used / 2**30)
+        return used
 
     def _block_bytes(self) -> int:
         mc = self.model_config
@@ -87,7 +204,8 @@ class ModelRunner:
         if kind == "blocks":
             return int(value)
         if kind == "fraction":
-            value *= _available_memory(self.device)
+            # LMDeploy's meaning: a fraction of what the weights and the activations leave free.
+            value *= max(_available_memory(self.device) - self.activation_bytes, 0)
         blocks = int(value // self._block_bytes())
         if blocks < 1:
             raise EngineConfigError(
@@ -97,7 +215,11 @@ class ModelRunner:
         return blocks
 
     def _metadata(self, seqs: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flatten (sequence, number of new tokens) pairs into model inputs and attention metadata."""
+        """Flatten (sequence, number of new tokens) pairs into model inputs and attention metadata.
+
+        When the leading sequences bring one token each and later ones more (``execute`` orders
+        a mixed batch so), the metadata is a ``MixedBatchMetadata``: decode rows then take the
+        decode kernel."""
         bs = self.block_size
         input_ids, positions, slots, cu_q, lens_k = [], [], [], [0], []
         for seq, n in seqs:
@@ -110,18 +232,56 @@ class ModelRunner:
             lens_k.append(start + n)
         width = max(len(seq.block_table) for seq, _ in seqs)
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in seqs]
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
-            seqlens_k=torch.tensor(lens_k, dtype=torch.int32, device=dev),
+        self._begin_gpu_span()
+        num_decode = next((i for i, (_, n) in enumerate(seqs) if n != 1), len(seqs))
+        fields = dict(
+            slot_mapping=self._to_device(slots, torch.int64),
+            block_tables=self._to_device(tables, torch.int32),
+            cu_seqlens_q=self._to_device(cu_q, torch.int32),
+            seqlens_k=self._to_device(lens_k, torch.int32),
             max_seqlen_q=max(n for _, n in seqs),
             max_seqlen_k=max(lens_k),
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        if 0 < num_decode < len(seqs) and all(n != 1 for _, n in seqs[num_decode:]):
+            # Decode rows: views of the whole batch's tensors. Prefill rows: the same views,
+            # except the query offsets, renumbered from 0 (one more small copy).
+            nd = num_decode
+            decode = AttentionMetadata(
+                slot_mapping=fields["slot_mapping"][:nd], block_tables=fields["block_tables"][:nd],
+                cu_seqlens_q=fields["cu_seqlens_q"][: nd + 1], seqlens_k=fields["seqlens_k"][:nd],
+                max_seqlen_q=1, max_seqlen_k=max(lens_k[:nd]),
+            )
+            prefill = AttentionMetadata(
+                slot_mapping=fields["slot_mapping"][nd:], block_tables=fields["block_tables"][nd:],
+                cu_seqlens_q=self._to_device([c - nd for c in cu_q[nd:]], torch.int32),
+                seqlens_k=fields["seqlens_k"][nd:],
+                max_seqlen_q=max(n for _, n in seqs[nd:]), max_seqlen_k=max(lens_k[nd:]),
+            )
+            meta: AttentionMetadata = MixedBatchMetadata(**fields, num_decode_tokens=nd, decode=decode, prefill=prefill)
+        else:
+            meta = AttentionMetadata(**fields)
+        ids = self._to_device(input_ids, torch.int64)
+        pos = self._to_device(positions, torch.int64)
         return ids, pos, meta
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list as a device tensor; on CUDA through pinned memory without a sync (the
+        caching host allocator keeps the pinned block alive until the copy has read it)."""
+        if self.device.type == "cuda":
+            return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def _begin_gpu_span(self) -> None:
+        if self.gpu_spans is not None and self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.gpu_spans.append((start, start))
+
+    def _end_gpu_span(self) -> None:
+        if self.gpu_spans and self.device.type == "cuda" and self.gpu_spans[-1][0] is self.gpu_spans[-1][1]:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.gpu_spans[-1] = (self.gpu_spans[-1][0], end)
 
     @torch.inference_mode()
     def _forward(self, seqs: list[tuple[Sequence, int]]) -> torch.Tensor:
@@ -132,21 +292,48 @@ class ModelRunner:
         finally:
             set_attention_metadata(None)
 
+    def _graph_batch(self, out: SchedulerOutput) -> list[Sequence] | None:
+        """The step's sequences when it can replay a decode graph (each brings one token), else None."""
+        graphs = self.decode_graphs
+        if not self.use_cuda_graphs or graphs is None:
+            return None
+        if any(item.num_new_tokens != 1 for item in out.scheduled):
+            return None
+        seqs = [item.seq for item in out.scheduled]
+        return seqs if graphs.can_run(seqs) else None
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, generators: dict[int, torch.Generator]) -> dict[int, TokenSample]:
         """Run one step; returns the sampled token of every sequence that reached its end."""
-        seqs = [(s.seq, s.num_new_tokens) for s in out.scheduled]
-        hidden = self._forward(seqs)
-        rows, sampling = [], []
-        end = 0
-        for item in out.scheduled:
-            end += item.num_new_tokens
-            if item.samples:
-                rows.append(end - 1)
-                sampling.append(item.seq)
-        if not sampling:
-            return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        graph_seqs = self._graph_batch(out)
+        if graph_seqs is not None:
+            self.graph_steps += 1
+            bs = self.decode_graphs.stage(graph_seqs)
+            self._begin_gpu_span()
+            all_logits = self.decode_graphs.run(bs, len(graph_seqs))
+            rows = [i for i, item in enumerate(out.scheduled) if item.samples]
+            sampling = [out.scheduled[i].seq for i in rows]
+            if not sampling:
+                self._end_gpu_span()
+                return {}
+            logits = all_logits if len(rows) == len(graph_seqs) else all_logits[self._to_device(rows, torch.int64)]
+        else:
+            self.eager_steps += 1
+            # Single-token sequences first, so that attention can split the batch (see _metadata).
+            items = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
+            seqs = [(s.seq, s.num_new_tokens) for s in items]
+            hidden = self._forward(seqs)
+            rows, sampling = [], []
+            end = 0
+            for item in items:
+                end += item.num_new_tokens
+                if item.samples:
+                    rows.append(end - 1)
+                    sampling.append(item.seq)
+            if not sampling:
+                self._end_gpu_span()
+                return {}
+            logits = self.model.compute_logits(hidden[self._to_device(rows, torch.int64)])
         result = self.sampler(
             logits,
             [s.params for s in sampling],
@@ -154,6 +341,7 @@ class ModelRunner:
             [s.num_output_tokens for s in sampling],
             [generators.get(s.seq_id) for s in sampling],
         )
+        self._end_gpu_span()
         samples = {}
         for i, seq in enumerate(sampling):
             samples[seq.seq_id] = TokenSample(

@@ -27,13 +27,21 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None
 
 
+def _to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host list on ``device`` without a host sync: on CUDA it goes through pinned memory with a
+    non-blocking copy (a plain ``torch.tensor(..., device="cuda")`` waits for the stream)."""
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def _pair_mask(
     rows: list[int], cols: list[int], shape: tuple[int, int], device: torch.device
 ) -> torch.Tensor:
     """Boolean ``[B, V]`` mask that is True at each ``(rows[i], cols[i])``."""
     mask = torch.zeros(shape, dtype=torch.bool, device=device)
     if rows:
-        mask[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = True
+        mask[_to_device(rows, device, torch.int64), _to_device(cols, device, torch.int64)] = True
     return mask
 
 
@@ -56,10 +64,16 @@ class Sampler:
 
     Sampling uses the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``, equivalent to
     drawing from ``probs``. Rows with a generator draw their own ``q`` one row at a time, so
-    their random stream does not depend on the rest of the batch; the lead's generators are CPU
-    generators, so ``q`` is drawn on the generator's device and moved to the logits device
-    (one small copy per seeded row). Unseeded rows share one draw from the default generator
-    of the logits device.
+    their random stream does not depend on the rest of the batch; the engine's generators are
+    CPU generators (a seed then gives the same stream on any device), so ``q`` is drawn on the
+    CPU and copied to the logits device through pinned memory, without a sync (one ``[V]``
+    copy per seeded row). Unseeded rows share one draw from the default generator of the
+    logits device.
+
+    On a GPU the only host sync is the final transfer of the chosen ids (and of the logprobs
+    when asked): per-row parameters are read on the host and moved without blocking, and no
+    decision depends on tensor values. A batch that is all plain greedy (no penalty, no ban
+    that applies, no logprobs) skips everything but the argmax, with identical results.
     """
 
     def __call__(
@@ -73,6 +87,10 @@ class Sampler:
         """Choose one token per row of ``logits`` (``[B, V]``); see the class docstring."""
         batch, vocab = logits.shape
         device = logits.device
+        if self._plain_greedy(params, token_history, num_generated):
+            # argmax over the raw logits equals the full path's: no penalty or ban applies, an
+            # all -inf row gives token 0 either way, and float32 conversion keeps the order.
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
         # A private float32 copy: the bans below write in place and the caller's tensor is theirs.
         logits = logits.to(torch.float32, copy=True)
         logits = self._penalize(logits, params, token_history)
@@ -82,11 +100,28 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
-            rows = torch.tensor(sampled, device=device)
+            rows = _to_device(sampled, device, torch.int64)
             probs = self._truncated_probs(logits[rows], [params[i] for i in sampled])
             noise = self._exponential_noise(len(sampled), vocab, [generators[i] for i in sampled], device)
             token_ids[rows] = (probs / noise).argmax(dim=-1)
         return self._output(token_ids, logprobs, params)
+
+    @staticmethod
+    def _plain_greedy(params: list[SamplingParams], history: list[list[int]], num_generated: list[int]) -> bool:
+        """Every row takes the plain argmax: greedy, no repetition penalty, no logprobs, no ban
+        that applies at this step (the same conditions ``_penalize`` / ``_ban`` test)."""
+        for i, p in enumerate(params):
+            if not p.greedy or p.logprobs is not None or p.bad_token_ids:
+                return False
+            if p.repetition_penalty != 1.0 and history[i]:
+                return False
+            if p.stop_token_ids and num_generated[i] < p.min_new_tokens:
+                return False
+            for seq in p.bad_sequences:
+                n = len(seq) - 1
+                if n >= 1 and num_generated[i] >= n and history[i][-n:] == seq[:-1]:
+                    return False
+        return True
 
     @staticmethod
     def _penalize(
@@ -102,7 +137,7 @@ class Sampler:
         if not rows:
             return logits
         seen_mask = _pair_mask(rows, cols, tuple(logits.shape), logits.device)
-        penalty = torch.tensor([p.repetition_penalty for p in params], device=logits.device)[:, None]
+        penalty = _to_device([p.repetition_penalty for p in params], logits.device)[:, None]
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
         return torch.where(seen_mask, penalized, logits)
 
@@ -136,7 +171,7 @@ class Sampler:
     def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Temperature, then top-k, top-p, min-p; returns the renormalized probabilities ``[n, V]``."""
         device, vocab = logits.device, logits.shape[-1]
-        temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+        temperature = _to_device([p.temperature for p in params], device)[:, None]
         logits = logits / temperature
         # "Off" maps to values that mask nothing, so one batched pass serves every row.
         top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
@@ -144,17 +179,17 @@ class Sampler:
         if any(k < vocab for k in top_k) or any(q < 1.0 for q in top_p):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             position = torch.arange(vocab, device=device)
-            k = torch.tensor(top_k, device=device)[:, None]
+            k = _to_device(top_k, device)[:, None]
             sorted_logits = sorted_logits.masked_fill(position >= k, _NEG_INF)
             sorted_probs = sorted_logits.softmax(dim=-1)
             # Drop a token when the mass strictly above it already reaches top_p; keep the top one.
             mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
-            outside = mass_above >= torch.tensor(top_p, device=device)[:, None]
+            outside = mass_above >= _to_device(top_p, device)[:, None]
             outside[:, 0] = False
             sorted_logits = sorted_logits.masked_fill(outside, _NEG_INF)
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
-        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        min_p = _to_device([p.min_p for p in params], device)[:, None]
         # Relative threshold: unaffected by the renormalization after top-k/top-p.
         return probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
 
@@ -166,11 +201,13 @@ class Sampler:
         noise = torch.empty(n, vocab, device=device)
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
-            idx = torch.tensor(unseeded, device=device)
+            idx = _to_device(unseeded, device, torch.int64)
             noise[idx] = torch.empty(len(unseeded), vocab, device=device).exponential_()
         for i, g in enumerate(generators):
             if g is not None:
-                noise[i] = torch.empty(vocab, device=g.device).exponential_(generator=g).to(device)
+                pin = device.type == "cuda" and g.device.type == "cpu"
+                draw = torch.empty(vocab, device=g.device, pin_memory=pin).exponential_(generator=g)
+                noise[i] = draw.to(device, non_blocking=pin)
         # Exp(1) may return 0 in float32; a tiny floor avoids 0/0 without changing the race.
         return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 

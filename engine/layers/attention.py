@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from conveyor.engine.attention_metadata import AttentionMetadata, get_attention_metadata
 from conveyor.kernels import paged_attention, store_kv
+
+
+@dataclass
+class MixedBatchMetadata(AttentionMetadata):
+    """A batch whose first ``num_decode_tokens`` rows are sequences bringing one query each, the
+    rest prefill chunks: attention runs the decode kernel on the first part and the prefill
+    kernel on the second (``decode`` / ``prefill`` hold each part's metadata, rows renumbered
+    from 0). One kernel for both would send every decode row through the prefill kernel: a
+    64-row query tile for one query, the keys read once per query head instead of once per kv
+    head, and a grid sized by the longest prompt for every sequence. The fields inherited from
+    ``AttentionMetadata`` describe the whole batch (the cache store uses its slot mapping)."""
+
+    num_decode_tokens: int = 0
+    decode: AttentionMetadata | None = None
+    prefill: AttentionMetadata | None = None
 
 
 class Attention(nn.Module):
@@ -35,10 +52,20 @@ class Attention(nn.Module):
             out = self._attend_without_cache(q, k, v, meta)
         else:
             store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            out = paged_attention(
-                q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seqlens_k, self.scale
-            )
+            if isinstance(meta, MixedBatchMetadata) and meta.decode is not None and meta.prefill is not None:
+                n = meta.num_decode_tokens
+                out = torch.cat([self._attend(q[:n], meta.decode), self._attend(q[n:], meta.prefill)])
+            else:
+                out = self._attend(q, meta)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # The maxima come from the host-side metadata: the kernels then never read them from
+        # the device (a sync per layer), and a CUDA-graph capture sees fixed upper bounds.
+        return paged_attention(
+            q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seqlens_k, self.scale,
+            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+        )
 
     def _attend_without_cache(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -49,9 +76,10 @@ class Attention(nn.Module):
         if q_lens != meta.seqlens_k.tolist():
             raise RuntimeError("attention without a KV cache only works for prefill with no cached prefix")
         max_len = max(q_lens, default=0)
-        tables = torch.zeros(len(q_lens), max_len, dtype=torch.int32, device=q.device)
-        for b, n in enumerate(q_lens):
-            tables[b, :n] = torch.arange(cu[b], cu[b] + n, dtype=torch.int32, device=q.device)
+        # Row b of the one-token-block "cache" is token cu[b] + j: one broadcast, not a loop of copies.
+        offsets = torch.arange(max_len, dtype=torch.int32, device=q.device)
+        tables = meta.cu_seqlens_q[:-1, None].to(torch.int32) + offsets[None, :]
         return paged_attention(
-            q, k.unsqueeze(1), v.unsqueeze(1), tables, meta.cu_seqlens_q, meta.seqlens_k, self.scale
+            q, k.unsqueeze(1), v.unsqueeze(1), tables, meta.cu_seqlens_q, meta.seqlens_k, self.scale,
+            max_seqlen_q=max_len, max_seqlen_k=max_len,
         )

@@ -1,0 +1,115 @@
+"""LMDeploy's profile_generation, on the engine directly: a grid of batch x input x output lengths.
+
+For each case, ``batch`` requests of random token ids of ``input_len`` are submitted at once
+(``ignore_eos``, greedy, exactly ``output_len`` new tokens) and ``LLMEngine.step()`` is called
+until they finish. Reported per case: output tok/s (all output tokens / wall time), first-token
+latency (submission to the step that returned the first token: mean, min, max), per-token
+latency P50/P75/P95/P99 (gaps between a request's consecutive tokens), and peak GPU memory
+(what PyTorch reserved: weights, KV cache, activations, graphs). Each case runs once unmeasured
+first, so Triton compilation stays out of the numbers. No HTTP, no tokenizer.
+
+    python -m benchmarks.profile_generation --model llama2-7b            # default grid
+    python -m benchmarks.profile_generation -b 1 -c 128:512 -c 2048:1   # chosen cases
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from statistics import mean
+
+import torch
+
+from benchmarks.common import cache_size, dummy_engine, percentile, random_prompt, record, save
+from conveyor.engine.sampling_params import SamplingParams
+
+DEFAULT_BATCHES = (1, 16, 32, 64)
+DEFAULT_CASES = ((128, 128), (128, 512), (2048, 1), (2048, 128))
+
+
+def run_case(engine, batch: int, input_len: int, output_len: int, seed: int = 0) -> dict:
+    """Submit ``batch`` requests at once and step until done; returns the measured numbers."""
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    prompts = [random_prompt(rng, input_len, vocab) for _ in range(batch)]
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, top_k=1, ignore_eos=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    seqs = [engine.add_request(p, params) for p in prompts]
+    arrivals: dict[int, list[float]] = {s.seq_id: [] for s in seqs}
+    steps = 0
+    while engine.has_work:
+        outs = engine.step()
+        now = time.perf_counter()
+        steps += 1
+        for o in outs:
+            if o.token_ids and o.seq_id in arrivals:
+                arrivals[o.seq_id].extend([now] * len(o.token_ids))
+    wall = time.perf_counter() - t0
+    ttft = [a[0] - t0 for a in arrivals.values() if a]
+    gaps = [b - a for times in arrivals.values() for a, b in zip(times, times[1:])]
+    n_out = sum(len(a) for a in arrivals.values())
+    peak = torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else None
+    return {
+        "wall_s": wall, "steps": steps, "out_tokens": n_out, "out_tok_s": n_out / wall,
+        "ttft_ms": mean(ttft) * 1e3, "ttft_min_ms": min(ttft) * 1e3, "ttft_max_ms": max(ttft) * 1e3,
+        "tpot_p50_ms": _ms(percentile(gaps, 50)), "tpot_p75_ms": _ms(percentile(gaps, 75)),
+        "tpot_p95_ms": _ms(percentile(gaps, 95)), "tpot_p99_ms": _ms(percentile(gaps, 99)),
+        "peak_mem_gb": peak,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def parse_case(text: str) -> tuple[int, int]:
+    """'IN:OUT' -> (IN, OUT)."""
+    a, b = text.split(":")
+    return int(a), int(b)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama2-7b", help="a shape of benchmarks.dummy_model")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("-b", "--batch", type=int, action="append", help="batch sizes (repeatable)")
+    ap.add_argument("-c", "--case", type=parse_case, action="append", help="IN:OUT token lengths (repeatable)")
+    ap.add_argument("--max-batch-size", type=int, default=256)
+    ap.add_argument("--cache-max-entry-count", type=cache_size, default=0.8)
+    ap.add_argument("--name", default=None, help="results file name (default profile_generation_<model>)")
+    args = ap.parse_args()
+    batches = args.batch or list(DEFAULT_BATCHES)
+    cases = args.case or list(DEFAULT_CASES)
+
+    t = time.perf_counter()
+    engine = dummy_engine(args.model, args.dtype, max_batch_size=args.max_batch_size,
+                          cache_max_entry_count=args.cache_max_entry_count)
+    graphs = engine.runner.decode_graphs
+    print(f"engine ready in {time.perf_counter() - t:.1f}s: {engine.runner.num_blocks} KV blocks of "
+          f"{engine.config.block_size}, activations {engine.runner.activation_bytes / 2**30:.2f} GiB, "
+          f"graphs {graphs.sizes if graphs else None}", flush=True)
+    records = []
+    header = f"{'batch':>5} {'in':>5} {'out':>5} | {'out tok/s':>10} {'ttft ms':>9} {'p50 ms':>7} {'p99 ms':>7} {'peak GB':>8}"
+    print(header, flush=True)
+    for batch in batches:
+        for input_len, output_len in cases:
+            run_case(engine, batch, input_len, min(output_len, 4), seed=1)  # warm-up: compile kernels
+            r = run_case(engine, batch, input_len, output_len)
+            print(f"{batch:>5} {input_len:>5} {output_len:>5} | {r['out_tok_s']:>10.1f} {r['ttft_ms']:>9.1f} "
+                  f"{r['tpot_p50_ms'] or 0:>7.2f} {r['tpot_p99_ms'] or 0:>7.2f} {r['peak_mem_gb'] or 0:>8.1f}",
+                  flush=True)
+            records.append(record(
+                engine="conveyor", model=args.model, precision=args.dtype, benchmark="profile_generation",
+                batch=batch, input_len=input_len, output_len=output_len,
+                cuda_graphs=bool(graphs and engine.runner.use_cuda_graphs), **r,
+            ))
+    path = save(records, args.name or f"profile_generation_{args.model}")
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()

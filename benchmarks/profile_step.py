@@ -1,0 +1,120 @@
+"""Where a step's GPU time goes: torch.profiler over single steps, top kernels by GPU time.
+
+Profiles (each after warm-up): a batch-1 decode step replayed from its CUDA graph, the same
+step run eagerly, a batch-64 decode step, and a 2048-token prefill. Prints each step's wall
+time, the summed kernel time, and the top kernels; saves them to results/h100/profile_step_<model>.json.
+Also prints the weight-read floor of a decode step (parameter bytes / measured copy bandwidth).
+
+    python -m benchmarks.profile_step --model llama2-7b
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.common import dummy_engine, random_prompt, record, save
+from benchmarks.dummy_model import param_count
+from conveyor.engine.sampling_params import SamplingParams
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy rate in bytes/s (read + write counted), median of 10."""
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(12):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    times.sort()
+    return 2 * a.numel() / times[len(times) // 2]
+
+
+def profile_steps(engine, label: str, n_steps: int) -> dict:
+    """Profile the next ``n_steps`` engine steps; returns per-step wall, kernel sums and top kernels."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(n_steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / n_steps
+    rows = []
+    # Kernels only: a CPU op (aten::mm) also reports the device time of the kernels it launched,
+    # so summing every row would count a matmul twice.
+    for e in prof.key_averages():
+        if getattr(e, "device_type", None) != DeviceType.CUDA or e.key.startswith("aten::"):
+            continue
+        dev = getattr(e, "self_device_time_total", None)
+        if dev is None:
+            dev = getattr(e, "self_cuda_time_total", 0)
+        if dev > 0:
+            rows.append((e.key, dev / n_steps, e.count / n_steps))
+    rows.sort(key=lambda r: -r[1])
+    kernel_us = sum(r[1] for r in rows)
+    print(f"--- {label}: {wall * 1e3:.2f} ms/step wall, {kernel_us / 1e3:.2f} ms/step in kernels "
+          f"({kernel_us / 1e6 / wall:.0%} busy)")
+    for name, us, count in rows[:12]:
+        print(f"{us:9.1f} us {count:6.1f}x  {name[:110]}")
+    return {"label": label, "wall_ms": wall * 1e3, "kernel_ms": kernel_us / 1e3,
+            "top": [{"name": n[:200], "us_per_step": us, "calls_per_step": c} for n, us, c in rows[:25]]}
+
+
+def start(engine, batch: int, input_len: int, output_len: int) -> None:
+    rng = random.Random(0)
+    for _ in range(batch):
+        engine.add_request(random_prompt(rng, input_len, engine.model_config.vocab_size),
+                           SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True))
+
+
+def drain(engine) -> None:
+    while engine.has_work:
+        engine.step()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama2-7b")
+    ap.add_argument("--dtype", default="float16")
+    args = ap.parse_args()
+    engine = dummy_engine(args.model, args.dtype, max_batch_size=256)
+    bw = copy_bandwidth()
+    weight_bytes = 2 * param_count(args.model)
+    floor_ms = weight_bytes / bw * 1e3
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; decode weight-read floor {floor_ms:.2f} ms "
+          f"({1e3 / floor_ms:.0f} tok/s at batch 1)")
+    results = []
+    for graphs in (True, False):
+        engine.runner.use_cuda_graphs = graphs
+        start(engine, 1, 128, 64)
+        for _ in range(10):
+            engine.step()
+        results.append(profile_steps(engine, f"decode bs1 ({'graph' if graphs else 'eager'})", 20))
+        drain(engine)
+    engine.runner.use_cuda_graphs = True
+    start(engine, 64, 128, 64)
+    for _ in range(10):
+        engine.step()
+    results.append(profile_steps(engine, "decode bs64 (graph)", 20))
+    drain(engine)
+    start(engine, 1, 2048, 1)
+    drain(engine)
+    start(engine, 1, 2048, 1)
+    results.append(profile_steps(engine, "prefill 2048 tokens", 1))
+    drain(engine)
+    save([record(engine="conveyor", model=args.model, precision=args.dtype, benchmark="profile_step",
+                 copy_tb_s=bw / 1e12, decode_floor_ms=floor_ms, steps=results)],
+         f"profile_step_{args.model}")
+
+
+if __name__ == "__main__":
+    main()

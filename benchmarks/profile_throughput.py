@@ -1,0 +1,132 @@
+"""Offline request throughput (LMDeploy's profile_throughput without HTTP) on a fixed workload.
+
+Every request of the workload (``benchmarks/data/sharegpt_shape_3000.jsonl``: input/output
+lengths in tokens) becomes random token ids of its input length with ``ignore_eos`` and
+``max_new_tokens = output_len``; all are submitted at t=0 and ``LLMEngine.step()`` runs until
+the last finishes. Reported: requests/s, output tok/s, total (input + output) tok/s, mean and
+P99 time to first token (from t=0, so it includes queueing), and the GPU busy fraction.
+
+GPU busy: the runner records a CUDA event just before each step's first host-to-device copy
+and another after the sampled ids are back on the host; the sum of those spans over the wall
+time is the share of time the GPU had the step's work in hand (the engine is synchronous, so
+outside those spans, while Python schedules and builds the next batch, the GPU is idle). Inside a
+span the GPU can still wait on kernel launches (eager prefill), so it is an upper bound.
+
+    python -m benchmarks.profile_throughput --model llama2-7b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+from statistics import mean
+
+import torch
+
+from benchmarks.common import cache_size, dummy_engine, percentile, random_prompt, record, save
+from conveyor.engine.sampling_params import SamplingParams
+
+DATA = Path(__file__).resolve().parent / "data" / "sharegpt_shape_3000.jsonl"
+
+
+def load_workload(path: Path, limit: int | None) -> list[tuple[int, int]]:
+    """(input_len, output_len) pairs from a jsonl file."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    pairs = [(int(r["input_len"]), int(r["output_len"])) for r in rows]
+    return pairs[:limit] if limit else pairs
+
+
+def warm_up(engine, vocab: int) -> None:
+    """Compile the eager kernels' shape variants (short and long prompts, mixed steps) untimed."""
+    rng = random.Random(123)
+    for length in (5, 20, 40, 100, 300, 1000, 2000):
+        engine.add_request(random_prompt(rng, length, vocab),
+                           SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    while engine.has_work:
+        engine.step()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama2-7b")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--dataset", type=Path, default=DATA)
+    ap.add_argument("--num-prompts", type=int, default=None, help="first N requests (default: all)")
+    ap.add_argument("--max-batch-size", type=int, default=256)
+    ap.add_argument("--cache-max-entry-count", type=cache_size, default=0.8)
+    ap.add_argument("--name", default=None)
+    args = ap.parse_args()
+
+    work = load_workload(args.dataset, args.num_prompts)
+    engine = dummy_engine(args.model, args.dtype, max_batch_size=args.max_batch_size,
+                          cache_max_entry_count=args.cache_max_entry_count)
+    vocab = engine.model_config.vocab_size
+    print(f"engine ready: {engine.runner.num_blocks} KV blocks of {engine.config.block_size}", flush=True)
+    warm_up(engine, vocab)
+    rng = random.Random(0)
+    prompts = [random_prompt(rng, i, vocab) for i, _ in work]
+    engine.runner.gpu_spans = []
+    engine.runner.graph_steps = engine.runner.eager_steps = 0
+    preempted = [0]
+    schedule = engine.scheduler.schedule
+
+    def counting_schedule():  # counts preemptions (each is a later recompute of the sequence)
+        out = schedule()
+        preempted[0] += len(out.preempted)
+        return out
+
+    engine.scheduler.schedule = counting_schedule
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    first: dict[int, float] = {}
+    ids = []
+    for prompt, (_, out_len) in zip(prompts, work):
+        params = SamplingParams(max_new_tokens=out_len, temperature=0.0, ignore_eos=True)
+        ids.append(engine.add_request(prompt, params).seq_id)
+    n_out = steps = 0
+    next_report = t0 + 10.0
+    while engine.has_work:
+        outs = engine.step()
+        now = time.perf_counter()
+        steps += 1
+        if now > next_report:  # progress, so a run cut short still tells its rate
+            next_report = now + 10.0
+            print(f"  {now - t0:6.1f}s: {n_out} tokens out ({n_out / (now - t0):.0f} tok/s), "
+                  f"{len(engine.scheduler.running)} running, {len(engine.scheduler.waiting)} waiting", flush=True)
+        for o in outs:
+            if o.token_ids:
+                n_out += len(o.token_ids)
+                first.setdefault(o.seq_id, now)
+    wall = time.perf_counter() - t0
+    spans = engine.runner.gpu_spans
+    engine.runner.gpu_spans = None
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        busy = sum(s.elapsed_time(e) for s, e in spans if s is not e) / 1e3
+    else:
+        busy = None
+    ttft = [first[i] - t0 for i in ids if i in first]
+    n_in = sum(i for i, _ in work)
+    result = {
+        "num_requests": len(work), "wall_s": wall, "steps": steps, "in_tokens": n_in, "out_tokens": n_out,
+        "req_s": len(work) / wall, "out_tok_s": n_out / wall, "total_tok_s": (n_in + n_out) / wall,
+        "ttft_ms": mean(ttft) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
+        "gpu_busy": busy / wall if busy is not None else None, "gpu_busy_s": busy,
+        "preemptions": preempted[0], "graph_steps": engine.runner.graph_steps, "eager_steps": engine.runner.eager_steps,
+        "kv_blocks": engine.runner.num_blocks, "block_size": engine.config.block_size,
+        "peak_mem_gb": torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else None,
+    }
+    for k, v in result.items():
+        print(f"{k:>14}: {v:.3f}" if isinstance(v, float) else f"{k:>14}: {v}")
+    rec = record(engine="conveyor", model=args.model, precision=args.dtype, benchmark="profile_throughput",
+                 batch=args.max_batch_size, dataset=args.dataset.name, **result)
+    path = save([rec], args.name or f"profile_throughput_{args.model}")
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
