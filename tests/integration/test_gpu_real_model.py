@@ -18,18 +18,9 @@ from conveyor.engine.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.sampling_params import SamplingParams
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a prime number is in one sentence.",
-    "List three colors.",
-    "How do I reverse a list in Python?",
-    "What is 12 times 7?",
-    "Tell me a fun fact about cats.",
-    "Translate 'good morning' into Spanish.",
-    "Who wrote Romeo and Juliet?",
-    "Give me a tip for staying focused.",
-]
+from chat_prompts import PROMPTS as ALL_PROMPTS
+
+PROMPTS = ALL_PROMPTS[:10]
 MAX_NEW = 32
 TOP_K = 5
 

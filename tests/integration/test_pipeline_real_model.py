@@ -18,19 +18,9 @@ from conveyor import (
     pipeline,
 )
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a prime number is in one sentence.",
-    "List three colors.",
-    "How do I reverse a list in Python?",
-    "What is 12 times 7?",
-    "Tell me a fun fact about cats.",
-    "Translate 'good morning' into Spanish.",
-    "Who wrote Romeo and Juliet?",
-    "Give me a tip for staying focused.",
-    "Describe the color blue to someone who cannot see.",
-]
+from chat_prompts import PROMPTS as ALL_PROMPTS
+
+PROMPTS = ALL_PROMPTS
 MAX_NEW = 24
 GREEDY = GenerationConfig(max_new_tokens=MAX_NEW, top_k=1)
 
