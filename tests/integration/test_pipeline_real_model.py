@@ -18,9 +18,8 @@ from conveyor import (
     pipeline,
 )
 
-from chat_prompts import PROMPTS as ALL_PROMPTS
+from chat_prompts import PROMPTS
 
-PROMPTS = ALL_PROMPTS
 MAX_NEW = 24
 GREEDY = GenerationConfig(max_new_tokens=MAX_NEW, top_k=1)
 
