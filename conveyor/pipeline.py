@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
