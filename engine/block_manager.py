@@ -74,15 +74,15 @@ class BlockManager:
         """Blocks that hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
 
-    def find_prefix(self, token_ids: list[int]) -> PrefixMatch:
+    def find_prefix(self, token_ids: list[int], count: bool = True) -> PrefixMatch:
         """The longest run of cached full blocks matching the start of ``token_ids``.
 
         At least one token is always left uncomputed: the last prompt token must run through
-        the model to give the logits of the first generated token.
+        the model to give the logits of the first generated token. ``count=False`` leaves the
+        hit statistics alone (a caller that may retry counts once, with ``count_prefix``).
         """
         if not self.enable_prefix_caching:
             return PrefixMatch()
-        self.prefix_query_tokens += len(token_ids)
         bs, parent, found = self.block_size, None, []
         for i in range((len(token_ids) - 1) // bs):
             parent = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
@@ -90,8 +90,16 @@ class BlockManager:
             if block_id is None:
                 break
             found.append(block_id)
-        self.prefix_hit_tokens += len(found) * bs
-        return PrefixMatch(tuple(found), len(found) * bs)
+        match = PrefixMatch(tuple(found), len(found) * bs)
+        if count:
+            self.count_prefix(len(token_ids), match)
+        return match
+
+    def count_prefix(self, num_query_tokens: int, match: PrefixMatch) -> None:
+        """Add one lookup to the prefix-cache statistics."""
+        if self.enable_prefix_caching:
+            self.prefix_query_tokens += num_query_tokens
+            self.prefix_hit_tokens += match.num_tokens
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch = PrefixMatch()) -> bool:
         """Whether ``allocate`` would succeed."""

@@ -104,14 +104,18 @@ class Scheduler:
                 self._drop(seq)
                 continue
             prefix = PrefixMatch()
-            if seq.num_computed_tokens == 0 and not seq.block_table:
-                prefix = self.block_manager.find_prefix(seq.token_ids)
+            fresh = seq.num_computed_tokens == 0 and not seq.block_table
+            if fresh:
+                # Counted on admission: a sequence that does not fit is looked up again next step.
+                prefix = self.block_manager.find_prefix(seq.token_ids, count=False)
             n = min(seq.num_uncomputed_tokens - prefix.num_tokens, budget)
             while not self.block_manager.allocate(seq, n, prefix):
                 if not self._evict_parked():
                     break
             else:
                 self.waiting.popleft()
+                if fresh:
+                    self.block_manager.count_prefix(seq.num_tokens, prefix)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSeq(seq, n))

@@ -466,3 +466,20 @@ def test_preemption_resets_cached_token_count():
     assert b.block_table == [0, 1, 4, 5] and b.num_cached_tokens == 12
     sched.finish(b, FinishReason.ABORT)
     assert_no_leaks(sched)
+
+
+def test_prefix_lookups_of_a_waiting_sequence_count_once():
+    # a holds 7 of 8 blocks; b (8 tokens, 2 blocks + 1 for its first token) waits several steps.
+    sched, bm = make(prefix=True)
+    a = seq(26, 0, max_new_tokens=3)
+    sched.add(a)
+    step(sched)
+    b = seq(8, 1, max_new_tokens=1, start=100)
+    sched.add(b)
+    for _ in range(2):
+        plan, _, _ = step(sched)
+        assert [p[0] for p in plan] == [0]  # b does not fit yet
+    assert (bm.prefix_query_tokens, bm.prefix_hit_tokens) == (26, 0)
+    run_until_idle(sched)
+    assert (bm.prefix_query_tokens, bm.prefix_hit_tokens) == (34, 0)
+    assert bm.num_free_blocks == bm.num_blocks
