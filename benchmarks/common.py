@@ -95,3 +95,9 @@ def dummy_engine(shape: str, dtype: str = "float16", **config: Any):
 
     model_dir = write_model_dir(shape, Path(tempfile.gettempdir()) / f"conveyor-dummy-{shape}")
     return LLMEngine(model_dir, EngineConfig(dtype=dtype, load_format="dummy", **config))
+
+
+def drain(engine) -> None:
+    """Step the engine until every request finished (untimed work: warm-ups, set-up)."""
+    while engine.has_work:
+        engine.step()

@@ -18,7 +18,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import dummy_engine, random_prompt, record, save
+from benchmarks.common import drain, dummy_engine, random_prompt, record, save
 from benchmarks.dummy_model import param_count
 from conveyor.engine.sampling_params import SamplingParams
 
@@ -74,11 +74,6 @@ def start(engine, batch: int, input_len: int, output_len: int) -> None:
     for _ in range(batch):
         engine.add_request(random_prompt(rng, input_len, engine.model_config.vocab_size),
                            SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True))
-
-
-def drain(engine) -> None:
-    while engine.has_work:
-        engine.step()
 
 
 def main() -> None:

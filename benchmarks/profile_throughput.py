@@ -26,7 +26,7 @@ from statistics import mean
 
 import torch
 
-from benchmarks.common import cache_size, dummy_engine, percentile, random_prompt, record, save
+from benchmarks.common import cache_size, drain, dummy_engine, percentile, random_prompt, record, save
 from conveyor.engine.sampling_params import SamplingParams
 
 DATA = Path(__file__).resolve().parent / "data" / "sharegpt_shape_3000.jsonl"
@@ -45,8 +45,7 @@ def warm_up(engine, vocab: int) -> None:
     for length in (5, 20, 40, 100, 300, 1000, 2000):
         engine.add_request(random_prompt(rng, length, vocab),
                            SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
-    while engine.has_work:
-        engine.step()
+    drain(engine)
 
 
 def main() -> None:

@@ -99,6 +99,17 @@ _LOG2E = 1.4426950408889634
 
 
 @jit
+def _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step: fold log2-scaled scores s [M, N] over values v [N, D] into (m, l, acc)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, seqlens_k_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -145,14 +156,9 @@ def _decode_kernel(
         k_t = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=n_mask[None, :], other=0.0)  # [D, N]
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        # The first tile always holds a valid key (start < seqlen), so m_new is finite from then on.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        # The first tile always holds a valid key (start < seqlen), so m_i is finite from then on.
         v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)  # [N, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     o = acc / l_i[:, None]
     if SPLIT:
@@ -253,13 +259,8 @@ def _prefill_kernel(
         # Key 0 is visible to every row (pos >= 0), so each row's max is finite after the first tile
         # and fully masked later tiles contribute exp2(-inf) = 0, never NaN.
         s = tl.where((n[None, :] <= pos[:, None]) & n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)  # [N, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     o = acc / l_i[:, None]
     dst = out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :]
