@@ -41,6 +41,26 @@ if [ "$STAGE" = sharegpt ]; then
   timeout 170 python3 -m benchmarks.profile_throughput --model llama3-8b
 fi
 
+# Session 2 (overlapped steps, seeded GPU sampling, per-sequence decode split): the GPU kernel
+# tests, then the Llama-2 targets; "overlap2" the real-model GPU test and the Llama-3 shape.
+if [ "$STAGE" = overlap1 ]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
+    "$REPO/tests/unit/test_kernels.py" "$REPO/tests/unit/test_sampling_kernel.py" 2>&1 | tail -4
+  timeout 90 python3 -m benchmarks.profile_generation --model tiny -b 3 -c 16:16 --name smoke_tiny || exit 1
+  timeout 150 python3 -m benchmarks.profile_generation --model llama2-7b -b 1 -b 64 -c 128:512 -c 128:128 -c 2048:1
+  timeout 230 python3 -m benchmarks.profile_throughput --model llama2-7b
+fi
+
+if [ "$STAGE" = overlap2 ]; then
+  if [ -f /tmp/smol.gguf ]; then
+    timeout 120 python3 -m conveyor.default_model --gguf /tmp/smol.gguf --dest /tmp/smol >/dev/null 2>&1
+    CONVEYOR_TEST_MODEL=/tmp/smol CONVEYOR_OFFLINE=1 timeout 150 python3 -m pytest -q -p no:cacheprovider \
+      --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/integration/test_gpu_real_model.py" -k "not cpu" 2>&1 | tail -15
+  fi
+  timeout 150 python3 -m benchmarks.profile_generation --model llama3-8b -b 1 -b 64 -c 128:512 -c 128:128 -c 2048:1
+  timeout 200 python3 -m benchmarks.profile_throughput --model llama3-8b
+fi
+
 if [ "$STAGE" = extra ]; then
   if [ -f /tmp/smol.gguf ]; then
     timeout 120 python3 -m conveyor.default_model --gguf /tmp/smol.gguf --dest /tmp/smol >/dev/null 2>&1

@@ -167,7 +167,9 @@ class BlockManager:
         # The parent hash is carried along, not read off the previous block: a block whose content
         # was already cached stays unhashed, and its successors must still chain its true hash.
         start, parent = self._num_hashed.get(seq.seq_id, (0, None))
-        end = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        # Only blocks whose token ids are all known: a placeholder (a token still on the GPU)
+        # cannot be hashed yet; its block is published when the token is read back.
+        end = min(min(seq.num_computed_tokens, seq.num_known_tokens) // bs, len(seq.block_table))
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
             parent = chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])

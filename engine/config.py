@@ -45,6 +45,9 @@ class EngineConfig:
     # "auto": read the checkpoint; "dummy": seeded random weights built on the device, no weight
     # files read (vLLM's name; for benchmarks of a model shape whose weights are not at hand).
     load_format: str = "auto"
+    # Schedule and queue step N+1 while the GPU runs step N (engine/llm_engine.py); False reads
+    # every step back before the next (the environment's CONVEYOR_OVERLAP=0 does the same).
+    overlap_schedule: bool = True
     # LMDeploy spellings, folded into the fields above.
     cache_block_seq_len: int | None = None
     num_gpu_blocks: int = 0

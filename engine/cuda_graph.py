@@ -93,6 +93,7 @@ class DecodeGraphs:
         self.block_tables = self._h_tables.to(device)
         self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=device)
         self._copied = torch.cuda.Event() if pin else None
+        self._staged: list[int] = []
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         if capture:
@@ -123,10 +124,11 @@ class DecodeGraphs:
             self._copied.synchronize()  # the previous step's copies have read the pinned buffers
         ids, pos, slots, lens = self._np
         tables, block = self._np_tables, self.block_size
+        self._staged = staged = [seq.token_ids[seq.num_computed_tokens] for seq in seqs]
         for i, seq in enumerate(seqs):
             p = seq.num_computed_tokens
             table = seq.block_table
-            ids[i] = seq.token_ids[p]
+            ids[i] = max(staged[i], 0)  # a placeholder is filled on the device (run's ``fill``)
             pos[i] = p
             slots[i] = table[p // block] * block + p % block
             lens[i] = p + 1
@@ -138,6 +140,10 @@ class DecodeGraphs:
         lens[n:bs] = 1
         tables[n:bs, 0] = 0
         return bs
+
+    def staged_ids(self, n: int) -> list[int]:
+        """The input ids of the staged batch's ``n`` real rows, placeholders (< 0) included."""
+        return self._staged[:n]
 
     def _copy_inputs(self, bs: int) -> None:
         nb = self.device.type == "cuda"
@@ -166,11 +172,14 @@ class DecodeGraphs:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs])
         return self.model.compute_logits(hidden)
 
-    def run(self, bs: int, num_rows: int) -> torch.Tensor:
+    def run(self, bs: int, num_rows: int, fill=None) -> torch.Tensor:
         """Copy the staged inputs and replay (or, uncaptured, run) size ``bs``; returns the
         ``[num_rows, vocab]`` float32 logits. They live in a static buffer: consume them before
-        the next call."""
+        the next call. ``fill(input_ids)``, when given, edits the device input ids after the
+        copy (the runner writes placeholder tokens there from the previous step's ids)."""
         self._copy_inputs(bs)
+        if fill is not None:
+            fill(self.input_ids)
         graph = self._graphs.get(bs)
         if graph is not None:
             graph.replay()

@@ -1,11 +1,25 @@
 """The engine as a library: requests in, one batch of new tokens out per step.
 
 Not thread-safe: one thread (the pipeline's engine loop, later the engine process) owns it.
+
+Overlap. ``step()`` first schedules and queues step N+1 on the GPU, then reads back step N's
+sampled ids and turns them into outputs, so the host's work (scheduling, building inputs,
+reading back, and whatever the caller does with the outputs, such as handing them to the
+detokenizer) runs while the GPU computes; the GPU always has the next step queued. Step N+1
+can be built before step N's ids are known because its shape depends only on counts: each
+sequence that samples in step N holds a placeholder token (``engine/sequence.py``) that step
+N+1 reads on the device. A sequence that stops on a token of step N has also been given step
+N+1; that extra token is discarded and its KV slot is never counted. Steps are not overlapped
+(step N is read back before N+1 is scheduled) when a sequence of step N needs its token ids
+to sample (repetition penalty, ``bad_sequences``), or when ``EngineConfig.overlap_schedule``
+is off (``CONVEYOR_OVERLAP=0``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,13 +29,15 @@ from conveyor.engine.block_manager import BlockManager
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.errors import InvalidRequestError, PromptTooLongError
 from conveyor.engine.model_config import parse_dtype
-from conveyor.engine.model_runner import ModelRunner
+from conveyor.engine.model_runner import LaunchedStep, ModelRunner
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scheduler import Scheduler
 from conveyor.engine.sequence import FinishReason, Sequence, SequenceStatus
 from conveyor.engine.weight_loader import load_model_config, resolve_model_path
 
 logger = logging.getLogger(__name__)
+
+OVERLAP_ENV = "CONVEYOR_OVERLAP"  # "0" reads every step back before scheduling the next
 
 
 @dataclass
@@ -84,14 +100,17 @@ class LLMEngine:
                                    config.max_prefill_token_num, self.session_len)
         self._seqs: dict[int, Sequence] = {}  # unfinished turns, by seq id
         self._sessions: dict[int, Sequence] = {}
-        self._generators: dict[int, torch.Generator] = {}
         self._pending: list[StepOutput] = []  # finishes decided outside step(), reported by it
+        self._inflight: LaunchedStep | None = None  # queued on the device, not read back yet
+        self._inflight_positions: list[int] = []  # each sampling row's placeholder position
+        self.overlap = config.overlap_schedule and os.environ.get(OVERLAP_ENV, "1") != "0"
+        self._seed_source = random.Random()
         self.generated_tokens = 0
 
     @property
     def has_work(self) -> bool:
         """True while a step would do something or report something."""
-        return self.scheduler.has_work or bool(self._pending)
+        return self.scheduler.has_work or bool(self._pending) or self._inflight is not None
 
     def add_request(self, token_ids: list[int], params: SamplingParams, seq_id: int | None = None,
                     session_id: int | None = None) -> Sequence:
@@ -120,8 +139,9 @@ class LLMEngine:
             if seq_id is not None:
                 seq.seq_id = seq_id
             seq.start_turn(token_ids, params)
-        if params.random_seed is not None:
-            self._generators[seq.seq_id] = torch.Generator().manual_seed(params.random_seed)
+        # The sampler's noise is a function of (seed, tokens generated): see engine/sampler.py.
+        seed = params.random_seed
+        seq.sampling_seed = (seed if seed is not None else self._seed_source.getrandbits(63)) % (1 << 63)
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -139,7 +159,6 @@ class LLMEngine:
         if seq is None:
             return
         self.scheduler.finish(seq, reason)
-        self._generators.pop(seq_id, None)
         self._pending.append(StepOutput(seq_id, [], True, reason, num_cached_tokens=seq.num_cached_tokens))
 
     def end_session(self, session_id: int) -> None:
@@ -152,35 +171,60 @@ class LLMEngine:
         self.scheduler.end_session(session_id)
 
     def step(self) -> list[StepOutput]:
-        """Schedule, run the model, sample, and report every sequence that moved."""
+        """Queue the next step on the device, read back the one before, and report every
+        sequence that moved (see the module docstring for the overlap)."""
         outputs, self._pending = self._pending, []
+        if self._inflight is not None and (not self.overlap or self._needs_token_ids(self._inflight)):
+            outputs += self._read_back()
+            self._forget_finished()  # reported just now; the sweep below must not see them
         sched = self.scheduler.schedule()
         # A sequence the scheduler dropped because it can never fit in the cache.
         outputs += [StepOutput(s.seq_id, [], True, s.finish_reason)
                     for s in self._seqs.values() if s.is_finished]
-        if not sched:
-            self._forget_finished()
-            return outputs
-        samples = self.runner.execute(sched, self._generators)
-        self.generated_tokens += len(samples)
-        finished = self.scheduler.update(sched, {k: v.token_id for k, v in samples.items()})
-        done = {s.seq_id for s in finished}
-        for seq_id, sample in samples.items():
-            seq = self._seqs[seq_id]
-            out = StepOutput(seq_id, [sample.token_id], seq_id in done,
-                             seq.finish_reason if seq_id in done else None,
-                             num_cached_tokens=seq.num_cached_tokens)
-            if sample.logprob is not None:
-                out.logprobs = [sample.logprob]
-                out.top_logprobs = [sample.top_logprobs or []]
-            outputs.append(out)
+        launched = None
+        if sched:
+            launched = self.runner.launch(sched, self._inflight)
+            positions = self.scheduler.launched(sched, launched.sampling)
+        if self._inflight is not None:
+            outputs += self._read_back()
+        if launched is not None and launched.sampling:
+            self._inflight, self._inflight_positions = launched, positions
+            if not self.overlap:
+                outputs += self._read_back()
         self._forget_finished()
+        return outputs
+
+    @staticmethod
+    def _needs_token_ids(step: LaunchedStep) -> bool:
+        """Whether a sequence of ``step`` reads its own token ids when it samples next."""
+        return any(s.params.repetition_penalty != 1.0 or s.params.bad_sequences for s in step.sampling)
+
+    def _read_back(self) -> list[StepOutput]:
+        """Wait for the in-flight step's sampled ids, write them over the placeholders, finish
+        the sequences that stopped, and report them."""
+        step, positions = self._inflight, self._inflight_positions
+        self._inflight, self._inflight_positions = None, []
+        result = step.samples.fetch()
+        self.generated_tokens += len(result.token_ids)
+        outputs = []
+        for row, (seq, pos) in enumerate(zip(step.sampling, positions)):
+            # Gone since launch (aborted, stopped, or its turn ended on the step before): the
+            # placeholder was dropped with it, and the token is not reported.
+            if self._seqs.get(seq.seq_id) is not seq or pos >= len(seq.token_ids) or seq.token_ids[pos] != -1 - row:
+                continue
+            token = result.token_ids[row]
+            reason = self.scheduler.resolve(seq, pos, token)
+            out = StepOutput(seq.seq_id, [token], reason is not None, reason,
+                             num_cached_tokens=seq.num_cached_tokens)
+            if result.logprobs is not None:
+                out.logprobs = [result.logprobs[row]]
+                out.top_logprobs = [result.top_logprobs[row]]
+            outputs.append(out)
         return outputs
 
     def _forget_finished(self) -> None:
         for seq_id in [k for k, s in self._seqs.items() if s.status in (SequenceStatus.FINISHED, SequenceStatus.PARKED)]:
             del self._seqs[seq_id]
-            self._generators.pop(seq_id, None)
 
     def get_ppl(self, input_ids: list[list[int]]) -> list[float]:
         """Mean negative log-likelihood of each token sequence (LMDeploy's get_ppl: exp() it for perplexity)."""

@@ -8,6 +8,10 @@ On CUDA:
 * inputs are built on the host into pinned tensors and copied with ``non_blocking``, and the
   attention layers get ``max_seqlen_q/k`` from the metadata, so a step syncs with the device
   once, when the sampled token ids come back;
+* ``launch`` queues a step and returns at once with its sampled ids still on the device; an
+  input token that is a placeholder (sampled by the previous step, not yet read back, see
+  ``engine/sequence.py``) is gathered on the device from that step's ids, so the engine can
+  build and queue step N+1 while the GPU runs step N;
 * a step in which every sequence decodes one token replays a captured CUDA graph
   (``engine/cuda_graph.py``); other steps (prefill, mixed, too large) run eagerly.
   ``CONVEYOR_CUDA_GRAPHS=0`` (or ``runner.use_cuda_graphs = False``) turns graphs off;
@@ -34,7 +38,7 @@ from conveyor.engine.model_config import ModelConfig
 from conveyor.engine.layers import RMSNorm
 from conveyor.engine.layers.attention import MixedBatchMetadata
 from conveyor.engine.models import build_model
-from conveyor.engine.sampler import Sampler
+from conveyor.engine.sampler import DeviceSamples, Sampler
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scheduler import SchedulerOutput
 from conveyor.engine.sequence import Sequence
@@ -45,6 +49,20 @@ logger = logging.getLogger(__name__)
 _LOGIT_ROWS_PER_CHUNK = 1024  # bounds the [rows, vocab] float32 logits of a scoring pass
 CUDA_GRAPHS_ENV = "CONVEYOR_CUDA_GRAPHS"  # "0" turns decode CUDA graphs off
 DUMMY_WEIGHT_SEED = 0
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: which sequences sample (row order of the sampled ids) and
+    the sampler's device-side result."""
+
+    sampling: list[Sequence]
+    samples: DeviceSamples | None  # None when no sequence samples in this step
+
+    @property
+    def token_ids(self) -> torch.Tensor | None:
+        """The sampled ids on the device; the next step's placeholders index into it."""
+        return None if self.samples is None else self.samples.token_ids
 
 
 @dataclass(frozen=True)
@@ -185,7 +203,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[-rows:])
         # top-p sampling is the sampler's largest footprint (a sort of the whole vocabulary).
         params = [SamplingParams(temperature=1.0, top_k=0, top_p=0.9)] * rows
-        self.sampler(logits, params, [[]] * rows, [0] * rows, [None] * rows)
+        self.sampler(logits, params, [[]] * rows, [0] * rows, list(range(rows)))
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
         del hidden, logits
@@ -214,7 +232,8 @@ class ModelRunner:
             )
         return blocks
 
-    def _metadata(self, seqs: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _metadata(self, seqs: list[tuple[Sequence, int]], prev_ids: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten (sequence, number of new tokens) pairs into model inputs and attention metadata.
 
         When the leading sequences bring one token each and later ones more (``execute`` orders
@@ -260,9 +279,21 @@ class ModelRunner:
             meta: AttentionMetadata = MixedBatchMetadata(**fields, num_decode_tokens=nd, decode=decode, prefill=prefill)
         else:
             meta = AttentionMetadata(**fields)
-        ids = self._to_device(input_ids, torch.int64)
+        ids = self._to_device([max(t, 0) for t in input_ids], torch.int64)
+        self._fill_placeholders(ids, input_ids, prev_ids)
         pos = self._to_device(positions, torch.int64)
         return ids, pos, meta
+
+    def _fill_placeholders(self, ids: torch.Tensor, host_ids, prev_ids: torch.Tensor | None) -> None:
+        """Overwrite, on the device, each input that is a placeholder ``-1 - row`` with row
+        ``row`` of the previous step's sampled ids (``host_ids``: the inputs as staged)."""
+        dst = [i for i, t in enumerate(host_ids) if t < 0]
+        if not dst:
+            return
+        if prev_ids is None:
+            raise RuntimeError("a placeholder token without the step that samples it")
+        src = [-1 - int(host_ids[i]) for i in dst]
+        ids[self._to_device(dst, torch.int64)] = prev_ids[self._to_device(src, torch.int64)]
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A host list as a device tensor; on CUDA through pinned memory without a sync (the
@@ -284,8 +315,8 @@ class ModelRunner:
             self.gpu_spans[-1] = (self.gpu_spans[-1][0], end)
 
     @torch.inference_mode()
-    def _forward(self, seqs: list[tuple[Sequence, int]]) -> torch.Tensor:
-        ids, pos, meta = self._metadata(seqs)
+    def _forward(self, seqs: list[tuple[Sequence, int]], prev_ids: torch.Tensor | None = None) -> torch.Tensor:
+        ids, pos, meta = self._metadata(seqs, prev_ids)
         set_attention_metadata(meta)
         try:
             return self.model(ids, pos)
@@ -303,26 +334,31 @@ class ModelRunner:
         return seqs if graphs.can_run(seqs) else None
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, generators: dict[int, torch.Generator]) -> dict[int, TokenSample]:
-        """Run one step; returns the sampled token of every sequence that reached its end."""
+    def launch(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step (forward and sampling) on the device without waiting for it.
+
+        ``prev`` is the step before, whose sampled ids this step's placeholder inputs read."""
+        prev_ids = prev.token_ids if prev is not None else None
         graph_seqs = self._graph_batch(out)
         if graph_seqs is not None:
             self.graph_steps += 1
-            bs = self.decode_graphs.stage(graph_seqs)
+            graphs = self.decode_graphs
+            bs = graphs.stage(graph_seqs)
             self._begin_gpu_span()
-            all_logits = self.decode_graphs.run(bs, len(graph_seqs))
+            all_logits = graphs.run(bs, len(graph_seqs), fill=lambda ids: self._fill_placeholders(
+                ids, graphs.staged_ids(len(graph_seqs)), prev_ids))
             rows = [i for i, item in enumerate(out.scheduled) if item.samples]
             sampling = [out.scheduled[i].seq for i in rows]
             if not sampling:
                 self._end_gpu_span()
-                return {}
+                return LaunchedStep([], None)
             logits = all_logits if len(rows) == len(graph_seqs) else all_logits[self._to_device(rows, torch.int64)]
         else:
             self.eager_steps += 1
             # Single-token sequences first, so that attention can split the batch (see _metadata).
             items = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
             seqs = [(s.seq, s.num_new_tokens) for s in items]
-            hidden = self._forward(seqs)
+            hidden = self._forward(seqs, prev_ids)
             rows, sampling = [], []
             end = 0
             for item in items:
@@ -332,18 +368,29 @@ class ModelRunner:
                     sampling.append(item.seq)
             if not sampling:
                 self._end_gpu_span()
-                return {}
+                return LaunchedStep([], None)
             logits = self.model.compute_logits(hidden[self._to_device(rows, torch.int64)])
-        result = self.sampler(
+        samples = self.sampler.sample(
             logits,
             [s.params for s in sampling],
             [s.token_ids for s in sampling],
             [s.num_output_tokens for s in sampling],
-            [generators.get(s.seq_id) for s in sampling],
+            [s.sampling_seed for s in sampling],
         )
         self._end_gpu_span()
+        samples.start_copy()
+        return LaunchedStep(sampling, samples)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[int, TokenSample]:
+        """Run one step and wait for it; returns the sampled token of every sequence that
+        reached its end (a step without overlap, for tests and tools)."""
+        step = self.launch(out)
+        if step.samples is None:
+            return {}
+        result = step.samples.fetch()
         samples = {}
-        for i, seq in enumerate(sampling):
+        for i, seq in enumerate(step.sampling):
             samples[seq.seq_id] = TokenSample(
                 result.token_ids[i],
                 result.logprobs[i] if result.logprobs is not None else None,

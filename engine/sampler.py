@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from conveyor.engine.sampling_params import SamplingParams
+from conveyor.kernels.sampling import seeded_race
 
 _NEG_INF = float("-inf")
 
@@ -25,6 +26,51 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
+
+
+@dataclass
+class DeviceSamples:
+    """The sampler's choices while they are still on the device.
+
+    ``token_ids`` (``[B]`` int64) can feed the next step's inputs on the device before the host
+    has seen them. ``start_copy`` queues non-blocking copies into pinned host memory behind the
+    sampling kernels; ``fetch`` waits for those copies only (not for later work queued on the
+    stream) and returns the host-side ``SamplerOutput``.
+    """
+
+    token_ids: torch.Tensor
+    chosen_logprobs: torch.Tensor | None = None
+    top_values: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    wanted: list[int | None] | None = None  # params.logprobs per row, when some row asked
+    _host: list[torch.Tensor | None] = field(default_factory=list)
+    _ready: torch.cuda.Event | None = None
+
+    def _device_tensors(self) -> list[torch.Tensor | None]:
+        return [self.token_ids, self.chosen_logprobs, self.top_values, self.top_ids]
+
+    def start_copy(self) -> None:
+        """Queue the device-to-host copies (CUDA only; on the CPU ``fetch`` reads directly)."""
+        if self.token_ids.device.type != "cuda":
+            return
+        self._host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                      for t in self._device_tensors()]
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def fetch(self) -> SamplerOutput:
+        """The chosen ids (and logprobs when asked) on the host; waits for the copies."""
+        if self._ready is not None:
+            self._ready.synchronize()
+            ids, chosen, top_values, top_ids = self._host
+        else:
+            ids, chosen, top_values, top_ids = self._device_tensors()
+        token_ids = ids.tolist()
+        if self.wanted is None:
+            return SamplerOutput(token_ids, None, None)
+        values, tids = top_values.tolist(), top_ids.tolist()
+        top = [list(zip(tids[i][: n or 0], values[i][: n or 0])) for i, n in enumerate(self.wanted)]
+        return SamplerOutput(token_ids, chosen.tolist(), top)
 
 
 def _to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -63,16 +109,15 @@ class Sampler:
        token is always kept), then drop tokens with ``prob < min_p * max_prob``, and sample.
 
     Sampling uses the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``, equivalent to
-    drawing from ``probs``. Rows with a generator draw their own ``q`` one row at a time, so
-    their random stream does not depend on the rest of the batch; the engine's generators are
-    CPU generators (a seed then gives the same stream on any device), so ``q`` is drawn on the
-    CPU and copied to the logits device through pinned memory, without a sync (one ``[V]``
-    copy per seeded row). Unseeded rows share one draw from the default generator of the
-    logits device.
+    drawing from ``probs``. The noise ``q`` is a pure function of (the row's seed, the number of
+    tokens it has generated, the token id), computed inside the race kernel
+    (``kernels/sampling.py``): a row's random stream depends on nothing else in the batch, needs
+    no generator state, is the same on the CPU and the GPU, and a request replayed after
+    preemption draws the same tokens. The engine gives an unseeded request a random seed.
 
-    On a GPU the only host sync is the final transfer of the chosen ids (and of the logprobs
-    when asked): per-row parameters are read on the host and moved without blocking, and no
-    decision depends on tensor values. A batch that is all plain greedy (no penalty, no ban
+    ``sample`` never synchronizes with the device: per-row parameters are read on the host and
+    moved without blocking, and no decision depends on tensor values; the caller reads the ids
+    back when it needs them (``DeviceSamples.fetch``). Calling the sampler does both at once. A batch that is all plain greedy (no penalty, no ban
     that applies, no logprobs) skips everything but the argmax, with identical results.
     """
 
@@ -82,29 +127,43 @@ class Sampler:
         params: list[SamplingParams],
         token_history: list[list[int]],
         num_generated: list[int],
-        generators: list[torch.Generator | None],
+        seeds: list[int],
     ) -> SamplerOutput:
-        """Choose one token per row of ``logits`` (``[B, V]``); see the class docstring."""
-        batch, vocab = logits.shape
+        """Choose one token per row of ``logits`` (``[B, V]``) and read the choices back."""
+        return self.sample(logits, params, token_history, num_generated, seeds).fetch()
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        token_history: list[list[int]],
+        num_generated: list[int],
+        seeds: list[int],
+    ) -> DeviceSamples:
+        """Choose one token per row of ``logits`` (``[B, V]``), leaving the choices on the device.
+
+        ``token_history`` is each row's known tokens (read only by repetition penalties and
+        ``bad_sequences``), ``num_generated`` its generated-token count (``min_new_tokens``, and
+        the noise's step), ``seeds`` its noise seed (see the class docstring)."""
         device = logits.device
         if self._plain_greedy(params, token_history, num_generated):
             # argmax over the raw logits equals the full path's: no penalty or ban applies, an
             # all -inf row gives token 0 either way, and float32 conversion keeps the order.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
+            return DeviceSamples(logits.argmax(dim=-1))
         # A private float32 copy: the bans below write in place and the caller's tensor is theirs.
         logits = logits.to(torch.float32, copy=True)
         logits = self._penalize(logits, params, token_history)
         logits = self._ban(logits, params, token_history, num_generated)
-        logprobs = torch.log_softmax(logits, dim=-1)
 
         token_ids = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
             rows = _to_device(sampled, device, torch.int64)
             probs = self._truncated_probs(logits[rows], [params[i] for i in sampled])
-            noise = self._exponential_noise(len(sampled), vocab, [generators[i] for i in sampled], device)
-            token_ids[rows] = (probs / noise).argmax(dim=-1)
-        return self._output(token_ids, logprobs, params)
+            row_seeds = _to_device([seeds[i] for i in sampled], device, torch.int64)
+            steps = _to_device([num_generated[i] for i in sampled], device, torch.int64)
+            token_ids[rows] = seeded_race(probs, row_seeds, steps)
+        return self._with_logprobs(token_ids, logits, params)
 
     @staticmethod
     def _plain_greedy(params: list[SamplingParams], history: list[list[int]], num_generated: list[int]) -> bool:
@@ -194,34 +253,13 @@ class Sampler:
         return probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
 
     @staticmethod
-    def _exponential_noise(
-        n: int, vocab: int, generators: list[torch.Generator | None], device: torch.device
-    ) -> torch.Tensor:
-        """``[n, V]`` Exp(1) noise: seeded rows from their own generator, the rest in one draw."""
-        noise = torch.empty(n, vocab, device=device)
-        unseeded = [i for i, g in enumerate(generators) if g is None]
-        if unseeded:
-            idx = _to_device(unseeded, device, torch.int64)
-            noise[idx] = torch.empty(len(unseeded), vocab, device=device).exponential_()
-        for i, g in enumerate(generators):
-            if g is not None:
-                pin = device.type == "cuda" and g.device.type == "cpu"
-                draw = torch.empty(vocab, device=g.device, pin_memory=pin).exponential_(generator=g)
-                noise[i] = draw.to(device, non_blocking=pin)
-        # Exp(1) may return 0 in float32; a tiny floor avoids 0/0 without changing the race.
-        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
-
-    @staticmethod
-    def _output(
-        token_ids: torch.Tensor, logprobs: torch.Tensor, params: list[SamplingParams]
-    ) -> SamplerOutput:
-        """Move the results to the host, adding logprobs only when some row asked for them."""
+    def _with_logprobs(token_ids: torch.Tensor, logits: torch.Tensor, params: list[SamplingParams]) -> DeviceSamples:
+        """Add the logprobs (of the processed logits, see step 3) when some row asked for them."""
         wanted = [p.logprobs for p in params]
         if all(n is None for n in wanted):
-            return SamplerOutput(token_ids.tolist(), None, None)
+            return DeviceSamples(token_ids)
+        logprobs = torch.log_softmax(logits, dim=-1)
         chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
         top_n = min(max(n or 0 for n in wanted), logprobs.shape[-1])
         top_values, top_ids = logprobs.topk(top_n, dim=-1)
-        values, ids = top_values.tolist(), top_ids.tolist()
-        top = [list(zip(ids[i][: n or 0], values[i][: n or 0])) for i, n in enumerate(wanted)]
-        return SamplerOutput(token_ids.tolist(), chosen.tolist(), top)
+        return DeviceSamples(token_ids, chosen, top_values, top_ids, wanted)

@@ -5,6 +5,12 @@ all: running sequences first (a decode is one token, an unfinished prompt its ne
 waiting ones while there is room in the batch. So a long prompt is cut into chunks and never
 stalls the decodes running beside it. When the cache runs out, a parked session is evicted
 first, then the most recently admitted running sequence is preempted and later recomputed.
+
+A step has two halves, so that the engine can overlap them with the GPU (``engine/llm_engine.py``):
+``launched`` right after the step is handed to the GPU advances the counters and gives each
+sampling sequence a placeholder token; ``resolve`` later writes the real token and decides whether
+the turn ended. Everything that depends only on counts (the next step's shape, ``max_new_tokens``,
+``session_len``) is known at launch; only stop tokens need the ids. ``update`` does both at once.
 """
 
 from __future__ import annotations
@@ -79,6 +85,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.final_token_pending:  # its last token is sampled: nothing more to compute
+                i += 1
+                continue
             if self._never_fits(seq):
                 self.running.pop(i)
                 self._drop(seq)
@@ -137,6 +146,7 @@ class Scheduler:
         """Finish a sequence the cache cannot hold with LENGTH; a session is not parked (nor its
         blocks kept): its turn ends FINISHED so that the engine reports it."""
         logger.warning("sequence %d needs more KV blocks than the cache has", seq.seq_id)
+        seq.drop_unresolved()
         seq.finish_reason = FinishReason.LENGTH
         seq.status = SequenceStatus.FINISHED
         self.block_manager.free(seq)
@@ -160,31 +170,52 @@ class Scheduler:
         logger.info("preempted sequence %d (recompute later)", seq.seq_id)
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Advance counters, append sampled tokens, stop finished sequences; returns those."""
+        """Apply a whole step at once (launch and read-back); returns the sequences it finished."""
+        rows = [item.seq for item in out.scheduled if item.seq.seq_id in sampled]
+        positions = self.launched(out, rows)
         finished = []
-        for item in out.scheduled:
-            seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
-            token = sampled.get(seq.seq_id)
-            if token is None:
-                continue
-            seq.append_token(token)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self.running.remove(seq)
-                self._finish(seq, reason)
+        for seq, pos in zip(rows, positions):
+            if self.resolve(seq, pos, sampled[seq.seq_id]) is not None:
                 finished.append(seq)
         return finished
 
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+    def launched(self, out: SchedulerOutput, sampling: list[Sequence]) -> list[int]:
+        """Account for a step handed to the device: its tokens' KV counts as computed, and each
+        sequence in ``sampling`` (in the order of the step's sampled rows) gets the placeholder
+        ``-1 - row``. Returns each placeholder's position in its sequence's ``token_ids``."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(item.seq)
+        positions = []
+        for row, seq in enumerate(sampling):
+            positions.append(seq.num_tokens)
+            seq.append_token(-1 - row)
+            if seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.session_len:
+                seq.final_token_pending = True
+        return positions
+
+    def resolve(self, seq: Sequence, position: int, token: int) -> FinishReason | None:
+        """Write a sampled token over its placeholder and finish the turn on a stop token or a
+        count limit; returns the finish reason, or None while the turn goes on."""
+        seq.token_ids[position] = token
+        self.block_manager.cache_full_blocks(seq)
+        reason = self._stop_reason(seq, token, position)
+        if reason is not None:
+            self.finish(seq, reason)
+        return reason
+
+    def _stop_reason(self, seq: Sequence, token: int, position: int) -> FinishReason | None:
         if token in seq.params.stop_token_ids:
             return FinishReason.STOP
-        if seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.session_len:
+        # Counted at the token's own position: a later placeholder may already follow it.
+        num_output = position + 1 - seq.num_prompt_tokens
+        if num_output >= seq.params.max_new_tokens or position + 1 >= self.session_len:
             return FinishReason.LENGTH
         return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.drop_unresolved()  # a token sampled after the end is never read back
+        seq.final_token_pending = False
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
         if seq.session_id is not None:  # keep the KV for the next turn

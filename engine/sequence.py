@@ -40,6 +40,12 @@ class Sequence:
     There are no prefill or decode phases: ``num_computed_tokens`` of ``token_ids`` have their
     KV in the cache, the rest are still to be computed (the whole prompt at first, one sampled
     token later, the new turn's prompt for a session, everything again after preemption).
+
+    With overlapped steps (``engine/llm_engine.py``) a token can be sampled on the GPU but not yet
+    read back: it is held as a *placeholder*, a negative id ``-1 - row`` naming its row in the
+    launching step's sampled-ids tensor, so the next step can feed it to the model on the device.
+    Placeholders only ever sit at the tail of ``token_ids`` (at most two: the step being read back
+    and the one just launched) and are replaced by the real ids when the step is read back.
     """
 
     def __init__(
@@ -62,6 +68,10 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
+        # Its last (placeholder) token ends the turn by count (max_new_tokens / session_len): the
+        # scheduler gives it no more steps; the read-back finishes it.
+        self.final_token_pending = False
+        self.sampling_seed = 0  # seeds the sampler's noise (the request's seed or a random one)
 
     def __repr__(self) -> str:
         return (
@@ -98,6 +108,22 @@ class Sequence:
         """Record a sampled token (its KV is computed in the next step)."""
         self.token_ids.append(token_id)
 
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are known on the host (all but trailing placeholders)."""
+        n = len(self.token_ids)
+        while n and self.token_ids[n - 1] < 0:
+            n -= 1
+        return n
+
+    def drop_unresolved(self) -> None:
+        """Forget trailing placeholders (the turn ended before they were read back) and count the
+        last known token's KV as not computed, the state a finished turn has without overlap."""
+        known = self.num_known_tokens
+        if known < len(self.token_ids):
+            del self.token_ids[known:]
+        self.num_computed_tokens = min(self.num_computed_tokens, max(known - 1, 0))
+
     def start_turn(self, new_token_ids: list[int], params: SamplingParams) -> None:
         """Begin another turn of a session: the history stays, new prompt tokens are appended."""
         self.token_ids.extend(new_token_ids)
@@ -105,5 +131,6 @@ class Sequence:
         self.params = params
         self.status = SequenceStatus.WAITING
         self.finish_reason = None
+        self.final_token_pending = False
         self.arrival_time = time.monotonic()
         self.logprobs, self.top_logprobs = [], []

@@ -17,10 +17,12 @@ from conveyor.kernels.rms_norm import (
     rms_norm_triton,
 )
 from conveyor.kernels.rotary import apply_rotary, apply_rotary_ref, apply_rotary_triton
+from conveyor.kernels.sampling import seeded_race, seeded_race_ref, seeded_race_triton
 
 __all__ = [
     "HAS_TRITON", "add_rms_norm", "add_rms_norm_ref", "add_rms_norm_triton", "apply_rotary",
     "apply_rotary_ref", "apply_rotary_triton", "paged_attention", "paged_attention_ref",
-    "paged_attention_triton", "rms_norm", "rms_norm_ref", "rms_norm_triton", "silu_and_mul",
+    "paged_attention_triton", "rms_norm", "rms_norm_ref", "rms_norm_triton", "seeded_race",
+    "seeded_race_ref", "seeded_race_triton", "silu_and_mul",
     "silu_and_mul_ref", "silu_and_mul_triton", "store_kv", "store_kv_ref", "store_kv_triton",
 ]

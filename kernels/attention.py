@@ -8,11 +8,16 @@ causal with that offset. The Triton kernels (GPU) are checked against ``paged_at
 Two Triton kernels sit behind :func:`paged_attention`, chosen by ``max_seqlen_q``:
 
 * **decode** (every sequence brings one query): flash-decoding. Grid ``(partition, kv_head,
-  sequence)``: each program reads one ``PARTITION``-token slice of one sequence's keys for one kv
-  head, once, and scores it against all ``H / Hkv`` query heads of that group together (the group
+  sequence)``: each program reads one slice of one sequence's keys for one kv head, once, and scores it against all ``H / Hkv`` query heads of that group together (the group
   padded to a power of two >= 16 rows so it feeds ``tl.dot``). With more than one partition the
   programs write partial (output, log-sum-exp) pairs and a second kernel, grid
   ``(head, sequence)``, merges them; so a long context is spread over many programs even at batch 1.
+  The number of partitions is fixed by the grid (sized on the host for ``max_seqlen_k``, which a
+  CUDA graph fixes at the longest allowed context), but each sequence cuts its *own* length into
+  that many slices (whole key tiles, at least ``min_part`` keys): a short context in a graph
+  captured for 4k tokens still spreads over the partitions instead of leaving most programs
+  idle. When the batch alone fills the GPU, ``min_part`` is the host's partition size, so short
+  sequences keep one program each.
 * **prefill** (any ``q_len >= 1``, with or without a cached prefix): flash attention. Grid
   ``(query_tile, head, sequence)`` over ``cdiv(max_seqlen_q, BLOCK_M)`` query tiles; programs past
   their sequence's ``q_len`` return at once (no host-side tile list, so no device sync when the
@@ -119,20 +124,22 @@ def _decode_kernel(
     stride_bt, stride_ot, stride_oh,
     stride_pob, stride_poh, stride_pop,
     stride_plb, stride_plh,
-    qk_scale,
+    qk_scale, min_part,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     part = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
     seqlen = tl.load(seqlens_k_ptr + seq)
-    start = part * PARTITION
-    # The grid is sized for the longest sequence; shorter ones have fewer partitions.
+    # This sequence's own slice length (the module docstring); the reduce kernel repeats it.
+    part_len = tl.maximum(tl.cdiv(tl.cdiv(seqlen, tl.num_programs(0)), BLOCK_N) * BLOCK_N, min_part)
+    start = part * part_len
+    # Past the end of a short sequence (slices are whole key tiles): nothing to do.
     if start >= seqlen:
         return
-    end = tl.minimum(start + PARTITION, seqlen)
+    end = tl.minimum(start + part_len, seqlen)
     row = tl.load(cu_q_ptr + seq).to(tl.int64)
 
     g = tl.arange(0, GROUP_PAD)
@@ -178,13 +185,14 @@ def _decode_reduce_kernel(
     stride_pob, stride_poh, stride_pop,
     stride_plb, stride_plh,
     stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr, BLOCK_P: tl.constexpr,
+    grid_parts, min_part, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     # Grid: (H, B). Merge a sequence's partitions: out = sum_p w_p o_p / sum_p w_p, w_p = 2^(lse_p - max).
     head = tl.program_id(0)
     seq = tl.program_id(1)
     seqlen = tl.load(seqlens_k_ptr + seq)
-    num_parts = (seqlen + PARTITION - 1) // PARTITION
+    part_len = tl.maximum(tl.cdiv(tl.cdiv(seqlen, grid_parts), BLOCK_N) * BLOCK_N, min_part)  # as in _decode_kernel
+    num_parts = tl.cdiv(seqlen, part_len)
     p = tl.arange(0, BLOCK_P)
     d = tl.arange(0, HEAD_DIM)
     lse_row = part_lse_ptr + seq * stride_plb + head * stride_plh
@@ -272,6 +280,11 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _fill_target(device: torch.device) -> int:
+    """Decode programs that fill the GPU: two per SM."""
+    return 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _decode_partition(device: torch.device, num_seqs: int, num_kv_heads: int, max_seqlen_k: int) -> int:
     """Tokens per decode program: the largest power of two that still gives ~2 programs per SM.
 
@@ -283,7 +296,7 @@ def _decode_partition(device: torch.device, num_seqs: int, num_kv_heads: int, ma
     """
     if device.type != "cuda":  # the interpreter: nothing to fill
         return DECODE_PARTITION
-    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    target = _fill_target(device)
     per_seq = cdiv(target, num_seqs * num_kv_heads)
     partition = 1 << (max(max_seqlen_k // per_seq, 1).bit_length() - 1)  # round down to a power of two
     return min(max(partition, _MIN_DECODE_PARTITION), _MAX_DECODE_PARTITION)
@@ -372,6 +385,11 @@ def paged_attention_triton(
         assert partition % bn == 0, "the decode partition must be a multiple of its key tile"
         num_parts = max(cdiv(max_seqlen_k, partition), 1)
         split = num_parts > 1
+        # Short sequences spread over the partitions (down to one key tile per program) unless
+        # the batch fills the GPU by itself; then each keeps partition-sized slices.
+        min_part = partition
+        if decode_partition or (q.device.type == "cuda" and num_seqs * num_kv_heads < _fill_target(q.device)):
+            min_part = bn
         if split:
             part_out = torch.empty(num_seqs, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
             part_lse = torch.empty(num_seqs, num_heads, num_parts, dtype=torch.float32, device=q.device)
@@ -381,15 +399,15 @@ def paged_attention_triton(
         pl_strides = (part_lse.stride(0), part_lse.stride(1)) if split else (0, 0)
         _decode_kernel[(num_parts, num_kv_heads, num_seqs)](
             q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, out, part_out, part_lse,
-            *common, *po_strides, *pl_strides, qk_scale,
+            *common, *po_strides, *pl_strides, qk_scale, min_part,
             GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            BLOCK_N=bn, PARTITION=partition, SPLIT=split, DOT_PRECISION=precision, num_warps=4,
+            BLOCK_N=bn, SPLIT=split, DOT_PRECISION=precision, num_warps=4,
         )
         if split:
             _decode_reduce_kernel[(num_heads, num_seqs)](
                 part_out, part_lse, cu_seqlens_q, seqlens_k, out,
-                *po_strides, *pl_strides, out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, PARTITION=partition, BLOCK_P=min(next_pow2(num_parts), 16), num_warps=4,
+                *po_strides, *pl_strides, out.stride(0), out.stride(1), num_parts, min_part,
+                HEAD_DIM=head_dim, BLOCK_N=bn, BLOCK_P=min(next_pow2(num_parts), 16), num_warps=4,
             )
         return out
 

@@ -151,7 +151,8 @@ def test_mixed_batch_split_matches_one_kernel() -> None:
         table = [free.pop() for _ in range(-(-total // block))]
         seqs.append((SimpleNamespace(num_computed_tokens=cached, token_ids=list(range(total)), block_table=table), new))
     runner = SimpleNamespace(block_size=block, device=device, gpu_spans=None, _begin_gpu_span=lambda: None,
-                             _to_device=lambda v, dt: torch.tensor(v, dtype=dt, device=device))
+                             _to_device=lambda v, dt: torch.tensor(v, dtype=dt, device=device),
+                             _fill_placeholders=lambda ids, host, prev: None)
     _, _, meta = ModelRunner._metadata(runner, seqs)
     assert isinstance(meta, MixedBatchMetadata) and meta.num_decode_tokens == 3
     tokens = sum(n for _, n in shapes)

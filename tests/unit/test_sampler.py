@@ -13,17 +13,16 @@ V = 32
 
 
 def _run(logits: torch.Tensor, params: list[SamplingParams], history: list[list[int]] | None = None,
-         generated: list[int] | None = None, generators: list[torch.Generator | None] | None = None):
+         generated: list[int] | None = None, seeds: list[int] | None = None):
     """Call the sampler with neutral defaults for whatever the test does not care about."""
     b = logits.shape[0]
     return Sampler()(logits, params, history or [[] for _ in range(b)], generated or [0] * b,
-                     generators or [None] * b)
+                     seeds if seeds is not None else list(range(b)))
 
 
 def _draws(logits: torch.Tensor, params: SamplingParams, n: int = 2000, seed: int = 0) -> list[int]:
-    """``n`` independent draws from one row of logits, all from one seeded generator."""
-    g = torch.Generator().manual_seed(seed)
-    return _run(logits.expand(n, -1), [params] * n, generators=[g] * n).token_ids
+    """``n`` independent draws from one row of logits: ``n`` rows with distinct seeds."""
+    return _run(logits.expand(n, -1), [params] * n, seeds=[seed * 1_000_003 + i for i in range(n)]).token_ids
 
 
 def _logits_from_probs(probs: list[float]) -> torch.Tensor:
@@ -88,13 +87,12 @@ def test_repetition_penalty_changes_argmax() -> None:
 def test_bad_tokens_and_sequences_never_produced() -> None:
     torch.manual_seed(3)
     params = SamplingParams(temperature=1.0, top_k=0, bad_token_ids=[7], bad_sequences=[[3, 5], [1, 2, 4]])
-    g = torch.Generator().manual_seed(3)
     generated: list[int] = []
     for _ in range(300):
         logits = torch.randn(1, 8)
         logits[0, [3, 5, 7, 1, 2, 4]] += 2.0  # make the bad tokens tempting
         generated += _run(logits, [params], history=[list(generated)], generated=[len(generated)],
-                          generators=[g]).token_ids
+                          seeds=[3]).token_ids
     pairs = list(zip(generated, generated[1:]))
     triples = list(zip(generated, generated[1:], generated[2:]))
     assert 7 not in generated and (3, 5) not in pairs and (1, 2, 4) not in triples
@@ -120,7 +118,7 @@ def test_min_new_tokens_bans_stop_then_allows_it() -> None:
 def test_all_tokens_banned_falls_back_without_nan() -> None:
     logits = torch.tensor([[1.0, 3.0, 2.0]])
     params = SamplingParams(temperature=1.0, top_k=0, bad_token_ids=[0, 1, 2], logprobs=1)
-    out = _run(logits, [params], generators=[torch.Generator().manual_seed(0)])
+    out = _run(logits, [params], seeds=[0])
     assert out.token_ids[0] in (0, 1, 2) and math.isfinite(out.logprobs[0])
     dead = _run(torch.full((1, 3), float("-inf")), [params])
     assert dead.token_ids[0] in (0, 1, 2) and math.isfinite(dead.logprobs[0])
@@ -132,20 +130,23 @@ def test_seeded_row_independent_of_batch_neighbours() -> None:
     target = SamplingParams(temperature=1.3, top_k=20, top_p=0.9, random_seed=1234)
 
     def sequence(batch: bool) -> list[int]:
-        g = torch.Generator().manual_seed(1234)
-        others = [torch.Generator().manual_seed(s) for s in (1, 2)] + [None] * 3
         tokens = []
-        for logits in steps:
-            if batch:  # target at row 3, surrounded by seeded, unseeded and greedy rows
+        for k, logits in enumerate(steps):
+            if batch:  # target at row 3, surrounded by other seeded, sampling and greedy rows
                 params = [SamplingParams(temperature=0.9, top_k=0)] * 3 + [target] + \
                          [SamplingParams(temperature=0.0), SamplingParams(temperature=2.0, min_p=0.1)]
-                gens = others[:3] + [g] + others[3:]
-                tokens.append(_run(logits, params, generators=gens).token_ids[3])
+                seeds = [1, 2, 99, 1234, 5, 6]
+                # Neighbours at other step counts too: only the row's own count may matter.
+                generated = [k + 7, k, 3, k, 0, 2 * k]
+                tokens.append(_run(logits, params, generated=generated, seeds=seeds).token_ids[3])
             else:
-                tokens.append(_run(logits[3:4], [target], generators=[g]).token_ids[0])
+                tokens.append(_run(logits[3:4], [target], generated=[k], seeds=[1234]).token_ids[0])
         return tokens
 
     assert sequence(batch=False) == sequence(batch=True)
+    # A different seed gives a different stream (10 draws at temperature 1.3: equal by chance ~never).
+    other = [_run(lg[3:4], [target], generated=[k], seeds=[4321]).token_ids[0] for k, lg in enumerate(steps)]
+    assert other != sequence(batch=False)
 
 
 def test_logprobs_are_raw_log_softmax() -> None:
@@ -153,7 +154,7 @@ def test_logprobs_are_raw_log_softmax() -> None:
     logits = torch.randn(3, V)
     params = [SamplingParams(temperature=0.5, top_k=0, logprobs=4),
               SamplingParams(temperature=0.0, logprobs=0), SamplingParams(temperature=0.0)]
-    out = _run(logits, params, generators=[torch.Generator().manual_seed(5), None, None])
+    out = _run(logits, params, seeds=[5, 0, 0])
     expected = logits.log_softmax(-1)
     for row, token in enumerate(out.token_ids):
         assert math.isclose(out.logprobs[row], expected[row, token].item(), rel_tol=1e-5, abs_tol=1e-6)

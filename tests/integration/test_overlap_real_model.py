@@ -1,0 +1,131 @@
+"""Overlapped steps (step N+1 queued before step N is read back) change nothing a user can see.
+
+The same mixed workload runs on the real SmolLM2 with overlap on and off; every request must get
+the same tokens, finish reasons and logprobs, and every KV block must come back. The cases that
+the overlap makes delicate are all in it: a stop token sampled while the next step (which already
+holds that sequence) is queued; ``max_new_tokens`` reached at launch; chunked prompts beside
+decodes; a repetition penalty (which turns the overlap off for its steps); prefix caching; a
+session's second turn; and aborts of sequences whose next token is still on the device.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.sequence import FinishReason
+
+from chat_prompts import PROMPTS
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2_dir):
+    def make(overlap: bool) -> LLMEngine:
+        cfg = EngineConfig(cache_max_entry_count=64, block_size=16, max_prefill_token_num=48,
+                           enable_prefix_caching=True, overlap_schedule=overlap)
+        return LLMEngine(smollm2_dir, cfg)
+
+    return {True: make(True), False: make(False)}
+
+
+def _chat_ids(engine: LLMEngine, prompt: str) -> list[int]:
+    from conveyor.services.tokenize import load_tokenizer
+
+    tok = load_tokenizer(engine.model_path)
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    return tok.encode(text)
+
+
+def _eos(engine: LLMEngine) -> list[int]:
+    from conveyor.services.tokenize import load_tokenizer
+
+    return [load_tokenizer(engine.model_path).convert_tokens_to_ids("<|im_end|>")]
+
+
+def _workload(engine: LLMEngine) -> list[tuple[list[int], SamplingParams]]:
+    eos = _eos(engine)
+    greedy = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=eos)
+    return [
+        (_chat_ids(engine, PROMPTS[0]), greedy),  # stops on <|im_end|> well before 40
+        (_chat_ids(engine, PROMPTS[1]), SamplingParams(max_new_tokens=7, temperature=0.0, stop_token_ids=eos)),
+        (_chat_ids(engine, PROMPTS[2]), SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.9,
+                                                       random_seed=11, stop_token_ids=eos)),
+        (_chat_ids(engine, PROMPTS[3]), SamplingParams(max_new_tokens=25, temperature=0.0, logprobs=2,
+                                                       stop_token_ids=eos)),
+        (_chat_ids(engine, PROMPTS[4]), SamplingParams(max_new_tokens=20, temperature=0.7, top_k=20,
+                                                       repetition_penalty=1.3, random_seed=5, stop_token_ids=eos)),
+        (_chat_ids(engine, PROMPTS[0]), greedy),  # same prompt again: prefix-cache hit
+        (_chat_ids(engine, "Count: " + "one two three " * 20), SamplingParams(max_new_tokens=12, temperature=0.0)),
+        ([5, 6, 7], SamplingParams(max_new_tokens=1, temperature=0.0)),
+    ]
+
+
+def _run(engine: LLMEngine, work, abort_after: dict[int, int] | None = None):
+    """Submit everything, step to the end; returns per request (tokens, reason, logprobs)."""
+    seqs = [engine.add_request(ids, params) for ids, params in work]
+    index = {s.seq_id: i for i, s in enumerate(seqs)}
+    tokens = {i: [] for i in range(len(work))}
+    reasons, logprobs = {}, {i: [] for i in range(len(work))}
+    while engine.has_work:
+        for o in engine.step():
+            i = index[o.seq_id]
+            tokens[i] += o.token_ids
+            logprobs[i] += o.logprobs or []
+            if o.finished:
+                assert i not in reasons, "a request finished twice"
+                reasons[i] = o.finish_reason
+        for i, after in (abort_after or {}).items():
+            if i not in reasons and len(tokens[i]) >= after:
+                engine.abort(seqs[i].seq_id)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    return tokens, reasons, logprobs
+
+
+def test_overlap_gives_the_same_tokens(engines):
+    work = _workload(engines[True])
+    on_tokens, on_reasons, on_lp = _run(engines[True], work)
+    off_tokens, off_reasons, off_lp = _run(engines[False], work)
+    assert on_tokens == off_tokens
+    assert on_reasons == off_reasons
+    for i in on_lp:
+        assert on_lp[i] == pytest.approx(off_lp[i], abs=1e-4)
+    assert on_reasons[0] == FinishReason.STOP and on_tokens[0][-1] == _eos(engines[True])[0]
+    assert on_reasons[1] == FinishReason.LENGTH and len(on_tokens[1]) == 7
+    assert len(on_tokens[7]) == 1 and len(on_lp[3]) == len(on_tokens[3])
+    assert all(t >= 0 for ts in on_tokens.values() for t in ts)
+
+
+def test_abort_while_a_token_is_on_the_device(engines):
+    work = _workload(engines[True])
+    full, _, _ = _run(engines[False], work)
+    tokens, reasons, _ = _run(engines[True], work, abort_after={0: 3, 2: 5, 6: 1})
+    for i in (0, 2, 6):
+        assert reasons[i] == FinishReason.ABORT
+        assert tokens[i] == full[i][: len(tokens[i])]  # a prefix: nothing invented, nothing reordered
+        assert len(tokens[i]) <= len(full[i])
+    for i in (1, 3, 4, 5, 7):
+        assert tokens[i] == full[i]
+
+
+def test_session_turn_after_a_stop_token_in_flight(engines):
+    """A turn that stops while its next step is queued leaves no placeholder in the history."""
+    results = {}
+    for overlap, engine in engines.items():
+        eos = _eos(engine)
+        params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=eos)
+        turns = []
+        for prompt in (PROMPTS[0], PROMPTS[1]):
+            seq = engine.add_request(_chat_ids(engine, prompt), params, session_id=77)
+            out = []
+            while engine.has_work:
+                out += [t for o in engine.step() for t in o.token_ids]
+            assert min(seq.token_ids) >= 0
+            assert seq.num_computed_tokens == seq.num_tokens - 1
+            turns.append(out)
+        engine.end_session(77)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        results[overlap] = turns
+    assert results[True] == results[False]
