@@ -47,7 +47,9 @@ class EngineConfig:
     load_format: str = "auto"
     # Schedule and queue step N+1 while the GPU runs step N (engine/llm_engine.py); False reads
     # every step back before the next (the environment's CONVEYOR_OVERLAP=0 does the same).
-    overlap_schedule: bool = True
+    # None: on for CUDA; off on the CPU, where a "launch" computes the step at once, so the
+    # overlap would only report every token one step later.
+    overlap_schedule: bool | None = None
     # LMDeploy spellings, folded into the fields above.
     cache_block_seq_len: int | None = None
     num_gpu_blocks: int = 0

@@ -12,7 +12,8 @@ N+1 reads on the device. A sequence that stops on a token of step N has also bee
 N+1; that extra token is discarded and its KV slot is never counted. Steps are not overlapped
 (step N is read back before N+1 is scheduled) when a sequence of step N needs its token ids
 to sample (repetition penalty, ``bad_sequences``), or when ``EngineConfig.overlap_schedule``
-is off (``CONVEYOR_OVERLAP=0``).
+is off (``CONVEYOR_OVERLAP=0``; the default turns it on for CUDA only: on the CPU a launch
+computes the step before returning, so there is nothing to overlap with).
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ class LLMEngine:
         self._pending: list[StepOutput] = []  # finishes decided outside step(), reported by it
         self._inflight: LaunchedStep | None = None  # queued on the device, not read back yet
         self._inflight_positions: list[int] = []  # each sampling row's placeholder position
-        self.overlap = config.overlap_schedule and os.environ.get(OVERLAP_ENV, "1") != "0"
+        overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
+        self.overlap = overlap and os.environ.get(OVERLAP_ENV, "1") != "0"
         self._seed_source = random.Random()
         self.generated_tokens = 0
 
