@@ -7,7 +7,14 @@ its ``*_ref`` otherwise; ``CONVEYOR_KERNELS=ref|triton`` forces one side (see ``
 from conveyor.kernels._triton import HAS_TRITON
 from conveyor.kernels.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton
 from conveyor.kernels.attention import paged_attention, paged_attention_ref, paged_attention_triton
-from conveyor.kernels.kv_cache import store_kv, store_kv_ref, store_kv_triton
+from conveyor.kernels.kv_cache import (
+    rotate_and_store_kv,
+    rotate_and_store_kv_ref,
+    rotate_and_store_kv_triton,
+    store_kv,
+    store_kv_ref,
+    store_kv_triton,
+)
 from conveyor.kernels.rms_norm import (
     add_rms_norm,
     add_rms_norm_ref,
@@ -22,7 +29,8 @@ from conveyor.kernels.sampling import seeded_race, seeded_race_ref, seeded_race_
 __all__ = [
     "HAS_TRITON", "add_rms_norm", "add_rms_norm_ref", "add_rms_norm_triton", "apply_rotary",
     "apply_rotary_ref", "apply_rotary_triton", "paged_attention", "paged_attention_ref",
-    "paged_attention_triton", "rms_norm", "rms_norm_ref", "rms_norm_triton", "seeded_race",
+    "paged_attention_triton", "rms_norm", "rotate_and_store_kv", "rotate_and_store_kv_ref",
+    "rotate_and_store_kv_triton", "rms_norm_ref", "rms_norm_triton", "seeded_race",
     "seeded_race_ref", "seeded_race_triton", "silu_and_mul",
     "silu_and_mul_ref", "silu_and_mul_triton", "store_kv", "store_kv_ref", "store_kv_triton",
 ]

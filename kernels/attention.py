@@ -17,7 +17,8 @@ Two Triton kernels sit behind :func:`paged_attention`, chosen by ``max_seqlen_q`
   that many slices (whole key tiles, at least ``min_part`` keys): a short context in a graph
   captured for 4k tokens still spreads over the partitions instead of leaving most programs
   idle. When the batch alone fills the GPU, ``min_part`` is the host's partition size, so short
-  sequences keep one program each.
+  sequences keep one program each; a sequence that one partition covers writes its output
+  directly and the merge kernel skips it.
 * **prefill** (any ``q_len >= 1``, with or without a cached prefix): flash attention. Grid
   ``(query_tile, head, sequence)`` over ``cdiv(max_seqlen_q, BLOCK_M)`` query tiles; programs past
   their sequence's ``q_len`` return at once (no host-side tile list, so no device sync when the
@@ -168,7 +169,8 @@ def _decode_kernel(
         m_i, l_i, acc = _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     o = acc / l_i[:, None]
-    if SPLIT:
+    # A sequence that one partition covers is final here: the merge kernel skips it.
+    if SPLIT and part_len < seqlen:
         # Partial result normalized by its own sum, plus its log2-sum-exp for the merge.
         po = part_out_ptr + seq * stride_pob + heads[:, None] * stride_poh + part * stride_pop + d[None, :]
         tl.store(po, o, mask=g_mask[:, None])
@@ -193,6 +195,8 @@ def _decode_reduce_kernel(
     seqlen = tl.load(seqlens_k_ptr + seq)
     part_len = tl.maximum(tl.cdiv(tl.cdiv(seqlen, grid_parts), BLOCK_N) * BLOCK_N, min_part)  # as in _decode_kernel
     num_parts = tl.cdiv(seqlen, part_len)
+    if num_parts == 1:  # the decode kernel wrote this sequence's output itself
+        return
     p = tl.arange(0, BLOCK_P)
     d = tl.arange(0, HEAD_DIM)
     lse_row = part_lse_ptr + seq * stride_plb + head * stride_plh

@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache: store this step's keys/values, then attend."""
+"""Attention over the paged KV cache: (rotate and) store this step's keys/values, then attend."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from conveyor.engine.attention_metadata import AttentionMetadata, get_attention_metadata
-from conveyor.kernels import paged_attention, store_kv
+from conveyor.kernels import apply_rotary, paged_attention, store_kv
+from conveyor.kernels.kv_cache import rotate_and_store_kv
 
 
 @dataclass
@@ -45,13 +46,24 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, Hkv, D] (already rotated) -> [T, H*D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor | None = None, cos_sin_cache: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H*D].
+
+        With ``positions`` and ``cos_sin_cache`` (``RotaryEmbedding.cos_sin_cache``), q and k are
+        rotated here, in the same kernel that stores k and v; without them they arrive rotated."""
         meta = get_attention_metadata()
+        rotate = positions is not None and cos_sin_cache is not None
         if self.k_cache is None or self.v_cache is None or self.k_cache.numel() == 0:
+            if rotate:
+                q, k = apply_rotary(q, k, positions, cos_sin_cache)
             out = self._attend_without_cache(q, k, v, meta)
         else:
-            store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            if rotate:
+                q = rotate_and_store_kv(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache,
+                                        meta.slot_mapping)
+            else:
+                store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             if isinstance(meta, MixedBatchMetadata) and meta.decode is not None and meta.prefill is not None:
                 n = meta.num_decode_tokens
                 out = torch.cat([self._attend(q[:n], meta.decode), self._attend(q[n:], meta.prefill)])

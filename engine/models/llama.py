@@ -59,8 +59,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        # RoPE is applied inside attention, fused with the KV-cache write (kernels/kv_cache.py).
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb.cos_sin_cache))
 
 
 class LlamaMLP(nn.Module):

@@ -37,7 +37,12 @@ from conveyor.kernels.attention import (  # noqa: E402
     paged_attention_ref,
     paged_attention_triton,
 )
-from conveyor.kernels.kv_cache import store_kv, store_kv_ref  # noqa: E402
+from conveyor.kernels.kv_cache import (  # noqa: E402
+    rotate_and_store_kv,
+    rotate_and_store_kv_ref,
+    store_kv,
+    store_kv_ref,
+)
 from conveyor.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
 from conveyor.kernels.rotary import apply_rotary, apply_rotary_ref  # noqa: E402
 
@@ -165,6 +170,9 @@ DECODE_CASES = {
     "g3_d128_bs128": ([1] * 2, [130, 7], 6, 2, 128, 128, {}),
     "one_token_blocks": ([1] * 2, [5, 9], 4, 2, 64, 1, {}),
     "many_partitions": ([1] * 2, [300, 17], 4, 1, 64, 16, dict(decode_partition=16, block_n=16)),
+    # Split grid, but the short sequences fit one partition: written directly, merge skipped.
+    "split_with_single_partition_rows": ([1] * 4, [5, 16, 200, 1], 4, 2, 64, 16,
+                                         dict(decode_partition=32, block_n=16)),
 }
 
 PREFILL_CASES = {
@@ -285,6 +293,41 @@ def test_apply_rotary(h: int, hkv: int, d: int, seed: int, forced: None) -> None
     assert torch.equal(q, q_before) and torch.equal(k, k_before), "inputs must be left untouched"
 
 
+def _rotate_and_store_case(t: int, h: int, hkv: int, d: int, block_size: int, gen: torch.Generator,
+                           dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """q, k, v as views of one fused projection; positions; slots with two padding rows; 6 caches."""
+    qkv = randn(t, (h + 2 * hkv) * d, gen=gen, dtype=dtype, device=device)
+    q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)
+    cos_sin = randn(4096, d, gen=gen, device=device)
+    positions = torch.randint(0, 4096, (t,), generator=gen).to(device)
+    num_blocks = -(-t // block_size) + 3
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
+    slots[[0, t // 2]] = -1
+    caches = [torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype, device=device)
+              for _ in range(6)]
+    return q, k, v, positions, cos_sin, slots.to(device), caches
+
+
+@interp
+@pytest.mark.parametrize("h,hkv,d,block_size", [(9, 3, 64, 16), (4, 4, 128, 1), (8, 1, 64, 16), (2, 1, 96, 8)])
+def test_rotate_and_store_kv(h: int, hkv: int, d: int, block_size: int, seed: int, forced: None) -> None:
+    """The fused kernel equals its reference, and writes exactly what rotary then store_kv write."""
+    q, k, v, positions, cos_sin, slots, c = _rotate_and_store_case(7, h, hkv, d, block_size,
+                                                                   torch.Generator().manual_seed(seed))
+    q_before, k_before = q.clone(), k.clone()
+    out_q = rotate_and_store_kv(q, k, v, positions, cos_sin, c[0], c[1], slots)
+    ref_q = rotate_and_store_kv_ref(q, k, v, positions, cos_sin, c[2], c[3], slots)
+    assert_close(out_q, ref_q, FP32_TOL)
+    torch.testing.assert_close(c[0], c[2], rtol=FP32_TOL, atol=FP32_TOL, equal_nan=True)
+    torch.testing.assert_close(c[1], c[3], rtol=0, atol=0, equal_nan=True)
+    two_q, two_k = apply_rotary(q, k, positions, cos_sin)
+    store_kv(two_k, v, c[4], c[5], slots)
+    torch.testing.assert_close(out_q, two_q, rtol=0, atol=0)
+    torch.testing.assert_close(c[0], c[4], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(q, q_before) and torch.equal(k, k_before), "inputs must be left untouched"
+
+
 @interp
 @pytest.mark.parametrize("shape", [(5, 128), (2, 3, 2 * 1536)])
 def test_silu_and_mul(shape: tuple[int, ...], seed: int, forced: None) -> None:
@@ -310,6 +353,7 @@ def test_auto_and_ref_modes_use_the_reference_on_cpu(monkeypatch: pytest.MonkeyP
         raise AssertionError("Triton launcher called")
 
     for mod, name in ((attention_mod, "paged_attention_triton"), (kv_cache_mod, "store_kv_triton"),
+                      (kv_cache_mod, "rotate_and_store_kv_triton"),
                       (rms_norm_mod, "rms_norm_triton"), (rms_norm_mod, "add_rms_norm_triton"),
                       (rotary_mod, "apply_rotary_triton"), (activation_mod, "silu_and_mul_triton")):
         monkeypatch.setattr(mod, name, boom)
@@ -464,6 +508,21 @@ def test_gpu_pointwise_kernels(dtype: torch.dtype, seed: int, poisoned_empty: No
     positions = torch.randint(0, 8192, (t,), generator=gen).to(dev)
     for out, ref in zip(apply_rotary(q, k, positions, cos_sin), apply_rotary_ref(q, k, positions, cos_sin)):
         assert_close(out, ref, GPU_TOL[dtype])
+
+    # The fused rotary + store: its reference within one rounding, and the two-kernel path exactly.
+    q2, k2, v2, pos2, cs2, slots2, c = _rotate_and_store_case(t, h, hkv, d, 16, gen, dtype, dev)
+    out_q = rotate_and_store_kv(q2, k2, v2, pos2, cs2, c[0], c[1], slots2)
+    ref_q = rotate_and_store_kv_ref(q2, k2, v2, pos2, cs2, c[2], c[3], slots2)
+    assert_close(out_q, ref_q, GPU_TOL[dtype])
+    written = slots2 >= 0
+    flat = [x.view(-1, hkv, d) for x in c]
+    idx = slots2[written].long()
+    assert_close(flat[0][idx], flat[2][idx], GPU_TOL[dtype])
+    torch.testing.assert_close(flat[1][idx], flat[3][idx], rtol=0, atol=0)
+    two_q, two_k = apply_rotary(q2, k2, pos2, cs2)
+    store_kv(two_k, v2, c[4], c[5], slots2)
+    torch.testing.assert_close(out_q, two_q, rtol=0, atol=0)
+    torch.testing.assert_close(c[0], c[4], rtol=0, atol=0, equal_nan=True)
 
     x = randn(t, hidden, gen=gen, dtype=dtype, device=dev)
     res = randn(t, hidden, gen=gen, dtype=dtype, device=dev)
