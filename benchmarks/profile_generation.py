@@ -10,13 +10,24 @@ first, so Triton compilation stays out of the numbers. No HTTP, no tokenizer.
 
     python -m benchmarks.profile_generation --model llama2-7b            # default grid
     python -m benchmarks.profile_generation -b 1 -c 128:512 -c 2048:1   # chosen cases
+
+``--hf-baseline`` first runs the batch-1 cases through transformers ``generate`` (static cache,
+with and without ``torch.compile``: ``benchmarks/hf_baseline.py``) in a child process, so its
+GPU memory is gone before the engine sizes its cache, and puts those records in the same
+results file: every file then carries its own baseline, measured on the same machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from statistics import mean
 
 import torch
@@ -66,6 +77,17 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
 
+def hf_baseline_records(model: str) -> list[dict]:
+    """Run benchmarks/hf_baseline.py in a child process (its memory freed on exit); its records."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "BENCH_OUT": tmp}
+        cmd = [sys.executable, "-m", "benchmarks.hf_baseline", "--model", model, "--name", "_hf_baseline_child"]
+        subprocess.run(cmd, env=env, check=True)
+        records = json.loads((Path(tmp) / "_hf_baseline_child.json").read_text())
+    (Path(__file__).parent / "results" / "h100" / "_hf_baseline_child.json").unlink(missing_ok=True)
+    return records
+
+
 def parse_case(text: str) -> tuple[int, int]:
     """'IN:OUT' -> (IN, OUT)."""
     a, b = text.split(":")
@@ -81,9 +103,12 @@ def main() -> None:
     ap.add_argument("--max-batch-size", type=int, default=256)
     ap.add_argument("--cache-max-entry-count", type=cache_size, default=0.8)
     ap.add_argument("--name", default=None, help="results file name (default profile_generation_<model>)")
+    ap.add_argument("--hf-baseline", action="store_true",
+                    help="also run transformers generate on the batch-1 cases, into the same file")
     args = ap.parse_args()
     batches = args.batch or list(DEFAULT_BATCHES)
     cases = args.case or list(DEFAULT_CASES)
+    baseline = hf_baseline_records(args.model) if args.hf_baseline else []
 
     t = time.perf_counter()
     engine = dummy_engine(args.model, args.dtype, max_batch_size=args.max_batch_size,
@@ -107,7 +132,7 @@ def main() -> None:
                 batch=batch, input_len=input_len, output_len=output_len,
                 cuda_graphs=bool(graphs and engine.runner.use_cuda_graphs), **r,
             ))
-    path = save(records, args.name or f"profile_generation_{args.model}")
+    path = save(records + baseline, args.name or f"profile_generation_{args.model}")
     print(f"saved {path}")
 
 
