@@ -259,7 +259,21 @@ def _prefill_kernel(
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     # Keys past the tile's last query position are masked for every row: stop before them.
     kv_end = tl.minimum(seqlen, ctx + (m_tile + 1) * BLOCK_M)
-    for n0 in range(0, kv_end, BLOCK_N):
+    # Key tiles that end at or before the tile's first query position are visible to every row
+    # and lie inside the sequence: they need no mask at all (most tiles of a long prompt).
+    full_end = tl.minimum((ctx + m_tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, kv_end)
+    for n0 in range(0, full_end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        block = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
+        slot = n % BLOCK_SIZE
+        k_off = block * stride_kb + slot * stride_ks + kv_head * stride_kh
+        v_off = block * stride_vb + slot * stride_vs + kv_head * stride_vh
+        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None])  # [D, N]
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :])  # [N, D]
+        m_i, l_i, acc = _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
+    # The diagonal tiles: causal mask and the end of the sequence.
+    for n0 in range(full_end, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < kv_end
         block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -343,13 +357,16 @@ def paged_attention_triton(
     decode_partition: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Triton launcher for :func:`paged_attention_ref` (same arguments and result).
 
     ``max_seqlen_q`` picks the kernel (1: decode) and sizes the prefill grid; ``max_seqlen_k``
     sizes the decode grid. Either is read from the device (a sync) when not given; a value given
     must be at least the true maximum. ``decode_partition``, ``block_m`` and ``block_n`` override
-    the tile choices (tests use small ones to cross more tile and partition boundaries).
+    the tile choices (tests use small ones to cross more tile and partition boundaries);
+    ``num_warps`` / ``num_stages`` the prefill kernel's launch (for tuning).
     """
     problem = _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k)
     assert problem is None, problem
@@ -422,7 +439,7 @@ def paged_attention_triton(
         *common, qk_scale,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn,
         # Two stages measured best on an H100 (bf16, D=64 and 128) for 64x64 tiles and 4 warps.
-        DOT_PRECISION=precision, num_warps=4 if bm <= 64 else 8, num_stages=2,
+        DOT_PRECISION=precision, num_warps=num_warps or (4 if bm <= 64 else 8), num_stages=num_stages or 2,
     )
     return out
 
