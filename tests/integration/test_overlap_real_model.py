@@ -129,3 +129,36 @@ def test_session_turn_after_a_stop_token_in_flight(engines):
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         results[overlap] = turns
     assert results[True] == results[False]
+
+
+def test_pipeline_stages_with_overlap(smollm2_dir):
+    """The offline pipeline's stages (tokenizer, engine, detokenizer threads) with the overlap on:
+    a stop string found by the detokenizer stops a sequence whose next token is on the device,
+    streams equal whole responses, and an abandoned stream gives every block back."""
+    from conveyor import EngineConfig as PublicEngineConfig
+    from conveyor import GenerationConfig, pipeline
+
+    def config(overlap: bool) -> PublicEngineConfig:
+        return PublicEngineConfig(cache_max_entry_count=64, block_size=16, overlap_schedule=overlap)
+
+    greedy = GenerationConfig(max_new_tokens=40, top_k=1)
+    with pipeline(str(smollm2_dir), config(False)) as plain:
+        expected = [r.text for r in plain(PROMPTS[:4], greedy)]
+    with pipeline(str(smollm2_dir), config(True)) as pipe:
+        assert pipe.engine.overlap
+        assert [r.text for r in pipe(PROMPTS[:4], greedy)] == expected
+        base = expected[1]
+        stop = base[12:21]
+        r = pipe(PROMPTS[1], GenerationConfig(max_new_tokens=40, top_k=1, stop_words=[stop]))
+        assert r.finish_reason == "stop" and r.text == base[: base.index(stop)]
+        texts = [""] * 4
+        for chunk in pipe.stream_infer(PROMPTS[:4], greedy):
+            texts[chunk.index] += chunk.text
+        assert texts == expected
+        stream = pipe.stream_infer(PROMPTS[:3], GenerationConfig(max_new_tokens=64, top_k=1, ignore_eos=True))
+        next(stream)
+        stream.close()
+        pipe._stack.call(lambda e: None)  # let the engine thread apply the aborts
+        blocks = pipe._stack.call(lambda e: (e.block_manager.num_free_blocks, e.block_manager.num_blocks,
+                                             e.has_work))
+        assert blocks[0] == blocks[1] and not blocks[2]
