@@ -162,3 +162,28 @@ def test_pipeline_stages_with_overlap(smollm2_dir):
         blocks = pipe._stack.call(lambda e: (e.block_manager.num_free_blocks, e.block_manager.num_blocks,
                                              e.has_work))
         assert blocks[0] == blocks[1] and not blocks[2]
+
+
+def test_session_turn_added_while_the_stale_step_is_in_flight(engines):
+    """The next turn arrives right after the read-back that finished the previous one, while the
+    step holding the previous turn's discarded token is still queued: same tokens as without overlap."""
+    results = {}
+    for overlap, engine in engines.items():
+        eos = _eos(engine)
+        params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=eos)
+        prompts = [_chat_ids(engine, p) for p in (PROMPTS[2], PROMPTS[3])]
+        seq = engine.add_request(prompts[0], params, session_id=88)
+        turns: list[list[int]] = [[]]
+        while engine.has_work:
+            for o in engine.step():
+                turns[-1] += o.token_ids
+                if o.finished and len(turns) == 1:
+                    turns.append([])
+                    # No drain first: with overlap the step holding the discarded token is queued.
+                    assert (engine._inflight is not None) == overlap
+                    engine.add_request(prompts[1], params, session_id=88)
+        assert min(seq.token_ids) >= 0 and len(turns) == 2 and turns[1]
+        engine.end_session(88)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        results[overlap] = turns
+    assert results[True] == results[False]
