@@ -46,7 +46,7 @@ def main() -> None:
             med = {k: statistics.median(r[k] for r in rs) for k in ("out_tok_s", "ttft_ms")}
             p50 = [r["tpot_p50_ms"] for r in rs if r["tpot_p50_ms"] is not None]
             med["tpot_p50_ms"] = statistics.median(p50) if p50 else None
-            print(f"{batch:>5} {input_len:>5} {output_len:>5} {str(overlap):>8} | {med['out_tok_s']:>10.1f} "
+            print(f"{batch:>5} {input_len:>5} {output_len:>5} {overlap!s:>8} | {med['out_tok_s']:>10.1f} "
                   f"{med['ttft_ms']:>9.2f} {med['tpot_p50_ms'] or 0:>7.2f}", flush=True)
             records.append(record(
                 engine="conveyor", model=args.model, precision=args.dtype, benchmark="overlap_ab",

@@ -7,6 +7,7 @@ reference, then timed (CUDA events, median of 20 after 3 warm-ups). The default 
     python -m benchmarks.tune_prefill_attention
 """
 
+import functools
 import itertools
 import statistics
 
@@ -50,15 +51,14 @@ def main() -> None:
     for name, heads, kv_heads in (("llama2-7b", 32, 32), ("llama3-8b", 32, 8)):
         q, kc, vc, table, cu, lens = problem(heads, kv_heads)
         ref = paged_attention_ref(q, kc, vc, table, cu, lens, 128**-0.5)
-        default = time_us(lambda: paged_attention_triton(q, kc, vc, table, cu, lens, 128**-0.5,
-                                                         max_seqlen_q=2048, max_seqlen_k=2048))
+        call = functools.partial(paged_attention_triton, q, kc, vc, table, cu, lens, 128**-0.5,
+                                 max_seqlen_q=2048, max_seqlen_k=2048)
+        default = time_us(call)
         print(f"{name}: default {default:.1f} us", flush=True)
         records.append(record(engine="conveyor", model=name, precision="float16", benchmark="tune_prefill_attention",
                               input_len=2048, config="default", us=default))
         for bm, bn, w, st in CONFIGS:
-            def run():
-                return paged_attention_triton(q, kc, vc, table, cu, lens, 128**-0.5, max_seqlen_q=2048,
-                                              max_seqlen_k=2048, block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+            run = functools.partial(call, block_m=bm, block_n=bn, num_warps=w, num_stages=st)
             try:
                 out = run()
                 err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()

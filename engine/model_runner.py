@@ -65,15 +65,6 @@ class LaunchedStep:
         return None if self.samples is None else self.samples.token_ids
 
 
-@dataclass(frozen=True)
-class TokenSample:
-    """The token sampled for one sequence in one step."""
-
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-
-
 def _available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -380,23 +371,6 @@ class ModelRunner:
         self._end_gpu_span()
         samples.start_copy()
         return LaunchedStep(sampling, samples)
-
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[int, TokenSample]:
-        """Run one step and wait for it; returns the sampled token of every sequence that
-        reached its end (a step without overlap, for tests and tools)."""
-        step = self.launch(out)
-        if step.samples is None:
-            return {}
-        result = step.samples.fetch()
-        samples = {}
-        for i, seq in enumerate(step.sampling):
-            samples[seq.seq_id] = TokenSample(
-                result.token_ids[i],
-                result.logprobs[i] if result.logprobs is not None else None,
-                result.top_logprobs[i] if result.top_logprobs is not None else None,
-            )
-        return samples
 
     @torch.inference_mode()
     def score_chunk(self, seq: Sequence, n: int) -> torch.Tensor:
