@@ -82,8 +82,11 @@ class EngineService:
         codec = Codec(EngineIn)
         try:
             while not stop.is_set():
-                if not sock.poll(200):
-                    continue
+                try:
+                    if not sock.poll(200):
+                        continue
+                except zmq.ContextTerminated:  # the owner is shutting down: nothing more to read
+                    return
                 for msg in self._recv_all(sock, codec):
                     if isinstance(msg, Ping):
                         stats = {**msg.stage_stats, "engine_busy_s": self._busy, "engine_steps": self._steps}
@@ -154,7 +157,10 @@ class EngineService:
                 self._busy += time.perf_counter() - start
         finally:
             self._outbox.put(None)
-            threads[1].join(timeout=2)
+            # Both IO threads must be off their sockets before the owner terminates the context
+            # (the input thread notices ``stop`` within one 200 ms poll).
+            for t in threads:
+                t.join(timeout=2)
             for msg in self._take_messages(block=False):  # nobody will run these now
                 if isinstance(msg, EngineCall):
                     msg.future.set_exception(RuntimeError("the engine stopped"))
