@@ -23,6 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.kernels.gemv import LAYER_ROWS as GEMV_ROWS
+from conveyor.kernels.gemv import gemv
+
 logger = logging.getLogger(__name__)
 
 ShardId = int | str
@@ -47,7 +50,9 @@ class UnquantizedLinearMethod:
         layer.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        """Dense matmul."""
+        """Dense matmul; a few rows (batch-1 decode) take the GEMV kernel on the GPU."""
+        if x.dim() == 2 and x.shape[0] <= GEMV_ROWS:
+            return gemv(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
 

@@ -37,6 +37,7 @@ from conveyor.kernels.attention import (  # noqa: E402
     paged_attention_ref,
     paged_attention_triton,
 )
+from conveyor.kernels.gemv import gemv, gemv_ref  # noqa: E402
 from conveyor.kernels.kv_cache import (  # noqa: E402
     rotate_and_store_kv,
     rotate_and_store_kv_ref,
@@ -51,6 +52,7 @@ activation_mod, attention_mod, kv_cache_mod, rms_norm_mod, rotary_mod = (
     importlib.import_module(f"conveyor.kernels.{name}")
     for name in ("activation", "attention", "kv_cache", "rms_norm", "rotary")
 )
+gemv_mod = importlib.import_module("conveyor.kernels.gemv")
 ROOT = Path(__file__).resolve().parents[2]
 FP32_TOL = 1e-5
 GPU_TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-5}
@@ -329,6 +331,17 @@ def test_rotate_and_store_kv(h: int, hkv: int, d: int, block_size: int, seed: in
 
 
 @interp
+@pytest.mark.parametrize("m,n,k,bias", [(1, 37, 100, False), (3, 64, 513, True), (4, 20, 64, False),
+                                        (2, 9, 1030, True)])
+def test_gemv(m: int, n: int, k: int, bias: bool, seed: int, forced: None) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = randn(m, k + 3, gen=gen)[:, :k]  # a strided view, like a slice of a wider activation
+    w = randn(n, k, gen=gen)
+    b = randn(n, gen=gen) if bias else None
+    assert_close(gemv(x, w, b), gemv_ref(x, w, b), FP32_TOL)
+
+
+@interp
 @pytest.mark.parametrize("shape", [(5, 128), (2, 3, 2 * 1536)])
 def test_silu_and_mul(shape: tuple[int, ...], seed: int, forced: None) -> None:
     x = randn(*shape, gen=torch.Generator().manual_seed(seed))
@@ -353,7 +366,7 @@ def test_auto_and_ref_modes_use_the_reference_on_cpu(monkeypatch: pytest.MonkeyP
         raise AssertionError("Triton launcher called")
 
     for mod, name in ((attention_mod, "paged_attention_triton"), (kv_cache_mod, "store_kv_triton"),
-                      (kv_cache_mod, "rotate_and_store_kv_triton"),
+                      (kv_cache_mod, "rotate_and_store_kv_triton"), (gemv_mod, "gemv_triton"),
                       (rms_norm_mod, "rms_norm_triton"), (rms_norm_mod, "add_rms_norm_triton"),
                       (rotary_mod, "apply_rotary_triton"), (activation_mod, "silu_and_mul_triton")):
         monkeypatch.setattr(mod, name, boom)
@@ -366,6 +379,7 @@ def test_auto_and_ref_modes_use_the_reference_on_cpu(monkeypatch: pytest.MonkeyP
         add_rms_norm(q, q, torch.ones(64), 1e-6)
         apply_rotary(q, q[:, :1], torch.tensor([0, 1]), torch.randn(4, 64))
         silu_and_mul(q)
+        gemv(torch.randn(1, 8), torch.randn(3, 8))
 
 
 def test_unknown_mode_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -532,6 +546,12 @@ def test_gpu_pointwise_kernels(dtype: torch.dtype, seed: int, poisoned_empty: No
     ref_out, ref_res = add_rms_norm_ref(x, res, w, 1e-6)
     assert_close(out, ref_out, GPU_TOL[dtype])
     torch.testing.assert_close(new_res, ref_res, rtol=0, atol=0)
+
+    # The batch-1 decode GEMV at Llama-2 shapes (1, 2 and 4 rows; the head's 32000 outputs).
+    for rows, n_out, k_in in ((1, 12288, 4096), (2, 4096, 11008), (4, 32000, 4096), (1, 4095, 4096)):
+        xr = randn(rows, k_in, gen=gen, dtype=dtype, device=dev)
+        wr = randn(n_out, k_in, gen=gen, dtype=dtype, device=dev) * 0.02
+        assert_close(gemv(xr, wr), gemv_ref(xr, wr), GPU_TOL[dtype])
 
     gate_up = randn(t, 2 * inter, gen=gen, dtype=dtype, device=dev)
     assert_close(silu_and_mul(gate_up), silu_and_mul_ref(gate_up), GPU_TOL[dtype])

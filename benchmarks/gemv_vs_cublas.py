@@ -1,0 +1,95 @@
+"""Batch-1 decode projections: cuBLAS (``F.linear``) against the Triton GEMV of kernels/gemv.py.
+
+The Llama-2-7B shapes at M = 1 (fp16): fused qkv, o_proj, fused gate_up, down, LM head. Each
+candidate configuration is checked against the reference, then timed as 50 back-to-back
+launches between CUDA events (median of 5); reported in µs per call and in weight GB/s, plus
+the per-token sum over the 32 layers and the head.
+
+    python -m benchmarks.gemv_vs_cublas
+"""
+
+import itertools
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import record, save
+from conveyor.kernels.gemv import gemv_ref, gemv_triton
+
+SHAPES = {"qkv": (12288, 4096), "o_proj": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
+          "lm_head": (32000, 4096)}
+PER_TOKEN = {"qkv": 32, "o_proj": 32, "gate_up": 32, "down": 32, "lm_head": 1}
+
+
+def time_us(fn, reps: int = 50) -> float:
+    fn()
+    runs = []
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(reps):
+            fn()
+        e.record()
+        e.synchronize()
+        runs.append(s.elapsed_time(e) * 1e3 / reps)
+    return statistics.median(runs)
+
+
+def main() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    data = {}
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.float16, generator=gen) * 0.02
+        x = torch.randn(1, k, device="cuda", dtype=torch.float16, generator=gen)
+        data[name] = (x, w, gemv_ref(x, w))
+    records = []
+
+    def per_token(times: dict) -> float:
+        return sum(times[s] * PER_TOKEN[s] for s in SHAPES)
+
+    cublas = {name: time_us(lambda x=x, w=w: F.linear(x, w)) for name, (x, w, _) in data.items()}
+    for name, us in cublas.items():
+        n, k = SHAPES[name]
+        print(f"cublas {name:8s} {us:8.1f} us  {n * k * 2 / us / 1e3:7.0f} GB/s", flush=True)
+    print(f"cublas per token: {per_token(cublas):.0f} us", flush=True)
+    records.append(record(engine="cublas", model="llama2-7b", precision="float16", benchmark="gemv_vs_cublas",
+                          batch=1, config="F.linear", us=cublas, per_token_us=per_token(cublas)))
+
+    configs = list(itertools.product((4, 8, 16), (256, 512, 1024), (2, 4, 8), (3,)))
+    results = []
+    for bn, bk, warps, stages in configs:
+        times, worst = {}, 0.0
+        try:
+            for name, (x, w, ref) in data.items():
+                out = gemv_triton(x, w, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+                worst = max(worst, ((out.float() - ref.float()).norm() / ref.float().norm()).item())
+                times[name] = time_us(lambda x=x, w=w: gemv_triton(x, w, block_n=bn, block_k=bk,
+                                                                   num_warps=warps, num_stages=stages))
+        except Exception as exc:  # noqa: BLE001 - a configuration that does not compile
+            print(f"bn{bn} bk{bk} w{warps} s{stages}: failed ({type(exc).__name__})", flush=True)
+            continue
+        total = per_token(times)
+        results.append((total, (bn, bk, warps, stages), times, worst))
+        print(f"bn{bn:<2} bk{bk:<4} w{warps} s{stages}: per token {total:7.0f} us (rel err {worst:.1e}) "
+              + " ".join(f"{s}={t:.1f}" for s, t in times.items()), flush=True)
+    results.sort(key=lambda r: r[0])
+    for total, cfg, times, worst in results[:3]:  # the best three with other pipeline depths
+        for stages in (1, 2, 4, 5):
+            bn, bk, warps, _ = cfg
+            t = {name: time_us(lambda x=x, w=w: gemv_triton(x, w, block_n=bn, block_k=bk, num_warps=warps,
+                                                            num_stages=stages)) for name, (x, w, _) in data.items()}
+            results.append((per_token(t), (bn, bk, warps, stages), t, worst))
+            print(f"bn{bn:<2} bk{bk:<4} w{warps} s{stages}: per token {per_token(t):7.0f} us", flush=True)
+    results.sort(key=lambda r: r[0])
+    for total, (bn, bk, warps, stages), times, worst in results:
+        records.append(record(engine="conveyor", model="llama2-7b", precision="float16", benchmark="gemv_vs_cublas",
+                              batch=1, config=f"bn{bn}_bk{bk}_w{warps}_s{stages}", us=times, per_token_us=total,
+                              rel_err=worst))
+    best = results[0]
+    print(f"best {best[1]}: {best[0]:.0f} us per token vs cublas {per_token(cublas):.0f}", flush=True)
+    print(f"saved {save(records, 'gemv_vs_cublas')}")
+
+
+if __name__ == "__main__":
+    main()
