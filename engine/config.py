@@ -91,6 +91,9 @@ class EngineConfig:
             raise EngineConfigError("quantized KV cache (quant_policy 4/8) is not implemented yet; use quant_policy=0")
         if self.model_format not in _MODEL_FORMATS:
             raise EngineConfigError(f"model_format={self.model_format!r}: use one of {_MODEL_FORMATS}")
+        if self.overlap_schedule not in (None, True, False):
+            raise EngineConfigError(
+                f"overlap_schedule={self.overlap_schedule!r}: use True, False or None (on for CUDA only)")
         if self.load_format not in ("auto", "dummy"):
             raise EngineConfigError(f"load_format={self.load_format!r}: use 'auto' (read the weights) or 'dummy'")
         if self.rope_scaling_factor < 0:

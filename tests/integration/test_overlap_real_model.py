@@ -187,3 +187,36 @@ def test_session_turn_added_while_the_stale_step_is_in_flight(engines):
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         results[overlap] = turns
     assert results[True] == results[False]
+
+
+def test_overlap_setting_is_checked():
+    from conveyor.engine.errors import EngineConfigError
+
+    with pytest.raises(EngineConfigError, match="overlap_schedule='yes': use True, False or None"):
+        EngineConfig(overlap_schedule="yes")
+    assert EngineConfig().overlap_schedule is None  # on for CUDA, off on the CPU
+
+
+def test_bad_request_while_a_step_is_in_flight(engines):
+    """A request refused while a step is queued on the device changes nothing for the others."""
+    from conveyor.engine.errors import InvalidRequestError
+
+    engine = engines[True]
+    work = _workload(engine)[:4]
+    full, _, _ = _run(engines[False], work)
+    seqs = [engine.add_request(ids, params) for ids, params in work]
+    index = {s.seq_id: i for i, s in enumerate(seqs)}
+    tokens = {i: [] for i in range(len(work))}
+    refused = 0
+    while engine.has_work:
+        for o in engine.step():
+            tokens[index[o.seq_id]] += o.token_ids
+        if engine._inflight is not None and refused < 3:
+            bad = [([], SamplingParams()), ([1, 2], SamplingParams(temperature=-1.0)),
+                   ([engine.model_config.vocab_size], SamplingParams())][refused]
+            with pytest.raises(InvalidRequestError):
+                engine.add_request(*bad)
+            refused += 1
+    assert refused == 3
+    assert tokens == full
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
