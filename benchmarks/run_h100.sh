@@ -19,6 +19,15 @@ export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 BENCH_OUT=${OUT:-/tmp/ou
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 
+# The SmolLM2 GPU test, when the GGUF file has been assembled at /tmp/smol.gguf (two halves).
+gpu_real_model_test() {
+  if [ -f /tmp/smol.gguf ]; then
+    timeout 120 python3 -m conveyor.default_model --gguf /tmp/smol.gguf --dest /tmp/smol >/dev/null 2>&1
+    CONVEYOR_TEST_MODEL=/tmp/smol CONVEYOR_OFFLINE=1 timeout 150 python3 -m pytest -q -p no:cacheprovider \
+      --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/integration/test_gpu_real_model.py" -k "not cpu" 2>&1 | tail -15
+  fi
+}
+
 if [ "$STAGE" = bench ]; then
   # A quick check that graphs capture and replay; without it, measure eagerly rather than nothing.
   if ! timeout 120 python3 -m benchmarks.profile_generation --model tiny -b 3 -c 16:16 --name smoke_tiny; then
@@ -52,21 +61,13 @@ if [ "$STAGE" = overlap1 ]; then
 fi
 
 if [ "$STAGE" = overlap2 ]; then
-  if [ -f /tmp/smol.gguf ]; then
-    timeout 120 python3 -m conveyor.default_model --gguf /tmp/smol.gguf --dest /tmp/smol >/dev/null 2>&1
-    CONVEYOR_TEST_MODEL=/tmp/smol CONVEYOR_OFFLINE=1 timeout 150 python3 -m pytest -q -p no:cacheprovider \
-      --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/integration/test_gpu_real_model.py" -k "not cpu" 2>&1 | tail -15
-  fi
+  gpu_real_model_test
   timeout 150 python3 -m benchmarks.profile_generation --model llama3-8b -b 1 -b 64 -c 128:512 -c 128:128 -c 2048:1
   timeout 200 python3 -m benchmarks.profile_throughput --model llama3-8b
 fi
 
 if [ "$STAGE" = extra ]; then
-  if [ -f /tmp/smol.gguf ]; then
-    timeout 120 python3 -m conveyor.default_model --gguf /tmp/smol.gguf --dest /tmp/smol >/dev/null 2>&1
-    CONVEYOR_TEST_MODEL=/tmp/smol CONVEYOR_OFFLINE=1 timeout 150 python3 -m pytest -q -p no:cacheprovider \
-      --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/integration/test_gpu_real_model.py" -k "not cpu" 2>&1 | tail -15
-  fi
+  gpu_real_model_test
   timeout 100 python3 -m benchmarks.profile_step --model llama2-7b
   timeout 220 python3 -m benchmarks.hf_baseline --model llama2-7b
 fi

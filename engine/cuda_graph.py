@@ -93,7 +93,8 @@ class DecodeGraphs:
         self.block_tables = self._h_tables.to(device)
         self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=device)
         self._copied = torch.cuda.Event() if pin else None
-        self._staged: list[int] = []
+        # The staged batch's placeholder inputs: (row, row of the previous step's sampled ids).
+        self.holes: list[tuple[int, int]] = []
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         if capture:
@@ -124,11 +125,15 @@ class DecodeGraphs:
             self._copied.synchronize()  # the previous step's copies have read the pinned buffers
         ids, pos, slots, lens = self._np
         tables, block = self._np_tables, self.block_size
-        self._staged = staged = [seq.token_ids[seq.num_computed_tokens] for seq in seqs]
+        self.holes = []
         for i, seq in enumerate(seqs):
             p = seq.num_computed_tokens
             table = seq.block_table
-            ids[i] = max(staged[i], 0)  # a placeholder is filled on the device (run's ``fill``)
+            token = seq.token_ids[p]
+            if token < 0:  # a placeholder: filled on the device (run's ``fill``)
+                self.holes.append((i, -1 - token))
+                token = 0
+            ids[i] = token
             pos[i] = p
             slots[i] = table[p // block] * block + p % block
             lens[i] = p + 1
@@ -140,10 +145,6 @@ class DecodeGraphs:
         lens[n:bs] = 1
         tables[n:bs, 0] = 0
         return bs
-
-    def staged_ids(self, n: int) -> list[int]:
-        """The input ids of the staged batch's ``n`` real rows, placeholders (< 0) included."""
-        return self._staged[:n]
 
     def _copy_inputs(self, bs: int) -> None:
         nb = self.device.type == "cuda"

@@ -103,7 +103,6 @@ class LLMEngine:
         self._sessions: dict[int, Sequence] = {}
         self._pending: list[StepOutput] = []  # finishes decided outside step(), reported by it
         self._inflight: LaunchedStep | None = None  # queued on the device, not read back yet
-        self._inflight_positions: list[int] = []  # each sampling row's placeholder position
         overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
         self.overlap = overlap and os.environ.get(OVERLAP_ENV, "1") != "0"
         self._seed_source = random.Random()
@@ -186,11 +185,11 @@ class LLMEngine:
         launched = None
         if sched:
             launched = self.runner.launch(sched, self._inflight)
-            positions = self.scheduler.launched(sched, launched.sampling)
+            launched.positions = self.scheduler.launched(sched, launched.sampling)
         if self._inflight is not None:
             outputs += self._read_back()
         if launched is not None and launched.sampling:
-            self._inflight, self._inflight_positions = launched, positions
+            self._inflight = launched
             if not self.overlap:
                 outputs += self._read_back()
         self._forget_finished()
@@ -204,12 +203,10 @@ class LLMEngine:
     def _read_back(self) -> list[StepOutput]:
         """Wait for the in-flight step's sampled ids, write them over the placeholders, finish
         the sequences that stopped, and report them."""
-        step, positions = self._inflight, self._inflight_positions
-        self._inflight, self._inflight_positions = None, []
+        step, self._inflight = self._inflight, None
         result = step.samples.fetch()
-        self.generated_tokens += len(result.token_ids)
         outputs = []
-        for row, (seq, pos) in enumerate(zip(step.sampling, positions)):
+        for row, (seq, pos) in enumerate(zip(step.sampling, step.positions)):
             # Gone since launch (aborted, stopped, or its turn ended on the step before): the
             # placeholder was dropped with it, and the token is not reported.
             if self._seqs.get(seq.seq_id) is not seq or pos >= len(seq.token_ids) or seq.token_ids[pos] != -1 - row:
@@ -222,6 +219,7 @@ class LLMEngine:
                 out.logprobs = [result.logprobs[row]]
                 out.top_logprobs = [result.top_logprobs[row]]
             outputs.append(out)
+        self.generated_tokens += len(outputs)  # discarded tokens (after a stop) are not counted
         return outputs
 
     def _forget_finished(self) -> None:

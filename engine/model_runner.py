@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -58,6 +58,8 @@ class LaunchedStep:
 
     sampling: list[Sequence]
     samples: DeviceSamples | None  # None when no sequence samples in this step
+    # Where each sampling row's placeholder sits in its sequence (set by the engine at launch).
+    positions: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> torch.Tensor | None:
@@ -232,9 +234,14 @@ class ModelRunner:
         decode kernel."""
         bs = self.block_size
         input_ids, positions, slots, cu_q, lens_k = [], [], [], [0], []
+        holes: list[tuple[int, int]] = []  # (input row, row of prev_ids) for each placeholder
         for seq, n in seqs:
             start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
+            chunk = seq.token_ids[start : start + n]
+            if chunk[-1] < 0:  # a placeholder (only ever the last token, see engine/sequence.py)
+                holes.append((len(input_ids) + n - 1, -1 - chunk[-1]))
+                chunk[-1] = 0
+            input_ids.extend(chunk)
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -270,21 +277,20 @@ class ModelRunner:
             meta: AttentionMetadata = MixedBatchMetadata(**fields, num_decode_tokens=nd, decode=decode, prefill=prefill)
         else:
             meta = AttentionMetadata(**fields)
-        ids = self._to_device([max(t, 0) for t in input_ids], torch.int64)
-        self._fill_placeholders(ids, input_ids, prev_ids)
+        ids = self._to_device(input_ids, torch.int64)
+        self._fill_placeholders(ids, holes, prev_ids)
         pos = self._to_device(positions, torch.int64)
         return ids, pos, meta
 
-    def _fill_placeholders(self, ids: torch.Tensor, host_ids, prev_ids: torch.Tensor | None) -> None:
-        """Overwrite, on the device, each input that is a placeholder ``-1 - row`` with row
-        ``row`` of the previous step's sampled ids (``host_ids``: the inputs as staged)."""
-        dst = [i for i, t in enumerate(host_ids) if t < 0]
-        if not dst:
+    def _fill_placeholders(self, ids: torch.Tensor, holes: list[tuple[int, int]], prev_ids: torch.Tensor | None) -> None:
+        """Overwrite, on the device, each input row that held a placeholder ``-1 - row`` with row
+        ``row`` of the previous step's sampled ids (``holes``: (input row, sampled row) pairs)."""
+        if not holes:
             return
         if prev_ids is None:
             raise RuntimeError("a placeholder token without the step that samples it")
-        src = [-1 - int(host_ids[i]) for i in dst]
-        ids[self._to_device(dst, torch.int64)] = prev_ids[self._to_device(src, torch.int64)]
+        dst, src = zip(*holes)
+        ids[self._to_device(list(dst), torch.int64)] = prev_ids[self._to_device(list(src), torch.int64)]
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A host list as a device tensor; on CUDA through pinned memory without a sync (the
@@ -336,8 +342,8 @@ class ModelRunner:
             graphs = self.decode_graphs
             bs = graphs.stage(graph_seqs)
             self._begin_gpu_span()
-            all_logits = graphs.run(bs, len(graph_seqs), fill=lambda ids: self._fill_placeholders(
-                ids, graphs.staged_ids(len(graph_seqs)), prev_ids))
+            all_logits = graphs.run(bs, len(graph_seqs),
+                                    fill=lambda ids: self._fill_placeholders(ids, graphs.holes, prev_ids))
             rows = [i for i, item in enumerate(out.scheduled) if item.samples]
             sampling = [out.scheduled[i].seq for i in rows]
             if not sampling:

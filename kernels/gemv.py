@@ -115,3 +115,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         if forced_triton():
             raise ValueError(f"gemv Triton kernel does not take x {tuple(x.shape)} {x.dtype}")
     return F.linear(x, weight, bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's ``F.linear``: inputs of up to ``LAYER_ROWS`` rows take :func:`gemv` (the GEMV
+    on the GPU; ``F.linear`` itself elsewhere), larger ones cuBLAS."""
+    if x.dim() == 2 and x.shape[0] <= LAYER_ROWS:
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)

@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.kernels.gemv import LAYER_ROWS as GEMV_ROWS
-from conveyor.kernels.gemv import gemv
+from conveyor.kernels.gemv import linear
 
 
 class VocabEmbedding(nn.Module):
@@ -38,6 +37,4 @@ class LMHead(nn.Module):
 
     def forward(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (samplers want full-precision logits)."""
-        if hidden_rows.dim() == 2 and hidden_rows.shape[0] <= GEMV_ROWS:  # batch-1 decode
-            return gemv(hidden_rows, self.weight).float()
-        return F.linear(hidden_rows, self.weight).float()
+        return linear(hidden_rows, self.weight).float()

@@ -20,11 +20,9 @@ import logging
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from conveyor.kernels.gemv import LAYER_ROWS as GEMV_ROWS
-from conveyor.kernels.gemv import gemv
+from conveyor.kernels.gemv import linear
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +48,8 @@ class UnquantizedLinearMethod:
         layer.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        """Dense matmul; a few rows (batch-1 decode) take the GEMV kernel on the GPU."""
-        if x.dim() == 2 and x.shape[0] <= GEMV_ROWS:
-            return gemv(x, layer.weight, layer.bias)
-        return F.linear(x, layer.weight, layer.bias)
+        """Dense matmul; one-row inputs (batch-1 decode) take the GEMV kernel on the GPU."""
+        return linear(x, layer.weight, layer.bias)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
