@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from conveyor.engine.errors import EngineConfigError
 
@@ -11,12 +11,9 @@ logger = logging.getLogger(__name__)
 
 _QUANT_POLICIES = (0, 4, 8)
 _MODEL_FORMATS = (None, "hf", "llama", "gguf", "awq", "smooth_quant")
-# LMDeploy fields that are accepted so scripts run unchanged, but change nothing here.
-_ACCEPTED_NO_EFFECT = (
-    "model_name", "download_dir", "revision", "use_logn_attn", "num_tokens_per_iter",
-    "max_prefill_iters", "eviction_type", "prefill_interval", "num_cpu_blocks", "adapters",
-    "thread_safe", "shared_cache",
-)
+_QUANTIZED_FORMATS = ("awq", "smooth_quant")
+_EVICTION_TYPES = ("recompute", "copy")
+_DEFAULT_PREFILL_TOKENS = 8192
 
 
 @dataclass
@@ -27,7 +24,17 @@ class EngineConfig:
     device memory after the weights are loaded (LMDeploy's meaning); an int is a number of
     blocks; a float above 1 or a string like ``"4GiB"`` is an absolute size.
     ``cache_block_seq_len`` (TurboMind's name) and ``num_gpu_blocks`` (the PyTorch engine's)
-    are accepted and mapped onto ``block_size`` and ``cache_max_entry_count``.
+    are accepted and mapped onto ``block_size`` and ``cache_max_entry_count``;
+    ``num_tokens_per_iter`` (TurboMind's per-forward token count), when > 0, onto
+    ``max_prefill_token_num``.
+
+    Every other LMDeploy field keeps its name and default, and no value is silently ignored:
+    one that asks for something not implemented (``eviction_type='copy'``, ``num_cpu_blocks``,
+    ``adapters``, ``use_logn_attn``, ``shared_cache``, quantized or Meta-layout
+    ``model_format``) raises ``EngineConfigError`` naming what to use instead; one that only
+    tunes something done differently here (``model_name``, ``max_prefill_iters``,
+    ``prefill_interval``, ``thread_safe``, ``model_format='gguf'``) logs one warning saying so.
+    ``revision`` and ``download_dir`` apply to hub ids (``resolve_model_path``).
     """
 
     tp: int = 1
@@ -38,7 +45,8 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     quant_policy: int = 0
     rope_scaling_factor: float = 0.0
-    max_prefill_token_num: int = 8192
+    max_prefill_token_num: int = _DEFAULT_PREFILL_TOKENS
+    # None or "hf": a Hugging Face checkpoint (a .gguf file is recognised by its suffix).
     model_format: str | None = None
     dtype: str = "auto"
     device: str = "auto"
@@ -53,26 +61,38 @@ class EngineConfig:
     # LMDeploy spellings, folded into the fields above.
     cache_block_seq_len: int | None = None
     num_gpu_blocks: int = 0
-    # Accepted for compatibility; no effect (see _ACCEPTED_NO_EFFECT).
-    model_name: str | None = None
-    download_dir: str | None = None
-    revision: str | None = None
-    use_logn_attn: bool = False
-    num_tokens_per_iter: int = 0
-    max_prefill_iters: int = 1
-    eviction_type: str = "recompute"
-    prefill_interval: int = 16
-    num_cpu_blocks: int = 0
-    adapters: dict | None = None
-    thread_safe: bool = False
-    shared_cache: bool = False
-    extra: dict = field(default_factory=dict, repr=False)
+    # The other LMDeploy fields, with LMDeploy's defaults. No value is silently ignored: one
+    # asking for something not implemented raises EngineConfigError, one that only tunes
+    # something done differently here logs one warning (see __post_init__).
+    model_name: str | None = None  # chat template: ChatTemplateConfig; served name: --model-name
+    download_dir: str | None = None  # hub cache directory for hub ids (None: Hugging Face's)
+    revision: str | None = None  # branch, tag or commit for hub ids
+    use_logn_attn: bool = False  # not implemented
+    num_tokens_per_iter: int = 0  # > 0: becomes max_prefill_token_num
+    max_prefill_iters: int = 1  # no effect: prompts take as many chunks as they need
+    eviction_type: str = "recompute"  # only "recompute"
+    prefill_interval: int = 16  # no effect: prompts are admitted every step
+    num_cpu_blocks: int = 0  # no CPU swap space
+    adapters: dict | None = None  # no LoRA
+    thread_safe: bool = False  # no effect: the pipeline is always thread-safe
+    shared_cache: bool = False  # not implemented
 
     def __post_init__(self) -> None:
         if self.cache_block_seq_len is not None:
             self.block_size = self.cache_block_seq_len
         if self.num_gpu_blocks:
             self.cache_max_entry_count = int(self.num_gpu_blocks)
+        if self.num_tokens_per_iter < 0:
+            raise EngineConfigError(
+                f"num_tokens_per_iter={self.num_tokens_per_iter}: must be >= 0 "
+                "(0 keeps max_prefill_token_num as the per-step token budget)")
+        if self.num_tokens_per_iter:
+            # TurboMind's tokens per forward pass: here, the step's token budget.
+            if self.max_prefill_token_num not in (_DEFAULT_PREFILL_TOKENS, self.num_tokens_per_iter):
+                raise EngineConfigError(
+                    f"num_tokens_per_iter={self.num_tokens_per_iter} and max_prefill_token_num="
+                    f"{self.max_prefill_token_num}: both set the tokens per step here; set only one")
+            self.max_prefill_token_num = self.num_tokens_per_iter
         if self.tp < 1:
             raise EngineConfigError(f"tp={self.tp}: must be >= 1 (number of GPUs for tensor parallel)")
         if self.tp > 1:
@@ -85,12 +105,15 @@ class EngineConfig:
             raise EngineConfigError(f"session_len={self.session_len}: must be >= 2, or None for the model's maximum")
         if self.max_prefill_token_num < 1:
             raise EngineConfigError(f"max_prefill_token_num={self.max_prefill_token_num}: must be >= 1")
+        if self.max_prefill_iters < 1:
+            raise EngineConfigError(f"max_prefill_iters={self.max_prefill_iters}: must be >= 1 (default 1)")
+        if self.prefill_interval < 1:
+            raise EngineConfigError(f"prefill_interval={self.prefill_interval}: must be >= 1 (default 16)")
         if self.quant_policy not in _QUANT_POLICIES:
             raise EngineConfigError(f"quant_policy={self.quant_policy}: use 0 (none), 4 (int4 KV) or 8 (int8 KV)")
         if self.quant_policy:
             raise EngineConfigError("quantized KV cache (quant_policy 4/8) is not implemented yet; use quant_policy=0")
-        if self.model_format not in _MODEL_FORMATS:
-            raise EngineConfigError(f"model_format={self.model_format!r}: use one of {_MODEL_FORMATS}")
+        self._check_model_format()
         if self.overlap_schedule not in (None, True, False):
             raise EngineConfigError(
                 f"overlap_schedule={self.overlap_schedule!r}: use True, False or None (on for CUDA only)")
@@ -101,6 +124,85 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16"):
             raise EngineConfigError(f"dtype={self.dtype!r}: use auto, float32, float16 or bfloat16")
         self.cache_bytes_or_blocks()  # validates cache_max_entry_count
+        self._check_hub_options()
+        self._check_unimplemented()
+        self._warn_no_effect()  # last: a config that is refused warns about nothing
+
+    def _check_model_format(self) -> None:
+        fmt = self.model_format
+        if fmt not in _MODEL_FORMATS:
+            raise EngineConfigError(
+                f"model_format={fmt!r}: use None or 'hf' (a Hugging Face checkpoint or a .gguf file)")
+        if fmt in _QUANTIZED_FORMATS:
+            raise EngineConfigError(
+                f"model_format={fmt!r}: quantized weights are not implemented yet; "
+                "give an fp16/bf16 Hugging Face checkpoint (or a .gguf file) with model_format=None")
+        if fmt == "llama":
+            raise EngineConfigError(
+                "model_format='llama': Meta's original layout (consolidated.*.pth) is not read; convert "
+                "it with transformers' convert_llama_weights_to_hf.py and pass that with model_format=None")
+
+    def _check_hub_options(self) -> None:
+        for name in ("revision", "download_dir"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise EngineConfigError(f"{name}={value!r}: use a string, or None for the default")
+        if self.revision == "":
+            raise EngineConfigError("revision='': name a branch, tag or commit, or use None for the default")
+        if self.download_dir == "":
+            raise EngineConfigError("download_dir='': name a directory, or use None for Hugging Face's cache")
+
+    def _check_unimplemented(self) -> None:
+        """LMDeploy options for features this engine lacks: refused unless left at their default."""
+        if self.use_logn_attn:
+            raise EngineConfigError(
+                "use_logn_attn=True: logarithmic attention scaling (Qwen-1) is not implemented; "
+                "use use_logn_attn=False")
+        if self.eviction_type not in _EVICTION_TYPES:
+            raise EngineConfigError(f"eviction_type={self.eviction_type!r}: use 'recompute'")
+        if self.eviction_type == "copy":
+            raise EngineConfigError(
+                "eviction_type='copy': swapping evicted KV blocks to CPU memory is not implemented; "
+                "use eviction_type='recompute' (preempted sequences are recomputed)")
+        if self.num_cpu_blocks < 0:
+            raise EngineConfigError(f"num_cpu_blocks={self.num_cpu_blocks}: must be 0")
+        if self.num_cpu_blocks:
+            raise EngineConfigError(
+                f"num_cpu_blocks={self.num_cpu_blocks}: there is no CPU swap space (preempted sequences "
+                "are recomputed); use num_cpu_blocks=0 and size the GPU cache with cache_max_entry_count")
+        if self.adapters:
+            raise EngineConfigError(
+                f"adapters={self.adapters!r}: LoRA adapters are not supported; merge the adapter into "
+                "the base weights (peft's merge_and_unload) and pass that checkpoint with adapters=None")
+        if self.shared_cache:
+            raise EngineConfigError(
+                "shared_cache=True: sharing one KV cache between engines is not implemented; use "
+                "shared_cache=False and send every request to one pipeline or server")
+
+    def _warn_no_effect(self) -> None:
+        """LMDeploy options that only tune something done differently here: one warning each."""
+        if self.model_name:
+            logger.warning(
+                "EngineConfig.model_name=%r has no effect: the chat template comes from the model or "
+                "ChatTemplateConfig(model_name=...), the served name from --model-name", self.model_name)
+        if self.model_format == "gguf":
+            logger.warning(
+                "EngineConfig.model_format='gguf' has no effect: a .gguf file is recognised by its suffix "
+                "and any other path is read as a Hugging Face checkpoint")
+        if self.max_prefill_iters != 1:
+            logger.warning(
+                "EngineConfig.max_prefill_iters=%s has no effect: a prompt is prefilled in as many "
+                "steps of max_prefill_token_num (%s) tokens as it needs", self.max_prefill_iters,
+                self.max_prefill_token_num)
+        if self.prefill_interval != 16:
+            logger.warning(
+                "EngineConfig.prefill_interval=%s has no effect: waiting prompts join every step, in "
+                "chunks beside the running decodes (max_prefill_token_num sets the step's size)",
+                self.prefill_interval)
+        if self.thread_safe:
+            logger.warning(
+                "EngineConfig.thread_safe=True has no effect: a pipeline can always be called from "
+                "several threads")
 
     def cache_bytes_or_blocks(self) -> tuple[str, float]:
         """Classify cache_max_entry_count: ('fraction', f), ('blocks', n) or ('bytes', b)."""

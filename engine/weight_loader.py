@@ -37,8 +37,14 @@ def is_gguf(path: str | Path) -> bool:
     return Path(path).suffix.lower() == ".gguf"
 
 
-def resolve_model_path(model_path: str | Path, revision: str | None = None) -> Path:
-    """A local model directory or ``.gguf`` file for ``model_path``; hub ids are downloaded first."""
+def resolve_model_path(model_path: str | Path, revision: str | None = None,
+                       download_dir: str | Path | None = None) -> Path:
+    """A local model directory or ``.gguf`` file for ``model_path``; hub ids are downloaded first.
+
+    ``revision`` (a branch, tag or commit) and ``download_dir`` (the hub cache directory; None:
+    Hugging Face's default) are ``EngineConfig``'s fields of those names and, as in LMDeploy,
+    apply to hub ids only: a local path is used as it is.
+    """
     path = Path(model_path).expanduser()
     if path.is_dir():
         return path
@@ -51,21 +57,22 @@ def resolve_model_path(model_path: str | Path, revision: str | None = None) -> P
     text = str(model_path)
     if not _HUB_ID.match(text) or text.startswith((".", "/", "~")):
         raise EngineConfigError(f"model path {text!r} does not exist (and is not a hub id like 'org/name')")
-    return _download_from_hub(text, revision)
+    return _download_from_hub(text, revision, download_dir)
 
 
-def _download_from_hub(repo_id: str, revision: str | None) -> Path:
+def _download_from_hub(repo_id: str, revision: str | None, download_dir: str | Path | None = None) -> Path:
+    cache_dir = None if download_dir is None else str(Path(download_dir).expanduser())
     try:
         from huggingface_hub import snapshot_download
 
         local = Path(snapshot_download(
-            repo_id, revision=revision,
+            repo_id, revision=revision, cache_dir=cache_dir,
             allow_patterns=_HUB_META_PATTERNS + ["*.safetensors"], ignore_patterns=_HUB_IGNORE_PATTERNS,
         ))
         if not any(local.glob("*.safetensors")):
             logger.info("%s has no safetensors weights; downloading pytorch_model*.bin", repo_id)
             local = Path(snapshot_download(
-                repo_id, revision=revision,
+                repo_id, revision=revision, cache_dir=cache_dir,
                 allow_patterns=_HUB_META_PATTERNS + ["*.bin"], ignore_patterns=_HUB_IGNORE_PATTERNS,
             ))
     except Exception as exc:  # noqa: BLE001 - any hub failure gets the same advice
