@@ -4,10 +4,10 @@ Each public function dispatches to a Triton kernel for CUDA tensors when Triton 
 its ``*_ref`` otherwise; ``CONVEYOR_KERNELS=ref|triton`` forces one side (see ``_triton``).
 """
 
-from conveyor.kernels._triton import HAS_TRITON
-from conveyor.kernels.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton
-from conveyor.kernels.attention import paged_attention, paged_attention_ref, paged_attention_triton
-from conveyor.kernels.kv_cache import (
+from ._triton import HAS_TRITON
+from .activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton
+from .attention import paged_attention, paged_attention_ref, paged_attention_triton
+from .kv_cache import (
     rotate_and_store_kv,
     rotate_and_store_kv_ref,
     rotate_and_store_kv_triton,
@@ -15,7 +15,7 @@ from conveyor.kernels.kv_cache import (
     store_kv_ref,
     store_kv_triton,
 )
-from conveyor.kernels.rms_norm import (
+from .rms_norm import (
     add_rms_norm,
     add_rms_norm_ref,
     add_rms_norm_triton,
@@ -23,8 +23,8 @@ from conveyor.kernels.rms_norm import (
     rms_norm_ref,
     rms_norm_triton,
 )
-from conveyor.kernels.rotary import apply_rotary, apply_rotary_ref, apply_rotary_triton
-from conveyor.kernels.sampling import seeded_race, seeded_race_ref, seeded_race_triton
+from .rotary import apply_rotary, apply_rotary_ref, apply_rotary_triton
+from .sampling import seeded_race, seeded_race_ref, seeded_race_triton
 
 __all__ = [
     "HAS_TRITON", "add_rms_norm", "add_rms_norm_ref", "add_rms_norm_triton", "apply_rotary",

@@ -80,6 +80,13 @@ def jit(fn: _F) -> _F:
     return triton.jit(fn) if HAS_TRITON else fn
 
 
+@jit
+def row_and_cols(BLOCK: tl.constexpr):
+    """For a grid ``(rows, cdiv(columns, BLOCK))``: this program's row (int64, for addresses) and
+    its ``BLOCK`` column indices."""
+    return tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+
+
 KERNELS_ENV = "CONVEYOR_KERNELS"
 _MODES = ("auto", "ref", "triton")
 
@@ -92,12 +99,22 @@ def kernel_mode() -> str:
     return mode
 
 
-def use_triton(*tensors: torch.Tensor) -> bool:
-    """Whether a dispatcher should run its Triton kernel on ``tensors`` (see the module doc)."""
+def triton_takes(
+    name: str, tensors: tuple[torch.Tensor, ...], problem: Callable[..., str | None], *args: Any
+) -> bool:
+    """Whether the dispatcher ``name`` runs its Triton kernel on ``tensors`` (see the module doc).
+
+    ``problem(*args)`` says why the kernel cannot take these inputs, or None when it can; it runs
+    only where Triton would. Inputs it cannot take go to the reference, except under
+    ``CONVEYOR_KERNELS=triton``, where they raise.
+    """
     mode = kernel_mode()
     if mode == "ref":
         return False
-    if mode == "triton":
+    if mode == "auto":
+        if not (HAS_TRITON and all(t.is_cuda for t in tensors)):
+            return False
+    else:
         if not HAS_TRITON:
             raise RuntimeError(f"{KERNELS_ENV}=triton but triton cannot be imported")
         if not TRITON_INTERPRETED and not all(t.is_cuda for t in tensors):
@@ -105,13 +122,12 @@ def use_triton(*tensors: torch.Tensor) -> bool:
                 f"{KERNELS_ENV}=triton on CPU tensors needs Triton's interpreter: "
                 "set TRITON_INTERPRET=1 before triton is first imported"
             )
+    why = problem(*args)
+    if why is None:
         return True
-    return HAS_TRITON and all(t.is_cuda for t in tensors)
-
-
-def forced_triton() -> bool:
-    """True when ``CONVEYOR_KERNELS=triton``: unsupported inputs must raise, not fall back."""
-    return kernel_mode() == "triton"
+    if mode == "triton":
+        raise ValueError(f"{name} Triton kernel does not support these inputs: {why}")
+    return False
 
 
 def next_pow2(n: int) -> int:

@@ -5,7 +5,7 @@
 import torch
 import torch.nn.functional as F
 
-from conveyor.kernels._triton import FLOAT_DTYPES, cdiv, forced_triton, tl, jit, use_triton
+from ._triton import FLOAT_DTYPES, cdiv, jit, row_and_cols, tl, triton_takes
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -20,8 +20,7 @@ def _silu_and_mul_kernel(
     BLOCK: tl.constexpr,
 ):
     # Grid: (rows, cdiv(I, BLOCK)); each program gates BLOCK columns of one row.
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row, cols = row_and_cols(BLOCK)
     mask = cols < inter_size
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter_size + cols, mask=mask, other=0.0)
@@ -49,11 +48,12 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], inter)
 
 
+def _problem(x: torch.Tensor) -> str | None:
+    return None if x.dtype in FLOAT_DTYPES and x.shape[-1] % 2 == 0 else f"{x.dtype} {tuple(x.shape)}"
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up over ``x = cat(gate, up)`` on the last dim: Triton on CUDA, else the reference."""
-    if use_triton(x):
-        if x.dtype in FLOAT_DTYPES and x.shape[-1] % 2 == 0:
-            return silu_and_mul_triton(x)
-        if forced_triton():
-            raise ValueError(f"silu_and_mul Triton kernel does not support {x.dtype} {tuple(x.shape)}")
+    if triton_takes("silu_and_mul", (x,), _problem, x):
+        return silu_and_mul_triton(x)
     return silu_and_mul_ref(x)

@@ -36,15 +36,14 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from conveyor.kernels._triton import (
+from ._triton import (
     FLOAT_DTYPES,
     cdiv,
-    forced_triton,
     is_pow2,
     jit,
     next_pow2,
     tl,
-    use_triton,
+    triton_takes,
 )
 
 
@@ -57,13 +56,8 @@ def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, length: int) -
 
 
 def paged_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seqlens_k: torch.Tensor,
-    scale: float,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, scale: float,
 ) -> torch.Tensor:
     """Plain-torch reference: gather each sequence's keys, then causal SDPA with GQA.
 
@@ -116,6 +110,32 @@ def _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 
 @jit
+def _load_kv_tile(
+    k_ptr, v_ptr, bt_row, n, n_end, kv_head, d,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Keys (transposed, [D, N]) and values ([N, D]) of one kv head at key positions ``n``, read
+    through the sequence's block table row ``bt_row``. MASKED: positions ``>= n_end`` read zeros;
+    without it every position must lie inside the sequence (no masks: the common, faster case)."""
+    if MASKED:
+        n_mask = n < n_end
+        block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    else:
+        block = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
+    slot = n % BLOCK_SIZE
+    k_off = block * stride_kb + slot * stride_ks + kv_head * stride_kh
+    v_off = block * stride_vb + slot * stride_vs + kv_head * stride_vh
+    if MASKED:
+        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=n_mask[None, :], other=0.0)
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+    else:
+        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None])
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :])
+    return k_t, v
+
+
+@jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, seqlens_k_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -156,16 +176,11 @@ def _decode_kernel(
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < end
-        block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        slot = n % BLOCK_SIZE
-        k_off = block * stride_kb + slot * stride_ks + kv_head * stride_kh
-        v_off = block * stride_vb + slot * stride_vs + kv_head * stride_vh
-        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=n_mask[None, :], other=0.0)  # [D, N]
+        k_t, v = _load_kv_tile(k_ptr, v_ptr, bt_row, n, end, kv_head, d, stride_kb, stride_ks, stride_kh,
+                               stride_vb, stride_vs, stride_vh, BLOCK_SIZE, True)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
         # The first tile always holds a valid key (start < seqlen), so m_i is finite from then on.
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)  # [N, D]
+        s = tl.where((n < end)[None, :], s, float("-inf"))
         m_i, l_i, acc = _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     o = acc / l_i[:, None]
@@ -264,28 +279,19 @@ def _prefill_kernel(
     full_end = tl.minimum((ctx + m_tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, kv_end)
     for n0 in range(0, full_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        block = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
-        slot = n % BLOCK_SIZE
-        k_off = block * stride_kb + slot * stride_ks + kv_head * stride_kh
-        v_off = block * stride_vb + slot * stride_vs + kv_head * stride_vh
-        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None])  # [D, N]
+        k_t, v = _load_kv_tile(k_ptr, v_ptr, bt_row, n, full_end, kv_head, d, stride_kb, stride_ks, stride_kh,
+                               stride_vb, stride_vs, stride_vh, BLOCK_SIZE, False)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :])  # [N, D]
         m_i, l_i, acc = _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
     # The diagonal tiles: causal mask and the end of the sequence.
     for n0 in range(full_end, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < kv_end
-        block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        slot = n % BLOCK_SIZE
-        k_off = block * stride_kb + slot * stride_ks + kv_head * stride_kh
-        v_off = block * stride_vb + slot * stride_vs + kv_head * stride_vh
-        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=n_mask[None, :], other=0.0)  # [D, N]
+        k_t, v = _load_kv_tile(k_ptr, v_ptr, bt_row, n, kv_end, kv_head, d, stride_kb, stride_ks, stride_kh,
+                               stride_vb, stride_vs, stride_vh, BLOCK_SIZE, True)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         # Key 0 is visible to every row (pos >= 0), so each row's max is finite after the first tile
         # and fully masked later tiles contribute exp2(-inf) = 0, never NaN.
-        s = tl.where((n[None, :] <= pos[:, None]) & n_mask[None, :], s, float("-inf"))
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)  # [N, D]
+        s = tl.where((n[None, :] <= pos[:, None]) & (n < kv_end)[None, :], s, float("-inf"))
         m_i, l_i, acc = _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     o = acc / l_i[:, None]
@@ -344,15 +350,9 @@ def _check_inputs(
 
 
 def paged_attention_triton(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seqlens_k: torch.Tensor,
-    scale: float,
-    max_seqlen_q: int | None = None,
-    max_seqlen_k: int | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, scale: float,
+    max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
     *,
     decode_partition: int | None = None,
     block_m: int | None = None,
@@ -445,16 +445,10 @@ def paged_attention_triton(
 
 
 def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seqlens_k: torch.Tensor,
-    scale: float,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, scale: float,
     *,
-    max_seqlen_q: int | None = None,
-    max_seqlen_k: int | None = None,
+    max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over the paged caches: Triton on CUDA, else the reference.
 
@@ -463,13 +457,10 @@ def paged_attention(
     at least the true maxima (an upper bound such as the model's max length is fine, and is what a
     CUDA-graph capture should pass so the launch grid stays fixed).
     """
-    if use_triton(q, k_cache, v_cache):
-        problem = _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k)
-        if problem is None:
-            return paged_attention_triton(
-                q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale,
-                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-            )
-        if forced_triton():
-            raise ValueError(f"paged_attention Triton kernels do not support these inputs: {problem}")
+    if triton_takes("paged_attention", (q, k_cache, v_cache), _check_inputs,
+                    q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k):
+        return paged_attention_triton(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        )
     return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale)

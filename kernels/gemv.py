@@ -16,7 +16,7 @@ model uses it only where it does (``LAYER_ROWS``).
 import torch
 import torch.nn.functional as F
 
-from conveyor.kernels._triton import FLOAT_DTYPES, cdiv, forced_triton, jit, next_pow2, tl, use_triton
+from ._triton import FLOAT_DTYPES, cdiv, jit, next_pow2, tl, triton_takes
 
 MAX_ROWS = 4  # rows of x the kernel takes
 # Rows up to which the model's layers use this kernel instead of cuBLAS. Measured on an H100
@@ -106,14 +106,16 @@ def gemv_triton(
     return out
 
 
+def _problem(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    supported = x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES
+    return None if supported else f"x {tuple(x.shape)} {x.dtype}"
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` of 1..MAX_ROWS rows: Triton on CUDA, else ``F.linear``
     (the layers' own path, so the CPU computes exactly what it did without this kernel)."""
-    if use_triton(x, weight):
-        if x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES:
-            return gemv_triton(x, weight, bias)
-        if forced_triton():
-            raise ValueError(f"gemv Triton kernel does not take x {tuple(x.shape)} {x.dtype}")
+    if triton_takes("gemv", (x, weight), _problem, x, weight):
+        return gemv_triton(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

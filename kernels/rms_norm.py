@@ -4,7 +4,7 @@
 
 import torch
 
-from conveyor.kernels._triton import FLOAT_DTYPES, forced_triton, next_pow2, tl, jit, use_triton
+from ._triton import FLOAT_DTYPES, next_pow2, tl, jit, triton_takes
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -103,17 +103,16 @@ def add_rms_norm_triton(
     return out, res
 
 
-def _supported(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype in FLOAT_DTYPES for t in tensors) and tensors[0].shape[-1] <= 65536
+def _problem(*tensors: torch.Tensor) -> str | None:
+    x = tensors[0]
+    supported = all(t.dtype in FLOAT_DTYPES for t in tensors) and x.shape[-1] <= 65536
+    return None if supported else f"{x.dtype} {tuple(x.shape)}"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim: Triton on CUDA, else the reference."""
-    if use_triton(x):
-        if _supported(x, weight):
-            return rms_norm_triton(x, weight, eps)
-        if forced_triton():
-            raise ValueError(f"rms_norm Triton kernel does not support {x.dtype} {tuple(x.shape)}")
+    if triton_takes("rms_norm", (x,), _problem, x, weight):
+        return rms_norm_triton(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
@@ -121,9 +120,6 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused ``residual = x + residual; (rms_norm(residual), residual)``: Triton on CUDA, else the reference."""
-    if use_triton(x, residual):
-        if _supported(x, residual, weight):
-            return add_rms_norm_triton(x, residual, weight, eps)
-        if forced_triton():
-            raise ValueError(f"add_rms_norm Triton kernel does not support {x.dtype} {tuple(x.shape)}")
+    if triton_takes("add_rms_norm", (x, residual), _problem, x, residual, weight):
+        return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps)

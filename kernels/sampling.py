@@ -38,14 +38,14 @@ the CPU and on the GPU (for finite, non-negative probabilities; see :func:`seede
 import functools
 
 import torch
-from conveyor.kernels._triton import (
+from ._triton import (
     FLOAT_DTYPES,
     cdiv,
-    forced_triton,
     jit,
     next_pow2,
+    row_and_cols,
     tl,
-    use_triton,
+    triton_takes,
 )
 
 _MASK32 = 0xFFFFFFFF
@@ -197,8 +197,7 @@ def _exponential_noise_kernel(
     BLOCK: tl.constexpr,
 ):
     # Grid: (B, cdiv(V, BLOCK)). Only for tests and debugging: the race never stores the noise.
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row, cols = row_and_cols(BLOCK)
     key = _row_key(tl.load(seeds_ptr + row), tl.load(steps_ptr + row))
     tl.store(out_ptr + row * stride_out + cols, _noise(key, cols), mask=cols < vocab)
 
@@ -343,6 +342,11 @@ def seeded_race_triton(
     return out
 
 
+def _problem(probs: torch.Tensor) -> str | None:
+    supported = probs.dim() == 2 and probs.dtype in FLOAT_DTYPES and 0 < probs.shape[1] < 2**31
+    return None if supported else f"{probs.dtype} {tuple(probs.shape)}"
+
+
 def seeded_race(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """Sample one token per row of ``probs`` [B, V] from per-row (seed, step) noise -> int64 [B].
 
@@ -350,9 +354,6 @@ def seeded_race(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -
     else the reference (:func:`seeded_race_ref`, whose doc has the edge cases); both return the
     same tokens.
     """
-    if use_triton(probs):
-        if probs.dim() == 2 and probs.dtype in FLOAT_DTYPES and 0 < probs.shape[1] < 2**31:
-            return seeded_race_triton(probs, seeds, steps)
-        if forced_triton():
-            raise ValueError(f"seeded_race Triton kernel does not support {probs.dtype} {tuple(probs.shape)}")
+    if triton_takes("seeded_race", (probs,), _problem, probs):
+        return seeded_race_triton(probs, seeds, steps)
     return seeded_race_ref(probs, seeds, steps)

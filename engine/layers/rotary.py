@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from conveyor.engine.errors import UnsupportedModelError
-from conveyor.kernels import apply_rotary
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +144,8 @@ def default_max_position(max_position_embeddings: int, rope_scaling: dict[str, A
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q and k from a precomputed float32 ``cos_sin_cache`` ``[max_position, D]``.
+    """Holds RoPE's precomputed float32 ``cos_sin_cache`` ``[max_position, D]``; the attention
+    layer rotates q and k with it, in the kernel that stores the keys (``rotate_and_store_kv``).
 
     The cache stays float32 whatever dtype the model is cast to: a cast recomputes it.
     """
@@ -178,12 +178,6 @@ class RotaryEmbedding(nn.Module):
             # A cast (model.half() etc.) must not lose the table's precision: rebuild it.
             self.cos_sin_cache = self._compute(self.cos_sin_cache.device)
         return self
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, Hkv, D], positions: [T] -> rotated (q, k)."""
-        return apply_rotary(q, k, positions, self.cos_sin_cache)
 
 
 def rope_scaling_for(
