@@ -14,8 +14,10 @@ from typing import Any
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-RECORD_KEYS = ("engine", "gpu", "model", "precision", "benchmark", "batch", "input_len", "output_len",
-               "out_tok_s", "ttft_ms", "req_s", "commit", "command")
+RECORD_KEYS = ("engine", "gpu", "model", "precision", "model_format", "quant_policy", "tp", "benchmark", "batch",
+               "input_len", "output_len", "out_tok_s", "ttft_ms", "req_s", "commit", "command")
+# What every conveyor run measures until the engine runs quantized or tensor-parallel models.
+ENGINE_DEFAULTS = {"model_format": "hf", "quant_policy": 0, "tp": 1}
 
 
 def gpu_name() -> str:
@@ -44,13 +46,21 @@ def record(**fields: Any) -> dict[str, Any]:
     """A result record: every key of RECORD_KEYS (None when unused) plus any extra ones."""
     base = {k: None for k in RECORD_KEYS}
     base.update(commit=commit(), command=command_line(), gpu=gpu_name())
+    if str(fields.get("engine", "")).startswith("conveyor"):
+        base.update(ENGINE_DEFAULTS)
     base.update(fields)
     return base
 
 
-def save(records: list[dict[str, Any]], name: str, subdir: str = "h100") -> Path:
-    """Write the records to results/<subdir>/<name>.json and return the path."""
-    out = RESULTS_DIR / subdir
+def results_subdir() -> str:
+    """results/<this>: the GPU's short name (h200, h100, ...) or "cpu"."""
+    name = gpu_name().lower()
+    return next((g for g in ("h200", "h100", "a100") if g in name), "cpu" if name == "cpu" else "other")
+
+
+def save(records: list[dict[str, Any]], name: str, subdir: str | None = None) -> Path:
+    """Write the records to results/<subdir>/<name>.json (default: this GPU's folder) and return the path."""
+    out = RESULTS_DIR / (subdir or results_subdir())
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
     path.write_text(json.dumps(records, indent=1) + "\n")
@@ -95,6 +105,38 @@ def dummy_engine(shape: str, dtype: str = "float16", **config: Any):
 
     model_dir = write_model_dir(shape, Path(tempfile.gettempdir()) / f"conveyor-dummy-{shape}")
     return LLMEngine(model_dir, EngineConfig(dtype=dtype, load_format="dummy", **config))
+
+
+class StepTimer:
+    """A model-runner step hook: CUDA events around each step's device work, and how many steps
+    replayed a decode graph or ran eagerly. ``attach`` it to an engine's runner for a run."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.graph_steps = self.eager_steps = 0
+
+    def attach(self, engine) -> "StepTimer":
+        engine.runner.step_hooks.append(self)
+        return self
+
+    def detach(self, engine) -> None:
+        engine.runner.step_hooks.remove(self)
+
+    def begin(self, graph: bool) -> None:
+        if graph:
+            self.graph_steps += 1
+        else:
+            self.eager_steps += 1
+        if torch.cuda.is_available():
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.spans.append((start, start))
+
+    def end(self) -> None:
+        if self.spans and self.spans[-1][0] is self.spans[-1][1]:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.spans[-1] = (self.spans[-1][0], end)
 
 
 def drain(engine) -> None:

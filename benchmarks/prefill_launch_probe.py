@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from benchmarks.common import dummy_engine, random_prompt
-from conveyor.engine.sampling_params import SamplingParams
+from benchmarks.common import StepTimer, dummy_engine, random_prompt
+from conveyor.protocol.sampling import SamplingParams
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
     for _ in range(8):
         prompt = random_prompt(rng, 2048, vocab)
         torch.cuda.synchronize()
-        engine.runner.gpu_spans = []
+        timer = StepTimer().attach(engine)
         e0 = torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
         e0.record()
@@ -49,11 +49,11 @@ def main() -> None:
             if outs:
                 t_token = time.perf_counter()
         torch.cuda.synchronize()
-        start, end = engine.runner.gpu_spans[0]
+        timer.detach(engine)
+        start, end = timer.spans[0]
         rows.append({"total_ms": (t_token - t0) * 1e3, "launch_ms": (first_return - t0) * 1e3,
                      "gpu_start_ms": e0.elapsed_time(start), "gpu_span_ms": start.elapsed_time(end)})
         print({k: round(v, 2) for k, v in rows[-1].items()}, flush=True)
-    engine.runner.gpu_spans = None
     print("median of runs 3-8:", {k: round(statistics.median(r[k] for r in rows[2:]), 2) for k in rows[0]})
 
     torch.cuda.synchronize()

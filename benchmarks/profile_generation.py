@@ -33,7 +33,7 @@ from statistics import mean
 import torch
 
 from benchmarks.common import cache_size, dummy_engine, percentile, random_prompt, record, save
-from conveyor.engine.sampling_params import SamplingParams
+from conveyor.protocol.sampling import SamplingParams
 
 DEFAULT_BATCHES = (1, 16, 32, 64)
 DEFAULT_CASES = ((128, 128), (128, 512), (2048, 1), (2048, 128))
@@ -50,15 +50,15 @@ def run_case(engine, batch: int, input_len: int, output_len: int, seed: int = 0)
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     seqs = [engine.add_request(p, params) for p in prompts]
-    arrivals: dict[int, list[float]] = {s.seq_id: [] for s in seqs}
+    arrivals: dict[str, list[float]] = {s.request_id: [] for s in seqs}
     steps = 0
     while engine.has_work:
         outs = engine.step()
         now = time.perf_counter()
         steps += 1
         for o in outs:
-            if o.token_ids and o.seq_id in arrivals:
-                arrivals[o.seq_id].extend([now] * len(o.token_ids))
+            if o.token is not None and o.request_id in arrivals:
+                arrivals[o.request_id].append(now)
     wall = time.perf_counter() - t0
     ttft = [a[0] - t0 for a in arrivals.values() if a]
     gaps = [b - a for times in arrivals.values() for a, b in zip(times, times[1:])]

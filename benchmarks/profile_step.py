@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import drain, dummy_engine, random_prompt, record, save
 from benchmarks.dummy_model import param_count
-from conveyor.engine.sampling_params import SamplingParams
+from conveyor.protocol.sampling import SamplingParams
 
 
 def copy_bandwidth() -> float:

@@ -26,8 +26,8 @@ from statistics import mean
 
 import torch
 
-from benchmarks.common import cache_size, drain, dummy_engine, percentile, random_prompt, record, save
-from conveyor.engine.sampling_params import SamplingParams
+from benchmarks.common import StepTimer, cache_size, drain, dummy_engine, percentile, random_prompt, record, save
+from conveyor.protocol.sampling import SamplingParams
 
 DATA = Path(__file__).resolve().parent / "data" / "sharegpt_shape_3000.jsonl"
 
@@ -86,8 +86,7 @@ def main() -> None:
     warm_up(engine, vocab)
     rng = random.Random(0)
     prompts = [random_prompt(rng, i, vocab) for i, _ in work]
-    engine.runner.gpu_spans = []
-    engine.runner.graph_steps = engine.runner.eager_steps = 0
+    timer = StepTimer().attach(engine)
     preempted = [0]
     schedule = engine.scheduler.schedule
 
@@ -100,11 +99,11 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    first: dict[int, float] = {}
+    first: dict[str, float] = {}
     ids = []
     for prompt, (_, out_len) in zip(prompts, work):
         params = SamplingParams(max_new_tokens=out_len, temperature=0.0, ignore_eos=True)
-        ids.append(engine.add_request(prompt, params).seq_id)
+        ids.append(engine.add_request(prompt, params).request_id)
     n_out = steps = 0
     next_report = t0 + 10.0
     while engine.has_work:
@@ -116,12 +115,12 @@ def main() -> None:
             print(f"  {now - t0:6.1f}s: {n_out} tokens out ({n_out / (now - t0):.0f} tok/s), "
                   f"{len(engine.scheduler.running)} running, {len(engine.scheduler.waiting)} waiting", flush=True)
         for o in outs:
-            if o.token_ids:
-                n_out += len(o.token_ids)
-                first.setdefault(o.seq_id, now)
+            if o.token is not None:
+                n_out += 1
+                first.setdefault(o.request_id, now)
     wall = time.perf_counter() - t0
-    spans = engine.runner.gpu_spans
-    engine.runner.gpu_spans = None
+    timer.detach(engine)
+    spans = timer.spans
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         busy = busy_seconds(spans)
@@ -134,7 +133,7 @@ def main() -> None:
         "req_s": len(work) / wall, "out_tok_s": n_out / wall, "total_tok_s": (n_in + n_out) / wall,
         "ttft_ms": mean(ttft) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
         "gpu_busy": busy / wall if busy is not None else None, "gpu_busy_s": busy,
-        "preemptions": preempted[0], "graph_steps": engine.runner.graph_steps, "eager_steps": engine.runner.eager_steps,
+        "preemptions": preempted[0], "graph_steps": timer.graph_steps, "eager_steps": timer.eager_steps,
         "kv_blocks": engine.runner.num_blocks, "block_size": engine.config.block_size,
         "peak_mem_gb": torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else None,
     }

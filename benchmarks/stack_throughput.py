@@ -1,6 +1,6 @@
 """How fast the service stack delivers tokens, with a fake engine that emits them as fast as it can.
 
-Starts `conveyor serve api_server --fake-engine` (tokenizer, engine, detokenizer and ingress
+Starts `conveyor serve api_server --engine-factory benchmarks.fake_engine:build` (tokenizer, engine, detokenizer and ingress
 processes over ipc://), opens C concurrent streaming chat completions for C in --concurrency,
 and reports: streamed tokens/s delivered to the clients, the rate the fake engine produced,
 time to first token, and each stage's busy time per token (from the stages' own counters).
@@ -110,7 +110,7 @@ def main() -> None:
 
     model_dir = args.model or str(fetch())
     log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
-    srv = ServerProcess(model_dir, "--fake-engine", "--max-batch-size", "1024", "--session-len", "8192",
+    srv = ServerProcess(model_dir, "--engine-factory", "benchmarks.fake_engine:build", "--max-batch-size", "1024", "--session-len", "8192",
                         "--tokenizer-workers", str(args.tokenizer_workers), "--log-level", "WARNING",
                         log_dir=log_dir)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,

@@ -12,7 +12,7 @@ from conveyor.errors import (
 )
 from conveyor.messages import GenerationConfig, Response
 from conveyor.pipeline import Pipeline, Session, pipeline
-from conveyor.services.chat_template import ChatTemplateConfig
+from conveyor.services.tokenizer.chat_template import ChatTemplateConfig
 
 __version__ = "0.1.0"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from conveyor.services.chat_template import list_chat_templates
+from conveyor.services.tokenizer.chat_template import list_chat_templates
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -21,7 +21,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
     from conveyor import EngineConfig, GenerationConfig, pipeline
     from conveyor.default_model import fetch
-    from conveyor.services.chat_template import ChatTemplateConfig
+    from conveyor.services.tokenizer.chat_template import ChatTemplateConfig
 
     model = args.model or str(fetch())
     config = EngineConfig(session_len=args.session_len, cache_max_entry_count=args.cache_max_entry_count,
@@ -79,7 +79,7 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
     return serve(ServerArgs(
         model_path=model, server_name=args.server_name, server_port=args.server_port,
         tokenizer_workers=args.tokenizer_workers, api_keys=args.api_keys, chat_template=args.chat_template,
-        served_model_name=args.model_name, engine=engine, log_level=args.log_level, fake_engine=args.fake_engine))
+        served_model_name=args.model_name, engine=engine, log_level=args.log_level, engine_factory=args.engine_factory))
 
 
 def _engine_config(args: argparse.Namespace):
@@ -103,19 +103,19 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     addresses = Addresses.tcp(base_port=args.base_port)
     session_len = args.session_len or load_model_config(model).max_position_embeddings
     if args.stage == "engine":
-        from conveyor.services.engine import run_engine_process
+        from conveyor.services.engine.process import run_engine_process
 
-        run_engine_process(addresses, model, _engine_config(args), None, args.log_level, args.fake_engine)
+        run_engine_process(addresses, model, _engine_config(args), None, args.log_level, args.engine_factory)
     elif args.stage == "tokenizer":
-        from conveyor.services.tokenizer import run_tokenizer_process
+        from conveyor.services.tokenizer.process import run_tokenizer_process
 
         run_tokenizer_process(addresses, model, session_len, args.chat_template, None, args.log_level)
     elif args.stage == "detokenizer":
-        from conveyor.services.detokenizer import run_detokenizer_process
+        from conveyor.services.detokenizer.process import run_detokenizer_process
 
         run_detokenizer_process(addresses, model, None, args.log_level)
     else:
-        from conveyor.services.ingress_process import run_ingress_process
+        from conveyor.services.ingress.process import run_ingress_process
 
         name = args.model_name or model.rstrip("/").split("/")[-1]
         run_ingress_process(addresses, model, name, session_len, args.server_name, args.server_port,
@@ -153,7 +153,9 @@ def _server_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--dtype", default="auto")
     s.add_argument("--device", default="auto")
     s.add_argument("--log-level", default="INFO")
-    s.add_argument("--fake-engine", action="store_true", help=argparse.SUPPRESS)
+    s.add_argument("--engine-factory", default=None, metavar="MODULE:CALLABLE",
+                   help="build the engine with this callable (model path, EngineConfig) instead of the GPU "
+                        "engine; e.g. benchmarks.fake_engine:build, a model-free engine for stack tests")
 
 
 def _add_serve(sub) -> None:

@@ -1,14 +1,14 @@
 """Every typed error conveyor raises, in one import."""
 
-from conveyor.engine.errors import (
+from conveyor.protocol.errors import (
     ConveyorError,
     EngineConfigError,
     InvalidRequestError,
     PromptTooLongError,
     UnsupportedModelError,
 )
-from conveyor.local_stack import EngineDiedError
-from conveyor.services.chat_template import UnknownChatTemplateError
+from conveyor.services.local_stack import EngineDiedError
+from conveyor.services.tokenizer.chat_template import UnknownChatTemplateError
 
 __all__ = [
     "ConveyorError", "EngineConfigError", "EngineDiedError", "InvalidRequestError",

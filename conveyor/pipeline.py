@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.engine.config import EngineConfig
-from conveyor.engine.errors import InvalidRequestError, rebuild_error
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.weight_loader import load_model_config, resolve_model_path
-from conveyor.local_stack import Delta, EngineDiedError, LocalStack
-from conveyor.protocol import GenerateReq, SamplingOptions
 from conveyor.messages import GenerationConfig, Response
-from conveyor.services.chat_template import ChatTemplateConfig
-from conveyor.services.tokenize import Preprocessor, Prompt
+from conveyor.protocol import GenerateReq, InvalidRequestError, rebuild_error
+from conveyor.services.local_stack import EngineDiedError, LocalStack, RequestError, RequestOutput
+from conveyor.services.tokenizer.chat_template import ChatTemplateConfig
+from conveyor.services.tokenizer.preprocess import Preprocessor, Prompt
 
 logger = logging.getLogger(__name__)
 
@@ -59,32 +58,25 @@ class Pipeline:
     def __init__(self, model_path: str | Path, backend_config: EngineConfig | None = None,
                  chat_template_config: ChatTemplateConfig | None = None):
         self.backend_config = backend_config or EngineConfig()
-        self.model_path = resolve_model_path(model_path, self.backend_config.revision)
+        config = self.backend_config
+        self.model_path = resolve_model_path(model_path, config.revision, download_dir=config.download_dir)
         # Tokenizer, template and architecture are checked before the weights load: bad
         # settings fail in a second, not after the model is in memory.
         model_config = load_model_config(self.model_path)
-        self.preprocessor = Preprocessor(self.model_path, chat_template_config, model_config.eos_token_ids)
-        self.engine = LLMEngine(self.model_path, self.backend_config)
+        self.session_len = config.session_len or model_config.max_position_embeddings
+        self.preprocessor = Preprocessor(self.model_path, self.session_len, chat_template_config,
+                                         model_config.eos_token_ids)
+        self.engine = LLMEngine(self.model_path, config)
         self.tokenizer = self.preprocessor.tokenizer
-        self.session_len = self.engine.session_len
-        # The same stage code as the server, as threads over inproc:// sockets.
-        self._stack = LocalStack(self.engine, self.preprocessor, self.session_len)
+        # The same stage code and engine client as the server, as threads over inproc:// sockets.
+        self._stack = LocalStack(self.engine, self.preprocessor)
         self._session_ids = itertools.count(1)
 
     # ---- requests -------------------------------------------------------------------------
     def _request(self, prompt: Prompt, gen: GenerationConfig, sample: int, do_preprocess: bool,
                  session_id: int | None, sequence_start: bool) -> GenerateReq:
-        options = SamplingOptions(
-            max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens or 0,
-            temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, min_p=gen.min_p,
-            repetition_penalty=gen.repetition_penalty, ignore_eos=gen.ignore_eos,
-            seed=None if gen.random_seed is None else gen.random_seed + sample,
-            stop=list(gen.stop_words or []), bad_words=list(gen.bad_words or []),
-            stop_token_ids=list(gen.stop_token_ids or []), bad_token_ids=list(gen.bad_token_ids or []),
-            logprobs=gen.logprobs, skip_special_tokens=gen.skip_special_tokens,
-            include_stop_str=gen.include_stop_str_in_output)
         text, messages = (prompt, None) if isinstance(prompt, str) else (None, prompt)
-        return GenerateReq(self._stack.new_rid(), "", options, prompt=text, messages=messages,
+        return GenerateReq(self._stack.new_rid(), "", gen.sampling_params(sample), prompt=text, messages=messages,
                            do_preprocess=do_preprocess, session_id=session_id, sequence_start=sequence_start)
 
     def _stream(self, prompts: list[Prompt], gen: GenerationConfig, do_preprocess: bool,
@@ -94,7 +86,7 @@ class Pipeline:
         # anything is queued; lengths are checked by the tokenizer stage.
         for p in prompts:
             self.preprocessor.render(p, do_preprocess, sequence_start)
-        out: queue.Queue[tuple[int, Delta]] = queue.Queue()
+        out: queue.Queue[tuple[int, RequestOutput | RequestError]] = queue.Queue()
         live: dict[int, Response] = {}
         rids: list[str] = []
         try:
@@ -107,23 +99,21 @@ class Pipeline:
                     live[tag] = Response("", 0, 0, session_id if session_id is not None else index, index=index)
             remaining = len(live)
             while remaining:
-                tag, delta = out.get()
-                if delta.error is not None:
-                    err = delta.error
-                    if err.status == 503:
-                        raise EngineDiedError(err.message)
-                    raise rebuild_error(err.message, err.param, err.code)
+                tag, item = out.get()
+                if isinstance(item, RequestError):
+                    if item.status == 503:
+                        raise EngineDiedError(item.message)
+                    raise rebuild_error(item.message, item.param, item.code)
                 state = live[tag]
-                state.generate_token_len = delta.completion_tokens
-                yield tag, Response(delta.text, delta.completion_tokens, delta.prompt_tokens, state.session_id,
-                                    delta.finish_reason, delta.token_ids, delta.logprobs, state.index,
-                                    delta.cached_tokens)
-                if delta.finish_reason is not None:
+                state.generate_token_len = item.completion_tokens
+                yield tag, Response(item.text, item.completion_tokens, item.prompt_tokens, state.session_id,
+                                    item.finish_reason, list(item.token_ids), item.logprobs, state.index,
+                                    item.cached_tokens)
+                if item.finish_reason is not None:
                     remaining -= 1
         finally:
             # A consumer that stops early (break, exception) must not leave work in the engine.
-            for rid in rids:
-                self._stack.abort(rid)
+            self._stack.abort(rids)
 
     def __call__(self, prompts: Prompt | list[Prompt], gen_config: GenerationConfig | None = None,
                  do_preprocess: bool = True, **kwargs: Any) -> Response | list[Response]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from conveyor.engine.sequence import Sequence
+from .sequence import Sequence
 
 
 class Block:
@@ -167,9 +167,9 @@ class BlockManager:
         # The parent hash is carried along, not read off the previous block: a block whose content
         # was already cached stays unhashed, and its successors must still chain its true hash.
         start, parent = self._num_hashed.get(seq.seq_id, (0, None))
-        # Only blocks whose token ids are all known: a placeholder (a token still on the GPU)
-        # cannot be hashed yet; its block is published when the token is read back.
-        end = min(min(seq.num_computed_tokens, seq.num_known_tokens) // bs, len(seq.block_table))
+        # Only blocks whose token ids are all on the host: a token still on the device cannot be
+        # hashed yet; its block is published when the token is read back.
+        end = min(min(seq.num_computed_tokens, len(seq.token_ids)) // bs, len(seq.block_table))
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
             parent = chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from conveyor.engine.errors import EngineConfigError
+from ..protocol.errors import EngineConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from collections.abc import Sequence as Seq
 import torch
 from torch import nn
 
-from conveyor.engine.attention_metadata import AttentionMetadata, set_attention_metadata
-from conveyor.engine.sequence import Sequence
+from .attention_metadata import AttentionMetadata, set_attention_metadata
+from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +93,6 @@ class DecodeGraphs:
         self.block_tables = self._h_tables.to(device)
         self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=device)
         self._copied = torch.cuda.Event() if pin else None
-        # The staged batch's placeholder inputs: (row, row of the previous step's sampled ids).
-        self.holes: list[tuple[int, int]] = []
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         if capture:
@@ -115,9 +113,10 @@ class DecodeGraphs:
             len(s.block_table) <= self.max_blocks and s.num_computed_tokens < self.max_seqlen_k for s in seqs
         )
 
-    def stage(self, seqs: Seq[Sequence]) -> int:
-        """Write the host-side inputs of one decode step (token ``num_computed_tokens`` of each
-        sequence); returns the padded batch size. No device work happens here."""
+    def stage(self, seqs: Seq[Sequence], tokens: Seq[int]) -> int:
+        """Write the host-side inputs of one decode step (``tokens[i]`` at position
+        ``num_computed_tokens`` of ``seqs[i]``); returns the padded batch size. No device work
+        happens here."""
         n = len(seqs)
         bs = self.padded_size(n)
         assert bs is not None, "stage() needs a batch that can_run() accepted"
@@ -125,15 +124,10 @@ class DecodeGraphs:
             self._copied.synchronize()  # the previous step's copies have read the pinned buffers
         ids, pos, slots, lens = self._np
         tables, block = self._np_tables, self.block_size
-        self.holes = []
+        ids[:n] = tokens
         for i, seq in enumerate(seqs):
             p = seq.num_computed_tokens
             table = seq.block_table
-            token = seq.token_ids[p]
-            if token < 0:  # a placeholder: filled on the device (run's ``fill``)
-                self.holes.append((i, -1 - token))
-                token = 0
-            ids[i] = token
             pos[i] = p
             slots[i] = table[p // block] * block + p % block
             lens[i] = p + 1
@@ -177,7 +171,7 @@ class DecodeGraphs:
         """Copy the staged inputs and replay (or, uncaptured, run) size ``bs``; returns the
         ``[num_rows, vocab]`` float32 logits. They live in a static buffer: consume them before
         the next call. ``fill(input_ids)``, when given, edits the device input ids after the
-        copy (the runner writes placeholder tokens there from the previous step's ids)."""
+        copy (the runner writes pending tokens there from the previous step's ids)."""
         self._copy_inputs(bs)
         if fill is not None:
             fill(self.input_ids)

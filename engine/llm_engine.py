@@ -7,7 +7,7 @@ sampled ids and turns them into outputs, so the host's work (scheduling, buildin
 reading back, and whatever the caller does with the outputs, such as handing them to the
 detokenizer) runs while the GPU computes; the GPU always has the next step queued. Step N+1
 can be built before step N's ids are known because its shape depends only on counts: each
-sequence that samples in step N holds a placeholder token (``engine/sequence.py``) that step
+sequence that samples in step N counts one pending token (``engine/sequence.py``), which step
 N+1 reads on the device. A sequence that stops on a token of step N has also been given step
 N+1; that extra token is discarded and its KV slot is never counted. Steps are not overlapped
 (step N is read back before N+1 is scheduled) when a sequence of step N needs its token ids
@@ -18,6 +18,7 @@ computes the step before returning, so there is nothing to overlap with).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -26,15 +27,16 @@ from pathlib import Path
 
 import torch
 
-from conveyor.engine.block_manager import BlockManager
-from conveyor.engine.config import EngineConfig
-from conveyor.engine.errors import InvalidRequestError, PromptTooLongError
-from conveyor.engine.model_config import parse_dtype
-from conveyor.engine.model_runner import LaunchedStep, ModelRunner
-from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.scheduler import Scheduler
-from conveyor.engine.sequence import FinishReason, Sequence, SequenceStatus
-from conveyor.engine.weight_loader import load_model_config, resolve_model_path
+from ..protocol.errors import InvalidRequestError, PromptTooLongError
+from ..protocol.messages import EngineStats, Finish
+from ..protocol.sampling import SamplingParams, validate
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .model_config import parse_dtype
+from .model_runner import LaunchedStep, ModelRunner
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceStatus
+from .weight_loader import load_model_config, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -43,32 +45,19 @@ OVERLAP_ENV = "CONVEYOR_OVERLAP"  # "0" reads every step back before scheduling 
 
 @dataclass
 class StepOutput:
-    """What one step did to one sequence."""
+    """What one step did to one request: a new token, its end, or both."""
 
-    seq_id: int
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
+    request_id: str
+    token: int | None = None  # None: no new token (e.g. ended by an abort)
+    finish_reason: Finish | None = None  # None while the request runs
+    logprob: float | None = None  # the token's, where asked
+    top_logprobs: list[tuple[int, float]] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
-
-def validate_params(params: SamplingParams) -> None:
-    """Raise InvalidRequestError naming the parameter and its valid range."""
-    checks = [
-        (params.max_new_tokens >= 1, "max_new_tokens", "must be >= 1"),
-        (params.min_new_tokens >= 0, "min_new_tokens", "must be >= 0"),
-        (params.temperature >= 0, "temperature", "must be >= 0 (0 means greedy)"),
-        (0 < params.top_p <= 1, "top_p", "must be in (0, 1]"),
-        (0 <= params.min_p <= 1, "min_p", "must be in [0, 1]"),
-        (params.top_k >= 0, "top_k", "must be >= 0 (0 means no limit)"),
-        (params.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1 means none)"),
-        (params.logprobs is None or 0 <= params.logprobs <= 20, "logprobs", "must be in [0, 20]"),
-    ]
-    for ok, name, rule in checks:
-        if not ok:
-            raise InvalidRequestError(f"{name}={getattr(params, name)!r}: {rule}", param=name)
+    @property
+    def finished(self) -> bool:
+        """True when this output ends the request."""
+        return self.finish_reason is not None
 
 
 def _pick_device(name: str) -> torch.device:
@@ -86,11 +75,11 @@ def _pick_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> to
 
 
 class LLMEngine:
-    """Continuous-batching engine over a paged KV cache."""
+    """Continuous-batching engine over a paged KV cache (implements ``engine.interface.Engine``)."""
 
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
-        self.model_path = resolve_model_path(model_path, config.revision)
+        self.model_path = resolve_model_path(model_path, config.revision, download_dir=config.download_dir)
         self.model_config = load_model_config(self.model_path)
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.model_config.dtype, self.device)
@@ -99,13 +88,14 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size,
                                    config.max_prefill_token_num, self.session_len)
-        self._seqs: dict[int, Sequence] = {}  # unfinished turns, by seq id
+        self._seqs: dict[str, Sequence] = {}  # unfinished turns, by request id
         self._sessions: dict[int, Sequence] = {}
         self._pending: list[StepOutput] = []  # finishes decided outside step(), reported by it
         self._inflight: LaunchedStep | None = None  # queued on the device, not read back yet
         overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
         self.overlap = overlap and os.environ.get(OVERLAP_ENV, "1") != "0"
         self._seed_source = random.Random()
+        self._request_ids = itertools.count()
         self.generated_tokens = 0
 
     @property
@@ -113,18 +103,29 @@ class LLMEngine:
         """True while a step would do something or report something."""
         return self.scheduler.has_work or bool(self._pending) or self._inflight is not None
 
-    def add_request(self, token_ids: list[int], params: SamplingParams, seq_id: int | None = None,
-                    session_id: int | None = None) -> Sequence:
-        """Queue a request (or a session's next turn); raises InvalidRequestError on bad input."""
-        validate_params(params)
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
+    def add_request(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    session_id: int | None = None, first_turn_ids: list[int] | None = None) -> Sequence:
+        """Queue a request (or a session's next turn); raises InvalidRequestError on bad input.
+
+        ``first_turn_ids``, when given, replace ``token_ids`` if the session has no history yet
+        (the prompt rendered as a conversation's first turn). ``request_id`` must be unique among
+        running requests; by default one is made up.
+        """
         vocab = self.model_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="input_ids")
+        validate(params, vocab)
+        request_id = f"req-{next(self._request_ids)}" if request_id is None else request_id
+        if request_id in self._seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
         seq = self._sessions.get(session_id) if session_id is not None else None
         if seq is not None and seq.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING):
-            raise InvalidRequestError(f"session {session_id} is still generating: wait for it or abort it")
+            raise InvalidRequestError(f"session {session_id} is still generating: wait for it or abort it",
+                                      param="session_id")
+        if first_turn_ids is not None and (seq is None or not seq.token_ids):
+            token_ids = first_turn_ids
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="input_ids")
         total = len(token_ids) + (seq.num_tokens if seq is not None else 0)
         if total >= self.session_len:
             raise PromptTooLongError(total, self.session_len)
@@ -133,59 +134,60 @@ class LLMEngine:
                 f"the prompt needs {self.block_manager.blocks_needed(total + 1)} KV blocks but the cache "
                 f"has {self.block_manager.num_blocks}: raise cache_max_entry_count", param="messages")
         if seq is None:
-            seq = Sequence(token_ids, params, seq_id=seq_id, session_id=session_id)
+            seq = Sequence(token_ids, params, request_id=request_id, session_id=session_id)
             if session_id is not None:
                 self._sessions[session_id] = seq
         else:
-            if seq_id is not None:
-                seq.seq_id = seq_id
-            seq.start_turn(token_ids, params)
+            seq.start_turn(token_ids, params, request_id)
         # The sampler's noise is a function of (seed, tokens generated): see engine/sampler.py.
         seed = params.random_seed
         seq.sampling_seed = (seed if seed is not None else self._seed_source.getrandbits(63)) % (1 << 63)
-        self._seqs[seq.seq_id] = seq
+        self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
 
-    def abort(self, seq_id: int) -> None:
+    def abort(self, request_id: str) -> None:
         """Stop a request now (client gone); it is reported finished with reason ABORT."""
-        self._finish_outside(seq_id, FinishReason.ABORT)
+        self._finish_outside(request_id, Finish.ABORT)
 
-    def stop(self, seq_id: int) -> None:
+    def stop(self, request_id: str) -> None:
         """Stop a request because a stop string appeared in its text."""
-        self._finish_outside(seq_id, FinishReason.STOP)
+        self._finish_outside(request_id, Finish.STOP)
 
-    def _finish_outside(self, seq_id: int, reason: FinishReason) -> None:
-        seq = self._seqs.pop(seq_id, None)
+    def _finish_outside(self, request_id: str, reason: Finish) -> None:
+        seq = self._seqs.pop(request_id, None)
         if seq is None:
             return
         self.scheduler.finish(seq, reason)
-        self._pending.append(StepOutput(seq_id, [], True, reason, num_cached_tokens=seq.num_cached_tokens))
+        self._pending.append(StepOutput(request_id, finish_reason=reason, num_cached_tokens=seq.num_cached_tokens))
+
+    def abort_session(self, session_id: int) -> None:
+        """Abort a session's running turn, if any; the session and its history stay."""
+        seq = self._sessions.get(session_id)
+        if seq is not None and self._seqs.get(seq.request_id) is seq:
+            self.abort(seq.request_id)
 
     def end_session(self, session_id: int) -> None:
-        """Release a session's KV blocks and forget its history."""
-        seq = self._sessions.pop(session_id, None)
-        if seq is None:
-            return
-        if seq.seq_id in self._seqs:
-            self.abort(seq.seq_id)
-        self.scheduler.end_session(session_id)
+        """Abort a session's running turn, release its KV blocks and forget its history."""
+        self.abort_session(session_id)
+        if self._sessions.pop(session_id, None) is not None:
+            self.scheduler.end_session(session_id)
 
     def step(self) -> list[StepOutput]:
         """Queue the next step on the device, read back the one before, and report every
-        sequence that moved (see the module docstring for the overlap)."""
+        request that moved (see the module docstring for the overlap)."""
         outputs, self._pending = self._pending, []
         if self._inflight is not None and (not self.overlap or self._needs_token_ids(self._inflight)):
             outputs += self._read_back()
             self._forget_finished()  # reported just now; the sweep below must not see them
         sched = self.scheduler.schedule()
         # A sequence the scheduler dropped because it can never fit in the cache.
-        outputs += [StepOutput(s.seq_id, [], True, s.finish_reason)
+        outputs += [StepOutput(s.request_id, finish_reason=s.finish_reason)
                     for s in self._seqs.values() if s.is_finished]
         launched = None
         if sched:
             launched = self.runner.launch(sched, self._inflight)
-            launched.positions = self.scheduler.launched(sched, launched.sampling)
+            self.scheduler.launched(sched, launched.sampling)
         if self._inflight is not None:
             outputs += self._read_back()
         if launched is not None and launched.sampling:
@@ -201,30 +203,26 @@ class LLMEngine:
         return any(s.params.repetition_penalty != 1.0 or s.params.bad_sequences for s in step.sampling)
 
     def _read_back(self) -> list[StepOutput]:
-        """Wait for the in-flight step's sampled ids, write them over the placeholders, finish
-        the sequences that stopped, and report them."""
+        """Wait for the in-flight step's sampled ids, hand them to the scheduler, and report
+        them (with the finishes they caused)."""
         step, self._inflight = self._inflight, None
         result = step.samples.fetch()
         outputs = []
-        for row, (seq, pos) in enumerate(zip(step.sampling, step.positions)):
-            # Gone since launch (aborted, stopped, or its turn ended on the step before): the
-            # placeholder was dropped with it, and the token is not reported.
-            if self._seqs.get(seq.seq_id) is not seq or pos >= len(seq.token_ids) or seq.token_ids[pos] != -1 - row:
-                continue
+        for row, (seq, request_id) in enumerate(zip(step.sampling, step.request_ids)):
+            if not self.scheduler.awaits(seq, request_id):
+                continue  # its turn ended since launch: the token is discarded, not reported
             token = result.token_ids[row]
-            reason = self.scheduler.resolve(seq, pos, token)
-            out = StepOutput(seq.seq_id, [token], reason is not None, reason,
+            out = StepOutput(request_id, token, self.scheduler.resolve(seq, token),
                              num_cached_tokens=seq.num_cached_tokens)
             if result.logprobs is not None:
-                out.logprobs = [result.logprobs[row]]
-                out.top_logprobs = [result.top_logprobs[row]]
+                out.logprob, out.top_logprobs = result.logprobs[row], result.top_logprobs[row]
             outputs.append(out)
         self.generated_tokens += len(outputs)  # discarded tokens (after a stop) are not counted
         return outputs
 
     def _forget_finished(self) -> None:
-        for seq_id in [k for k, s in self._seqs.items() if s.status in (SequenceStatus.FINISHED, SequenceStatus.PARKED)]:
-            del self._seqs[seq_id]
+        for rid in [k for k, s in self._seqs.items() if s.status in (SequenceStatus.FINISHED, SequenceStatus.PARKED)]:
+            del self._seqs[rid]
 
     def get_ppl(self, input_ids: list[list[int]]) -> list[float]:
         """Mean negative log-likelihood of each token sequence (LMDeploy's get_ppl: exp() it for perplexity)."""
@@ -248,14 +246,10 @@ class LLMEngine:
             losses.append(total / (len(ids) - 1))
         return losses
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> EngineStats:
         """Queue lengths, cache usage and prefix-cache hits, for logs and /metrics."""
         bm = self.block_manager
-        return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "kv_usage": bm.usage,
-            "prefix_query_tokens": bm.prefix_query_tokens,
-            "prefix_hit_tokens": bm.prefix_hit_tokens,
-            "generated_tokens": self.generated_tokens,
-        }
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), kv_usage=bm.usage,
+            num_blocks=bm.num_blocks, free_blocks=bm.num_free_blocks, prefix_hit_tokens=bm.prefix_hit_tokens,
+            prefix_query_tokens=bm.prefix_query_tokens, generated_tokens=self.generated_tokens)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from conveyor.engine.errors import UnsupportedModelError
+from ..protocol.errors import UnsupportedModelError
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -55,7 +55,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """Read a config.json dict; unknown architectures raise UnsupportedModelError."""
-        from conveyor.engine.models import SUPPORTED_ARCHITECTURES
+        from .models import SUPPORTED_ARCHITECTURES
 
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)

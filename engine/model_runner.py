@@ -9,9 +9,9 @@ On CUDA:
   attention layers get ``max_seqlen_q/k`` from the metadata, so a step syncs with the device
   once, when the sampled token ids come back;
 * ``launch`` queues a step and returns at once with its sampled ids still on the device; an
-  input token that is a placeholder (sampled by the previous step, not yet read back, see
-  ``engine/sequence.py``) is gathered on the device from that step's ids, so the engine can
-  build and queue step N+1 while the GPU runs step N;
+  input token that is still pending (sampled by the previous step and not yet read back:
+  past the end of ``Sequence.token_ids``) is gathered on the device from that step's ids, so
+  the engine can build and queue step N+1 while the GPU runs step N;
 * a step in which every sequence decodes one token replays a captured CUDA graph
   (``engine/cuda_graph.py``); other steps (prefill, mixed, too large) run eagerly.
   ``CONVEYOR_CUDA_GRAPHS=0`` (or ``runner.use_cuda_graphs = False``) turns graphs off;
@@ -24,25 +24,26 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from conveyor.engine.attention_metadata import AttentionMetadata, set_attention_metadata
-from conveyor.engine.config import EngineConfig
-from conveyor.engine.cuda_graph import DecodeGraphs
-from conveyor.engine.errors import EngineConfigError
-from conveyor.engine.model_config import ModelConfig
-from conveyor.engine.layers import RMSNorm
-from conveyor.engine.layers.attention import MixedBatchMetadata
-from conveyor.engine.models import build_model
-from conveyor.engine.sampler import DeviceSamples, Sampler
-from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.scheduler import SchedulerOutput
-from conveyor.engine.sequence import Sequence
-from conveyor.engine.weight_loader import load_model
+from .attention_metadata import AttentionMetadata, set_attention_metadata
+from .config import EngineConfig
+from .cuda_graph import DecodeGraphs
+from ..protocol.errors import EngineConfigError
+from .model_config import ModelConfig
+from .layers import RMSNorm
+from .layers.attention import MixedBatchMetadata
+from .models import build_model
+from .sampler import DeviceSamples, Sampler
+from ..protocol.sampling import SamplingParams
+from .scheduler import SchedulerOutput
+from .sequence import Sequence
+from .weight_loader import load_model
 
 logger = logging.getLogger(__name__)
 
@@ -53,18 +54,44 @@ DUMMY_WEIGHT_SEED = 0
 
 @dataclass
 class LaunchedStep:
-    """A step queued on the device: which sequences sample (row order of the sampled ids) and
-    the sampler's device-side result."""
+    """A step queued on the device: which sequences sample (row order of the sampled ids), the
+    request each row was launched for, and the sampler's device-side result."""
 
     sampling: list[Sequence]
     samples: DeviceSamples | None  # None when no sequence samples in this step
-    # Where each sampling row's placeholder sits in its sequence (set by the engine at launch).
-    positions: list[int] = field(default_factory=list)
 
-    @property
-    def token_ids(self) -> torch.Tensor | None:
-        """The sampled ids on the device; the next step's placeholders index into it."""
-        return None if self.samples is None else self.samples.token_ids
+    def __post_init__(self) -> None:
+        self.request_ids = [seq.request_id for seq in self.sampling]
+        self._rows = {seq.seq_id: row for row, seq in enumerate(self.sampling)}
+
+    def row_of(self, seq: Sequence) -> int:
+        """The row of ``seq``'s sampled token in this step's ids."""
+        return self._rows[seq.seq_id]
+
+
+class StepHook(Protocol):
+    """Watches the runner's steps (benchmarks time the device work and count graph replays)."""
+
+    def begin(self, graph: bool) -> None:
+        """Called before a step's first device work is queued."""
+
+    def end(self) -> None:
+        """Called after a step's last device work (sampling) is queued."""
+
+
+@dataclass
+class _FlatBatch:
+    """Host lists of one flattened batch (sequences' new tokens back to back)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    cu_seqlens_q: list[int]
+    seqlens_k: list[int]
+    block_tables: list[list[int]]
+    num_new: list[int]
+    # (input row, row of the previous step's sampled ids) for each input still on the device
+    pending: list[tuple[int, int]]
 
 
 def _available_memory(device: torch.device) -> int:
@@ -116,10 +143,7 @@ class ModelRunner:
             load_model(self.model, model_path)
         self.model.eval()
         self.sampler = Sampler()
-        # Benchmarks set a list here to collect (start, end) CUDA events around each step's device work.
-        self.gpu_spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
-        self.graph_steps = 0  # steps that replayed a decode graph / ran eagerly (for benchmarks)
-        self.eager_steps = 0
+        self.step_hooks: list[StepHook] = []
         self.activation_bytes = self._profile_activations() if device.type == "cuda" else 0
         self.num_blocks = self._num_cache_blocks()
         shape = (model_config.num_layers, self.num_blocks, self.block_size,
@@ -225,23 +249,19 @@ class ModelRunner:
             )
         return blocks
 
-    def _metadata(self, seqs: list[tuple[Sequence, int]], prev_ids: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flatten (sequence, number of new tokens) pairs into model inputs and attention metadata.
-
-        When the leading sequences bring one token each and later ones more (``execute`` orders
-        a mixed batch so), the metadata is a ``MixedBatchMetadata``: decode rows then take the
-        decode kernel."""
-        bs = self.block_size
-        input_ids, positions, slots, cu_q, lens_k = [], [], [], [0], []
-        holes: list[tuple[int, int]] = []  # (input row, row of prev_ids) for each placeholder
+    @staticmethod
+    def _flatten(seqs: list[tuple[Sequence, int]], block_size: int, prev: LaunchedStep | None) -> _FlatBatch:
+        """Lay (sequence, number of new tokens) pairs back to back as host lists."""
+        bs = block_size
+        ids, positions, slots, cu_q, lens_k, pending = [], [], [], [0], [], []
         for seq, n in seqs:
             start = seq.num_computed_tokens
             chunk = seq.token_ids[start : start + n]
-            if chunk[-1] < 0:  # a placeholder (only ever the last token, see engine/sequence.py)
-                holes.append((len(input_ids) + n - 1, -1 - chunk[-1]))
-                chunk[-1] = 0
-            input_ids.extend(chunk)
+            if len(chunk) < n:  # its last input was sampled by the step before and is still on the device
+                assert len(chunk) == n - 1 and prev is not None, "only the newest token can be pending"
+                pending.append((len(ids) + n - 1, prev.row_of(seq)))
+                chunk.append(0)
+            ids.extend(chunk)
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -249,48 +269,69 @@ class ModelRunner:
             lens_k.append(start + n)
         width = max(len(seq.block_table) for seq, _ in seqs)
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in seqs]
-        self._begin_gpu_span()
-        num_decode = next((i for i, (_, n) in enumerate(seqs) if n != 1), len(seqs))
+        return _FlatBatch(ids, positions, slots, cu_q, lens_k, tables, [n for _, n in seqs], pending)
+
+    @staticmethod
+    def _decode_tokens(seqs: list[Sequence], prev: LaunchedStep | None) -> tuple[list[int], list[tuple[int, int]]]:
+        """Each decoding sequence's input token (0 where it is still pending on the device) and
+        the pending ones' (row, row of ``prev``'s sampled ids)."""
+        tokens, pending = [], []
+        for i, seq in enumerate(seqs):
+            p = seq.num_computed_tokens
+            if p < len(seq.token_ids):
+                tokens.append(seq.token_ids[p])
+            else:
+                pending.append((i, prev.row_of(seq)))
+                tokens.append(0)
+        return tokens, pending
+
+    def _attention_metadata(self, flat: _FlatBatch) -> AttentionMetadata:
+        """Attention metadata of a flattened batch. When the leading sequences bring one token
+        each and later ones more (``launch`` orders a mixed batch so), it is a
+        ``MixedBatchMetadata``: the decode rows then take the decode kernel."""
+        lens_k, num_new = flat.seqlens_k, flat.num_new
         fields = dict(
-            slot_mapping=self._to_device(slots, torch.int64),
-            block_tables=self._to_device(tables, torch.int32),
-            cu_seqlens_q=self._to_device(cu_q, torch.int32),
+            slot_mapping=self._to_device(flat.slots, torch.int64),
+            block_tables=self._to_device(flat.block_tables, torch.int32),
+            cu_seqlens_q=self._to_device(flat.cu_seqlens_q, torch.int32),
             seqlens_k=self._to_device(lens_k, torch.int32),
-            max_seqlen_q=max(n for _, n in seqs),
+            max_seqlen_q=max(num_new),
             max_seqlen_k=max(lens_k),
         )
-        if 0 < num_decode < len(seqs) and all(n != 1 for _, n in seqs[num_decode:]):
-            # Decode rows: views of the whole batch's tensors. Prefill rows: the same views,
-            # except the query offsets, renumbered from 0 (one more small copy).
-            nd = num_decode
-            decode = AttentionMetadata(
-                slot_mapping=fields["slot_mapping"][:nd], block_tables=fields["block_tables"][:nd],
-                cu_seqlens_q=fields["cu_seqlens_q"][: nd + 1], seqlens_k=fields["seqlens_k"][:nd],
-                max_seqlen_q=1, max_seqlen_k=max(lens_k[:nd]),
-            )
-            prefill = AttentionMetadata(
-                slot_mapping=fields["slot_mapping"][nd:], block_tables=fields["block_tables"][nd:],
-                cu_seqlens_q=self._to_device([c - nd for c in cu_q[nd:]], torch.int32),
-                seqlens_k=fields["seqlens_k"][nd:],
-                max_seqlen_q=max(n for _, n in seqs[nd:]), max_seqlen_k=max(lens_k[nd:]),
-            )
-            meta: AttentionMetadata = MixedBatchMetadata(**fields, num_decode_tokens=nd, decode=decode, prefill=prefill)
-        else:
-            meta = AttentionMetadata(**fields)
-        ids = self._to_device(input_ids, torch.int64)
-        self._fill_placeholders(ids, holes, prev_ids)
-        pos = self._to_device(positions, torch.int64)
-        return ids, pos, meta
+        nd = next((i for i, n in enumerate(num_new) if n != 1), len(num_new))
+        if not (0 < nd < len(num_new) and all(n != 1 for n in num_new[nd:])):
+            return AttentionMetadata(**fields)
+        # Decode rows: views of the whole batch's tensors. Prefill rows: the same views, except
+        # the query offsets, renumbered from 0 (one more small copy).
+        decode = AttentionMetadata(
+            slot_mapping=fields["slot_mapping"][:nd], block_tables=fields["block_tables"][:nd],
+            cu_seqlens_q=fields["cu_seqlens_q"][: nd + 1], seqlens_k=fields["seqlens_k"][:nd],
+            max_seqlen_q=1, max_seqlen_k=max(lens_k[:nd]),
+        )
+        prefill = AttentionMetadata(
+            slot_mapping=fields["slot_mapping"][nd:], block_tables=fields["block_tables"][nd:],
+            cu_seqlens_q=self._to_device([c - nd for c in flat.cu_seqlens_q[nd:]], torch.int32),
+            seqlens_k=fields["seqlens_k"][nd:],
+            max_seqlen_q=max(num_new[nd:]), max_seqlen_k=max(lens_k[nd:]),
+        )
+        return MixedBatchMetadata(**fields, num_decode_tokens=nd, decode=decode, prefill=prefill)
 
-    def _fill_placeholders(self, ids: torch.Tensor, holes: list[tuple[int, int]], prev_ids: torch.Tensor | None) -> None:
-        """Overwrite, on the device, each input row that held a placeholder ``-1 - row`` with row
-        ``row`` of the previous step's sampled ids (``holes``: (input row, sampled row) pairs)."""
-        if not holes:
+    def _inputs(self, seqs: list[tuple[Sequence, int]], prev: LaunchedStep | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Device input ids, positions and attention metadata of a flattened batch."""
+        flat = self._flatten(seqs, self.block_size, prev)
+        meta = self._attention_metadata(flat)
+        ids = self._to_device(flat.input_ids, torch.int64)
+        self._gather_pending(ids, flat.pending, prev)
+        return ids, self._to_device(flat.positions, torch.int64), meta
+
+    def _gather_pending(self, ids: torch.Tensor, pending: list[tuple[int, int]], prev: LaunchedStep | None) -> None:
+        """Write, on the device, each input still pending from ``prev``'s sampled ids
+        (``pending``: (input row, sampled row) pairs)."""
+        if not pending:
             return
-        if prev_ids is None:
-            raise RuntimeError("a placeholder token without the step that samples it")
-        dst, src = zip(*holes)
-        ids[self._to_device(list(dst), torch.int64)] = prev_ids[self._to_device(list(src), torch.int64)]
+        dst, src = zip(*pending)
+        ids[self._to_device(list(dst), torch.int64)] = prev.samples.token_ids[self._to_device(list(src), torch.int64)]
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A host list as a device tensor; on CUDA through pinned memory without a sync (the
@@ -299,21 +340,17 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def _begin_gpu_span(self) -> None:
-        if self.gpu_spans is not None and self.device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            self.gpu_spans.append((start, start))
+    def _begin_step(self, graph: bool) -> None:
+        for hook in self.step_hooks:
+            hook.begin(graph)
 
-    def _end_gpu_span(self) -> None:
-        if self.gpu_spans and self.device.type == "cuda" and self.gpu_spans[-1][0] is self.gpu_spans[-1][1]:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.gpu_spans[-1] = (self.gpu_spans[-1][0], end)
+    def _end_step(self) -> None:
+        for hook in self.step_hooks:
+            hook.end()
 
     @torch.inference_mode()
-    def _forward(self, seqs: list[tuple[Sequence, int]], prev_ids: torch.Tensor | None = None) -> torch.Tensor:
-        ids, pos, meta = self._metadata(seqs, prev_ids)
+    def _forward(self, seqs: list[tuple[Sequence, int]], prev: LaunchedStep | None = None) -> torch.Tensor:
+        ids, pos, meta = self._inputs(seqs, prev)
         set_attention_metadata(meta)
         try:
             return self.model(ids, pos)
@@ -334,28 +371,22 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
         """Queue one step (forward and sampling) on the device without waiting for it.
 
-        ``prev`` is the step before, whose sampled ids this step's placeholder inputs read."""
-        prev_ids = prev.token_ids if prev is not None else None
+        ``prev`` is the step before, whose sampled ids this step's pending inputs read."""
         graph_seqs = self._graph_batch(out)
+        self._begin_step(graph=graph_seqs is not None)
         if graph_seqs is not None:
-            self.graph_steps += 1
             graphs = self.decode_graphs
-            bs = graphs.stage(graph_seqs)
-            self._begin_gpu_span()
-            all_logits = graphs.run(bs, len(graph_seqs),
-                                    fill=lambda ids: self._fill_placeholders(ids, graphs.holes, prev_ids))
+            tokens, pending = self._decode_tokens(graph_seqs, prev)
+            bs = graphs.stage(graph_seqs, tokens)
+            all_logits = graphs.run(bs, len(graph_seqs), fill=lambda ids: self._gather_pending(ids, pending, prev))
             rows = [i for i, item in enumerate(out.scheduled) if item.samples]
             sampling = [out.scheduled[i].seq for i in rows]
-            if not sampling:
-                self._end_gpu_span()
-                return LaunchedStep([], None)
-            logits = all_logits if len(rows) == len(graph_seqs) else all_logits[self._to_device(rows, torch.int64)]
+            if sampling:
+                logits = all_logits if len(rows) == len(graph_seqs) else all_logits[self._to_device(rows, torch.int64)]
         else:
-            self.eager_steps += 1
-            # Single-token sequences first, so that attention can split the batch (see _metadata).
+            # Single-token sequences first, so that attention can split the batch (see _attention_metadata).
             items = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
-            seqs = [(s.seq, s.num_new_tokens) for s in items]
-            hidden = self._forward(seqs, prev_ids)
+            hidden = self._forward([(s.seq, s.num_new_tokens) for s in items], prev)
             rows, sampling = [], []
             end = 0
             for item in items:
@@ -363,10 +394,11 @@ class ModelRunner:
                 if item.samples:
                     rows.append(end - 1)
                     sampling.append(item.seq)
-            if not sampling:
-                self._end_gpu_span()
-                return LaunchedStep([], None)
-            logits = self.model.compute_logits(hidden[self._to_device(rows, torch.int64)])
+            if sampling:
+                logits = self.model.compute_logits(hidden[self._to_device(rows, torch.int64)])
+        if not sampling:
+            self._end_step()
+            return LaunchedStep([], None)
         samples = self.sampler.sample(
             logits,
             [s.params for s in sampling],
@@ -374,7 +406,7 @@ class ModelRunner:
             [s.num_output_tokens for s in sampling],
             [s.sampling_seed for s in sampling],
         )
-        self._end_gpu_span()
+        self._end_step()
         samples.start_copy()
         return LaunchedStep(sampling, samples)
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from conveyor.engine.sampling_params import SamplingParams
-from conveyor.kernels.sampling import seeded_race
+from ..protocol.sampling import SamplingParams
+from ..kernels.sampling import seeded_race
 
 _NEG_INF = float("-inf")
 
@@ -121,16 +121,9 @@ class Sampler:
     that applies, no logprobs) skips everything but the argmax, with identical results.
     """
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        token_history: list[list[int]],
-        num_generated: list[int],
-        seeds: list[int],
-    ) -> SamplerOutput:
-        """Choose one token per row of ``logits`` (``[B, V]``) and read the choices back."""
-        return self.sample(logits, params, token_history, num_generated, seeds).fetch()
+    def __call__(self, *args, **kwargs) -> SamplerOutput:
+        """``sample`` (same arguments), with the choices read back."""
+        return self.sample(*args, **kwargs).fetch()
 
     def sample(
         self,

@@ -7,10 +7,11 @@ stalls the decodes running beside it. When the cache runs out, a parked session 
 first, then the most recently admitted running sequence is preempted and later recomputed.
 
 A step has two halves, so that the engine can overlap them with the GPU (``engine/llm_engine.py``):
-``launched`` right after the step is handed to the GPU advances the counters and gives each
-sampling sequence a placeholder token; ``resolve`` later writes the real token and decides whether
-the turn ended. Everything that depends only on counts (the next step's shape, ``max_new_tokens``,
-``session_len``) is known at launch; only stop tokens need the ids. ``update`` does both at once.
+``launched`` right after the step is handed to the GPU advances the counters and counts each
+sampling sequence's new token as pending (``Sequence.num_pending_tokens``); ``resolve`` later
+appends the real token and decides whether the turn ended. Everything that depends only on counts
+(the next step's shape, ``max_new_tokens``, ``session_len``) is known at launch; only stop tokens
+need the ids. ``update`` does both at once.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from conveyor.engine.block_manager import BlockManager, PrefixMatch
-from conveyor.engine.sequence import FinishReason, Sequence, SequenceStatus
+from .block_manager import BlockManager, PrefixMatch
+from ..protocol.messages import Finish
+from .sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +87,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.final_token_pending:  # its last token is sampled: nothing more to compute
+            if self._last_token_pending(seq):  # nothing more to compute; the read-back ends it
                 i += 1
                 continue
             if self._never_fits(seq):
@@ -138,6 +140,15 @@ class Scheduler:
             break
         return out
 
+    def _reached_limit(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether a turn of ``num_tokens`` tokens has reached max_new_tokens or session_len."""
+        return (num_tokens - seq.num_prompt_tokens >= seq.params.max_new_tokens
+                or num_tokens >= self.session_len)
+
+    def _last_token_pending(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s turn ends by count with a token still on the device."""
+        return seq.num_pending_tokens > 0 and self._reached_limit(seq, seq.num_tokens)
+
     def _never_fits(self, seq: Sequence) -> bool:
         """Whether the KV of all of ``seq``'s known tokens is more than the whole cache holds."""
         return self.block_manager.blocks_needed(seq.num_tokens) > self.block_manager.num_blocks
@@ -146,8 +157,8 @@ class Scheduler:
         """Finish a sequence the cache cannot hold with LENGTH; a session is not parked (nor its
         blocks kept): its turn ends FINISHED so that the engine reports it."""
         logger.warning("sequence %d needs more KV blocks than the cache has", seq.seq_id)
-        seq.drop_unresolved()
-        seq.finish_reason = FinishReason.LENGTH
+        self._drop_pending(seq)
+        seq.finish_reason = Finish.LENGTH
         seq.status = SequenceStatus.FINISHED
         self.block_manager.free(seq)
 
@@ -172,50 +183,48 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
         """Apply a whole step at once (launch and read-back); returns the sequences it finished."""
         rows = [item.seq for item in out.scheduled if item.seq.seq_id in sampled]
-        positions = self.launched(out, rows)
-        finished = []
-        for seq, pos in zip(rows, positions):
-            if self.resolve(seq, pos, sampled[seq.seq_id]) is not None:
-                finished.append(seq)
-        return finished
+        self.launched(out, rows)
+        return [seq for seq in rows if self.resolve(seq, sampled[seq.seq_id]) is not None]
 
-    def launched(self, out: SchedulerOutput, sampling: list[Sequence]) -> list[int]:
+    def launched(self, out: SchedulerOutput, sampling: list[Sequence]) -> None:
         """Account for a step handed to the device: its tokens' KV counts as computed, and each
-        sequence in ``sampling`` (in the order of the step's sampled rows) gets the placeholder
-        ``-1 - row``. Returns each placeholder's position in its sequence's ``token_ids``."""
+        sequence in ``sampling`` has one more token pending until the step is read back."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq)
-        positions = []
-        for row, seq in enumerate(sampling):
-            positions.append(seq.num_tokens)
-            seq.append_token(-1 - row)
-            if seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.session_len:
-                seq.final_token_pending = True
-        return positions
+        for seq in sampling:
+            seq.num_pending_tokens += 1
 
-    def resolve(self, seq: Sequence, position: int, token: int) -> FinishReason | None:
-        """Write a sampled token over its placeholder and finish the turn on a stop token or a
-        count limit; returns the finish reason, or None while the turn goes on."""
-        seq.token_ids[position] = token
+    @staticmethod
+    def awaits(seq: Sequence, request_id: str) -> bool:
+        """Whether ``seq`` still waits for a token launched for request ``request_id`` (not when
+        the turn ended since, by a stop, an abort or a dropped cache, nor for a later turn)."""
+        return seq.request_id == request_id and seq.num_pending_tokens > 0
+
+    def resolve(self, seq: Sequence, token: int) -> Finish | None:
+        """Append ``seq``'s oldest pending token, now read back, and finish the turn on a stop
+        token or a count limit; returns the finish reason, or None while the turn goes on."""
+        seq.token_ids.append(token)
+        seq.num_pending_tokens -= 1
         self.block_manager.cache_full_blocks(seq)
-        reason = self._stop_reason(seq, token, position)
-        if reason is not None:
-            self.finish(seq, reason)
+        if token in seq.params.stop_token_ids:
+            reason: Finish | None = Finish.STOP
+        elif self._reached_limit(seq, len(seq.token_ids)):  # counted at this token, not the pending after it
+            reason = Finish.LENGTH
+        else:
+            return None
+        self.finish(seq, reason)
         return reason
 
-    def _stop_reason(self, seq: Sequence, token: int, position: int) -> FinishReason | None:
-        if token in seq.params.stop_token_ids:
-            return FinishReason.STOP
-        # Counted at the token's own position: a later placeholder may already follow it.
-        num_output = position + 1 - seq.num_prompt_tokens
-        if num_output >= seq.params.max_new_tokens or position + 1 >= self.session_len:
-            return FinishReason.LENGTH
-        return None
+    @staticmethod
+    def _drop_pending(seq: Sequence) -> None:
+        """Forget tokens still on the device (the turn ended before they were read back) and count
+        the last known token's KV as not computed: the state a turn ends in without overlap."""
+        seq.num_pending_tokens = 0
+        seq.num_computed_tokens = min(seq.num_computed_tokens, max(len(seq.token_ids) - 1, 0))
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        seq.drop_unresolved()  # a token sampled after the end is never read back
-        seq.final_token_pending = False
+    def _finish(self, seq: Sequence, reason: Finish) -> None:
+        self._drop_pending(seq)
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
         if seq.session_id is not None:  # keep the KV for the next turn
@@ -225,8 +234,9 @@ class Scheduler:
         else:
             self.block_manager.free(seq)
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End a sequence from outside (abort, or a stop string the detokenizer found)."""
+    def finish(self, seq: Sequence, reason: Finish) -> None:
+        """End a running or waiting sequence's turn (a stop token or limit, an abort, or a stop
+        string the detokenizer found)."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.engine.errors import EngineConfigError, UnsupportedModelError
-from conveyor.engine.model_config import ModelConfig
+from ..protocol.errors import EngineConfigError, UnsupportedModelError
+from .model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,23 +1,35 @@
-"""The wire: message structs, socket addresses, and the codec. Depends on msgspec and pyzmq only."""
+"""The wire: message structs, sampling parameters, typed errors, socket addresses, the codec.
 
-from conveyor.protocol.addresses import Addresses, Endpoint
-from conveyor.protocol.codec import Codec
-from conveyor.protocol.messages import (
+Depends on msgspec and pyzmq only.
+"""
+
+from .addresses import Addresses, Endpoint
+from .codec import Codec
+from .errors import (
+    ConveyorError,
+    EngineConfigError,
+    InvalidRequestError,
+    PromptTooLongError,
+    UnsupportedModelError,
+    error_code,
+    rebuild_error,
+)
+from .messages import (
+    FINISH_REASONS,
     Abort,
+    Admitted,
+    CancelSession,
     DetokenizerIn,
-    DetokSpec,
     EngineIn,
-    EngineParams,
+    EngineStats,
     ErrorOut,
     Finish,
     GenerateReq,
     IngressIn,
     LauncherIn,
     LoadReport,
-    NewRequest,
     Ping,
     Ready,
-    SamplingOptions,
     SessionEnd,
     Stage,
     StopReq,
@@ -26,10 +38,13 @@ from conveyor.protocol.messages import (
     TokenizedReq,
     TokenizerIn,
 )
+from .sampling import SamplingParams, validate
 
 __all__ = [
-    "Abort", "Addresses", "Codec", "DetokSpec", "DetokenizerIn", "EngineIn", "EngineParams", "Endpoint",
-    "ErrorOut", "Finish", "GenerateReq", "IngressIn", "LauncherIn", "LoadReport", "NewRequest", "Ping",
-    "Ready", "SamplingOptions", "SessionEnd", "Stage", "StopReq", "TextBatch", "TokenBatch",
-    "TokenizedReq", "TokenizerIn",
+    "FINISH_REASONS", "Abort", "Addresses", "Admitted", "CancelSession", "Codec", "ConveyorError",
+    "DetokenizerIn", "EngineConfigError", "EngineIn", "EngineStats", "Endpoint", "ErrorOut", "Finish",
+    "GenerateReq", "IngressIn", "InvalidRequestError", "LauncherIn", "LoadReport", "Ping",
+    "PromptTooLongError", "Ready", "SamplingParams", "SessionEnd", "Stage", "StopReq", "TextBatch",
+    "TokenBatch", "TokenizedReq", "TokenizerIn", "UnsupportedModelError", "error_code", "rebuild_error",
+    "validate",
 ]

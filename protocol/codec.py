@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgspec
 import zmq
+
+logger = logging.getLogger(__name__)
 
 
 class Codec:
@@ -32,10 +35,15 @@ class Codec:
         return self._decoder.decode(sock.recv(flags=flags, copy=False).buffer)
 
     def recv_all(self, sock: zmq.Socket) -> list[Any]:
-        """Every frame already waiting, without blocking."""
+        """Every frame already waiting, without blocking. A frame that does not decode as one of
+        this socket's messages is logged and dropped: one bad peer must not stop a stage."""
         out = []
         while True:
             try:
-                out.append(self.recv(sock, zmq.NOBLOCK))
+                frame = sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return out
+            try:
+                out.append(self._decoder.decode(frame.buffer))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.error("dropped an undecodable frame of %d bytes: %s", len(frame.buffer), exc)

@@ -3,11 +3,11 @@
 Sockets and what they carry (see addresses.py for where each is bound):
   ingress      -> tokenizer    GenerateReq, Ping
   tokenizer    -> engine       TokenizedReq, Ping
-  ingress      -> engine       Abort, SessionEnd
+  ingress      -> engine       Abort, SessionEnd, CancelSession
   detokenizer  -> engine       StopReq
-  engine       -> detokenizer  TokenBatch, LoadReport
-  detokenizer  -> ingress      TextBatch, LoadReport
-  tokenizer    -> ingress      ErrorOut (engine errors travel inside TokenBatch)
+  engine       -> detokenizer  Admitted, TokenBatch, ErrorOut (refusals), LoadReport
+  detokenizer  -> ingress      Admitted, TextBatch, ErrorOut, LoadReport
+  tokenizer    -> ingress      ErrorOut
   any stage    -> launcher     Ready
 Each socket's messages form one tagged union, decoded by one reused Decoder.
 """
@@ -18,6 +18,8 @@ from enum import IntEnum
 from typing import Any, Union
 
 import msgspec
+
+from .sampling import SamplingParams
 
 _WIRE = {"array_like": True, "omit_defaults": True, "gc": False}
 # Messages of a union carry a small int tag as their first array element.
@@ -34,90 +36,54 @@ class Stage(IntEnum):
 
 
 class Finish(IntEnum):
-    """Why a request ended (engine FinishReason values, plus ERROR for failures)."""
+    """Why a request ended: the one finish enum of the engine, the wire and the ingress."""
 
-    STOP = 0
-    LENGTH = 1
-    ABORT = 2
-    ERROR = 3
+    STOP = 0  # a stop token or stop string
+    LENGTH = 1  # max_new_tokens, session_len, or more KV than the cache holds
+    ABORT = 2  # the client went away or cancelled
+    ERROR = 3  # a stage failed
 
     @property
     def openai(self) -> str:
         """finish_reason as the OpenAI API spells it."""
-        return ("stop", "length", "abort", "error")[self]
+        return FINISH_REASONS[self]
 
 
-class SamplingOptions(msgspec.Struct, **_WIRE):
-    """Generation settings as the user gave them (words still text; the tokenizer resolves them)."""
-
-    max_new_tokens: int = 512
-    min_new_tokens: int = 0
-    temperature: float = 0.8
-    top_k: int = 1
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
-    seed: int | None = None
-    stop: list[str] = []
-    bad_words: list[str] = []
-    stop_token_ids: list[int] = []
-    bad_token_ids: list[int] = []
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-    include_stop_str: bool = False
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class GenerateReq(msgspec.Struct, tag=1, **_TAG):
-    """A new request from an ingress. Exactly one of prompt / messages / input_ids is set."""
+    """A new request from an ingress. Exactly one of prompt / messages / input_ids is set.
+
+    ``sequence_start``: whether this is a conversation's first turn (chat template with the
+    system prompt and BOS). ``None`` (a session turn whose history only the engine knows) has
+    the tokenizer render it both ways and the engine pick.
+    """
 
     rid: str
     reply_to: str
-    options: SamplingOptions
+    params: SamplingParams
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     input_ids: list[int] | None = None
     do_preprocess: bool = True
     session_id: int | None = None
-    sequence_start: bool = True
-
-
-class EngineParams(msgspec.Struct, **_WIRE):
-    """Sampling parameters with every word resolved to token ids (engine SamplingParams' fields)."""
-
-    max_new_tokens: int = 512
-    min_new_tokens: int = 0
-    temperature: float = 0.8
-    top_k: int = 1
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
-    random_seed: int | None = None
-    stop_token_ids: list[int] = []
-    bad_token_ids: list[int] = []
-    bad_sequences: list[list[int]] = []
-    logprobs: int | None = None
-
-
-class DetokSpec(msgspec.Struct, **_WIRE):
-    """What the detokenizer needs to turn a request's tokens into text."""
-
-    reply_to: str
-    prompt_tail: list[int] = []
-    stop: list[str] = []
-    skip_special_tokens: bool = True
-    include_stop_str: bool = False
+    sequence_start: bool | None = True
 
 
 class TokenizedReq(msgspec.Struct, tag=2, **_TAG):
-    """A request ready for the engine."""
+    """A request ready for the engine: token ids, and parameters with every word resolved.
+
+    ``first_turn_ids``: the prompt rendered as a conversation's first turn, sent when the
+    ingress left ``sequence_start`` to the engine; the engine uses it when the session is new.
+    """
 
     rid: str
+    reply_to: str
     token_ids: list[int]
-    params: EngineParams
-    detok: DetokSpec
+    params: SamplingParams
     session_id: int | None = None
+    first_turn_ids: list[int] | None = None
 
 
 class Abort(msgspec.Struct, tag=3, **_TAG):
@@ -127,18 +93,24 @@ class Abort(msgspec.Struct, tag=3, **_TAG):
 
 
 class SessionEnd(msgspec.Struct, tag=4, **_TAG):
-    """Free a session's KV blocks and forget its history."""
+    """Free a session's KV blocks and forget its history (its running turn, if any, is aborted)."""
 
     session_id: int
 
 
-class StopReq(msgspec.Struct, tag=5, **_TAG):
+class CancelSession(msgspec.Struct, tag=5, **_TAG):
+    """Abort a session's running turn; the session and its history stay."""
+
+    session_id: int
+
+
+class StopReq(msgspec.Struct, tag=6, **_TAG):
     """The detokenizer found a stop string: the engine ends the request."""
 
     rid: str
 
 
-class Ping(msgspec.Struct, tag=6, **_TAG):
+class Ping(msgspec.Struct, tag=7, **_TAG):
     """Travels the ring ingress -> tokenizer -> engine -> detokenizer -> ingress; proves it works."""
 
     reply_to: str
@@ -146,11 +118,9 @@ class Ping(msgspec.Struct, tag=6, **_TAG):
     stage_stats: dict[str, float] = {}
 
 
-class LoadReport(msgspec.Struct, tag=7, **_TAG):
-    """The engine's state, answering a Ping (it comes back to the ingress that sent it)."""
+class EngineStats(msgspec.Struct, **_WIRE):
+    """The engine's queues, cache and counters (``LLMEngine.stats()``)."""
 
-    reply_to: str
-    sent_at: float
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
@@ -159,33 +129,46 @@ class LoadReport(msgspec.Struct, tag=7, **_TAG):
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
     generated_tokens: int = 0  # since the engine started
+
+
+class LoadReport(msgspec.Struct, tag=8, **_TAG):
+    """The engine's state, answering a Ping (it comes back to the ingress that sent it)."""
+
+    reply_to: str
+    sent_at: float
+    engine: EngineStats = msgspec.field(default_factory=EngineStats)
     draining: bool = False
     # Counters each stage adds as the report passes through it (busy seconds, items handled).
     stage_stats: dict[str, float] = {}
 
 
-class NewRequest(msgspec.Struct, **_WIRE):
-    """Announces a request to the detokenizer, before its first token."""
+class Admitted(msgspec.Struct, tag=9, **_TAG):
+    """The engine took a request. It reaches the detokenizer before any of the request's
+    tokens (the detokenizer starts its state here) and is forwarded to the ingress.
+
+    ``num_prompt_tokens``: this turn's prompt; ``history_tokens``: a session's tokens before it.
+    """
 
     rid: str
-    detok: DetokSpec
+    reply_to: str
     num_prompt_tokens: int
+    params: SamplingParams
+    prompt_tail: list[int] = []  # the last prompt tokens: context for decoding the first output
+    history_tokens: int = 0
 
 
-class TokenBatch(msgspec.Struct, tag=8, **_TAG):
+class TokenBatch(msgspec.Struct, tag=10, **_TAG):
     """One engine step's output, column-wise: entry i is about request rids[i]."""
 
     rids: list[str]
     tokens: list[int]  # -1: no new token this time (e.g. finished by an abort)
     finish: list[int]  # -1 while running, else a Finish value
     cached: list[int]  # prompt tokens served by the prefix cache
-    new: list[NewRequest] = []  # requests admitted since the last batch (come first)
     logprobs: list[float] | None = None  # chosen token's logprob, where asked
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    errors: list["ErrorOut"] = []  # requests the engine refused
 
 
-class TextBatch(msgspec.Struct, tag=9, **_TAG):
+class TextBatch(msgspec.Struct, tag=11, **_TAG):
     """Text increments for one ingress, column-wise."""
 
     rids: list[str]
@@ -198,8 +181,8 @@ class TextBatch(msgspec.Struct, tag=9, **_TAG):
     logprobs: list[list[dict[int, float]] | None] | None = None
 
 
-class ErrorOut(msgspec.Struct, tag=10, **_TAG):
-    """A request failed; rendered by the ingress as an OpenAI error envelope.
+class ErrorOut(msgspec.Struct, tag=12, **_TAG):
+    """A request was refused or failed; rendered by the ingress as an OpenAI error envelope.
 
     ``code`` is OpenAI's machine-readable code where one applies (e.g. context_length_exceeded).
     """
@@ -213,7 +196,7 @@ class ErrorOut(msgspec.Struct, tag=10, **_TAG):
     reply_to: str = ""  # where to deliver it, when the sender is not the ingress's direct peer
 
 
-class Ready(msgspec.Struct, tag=11, **_TAG):
+class Ready(msgspec.Struct, tag=13, **_TAG):
     """A stage finished starting and accepts traffic (the launcher waits for every one)."""
 
     stage: Stage
@@ -223,7 +206,7 @@ class Ready(msgspec.Struct, tag=11, **_TAG):
 
 # One union per receiving socket.
 TokenizerIn = Union[GenerateReq, Ping]
-EngineIn = Union[TokenizedReq, Abort, SessionEnd, StopReq, Ping]
-DetokenizerIn = Union[TokenBatch, LoadReport]
-IngressIn = Union[TextBatch, ErrorOut, LoadReport]
+EngineIn = Union[TokenizedReq, Abort, SessionEnd, CancelSession, StopReq, Ping]
+DetokenizerIn = Union[Admitted, TokenBatch, ErrorOut, LoadReport]
+IngressIn = Union[Admitted, TextBatch, ErrorOut, LoadReport]
 LauncherIn = Ready

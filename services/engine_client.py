@@ -1,11 +1,22 @@
-"""The ingress's side of the conveyor: send requests into the stage ring, read results back.
+"""The one client of the stage ring: send requests in, route results back. The HTTP ingress uses
+it in its event loop; the offline pipeline runs it in an event-loop thread of its own
+(``local_stack.py``).
 
-Runs in the ingress's asyncio loop. One PUSH socket feeds the tokenizer workers, one PUSH
-reaches the engine directly (aborts, session ends), and one PULL socket at this ingress's own
-``reply_to`` address receives every result addressed to it. A reader task routes results to
-per-request queues. A Ping sent around the ring every ``ping_interval`` proves every stage is
-alive; when none comes back for ``dead_after`` seconds the client is unhealthy and every
-waiting request fails with 503 instead of hanging.
+One PUSH socket feeds the tokenizer workers, one PUSH reaches the engine directly (aborts,
+session ends), and one PULL socket at this client's own ``reply_to`` address receives every
+result addressed to it, dispatched on the message type:
+
+* ``Admitted``: the engine took the request. A request whose consumer left before this is
+  aborted now (an Abort sent earlier could overtake the request at the tokenizer and be lost);
+  a request not admitted ``admit_timeout`` seconds after it was sent (its tokenizer worker
+  died) is sent again, up to ``max_resends`` times (the engine admits a request id once).
+* ``TextBatch``: new text; a finish ends the request.
+* ``ErrorOut``: the request was refused or failed.
+* ``LoadReport``: a Ping that went round the whole ring. When none comes back for
+  ``dead_after`` seconds the client is unhealthy and every waiting request fails with 503.
+
+A request stays known until the engine has ended it, also after its consumer left, so that
+``wait_ended`` can tell when its KV blocks are free.
 """
 
 from __future__ import annotations
@@ -16,13 +27,17 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 import zmq.asyncio
 
-from conveyor.protocol import (
+from ..protocol import (
     Abort,
     Addresses,
+    Admitted,
+    CancelSession,
     Codec,
+    EngineIn,
     Endpoint,
     ErrorOut,
     Finish,
@@ -34,7 +49,6 @@ from conveyor.protocol import (
     TextBatch,
     TokenizerIn,
 )
-from conveyor.protocol.messages import EngineIn
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +64,7 @@ class RequestOutput:
     completion_tokens: int  # running total
     cached_tokens: int
     logprobs: list[dict[int, float]] | None = None  # one entry per new token
+    history_tokens: int = 0  # a session's tokens before this turn
 
 
 class RequestError(Exception):
@@ -71,20 +86,27 @@ def _unavailable(why: str) -> RequestError:
 
 
 @dataclass
-class _Pending:
+class _Request:
+    """A request sent and not yet ended by the engine."""
+
     req: GenerateReq
     queue: asyncio.Queue
     sent_at: float
     resends: int = 0
     admitted: bool = False
+    history_tokens: int = 0
+    left_at: float | None = None  # when its consumer left (then the engine is told to abort it)
+
+    def __post_init__(self) -> None:
+        self.ended = asyncio.Event()
 
 
 class EngineClient:
-    """Async client of the stage ring, used by the HTTP ingress (one per ingress process)."""
+    """Async client of the stage ring (one per ingress process, one per pipeline)."""
 
     def __init__(self, addresses: Addresses, model_name: str, session_len: int, reply: Endpoint | None = None,
                  ping_interval: float = 0.5, dead_after: float = 10.0, admit_timeout: float = 3.0,
-                 max_resends: int = 2, context: zmq.asyncio.Context | None = None):
+                 max_resends: int = 2, forget_after: float = 30.0, context: zmq.asyncio.Context | None = None):
         self.addresses = addresses
         self.model_name = model_name
         self.session_len = session_len
@@ -92,13 +114,13 @@ class EngineClient:
         self.reply_to = self.reply.connect
         self.ping_interval, self.dead_after = ping_interval, dead_after
         self.admit_timeout, self.max_resends = admit_timeout, max_resends
+        self.forget_after = forget_after  # an abandoned request the engine never ends is forgotten then
         self._ctx = context or zmq.asyncio.Context.instance()
-        self._pending: dict[str, _Pending] = {}
+        self._requests: dict[str, _Request] = {}
         self._to_tokenizer_codec = Codec(TokenizerIn)
         self._to_engine_codec = Codec(EngineIn)
         self._in_codec = Codec(IngressIn)
         self._last_ring = 0.0
-        self._started_at = 0.0
         self.load: LoadReport | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -114,7 +136,6 @@ class EngineClient:
         self._results = self._ctx.socket(zmq.PULL)
         self._results.setsockopt(zmq.LINGER, 0)
         self._results.bind(self.reply.bind)
-        self._started_at = time.monotonic()
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
 
     async def close(self) -> None:
@@ -122,7 +143,7 @@ class EngineClient:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._fail_all("the server is shutting down")
+        self.fail_all("the server is shutting down")
         for s in (self._to_tokenizer, self._to_engine, self._results):
             s.close(linger=0)
 
@@ -134,43 +155,54 @@ class EngineClient:
 
     @property
     def num_inflight(self) -> int:
-        """Requests sent and not finished."""
-        return len(self._pending)
+        """Requests sent that still have a consumer and no end."""
+        return sum(1 for r in self._requests.values() if r.left_at is None)
 
     # ---- requests ----------------------------------------------------------------------------
     async def generate(self, req: GenerateReq) -> AsyncIterator[RequestOutput]:
         """Send ``req`` and yield its outputs; closing the iterator early aborts the request."""
         if not self.healthy:
             raise _unavailable("the engine is not available (starting, stopped or unreachable); retry later")
-        if req.rid in self._pending:
+        if req.rid in self._requests:
             raise RequestError(400, f"request id {req.rid!r} is already in flight", param="rid")
         req.reply_to = self.reply_to
-        pending = _Pending(req, asyncio.Queue(), time.monotonic())
-        self._pending[req.rid] = pending
-        finished = False
+        request = _Request(req, asyncio.Queue(), time.monotonic())
+        self._requests[req.rid] = request
+        ended = False
         try:
             await self._send_to_tokenizer(req)
             while True:
-                item = await pending.queue.get()
+                item = await request.queue.get()
                 if isinstance(item, RequestError):
-                    finished = True
+                    ended = True
                     raise item
                 yield item
                 if item.finish_reason is not None:
-                    finished = True
+                    ended = True
                     return
         finally:
-            self._pending.pop(req.rid, None)
-            if not finished:
-                await self.abort(req.rid)
+            if not ended:
+                await self._leave(request)
 
-    async def abort(self, rid: str) -> None:
-        """Tell the engine to stop a request and free its blocks."""
-        await self._send_to_engine(Abort(rid))
+    async def _leave(self, request: _Request) -> None:
+        """The consumer is gone: abort the request now, or as soon as the engine admits it."""
+        request.left_at = time.monotonic()
+        if request.admitted:
+            await self._send_to_engine(Abort(request.req.rid))
+
+    async def wait_ended(self, rids: list[str], timeout: float = 10.0) -> None:
+        """Wait until the engine has ended each of ``rids`` (its KV blocks are free then)."""
+        waits = [r.ended.wait() for rid in rids if (r := self._requests.get(rid)) is not None]
+        if waits:
+            await asyncio.wait_for(asyncio.gather(*waits), timeout)
 
     async def end_session(self, session_id: int) -> None:
-        """Free a session's KV blocks in the engine."""
+        """Abort a session's running turn and free its KV blocks in the engine."""
         await self._send_to_engine(SessionEnd(session_id))
+
+    async def cancel_session(self, session_id: int) -> None:
+        """Abort a session's running turn; the session stays."""
+        await self._send_to_engine(CancelSession(session_id))
 
     async def _send_to_tokenizer(self, msg) -> None:
         await self._to_tokenizer.send(self._to_tokenizer_codec.encode(msg))
@@ -181,35 +213,48 @@ class EngineClient:
         except zmq.Again:
             logger.warning("engine socket full or unreachable; dropped %s", type(msg).__name__)
 
-    # ---- background tasks ---------------------------------------------------------------------
+    def _end(self, rid: str, item: RequestOutput | RequestError | None = None) -> None:
+        request = self._requests.pop(rid, None)
+        if request is not None:
+            if item is not None and request.left_at is None:
+                request.queue.put_nowait(item)
+            request.ended.set()
+
+    # ---- results -----------------------------------------------------------------------------
     async def _read(self) -> None:
         while True:
             frame = await self._results.recv(copy=False)
             try:
                 msg = self._in_codec.decode(frame.buffer)
-            except Exception:  # noqa: BLE001 - a bad frame must not kill the reader
-                logger.exception("undecodable frame on the result socket")
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # a bad frame must not kill the reader
+                logger.error("dropped an undecodable frame on the result socket: %s", exc)
                 continue
             if isinstance(msg, TextBatch):
                 self._route_texts(msg)
+            elif isinstance(msg, Admitted):
+                await self._admitted(msg)
             elif isinstance(msg, ErrorOut):
-                pending = self._pending.get(msg.rid)
-                if pending is not None:
-                    pending.queue.put_nowait(RequestError.from_wire(msg))
+                self._end(msg.rid, RequestError.from_wire(msg))
             elif isinstance(msg, LoadReport):
                 self._last_ring = time.monotonic()
                 self.load = msg
 
+    async def _admitted(self, msg: Admitted) -> None:
+        request = self._requests.get(msg.rid)
+        if request is None:
+            return
+        request.admitted = True
+        request.history_tokens = msg.history_tokens
+        if request.left_at is not None:
+            await self._send_to_engine(Abort(msg.rid))
+
     def _route_texts(self, batch: TextBatch) -> None:
         for i, rid in enumerate(batch.rids):
-            pending = self._pending.get(rid)
-            if pending is None:
+            request = self._requests.get(rid)
+            if request is None:
                 continue
-            pending.admitted = True
             finish = batch.finish[i]
-            if finish < 0 and not batch.texts[i] and not batch.token_ids[i]:
-                continue  # the admission notice: nothing to show yet
-            pending.queue.put_nowait(RequestOutput(
+            out = RequestOutput(
                 text=batch.texts[i],
                 token_ids=batch.token_ids[i],
                 finish_reason=None if finish < 0 else Finish(finish).openai,
@@ -217,7 +262,12 @@ class EngineClient:
                 completion_tokens=batch.completion_tokens[i],
                 cached_tokens=batch.cached[i],
                 logprobs=batch.logprobs[i] if batch.logprobs is not None else None,
-            ))
+                history_tokens=request.history_tokens,
+            )
+            if finish >= 0:
+                self._end(rid, out)
+            elif request.left_at is None:
+                request.queue.put_nowait(out)
 
     async def _watch(self) -> None:
         """Ping the ring; resend requests nobody admitted (a tokenizer died); fail all if the ring is down."""
@@ -232,21 +282,22 @@ class EngineClient:
             now = time.monotonic()
             if was_healthy and not self.healthy:
                 logger.error("no answer from the stage ring for %.1fs: failing in-flight requests", self.dead_after)
-                self._fail_all("the engine stopped answering; retry later")
+                self.fail_all("the engine stopped answering; retry later")
             was_healthy = self.healthy
-            for pending in list(self._pending.values()):
-                if pending.admitted or now - pending.sent_at < self.admit_timeout:
+            for rid, request in list(self._requests.items()):
+                if request.left_at is not None and now - request.left_at > self.forget_after:
+                    self._end(rid)  # the engine never confirmed the abort: stop waiting for it
+                elif request.admitted or now - request.sent_at < self.admit_timeout:
                     continue
-                if pending.resends >= self.max_resends:
-                    self._pending.pop(pending.req.rid, None)
-                    pending.queue.put_nowait(_unavailable("no tokenizer worker took the request; retry later"))
-                    continue
-                pending.resends += 1
-                pending.sent_at = now
-                logger.warning("request %s not admitted after %.1fs; resending", pending.req.rid, self.admit_timeout)
-                await self._send_to_tokenizer(pending.req)
+                elif request.resends >= self.max_resends:
+                    self._end(rid, _unavailable("no tokenizer worker took the request; retry later"))
+                else:
+                    request.resends += 1
+                    request.sent_at = now
+                    logger.warning("request %s not admitted after %.1fs; resending", rid, self.admit_timeout)
+                    await self._send_to_tokenizer(request.req)
 
-    def _fail_all(self, why: str) -> None:
-        for rid, pending in list(self._pending.items()):
-            pending.queue.put_nowait(_unavailable(why))
-        self._pending.clear()
+    def fail_all(self, why: str) -> None:
+        """End every waiting request with a 503 (the ring is down or the client closes)."""
+        for rid in list(self._requests):
+            self._end(rid, _unavailable(why))

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from conveyor.engine.config import EngineConfig
-from conveyor.protocol import Addresses, Codec, Stage
-from conveyor.protocol.messages import LauncherIn
-from conveyor.services.detokenizer import run_detokenizer_process
-from conveyor.services.engine import run_engine_process
-from conveyor.services.ingress_process import run_ingress_process
-from conveyor.services.tokenizer import run_tokenizer_process
+from ..engine.config import EngineConfig
+from ..protocol import Addresses, Codec, Stage
+from ..protocol.messages import LauncherIn
+from .detokenizer.process import run_detokenizer_process
+from .engine.process import run_engine_process
+from .ingress.process import run_ingress_process
+from .tokenizer.process import run_tokenizer_process
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,9 @@ class ServerArgs:
     engine: EngineConfig = field(default_factory=EngineConfig)
     log_level: str = "INFO"
     start_timeout: float = 600.0
-    fake_engine: bool = False  # no model: tokens as fast as possible (stack benchmarks and tests)
+    # "module:callable" building the engine instead of LLMEngine (the stack benchmark and fault
+    # tests use benchmarks.fake_engine:build, an engine without a model)
+    engine_factory: str | None = None
 
 
 class Deployment:
@@ -84,7 +86,7 @@ class Deployment:
         """Start every stage and wait until each said READY."""
         a, args, launcher = self.addresses, self.args, self.addresses.launcher.connect
         self._spawn("engine", run_engine_process, a, args.model_path, args.engine, launcher, args.log_level,
-                    args.fake_engine)
+                    args.engine_factory)
         self._spawn("detokenizer", run_detokenizer_process, a, args.model_path, launcher, args.log_level)
         self._wait_ready({Stage.ENGINE: 1, Stage.DETOKENIZER: 1})
         session_len = int(self.engine_info["session_len"])

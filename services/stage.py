@@ -10,8 +10,8 @@ import threading
 import msgspec
 import zmq
 
-from conveyor.protocol import Codec, Ready, Stage
-from conveyor.protocol.messages import IngressIn, LauncherIn
+from ..protocol import Codec, Ready, Stage
+from ..protocol.messages import IngressIn, LauncherIn
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,19 @@ def announce_ready(ctx: zmq.Context, launcher_address: str | None, stage: Stage,
     sock.connect(launcher_address)
     Codec(LauncherIn).send(sock, Ready(stage, os.getpid(), info))
     sock.close()
+
+
+def open_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
+                linger_ms: int = 0) -> zmq.Socket:
+    """A socket bound or connected to one address, with its linger time (how long unsent
+    messages are kept at close)."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    if bind is not None:
+        sock.bind(bind)
+    if connect is not None:
+        sock.connect(connect)
+    return sock
 
 
 def stop_on_sigterm() -> threading.Event:

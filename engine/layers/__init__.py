@@ -1,9 +1,9 @@
 """Model building blocks: linear, norm, rotary, attention, activation, embedding layers."""
 
-from conveyor.engine.layers.activation import SiluAndMul
-from conveyor.engine.layers.attention import Attention
-from conveyor.engine.layers.embedding import LMHead, VocabEmbedding
-from conveyor.engine.layers.linear import (
+from .activation import SiluAndMul
+from .attention import Attention
+from .embedding import LMHead, VocabEmbedding
+from .linear import (
     LinearBase,
     LinearMethod,
     MergedLinear,
@@ -11,8 +11,8 @@ from conveyor.engine.layers.linear import (
     ReplicatedLinear,
     UnquantizedLinearMethod,
 )
-from conveyor.engine.layers.norm import RMSNorm
-from conveyor.engine.layers.rotary import RotaryEmbedding, get_rope
+from .norm import RMSNorm
+from .rotary import RotaryEmbedding, get_rope
 
 __all__ = [
     "Attention", "LMHead", "LinearBase", "LinearMethod", "MergedLinear", "QKVLinear", "RMSNorm",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from conveyor.kernels import silu_and_mul
+from ...kernels import silu_and_mul
 
 
 class SiluAndMul(nn.Module):

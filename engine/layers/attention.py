@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from conveyor.engine.attention_metadata import AttentionMetadata, get_attention_metadata
-from conveyor.kernels import apply_rotary, paged_attention, store_kv
-from conveyor.kernels.kv_cache import rotate_and_store_kv
+from ..attention_metadata import AttentionMetadata, get_attention_metadata
+from ...kernels import apply_rotary, paged_attention, store_kv
+from ...kernels.kv_cache import rotate_and_store_kv
 
 
 @dataclass

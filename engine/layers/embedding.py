@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.kernels.gemv import linear
+from ...kernels.gemv import linear
 
 
 class VocabEmbedding(nn.Module):

@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from conveyor.kernels.gemv import linear
+from ...kernels.gemv import linear
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from conveyor.kernels import add_rms_norm, rms_norm
+from ...kernels import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):

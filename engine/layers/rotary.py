@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.engine.errors import UnsupportedModelError
+from ...protocol.errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 

@@ -8,11 +8,11 @@ import logging
 import torch
 from torch import nn
 
-from conveyor.engine.errors import UnsupportedModelError
-from conveyor.engine.model_config import ModelConfig
-from conveyor.engine.models.internlm2 import InternLM2ForCausalLM
-from conveyor.engine.models.llama import LlamaForCausalLM, MistralForCausalLM
-from conveyor.engine.models.qwen2 import Qwen2ForCausalLM
+from ...protocol.errors import UnsupportedModelError
+from ..model_config import ModelConfig
+from .internlm2 import InternLM2ForCausalLM
+from .llama import LlamaForCausalLM, MistralForCausalLM
+from .qwen2 import Qwen2ForCausalLM
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import torch
 
-from conveyor.engine.model_config import ModelConfig
-from conveyor.engine.models.llama import LlamaForCausalLM, WeightTarget
+from ..model_config import ModelConfig
+from .llama import LlamaForCausalLM, WeightTarget
 
 # InternLM2 name fragment -> (our name fragment, shard id or None).
 _RENAMES: tuple[tuple[str, str, int | None], ...] = (

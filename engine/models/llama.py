@@ -13,8 +13,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from conveyor.engine.errors import UnsupportedModelError
-from conveyor.engine.layers import (
+from ...protocol.errors import UnsupportedModelError
+from ..layers import (
     Attention,
     LMHead,
     MergedLinear,
@@ -26,8 +26,8 @@ from conveyor.engine.layers import (
     VocabEmbedding,
     get_rope,
 )
-from conveyor.engine.layers.linear import ShardId
-from conveyor.engine.model_config import ModelConfig
+from ..layers.linear import ShardId
+from ..model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

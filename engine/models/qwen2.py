@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from conveyor.engine.model_config import ModelConfig
-from conveyor.engine.models.llama import LlamaForCausalLM
+from ..model_config import ModelConfig
+from .llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

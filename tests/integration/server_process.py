@@ -35,7 +35,10 @@ class ServerProcess:
         if api_key:
             args += ["--api-keys", api_key]
         self._log = open(self.log_path, "w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # The repository root on the path: an --engine-factory may name a module of benchmarks/.
+        root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         self._wait_healthy(start_timeout)

@@ -16,13 +16,18 @@ import torch
 
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.sampling_params import SamplingParams
+from conveyor.protocol.sampling import SamplingParams
 
 from chat_prompts import PROMPTS as ALL_PROMPTS
 
 PROMPTS = ALL_PROMPTS[:10]
 MAX_NEW = 32
 TOP_K = 5
+
+
+def _token(out) -> list[int]:
+    """A step output's new token, as a list (empty when it brought none)."""
+    return [] if out.token is None else [out.token]
 
 
 def chat_ids(tok, prompt: str) -> list[int]:
@@ -34,11 +39,11 @@ def generate(engine: LLMEngine, prompts: list[list[int]], max_new: int = MAX_NEW
     """Greedy, exactly ``max_new`` tokens each, all prompts in one batch."""
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0, top_k=1, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts]
-    out: dict[int, list[int]] = {s.seq_id: [] for s in seqs}
+    out: dict[int, list[int]] = {s.request_id: [] for s in seqs}
     while engine.has_work:
         for o in engine.step():
-            out.setdefault(o.seq_id, []).extend(o.token_ids)
-    return [out[s.seq_id] for s in seqs]
+            out.setdefault(o.request_id, []).extend(_token(o))
+    return [out[s.request_id] for s in seqs]
 
 
 @pytest.fixture(scope="module")
@@ -150,10 +155,8 @@ def test_mixed_batch_split_matches_one_kernel() -> None:
         total = cached + new
         table = [free.pop() for _ in range(-(-total // block))]
         seqs.append((SimpleNamespace(num_computed_tokens=cached, token_ids=list(range(total)), block_table=table), new))
-    runner = SimpleNamespace(block_size=block, device=device, gpu_spans=None, _begin_gpu_span=lambda: None,
-                             _to_device=lambda v, dt: torch.tensor(v, dtype=dt, device=device),
-                             _fill_placeholders=lambda ids, host, prev: None)
-    _, _, meta = ModelRunner._metadata(runner, seqs)
+    runner = SimpleNamespace(_to_device=lambda v, dt: torch.tensor(v, dtype=dt, device=device))
+    meta = ModelRunner._attention_metadata(runner, ModelRunner._flatten(seqs, block, None))
     assert isinstance(meta, MixedBatchMetadata) and meta.num_decode_tokens == 3
     tokens = sum(n for _, n in shapes)
     q = torch.randn(tokens, heads, dim, generator=gen).to(device)

@@ -14,10 +14,15 @@ import pytest
 
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.sequence import FinishReason
+from conveyor.protocol.sampling import SamplingParams
+from conveyor.protocol import Finish as FinishReason
 
 from chat_prompts import PROMPTS
+
+
+def _token(out) -> list[int]:
+    """A step output's new token, as a list (empty when it brought none)."""
+    return [] if out.token is None else [out.token]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +36,7 @@ def engines(smollm2_dir):
 
 
 def _chat_ids(engine: LLMEngine, prompt: str) -> list[int]:
-    from conveyor.services.tokenize import load_tokenizer
+    from conveyor.services.tokenizer.preprocess import load_tokenizer
 
     tok = load_tokenizer(engine.model_path)
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
@@ -39,7 +44,7 @@ def _chat_ids(engine: LLMEngine, prompt: str) -> list[int]:
 
 
 def _eos(engine: LLMEngine) -> list[int]:
-    from conveyor.services.tokenize import load_tokenizer
+    from conveyor.services.tokenizer.preprocess import load_tokenizer
 
     return [load_tokenizer(engine.model_path).convert_tokens_to_ids("<|im_end|>")]
 
@@ -65,20 +70,20 @@ def _workload(engine: LLMEngine) -> list[tuple[list[int], SamplingParams]]:
 def _run(engine: LLMEngine, work, abort_after: dict[int, int] | None = None):
     """Submit everything, step to the end; returns per request (tokens, reason, logprobs)."""
     seqs = [engine.add_request(ids, params) for ids, params in work]
-    index = {s.seq_id: i for i, s in enumerate(seqs)}
+    index = {s.request_id: i for i, s in enumerate(seqs)}
     tokens = {i: [] for i in range(len(work))}
     reasons, logprobs = {}, {i: [] for i in range(len(work))}
     while engine.has_work:
         for o in engine.step():
-            i = index[o.seq_id]
-            tokens[i] += o.token_ids
-            logprobs[i] += o.logprobs or []
+            i = index[o.request_id]
+            tokens[i] += _token(o)
+            logprobs[i] += [] if o.logprob is None else [o.logprob]
             if o.finished:
                 assert i not in reasons, "a request finished twice"
                 reasons[i] = o.finish_reason
         for i, after in (abort_after or {}).items():
             if i not in reasons and len(tokens[i]) >= after:
-                engine.abort(seqs[i].seq_id)
+                engine.abort(seqs[i].request_id)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.scheduler.running and not engine.scheduler.waiting
     return tokens, reasons, logprobs
@@ -121,8 +126,8 @@ def test_session_turn_after_a_stop_token_in_flight(engines):
             seq = engine.add_request(_chat_ids(engine, prompt), params, session_id=77)
             out = []
             while engine.has_work:
-                out += [t for o in engine.step() for t in o.token_ids]
-            assert min(seq.token_ids) >= 0
+                out += [t for o in engine.step() for t in _token(o)]
+            assert min(seq.token_ids) >= 0 and seq.num_pending_tokens == 0
             assert seq.num_computed_tokens == seq.num_tokens - 1
             turns.append(out)
         engine.end_session(77)
@@ -176,13 +181,13 @@ def test_session_turn_added_while_the_stale_step_is_in_flight(engines):
         turns: list[list[int]] = [[]]
         while engine.has_work:
             for o in engine.step():
-                turns[-1] += o.token_ids
+                turns[-1] += _token(o)
                 if o.finished and len(turns) == 1:
                     turns.append([])
                     # No drain first: with overlap the step holding the discarded token is queued.
                     assert (engine._inflight is not None) == overlap
                     engine.add_request(prompts[1], params, session_id=88)
-        assert min(seq.token_ids) >= 0 and len(turns) == 2 and turns[1]
+        assert min(seq.token_ids) >= 0 and seq.num_pending_tokens == 0 and len(turns) == 2 and turns[1]
         engine.end_session(88)
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         results[overlap] = turns
@@ -190,7 +195,7 @@ def test_session_turn_added_while_the_stale_step_is_in_flight(engines):
 
 
 def test_overlap_setting_is_checked():
-    from conveyor.engine.errors import EngineConfigError
+    from conveyor.protocol.errors import EngineConfigError
 
     with pytest.raises(EngineConfigError, match="overlap_schedule='yes': use True, False or None"):
         EngineConfig(overlap_schedule="yes")
@@ -199,18 +204,18 @@ def test_overlap_setting_is_checked():
 
 def test_bad_request_while_a_step_is_in_flight(engines):
     """A request refused while a step is queued on the device changes nothing for the others."""
-    from conveyor.engine.errors import InvalidRequestError
+    from conveyor.protocol.errors import InvalidRequestError
 
     engine = engines[True]
     work = _workload(engine)[:4]
     full, _, _ = _run(engines[False], work)
     seqs = [engine.add_request(ids, params) for ids, params in work]
-    index = {s.seq_id: i for i, s in enumerate(seqs)}
+    index = {s.request_id: i for i, s in enumerate(seqs)}
     tokens = {i: [] for i in range(len(work))}
     refused = 0
     while engine.has_work:
         for o in engine.step():
-            tokens[index[o.seq_id]] += o.token_ids
+            tokens[index[o.request_id]] += _token(o)
         if engine._inflight is not None and refused < 3:
             bad = [([], SamplingParams()), ([1, 2], SamplingParams(temperature=-1.0)),
                    ([engine.model_config.vocab_size], SamplingParams())][refused]

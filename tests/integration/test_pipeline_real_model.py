@@ -124,8 +124,7 @@ def test_prefix_cache_reuses_blocks_and_keeps_tokens(prefix_pipe, pipe):
     assert second.num_cached_tokens % 16 == 0
     plain = pipe(msgs("Name a planet."), GREEDY)
     assert second.token_ids == plain.token_ids
-    stats = prefix_pipe._stack.call(lambda e: e.stats())
-    assert stats["prefix_hit_tokens"] >= second.num_cached_tokens
+    assert prefix_pipe._stack.call(lambda e: e.stats()).prefix_hit_tokens >= second.num_cached_tokens
 
 
 def test_multi_turn_session_equals_full_history(pipe, hf):

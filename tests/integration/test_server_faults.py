@@ -16,7 +16,7 @@ from server_process import ServerProcess
 def _start(smollm2_dir, tmp_path, *extra, delay: float = 0.0) -> ServerProcess:
     os.environ["CONVEYOR_FAKE_STEP_DELAY"] = str(delay)
     try:
-        return ServerProcess(smollm2_dir, "--fake-engine", "--session-len", "4096", *extra, log_dir=tmp_path)
+        return ServerProcess(smollm2_dir, "--engine-factory", "benchmarks.fake_engine:build", "--session-len", "4096", *extra, log_dir=tmp_path)
     finally:
         os.environ.pop("CONVEYOR_FAKE_STEP_DELAY", None)
 
@@ -34,13 +34,44 @@ def _chat(url: str, max_tokens: int, stream: bool = False, timeout: float = 60) 
             return r.status_code, "".join(r.iter_text())
 
 
+def _metric(url: str, name: str) -> float:
+    """One unlabelled value from /metrics (0 when the server does not answer)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return 0.0
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")), 0.0)
+
+
+def _wait_until(predicate, what: str, timeout: float = 30.0) -> None:
+    """Poll ``predicate`` (every 50 ms) until it holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _draining(url: str) -> bool:
+    """/health says 503 (draining), or the ingress already stopped listening."""
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 503
+    except httpx.ConnectError:
+        return True
+
+
+def _generating(url: str, n: int = 1) -> bool:
+    """At least ``n`` requests in flight and the engine producing tokens for them."""
+    return (_metric(url, "conveyor_requests_in_flight") >= n
+            and _metric(url, "conveyor_engine_generated_tokens") > 0)
+
+
 def test_killing_one_of_two_tokenizers_under_load_hangs_nothing(smollm2_dir, tmp_path):
     srv = _start(smollm2_dir, tmp_path, "--tokenizer-workers", "2", delay=0.005)
     try:
         victim = srv.stage_pids("tokenizer")[0]
         with cf.ThreadPoolExecutor(32) as pool:
             futures = [pool.submit(_chat, srv.url, 200, i % 2 == 0) for i in range(64)]
-            time.sleep(0.3)
+            _wait_until(lambda: _generating(srv.url, 8), "requests in flight")
             os.kill(victim, signal.SIGKILL)
             results = [f.result(timeout=90) for f in futures]  # none may hang
         for status, body in results:
@@ -61,14 +92,11 @@ def test_engine_death_gives_503_not_hangs(smollm2_dir, tmp_path):
         engine = srv.stage_pids("engine")[0]
         with cf.ThreadPoolExecutor(2) as pool:
             streaming = pool.submit(_chat, srv.url, 100_000 // 100, True, 90)
-            time.sleep(1.0)
+            _wait_until(lambda: _generating(srv.url), "the stream to start")
             os.kill(engine, signal.SIGKILL)
             status, body = streaming.result(timeout=90)
         assert status == 200 and '"error"' in body and body.rstrip().endswith("data: [DONE]")
-        deadline = time.monotonic() + 30
-        while httpx.get(f"{srv.url}/health").status_code != 503:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        _wait_until(lambda: httpx.get(f"{srv.url}/health").status_code == 503, "/health to say 503")
         status, body = _chat(srv.url, 5)
         assert status == 503 and '"error"' in body
     finally:
@@ -79,9 +107,9 @@ def test_sigterm_drains_in_flight_requests(smollm2_dir, tmp_path):
     srv = _start(smollm2_dir, tmp_path, delay=0.01)
     with cf.ThreadPoolExecutor(2) as pool:
         inflight = pool.submit(_chat, srv.url, 150, True, 90)  # ~1.5 s of generation
-        time.sleep(0.5)
+        _wait_until(lambda: _generating(srv.url), "the stream to start")
         srv.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        _wait_until(lambda: _draining(srv.url), "the drain to begin")
         try:  # a new request during the drain: 503 (or refused once the ingress has exited)
             late = httpx.post(f"{srv.url}/v1/chat/completions", timeout=10,
                               json={"model": "x", "messages": [{"role": "user", "content": "hi"}]})
@@ -99,7 +127,10 @@ def test_schemathesis_finds_no_server_error(smollm2_dir, tmp_path):
     import subprocess
     import sys
 
-    srv = _start(smollm2_dir, tmp_path)
+    # A short session_len bounds each fuzzed request's work: the fake engine outruns the ingress,
+    # and a case like n=128 over several prompts with a huge max_tokens would otherwise keep the
+    # ingress busy past the request timeout (an overload, not a server error).
+    srv = _start(smollm2_dir, tmp_path, "--session-len", "512")
     try:
         done = subprocess.run(
             [sys.executable, "-m", "schemathesis.cli", "run", f"{srv.url}/openapi.json", "--checks",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conveyor.engine.block_manager import BlockManager, PrefixMatch, chain_hash
-from conveyor.engine.sampling_params import SamplingParams
+from conveyor.protocol.sampling import SamplingParams
 from conveyor.engine.sequence import Sequence
 
 BS = 4
@@ -265,20 +265,20 @@ def test_cache_full_blocks_incrementally_during_decode():
     assert a.block_table == [0, 1]
     h0 = chain_hash(None, [10, 11, 12, 13])
     assert [bm.blocks[0].block_hash, bm.blocks[1].block_hash] == [h0, None]
-    a.append_token(16)
+    a.token_ids.append(16)
     compute(bm, a, 1)  # 7 computed: block 1 not full yet
     assert a.block_table == [0, 1] and bm.blocks[1].block_hash is None
-    a.append_token(17)
+    a.token_ids.append(17)
     compute(bm, a, 1)  # 8 computed: block 1 full
     assert bm.blocks[1].block_hash == chain_hash(h0, [14, 15, 16, 17])
     assert bm.find_prefix(a.token_ids + [18]).block_ids == (0, 1)
-    a.append_token(18)
+    a.token_ids.append(18)
     compute(bm, a, 1)
     assert a.block_table == [0, 1, 2] and bm.blocks[2].block_hash is None
     # Hashing counts computed tokens only, not tokens merely known.
-    a.append_token(19)
-    a.append_token(20)
-    a.append_token(21)
+    a.token_ids.append(19)
+    a.token_ids.append(20)
+    a.token_ids.append(21)
     bm.allocate(a, 3)
     bm.cache_full_blocks(a)
     assert bm.blocks[2].block_hash is None

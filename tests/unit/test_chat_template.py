@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.services.chat_template import (
+from conveyor.services.tokenizer.chat_template import (
     CHAT_TEMPLATES,
     BaseChatTemplate,
     ChatTemplateConfig,

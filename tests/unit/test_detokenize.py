@@ -1,4 +1,4 @@
-"""Tests for conveyor.services.detokenize (incremental detokenization + stop strings)."""
+"""Tests for conveyor.services.detokenizer.incremental (incremental detokenization + stop strings)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from conveyor.services.detokenize import IncrementalDetokenizer
+from conveyor.services.detokenizer.incremental import IncrementalDetokenizer
 
 
 TEXTS = [

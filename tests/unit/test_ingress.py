@@ -10,9 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
-from conveyor.protocol import GenerateReq, LoadReport
+from conveyor.protocol import EngineStats, GenerateReq, LoadReport
 from conveyor.services.engine_client import RequestError, RequestOutput
-from conveyor.services.ingress import begin_drain, build_app, inflight_requests
+from conveyor.services.ingress.app import begin_drain, build_app, inflight_requests
 
 pytestmark = pytest.mark.anyio
 
@@ -30,6 +30,7 @@ class FakeEngineClient:
     Token i of an answer has id 1000 + i and logprob -0.5; alternatives are 2000 + j with -1 - j.
     Knobs: ``fail`` (raised before any output), ``fail_after`` (raised after that many outputs),
     ``hang_after`` (block after that many outputs until aborted), ``delay`` (seconds per token).
+    Sessions live here, as in the engine: their token counts and running turns.
     """
 
     model_name = "fake-model"
@@ -38,7 +39,8 @@ class FakeEngineClient:
 
     def __init__(self) -> None:
         self.healthy = True
-        self.load: LoadReport | None = LoadReport(reply_to="", sent_at=0.0, running=3, waiting=2, kv_usage=0.5)
+        self.load: LoadReport | None = LoadReport(reply_to="", sent_at=0.0,
+                                                  engine=EngineStats(running=3, waiting=2, kv_usage=0.5))
         self.requests: list[GenerateReq] = []
         self.aborted: list[str] = []  # rids whose stream was closed before it finished
         self.abort_calls: list[str] = []
@@ -49,6 +51,8 @@ class FakeEngineClient:
         self.delay = 0.0
         self.active: set[str] = set()
         self._abort_events: dict[str, asyncio.Event] = {}
+        self.sessions: dict[int, int] = {}  # session id -> its tokens
+        self.session_turns: dict[int, str] = {}  # session id -> rid of its running turn
 
     @property
     def num_inflight(self) -> int:
@@ -67,10 +71,16 @@ class FakeEngineClient:
         if self.fail is not None:
             raise self.fail
         words = self.words(req)
-        if len(words) >= self.session_len:
+        sid = req.session_id
+        if sid in self.session_turns:
+            raise RequestError(400, f"session {sid} is still generating", param="session_id")
+        history = self.sessions.get(sid, 0)
+        if history + len(words) >= self.session_len:
             raise RequestError(400, f"the prompt is {len(words)} tokens but session_len is {self.session_len}",
                                param="messages")
-        budget = req.options.max_new_tokens
+        if sid is not None:
+            self.session_turns[sid] = req.rid
+        budget = req.params.max_new_tokens
         n_out, reason = min(budget, len(words)), ("length" if budget < len(words) else "stop")
         abort = self._abort_events[req.rid] = asyncio.Event()
         self.active.add(req.rid)
@@ -83,30 +93,36 @@ class FakeEngineClient:
                 if self.hang_after == i:
                     await abort.wait()
                     finished = True
-                    yield RequestOutput("", [], "abort", len(words), i, 0)
+                    yield RequestOutput("", [], "abort", len(words), i, 0, history_tokens=history)
                     return
                 if self.delay:
                     await asyncio.sleep(self.delay)
                 tid, last = 1000 + i, i == n_out - 1
                 lps = None
-                if req.options.logprobs is not None:
-                    lps = [{tid: -0.5, **{2000 + j: -1.0 - j for j in range(req.options.logprobs)}}]
+                if req.params.logprobs is not None:
+                    lps = [{tid: -0.5, **{2000 + j: -1.0 - j for j in range(req.params.logprobs)}}]
                 finished = last
+                if sid is not None and last:
+                    self.sessions[sid] = history + len(words) + n_out
                 yield RequestOutput(words[i] if i == 0 else " " + words[i], [tid], reason if last else None,
-                                    len(words), i + 1, 1, lps)
+                                    len(words), i + 1, 1, lps, history_tokens=history)
         finally:
+            if sid is not None:
+                self.session_turns.pop(sid, None)
             self.active.discard(req.rid)
             self._abort_events.pop(req.rid, None)
             if not finished:
                 self.aborted.append(req.rid)
 
-    async def abort(self, rid: str) -> None:
-        self.abort_calls.append(rid)
-        if rid in self._abort_events:
+    async def cancel_session(self, session_id: int) -> None:
+        rid = self.session_turns.get(session_id)
+        if rid is not None:
+            self.abort_calls.append(rid)
             self._abort_events[rid].set()
 
     async def end_session(self, session_id: int) -> None:
         self.ended.append(session_id)
+        self.sessions.pop(session_id, None)
 
 
 @pytest.fixture
@@ -222,14 +238,14 @@ async def test_chat_non_stream(app, engine) -> None:
     req = engine.requests[0]
     assert req.messages == [{"role": "user", "content": PROMPT}] and req.reply_to == engine.reply_to
     assert req.do_preprocess and req.session_id is None
-    opts = req.options
+    opts = req.params
     assert (opts.max_new_tokens, opts.temperature, opts.top_k, opts.top_p, opts.logprobs) == (64, 0.7, 40, 1.0, None)
 
 
 async def test_chat_sampling_options_mapped(app, engine) -> None:
     body = chat_body(temperature=0, top_p=0.5, top_k=-1, min_p=0.1, max_tokens=5, max_completion_tokens=7,
                      stop="x", seed=3, repetition_penalty=1.2, ignore_eos=True, skip_special_tokens=False,
-                     min_new_tokens=2, presence_penalty=1.0, frequency_penalty=-1.0,
+                     min_new_tokens=2, presence_penalty=0.0, user="u-1",
                      messages=[{"role": "developer", "content": "be brief"},
                                {"role": "user", "content": [{"type": "text", "text": "a"},
                                                             {"type": "text", "text": "b"}]}])
@@ -237,8 +253,9 @@ async def test_chat_sampling_options_mapped(app, engine) -> None:
         assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
     req = engine.requests[0]
     assert req.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
-    o = req.options
-    assert (o.temperature, o.top_p, o.top_k, o.min_p, o.max_new_tokens, o.stop, o.seed) == (0, 0.5, 0, 0.1, 7, ["x"], 3)
+    o = req.params
+    assert (o.temperature, o.top_p, o.top_k, o.min_p, o.max_new_tokens, o.stop_words, o.random_seed) == \
+        (0, 0.5, 0, 0.1, 7, ["x"], 3)
     assert (o.repetition_penalty, o.ignore_eos, o.skip_special_tokens, o.min_new_tokens) == (1.2, True, False, 2)
 
 
@@ -268,7 +285,7 @@ async def test_chat_n2_and_seeds(app, engine) -> None:
     assert [ch["index"] for ch in body["choices"]] == [0, 1]
     assert all(ch["message"]["content"] == PROMPT for ch in body["choices"])
     assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["completion_tokens"] == 6
-    assert [r.options.seed for r in engine.requests[:2]] == [10, 11]
+    assert [r.params.random_seed for r in engine.requests[:2]] == [10, 11]
     assert len({r.rid for r in engine.requests}) == 4
     chunks = sse_events(resp.text)[:-1]
     for index in (0, 1):
@@ -298,7 +315,7 @@ async def test_completions_shapes(app, engine) -> None:
         echo = (await c.post("/v1/completions", json={"prompt": "x y", "echo": True})).json()
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     assert body["choices"] == [{"index": 0, "text": PROMPT, "logprobs": None, "finish_reason": "stop"}]
-    assert engine.requests[0].options.max_new_tokens == 16 and not engine.requests[0].do_preprocess
+    assert engine.requests[0].params.max_new_tokens == 16 and not engine.requests[0].do_preprocess
     assert engine.requests[0].prompt == PROMPT
     assert [(ch["index"], ch["text"], ch["finish_reason"]) for ch in batch["choices"]] == [
         (0, "a b", "stop"), (1, "a b", "stop"), (2, "c d", "length"), (3, "c d", "length")]
@@ -329,7 +346,7 @@ async def test_chat_logprobs(app, engine) -> None:
         body = (await c.post("/v1/chat/completions", json=chat_body(logprobs=True, top_logprobs=2))).json()
         plain = (await c.post("/v1/chat/completions", json=chat_body(logprobs=True))).json()
         resp = await c.post("/v1/chat/completions", json=chat_body(logprobs=True, top_logprobs=1, stream=True))
-    assert engine.requests[0].options.logprobs == 2 and engine.requests[1].options.logprobs == 0
+    assert engine.requests[0].params.logprobs == 2 and engine.requests[1].params.logprobs == 0
     content = body["choices"][0]["logprobs"]["content"]
     assert [e["token"] for e in content] == ["1000", "1001", "1002"]
     first = content[0]
@@ -338,7 +355,7 @@ async def test_chat_logprobs(app, engine) -> None:
     assert plain["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == []
     async with http(app) as c:  # as LMDeploy: top_logprobs without logprobs asks for nothing
         ignored = (await c.post("/v1/chat/completions", json=chat_body(top_logprobs=2))).json()
-    assert ignored["choices"][0]["logprobs"] is None and engine.requests[-1].options.logprobs is None
+    assert ignored["choices"][0]["logprobs"] is None and engine.requests[-1].params.logprobs is None
     chunks = sse_events(resp.text)[:-1]
     streamed = [e for c in chunks for ch in c["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]]
     assert [e["token"] for e in streamed] == ["1000", "1001", "1002"]
@@ -348,7 +365,7 @@ async def test_completion_logprobs_legacy_shape(app, engine) -> None:
     async with http(app) as c:
         body = (await c.post("/v1/completions", json={"prompt": PROMPT, "logprobs": 2})).json()
     lp = body["choices"][0]["logprobs"]
-    assert engine.requests[0].options.logprobs == 2
+    assert engine.requests[0].params.logprobs == 2
     assert lp["tokens"] == ["1000", "1001", "1002"] and lp["token_logprobs"] == [-0.5] * 3
     assert lp["top_logprobs"][0] == {"1000": -0.5, "2000": -1.0}
     assert lp["text_offset"] == [0, 5, 11]
@@ -383,6 +400,9 @@ async def test_logprob_tokens_use_the_tokenizer(engine) -> None:
      "messages.0.content.0.type"),
     (chat_body(stop=5), "stop"),
     ({"model": "fake-model"}, "messages"),
+    (chat_body(presence_penalty=0.5), "presence_penalty"),  # refused, not ignored: no such penalty here
+    (chat_body(repetition_penalty=0), "repetition_penalty"),
+    (chat_body(min_p=1.5), "min_p"),
 ])
 async def test_bad_parameters_are_400(app, body: dict[str, Any], param: str | None) -> None:
     async with http(app) as c:
@@ -563,15 +583,17 @@ async def test_interactive_session_flow(app, engine) -> None:
     assert two == {"text": "d", "tokens": 1, "input_tokens": 2, "history_tokens": 6, "finish_reason": "length",
                    "session_id": 7}
     r1, r2, r3, r4 = engine.requests
-    assert (r1.session_id, r1.sequence_start, r2.session_id, r2.sequence_start) == (7, True, 7, False)
-    assert (r1.options.top_k, r1.options.top_p, r1.options.temperature) == (40, 0.8, 0.8)
-    assert r1.options.max_new_tokens == 64 and r2.options.max_new_tokens == 1
+    # The engine knows whether a turn is a session's first: the ingress leaves sequence_start to it.
+    assert (r1.session_id, r1.sequence_start, r2.session_id, r2.sequence_start) == (7, None, 7, None)
+    assert (r1.params.top_k, r1.params.top_p, r1.params.temperature) == (40, 0.8, 0.8)
+    assert r1.params.max_new_tokens == 64 and r2.params.max_new_tokens == 1
     streamed = [json.loads(line) for line in lines]
     assert "".join(s["text"] for s in streamed) == "f g" and streamed[-1]["finish_reason"] == "stop"
     assert [s["finish_reason"] for s in streamed].count("stop") == 1 and streamed[0]["history_tokens"] == 9
-    assert r3.sequence_start is False
+    assert r3.sequence_start is None
     # interactive_mode false ends the session and answers without one.
-    assert engine.ended == [7] and r4.session_id is None and stateless["text"] == "x y"
+    assert engine.ended == [7] and r4.session_id is None and r4.sequence_start is True
+    assert stateless["text"] == "x y"
 
 
 async def test_interactive_fresh_id_end_and_errors(app, engine) -> None:
@@ -586,8 +608,9 @@ async def test_interactive_fresh_id_end_and_errors(app, engine) -> None:
         # A first turn the tokenizer refuses does not leave a session behind.
         assert_error(await c.post("/v1/chat/interactive",
                                   json={"prompt": "w " * 80, "session_id": 3, "interactive_mode": True}), 400)
-        await c.post("/v1/chat/interactive", json={"prompt": "ok", "session_id": 3, "interactive_mode": True})
-    assert engine.requests[-1].sequence_start is True
+        ok = (await c.post("/v1/chat/interactive",
+                           json={"prompt": "ok", "session_id": 3, "interactive_mode": True})).json()
+    assert ok["history_tokens"] == 0 and 3 in engine.sessions
 
 
 async def test_interactive_cancel(app, engine) -> None:

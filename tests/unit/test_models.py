@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from conveyor.engine.attention_metadata import AttentionMetadata, set_attention_metadata
-from conveyor.engine.errors import UnsupportedModelError
+from conveyor.protocol.errors import UnsupportedModelError
 from conveyor.engine.model_config import ModelConfig
 from conveyor.engine.models import SUPPORTED_ARCHITECTURES, build_model
 from conveyor.engine.weight_loader import iter_checkpoint, load_model

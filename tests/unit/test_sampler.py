@@ -7,7 +7,7 @@ import math
 import torch
 
 from conveyor.engine.sampler import Sampler
-from conveyor.engine.sampling_params import SamplingParams
+from conveyor.protocol.sampling import SamplingParams
 
 V = 32
 

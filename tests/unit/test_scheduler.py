@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from conveyor.engine.block_manager import BlockManager
-from conveyor.engine.sampling_params import SamplingParams
+from conveyor.protocol.sampling import SamplingParams
 from conveyor.engine.scheduler import Scheduler
-from conveyor.engine.sequence import FinishReason, Sequence, SequenceStatus
+from conveyor.engine.sequence import Sequence, SequenceStatus
+from conveyor.protocol import Finish as FinishReason
 
 TOK = 7  # the token every step samples unless told otherwise
 STOP = 2

@@ -11,11 +11,11 @@ import time
 import uvicorn
 import zmq
 
-from conveyor.protocol import Addresses, Stage
-from conveyor.services.engine_client import EngineClient
-from conveyor.services.ingress import begin_drain, build_app, inflight_requests
-from conveyor.services.stage import announce_ready, setup_logging
-from conveyor.services.tokenize import load_tokenizer
+from ...protocol import Addresses, Stage
+from ..engine_client import EngineClient
+from .app import begin_drain, build_app, inflight_requests
+from ..stage import announce_ready, setup_logging
+from ..tokenizer.preprocess import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from conveyor.engine.errors import ConveyorError
+from ...protocol.errors import ConveyorError
 
 logger = logging.getLogger(__name__)
 

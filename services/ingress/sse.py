@@ -22,10 +22,10 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from conveyor.protocol import GenerateReq
-from conveyor.services.engine_client import RequestError, RequestOutput
-from conveyor.services.metrics import RequestStats
-from conveyor.services.openai_schemas import error_envelope
+from ...protocol import GenerateReq
+from ..engine_client import RequestError, RequestOutput
+from .metrics import RequestStats
+from .openai_schemas import error_envelope
 
 logger = logging.getLogger(__name__)
 
@@ -330,14 +330,14 @@ class InteractiveFormat(ResponseFormat):
 
     media_type = "application/x-ndjson"
 
-    def __init__(self, history_tokens: int, session_id: int | None):
+    def __init__(self, session_id: int | None):
         super().__init__(1)
-        self.history_tokens, self.session_id = history_tokens, session_id
+        self.session_id = session_id
         self._last: RequestOutput | None = None
 
     def _obj(self, text: str, out: RequestOutput | None) -> dict[str, Any]:
         return {"text": text, "tokens": out.completion_tokens if out else 0,
-                "input_tokens": out.prompt_tokens if out else 0, "history_tokens": self.history_tokens,
+                "input_tokens": out.prompt_tokens if out else 0, "history_tokens": out.history_tokens if out else 0,
                 "finish_reason": out.finish_reason if out else None, "session_id": self.session_id}
 
     def on_output(self, i: int, out: RequestOutput) -> bytes:

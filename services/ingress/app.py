@@ -20,7 +20,6 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
@@ -30,10 +29,10 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from conveyor.protocol import GenerateReq, LoadReport
-from conveyor.services.engine_client import RequestError, RequestOutput
-from conveyor.services.metrics import CONTENT_TYPE, IngressMetrics, RequestCounter, RequestStats
-from conveyor.services.openai_schemas import (
+from ...protocol import GenerateReq, InvalidRequestError, LoadReport, error_code
+from ..engine_client import RequestError, RequestOutput
+from .metrics import CONTENT_TYPE, IngressMetrics, RequestCounter
+from .openai_schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -46,7 +45,7 @@ from conveyor.services.openai_schemas import (
     describe_validation_error,
     error_envelope,
 )
-from conveyor.services.sse import (
+from .sse import (
     ChatFormat,
     ClientDisconnected,
     ClosingStreamingResponse,
@@ -80,7 +79,7 @@ class EngineClientLike(Protocol):
     reply_to: str
 
     def generate(self, req: GenerateReq) -> AsyncIterator[RequestOutput]: ...
-    async def abort(self, rid: str) -> None: ...
+    async def cancel_session(self, session_id: int) -> None: ...
     async def end_session(self, session_id: int) -> None: ...
     @property
     def healthy(self) -> bool: ...
@@ -191,6 +190,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def failed(request: Request, exc: RequestError) -> Response:
         return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
 
+    async def refused(request: Request, exc: InvalidRequestError) -> Response:  # a body's parameters
+        return error_response(400, str(exc), param=exc.param, code=error_code(exc))
+
     async def gone(request: Request, exc: ClientDisconnected) -> Response:
         return error_response(499, "the client closed the connection", code="client_closed_request")
 
@@ -201,19 +203,12 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, invalid)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestError, failed)  # type: ignore[arg-type]
+    app.add_exception_handler(InvalidRequestError, refused)  # type: ignore[arg-type]
     app.add_exception_handler(ClientDisconnected, gone)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, unexpected)
 
 
 # ---- the request flow --------------------------------------------------------------------------
-
-@dataclass
-class _Session:
-    """An interactive session as this ingress knows it."""
-
-    history_tokens: int = 0
-    running: str | None = None  # rid of the turn being generated
-
 
 class _Ingress:
     """Per-app state, and the request flow the generation routes share."""
@@ -221,7 +216,6 @@ class _Ingress:
     def __init__(self, app: FastAPI, client: EngineClientLike, model_name: str, tokenizer: Any | None):
         self.app, self.client, self.model_name, self.tokenizer = app, client, model_name, tokenizer
         self.inflight = 0
-        self.sessions: dict[int, _Session] = {}
         self.metrics = IngressMetrics(client, lambda: self.inflight)
         self.renderer = LogprobRenderer(tokenizer)
 
@@ -238,7 +232,7 @@ class _Ingress:
                                type="service_unavailable", code="engine_unavailable")
 
     async def respond(self, request: Request, reqs: list[GenerateReq], fmt: ResponseFormat, *, stream: bool,
-                      n: int, start: float, on_done: Callable[[list[RequestStats]], None] | None = None) -> Response:
+                      n: int, start: float) -> Response:
         """Run ``reqs`` (n choices per prompt) and answer with ``fmt``, streamed or whole."""
         stats = [self.metrics.track(start) for _ in reqs]
         events = iter_choices(self.client, reqs, stats)
@@ -250,8 +244,6 @@ class _Ingress:
             finally:
                 self.inflight -= 1
                 self.metrics.e2e.observe(time.perf_counter() - start)
-                if on_done is not None:
-                    on_done(stats)
 
         handed_off = False
         try:
@@ -271,11 +263,11 @@ class _Ingress:
                 with anyio.CancelScope(shield=True):
                     await finish()
 
-    def new_session_id(self) -> int:
-        """An unused session id, far from the small ids users pick, and exact in JSON doubles."""
-        while (sid := 2**32 + secrets.randbelow(2**53 - 2**32)) in self.sessions:
-            pass
-        return sid
+    @staticmethod
+    def new_session_id() -> int:
+        """A random session id, far from the small ids users pick, and exact in JSON doubles
+        (sessions live in the engine; a collision among 2**53 ids is not a practical worry)."""
+        return 2**32 + secrets.randbelow(2**53 - 2**32)
 
 
 def _rid(prefix: str) -> str:
@@ -333,7 +325,7 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
         messages = [m.to_wire() for m in body.messages]
         max_new = body.requested_max_tokens or client.session_len  # the tokenizer caps it to what fits
         reqs = [GenerateReq(rid=f"{rid}-{i}", reply_to=client.reply_to, messages=messages,
-                            options=body.sampling_options(max_new, k, i)) for i in range(n)]
+                            params=body.sampling_params(max_new, k, i)) for i in range(n)]
         fmt = ChatFormat(rid, int(time.time()), ing.model_name, n, ing.renderer, k, body.wants_usage_chunk)
         return await ing.respond(request, reqs, fmt, stream=bool(body.stream), n=n, start=start)
 
@@ -342,6 +334,8 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
         """OpenAI (legacy) text completions: no chat template; a batch of prompts gives n choices each."""
         start = time.perf_counter()
         ing.admit(body.model)
+        if body.suffix:
+            raise RequestError(400, "suffix: text insertion is not supported; send null", param="suffix")
         rid, n, prompts = _rid("cmpl"), body.num_choices, body.prompts
         echo: list[str] | None = None
         if body.echo:
@@ -356,7 +350,7 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
         max_new = body.max_tokens or client.session_len
         reqs = [GenerateReq(rid=f"{rid}-{j * n + i}", reply_to=client.reply_to, do_preprocess=False,
                             prompt=p if isinstance(p, str) else None, input_ids=None if isinstance(p, str) else p,
-                            options=body.sampling_options(max_new, body.logprobs, i))
+                            params=body.sampling_params(max_new, body.logprobs, i))
                 for j, p in enumerate(prompts) for i in range(n)]
         fmt = CompletionFormat(rid, int(time.time()), ing.model_name, len(reqs), ing.renderer, body.logprobs,
                                body.wants_usage_chunk, echo=echo)
@@ -371,52 +365,31 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
         Streamed as one JSON object per line.
         """
         start = time.perf_counter()
-        sid, sessions = body.session_id, ing.sessions
+        sid = body.session_id
         if body.cancel:
             if sid == -1:
                 raise RequestError(400, "cancel needs the session_id of the turn to cancel", param="session_id")
-            session = sessions.get(sid)
-            if session is not None and session.running is not None:
-                await client.abort(session.running)
+            await client.cancel_session(sid)
             return _json({"text": "", "tokens": 0, "input_tokens": 0, "history_tokens": 0,
                           "finish_reason": "stop", "session_id": sid})
-        if body.end or not body.interactive_mode:
-            if sessions.pop(sid, None) is not None:
-                await client.end_session(sid)
-            if body.end:
-                return _json({"text": "", "tokens": 0, "input_tokens": 0, "history_tokens": 0,
-                              "finish_reason": None, "session_id": sid})
+        if (body.end or not body.interactive_mode) and sid != -1:
+            await client.end_session(sid)
+        if body.end:
+            return _json({"text": "", "tokens": 0, "input_tokens": 0, "history_tokens": 0,
+                          "finish_reason": None, "session_id": sid})
         ing.admit(None)
         if not body.prompt:
             raise RequestError(400, "the prompt is empty: give some text or messages", param="prompt")
         prompt, messages = (body.prompt, None) if isinstance(body.prompt, str) else \
             (None, [m.to_wire() for m in body.prompt])
-        session, session_id, first_turn = None, None, True
-        if body.interactive_mode:
+        session_id = None
+        if body.interactive_mode:  # the engine keeps the session; it knows whether this is a first turn
             session_id = sid if sid != -1 else ing.new_session_id()
-            session = sessions.get(session_id)
-            if session is not None and session.running is not None:
-                raise RequestError(400, f"session {session_id} is still generating: wait for its turn to end "
-                                   "or cancel it", param="session_id")
-            first_turn = session is None
-            session = sessions.setdefault(session_id, _Session())
-        rid = _rid("interactive")
-        req = GenerateReq(rid=rid, reply_to=client.reply_to, prompt=prompt, messages=messages,
-                          session_id=session_id, sequence_start=first_turn,
-                          options=body.sampling_options(body.request_output_len or client.session_len))
-        on_done = None
-        if session is not None:
-            session.running = rid
-
-            def on_done(stats: list[RequestStats], session: _Session = session, sid: int = session_id) -> None:
-                session.running = None
-                if first_turn and stats[0].failed:
-                    sessions.pop(sid, None)  # the engine never opened it
-                else:
-                    session.history_tokens += stats[0].prompt_tokens + stats[0].completion_tokens
-
-        fmt = InteractiveFormat(session.history_tokens if session else 0, session_id)
-        return await ing.respond(request, [req], fmt, stream=body.stream, n=1, start=start, on_done=on_done)
+        req = GenerateReq(rid=_rid("interactive"), reply_to=client.reply_to, prompt=prompt, messages=messages,
+                          session_id=session_id, sequence_start=None if body.interactive_mode else True,
+                          params=body.sampling_params(body.request_output_len or client.session_len))
+        fmt = InteractiveFormat(session_id)
+        return await ing.respond(request, [req], fmt, stream=body.stream, n=1, start=start)
 
     return app
 

@@ -57,7 +57,7 @@ class IngressMetrics:
     def _load_gauge(self, client: Any, name: str, doc: str, field: str) -> None:
         def read() -> float:
             load = client.load
-            return float(getattr(load, field, 0) or 0) if load is not None else 0.0
+            return float(getattr(load.engine, field)) if load is not None else 0.0
         Gauge(name, doc, registry=self.registry).set_function(read)
 
     def track(self, start: float) -> "RequestStats":

@@ -1,19 +1,23 @@
-"""Prompt preprocessing: chat template, tokenization, stop/bad words as token ids.
+"""The tokenizer stage's logic: chat template, tokenization, words as token ids, validation.
 
-Library code shared by the offline pipeline (in-process) and the tokenizer worker process.
+``Preprocessor.prepare`` turns a GenerateReq into the TokenizedReq the engine takes; the
+process loop around it is ``process.py``. The pipeline also uses ``render`` to check prompts
+before it queues anything.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conveyor.engine.errors import InvalidRequestError
-from conveyor.engine.sampling_params import SamplingParams
-from conveyor.services.chat_template import ChatTemplateConfig, get_chat_template
+import msgspec
+
+from ...protocol.errors import InvalidRequestError, PromptTooLongError
+from ...protocol.messages import GenerateReq, TokenizedReq
+from ...protocol.sampling import SamplingParams, validate
+from .chat_template import ChatTemplateConfig, get_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -39,21 +43,13 @@ def _generation_eos_ids(model_path: Path) -> list[int]:
     return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
 
-@dataclass
-class PreparedRequest:
-    """A prompt ready for the engine, plus what the detokenizer needs."""
-
-    token_ids: list[int]
-    params: SamplingParams
-    stop_strings: list[str] = field(default_factory=list)
-
-
 class Preprocessor:
-    """Turns user prompts and generation settings into token ids and SamplingParams."""
+    """Turns requests (prompts and sampling parameters) into token ids for the engine."""
 
-    def __init__(self, model_path: str | Path, chat_template_config: ChatTemplateConfig | None = None,
+    def __init__(self, model_path: str | Path, session_len: int, chat_template_config: ChatTemplateConfig | None = None,
                  model_eos_ids: list[int] | None = None):
         self.model_path = Path(model_path)
+        self.session_len = session_len
         self.tokenizer = load_tokenizer(self.model_path)
         self.template = get_chat_template(str(self.model_path), chat_template_config, self.tokenizer)
         eos = list(model_eos_ids or [])
@@ -99,27 +95,38 @@ class Preprocessor:
             raise InvalidRequestError("the prompt encodes to no tokens", param="prompt")
         return ids
 
-    def sampling_params(self, *, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                        min_p: float = 0.0, repetition_penalty: float = 1.0, ignore_eos: bool = False,
-                        random_seed: int | None = None, min_new_tokens: int | None = None,
-                        stop_words: list[str] | None = None, bad_words: list[str] | None = None,
-                        stop_token_ids: list[int] | None = None, bad_token_ids: list[int] | None = None,
-                        logprobs: int | None = None) -> tuple[SamplingParams, list[str]]:
-        """SamplingParams with words turned into ids, and the stop strings left for the detokenizer."""
-        stops = [] if ignore_eos else list(self.eos_token_ids)
-        stops += list(stop_token_ids or [])
-        bad_single, bad_seqs = list(bad_token_ids or []), []
-        for word in bad_words or []:
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        """``params`` validated, with the model's end ids added to ``stop_token_ids`` (unless
+        ``ignore_eos``) and ``bad_words`` turned into ``bad_token_ids`` and ``bad_sequences``."""
+        validate(params, self.vocab_size)
+        stops = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
+        bad_single, bad_seqs = list(params.bad_token_ids), []
+        for word in params.bad_words:
             ids = self.tokenizer.encode(word, add_special_tokens=False)
             (bad_single.extend(ids) if len(ids) == 1 else bad_seqs.append(ids))
-        for tid in stops + bad_single:
-            if not 0 <= tid < self.vocab_size:
-                raise InvalidRequestError(f"token id {tid} is outside the vocabulary [0, {self.vocab_size})")
-        params = SamplingParams(
-            max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens or 0,
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty, ignore_eos=ignore_eos, random_seed=random_seed,
-            stop_token_ids=sorted(set(stops)), bad_token_ids=sorted(set(bad_single)),
-            bad_sequences=bad_seqs, logprobs=logprobs,
-        )
-        return params, list(stop_words or [])
+        return msgspec.structs.replace(params, stop_token_ids=sorted(set(stops)),
+                                       bad_token_ids=sorted(set(bad_single)), bad_sequences=bad_seqs)
+
+    def prepare(self, req: GenerateReq) -> TokenizedReq:
+        """Validate and tokenize a request; raises ConveyorError subclasses on bad input.
+
+        ``sequence_start=None`` (a session turn whose history the engine knows) renders the
+        prompt as a continuation and, in ``first_turn_ids``, as a first turn.
+        """
+        first_turn_ids = None
+        if req.input_ids is not None:
+            if not req.input_ids:
+                raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
+            ids = list(req.input_ids)
+        elif req.messages is not None or req.prompt is not None:
+            prompt = req.messages if req.messages is not None else req.prompt
+            ids = self.encode(prompt, req.do_preprocess, bool(req.sequence_start))
+            if req.sequence_start is None:
+                first_turn_ids = self.encode(prompt, req.do_preprocess, True)
+                first_turn_ids = None if first_turn_ids == ids else first_turn_ids  # e.g. a whole chat
+        else:
+            raise InvalidRequestError("give a prompt, messages or input_ids", param="prompt")
+        if len(ids) >= self.session_len:
+            raise PromptTooLongError(len(ids), self.session_len)
+        return TokenizedReq(rid=req.rid, reply_to=req.reply_to, token_ids=ids, params=self.resolve(req.params),
+                            session_id=req.session_id, first_turn_ids=first_turn_ids)

@@ -1,9 +1,12 @@
 """Request and response bodies of the HTTP ingress: OpenAI's API plus LMDeploy's /v1/chat/interactive.
 
-Requests check types and ranges here, so the ingress answers 400 before anything reaches the
-engine; prompt lengths and the chat template are checked by the tokenizer stage. Unknown fields
+Requests check types and the API's own limits here (``n``, ``top_logprobs``, ``seed``, ...);
+each body maps onto the engine's one ``SamplingParams`` (``sampling_params``), which
+``protocol.sampling.validate`` checks like every other entry, so the ingress answers 400 before
+anything reaches the engine. Prompt lengths and the chat template are checked by the tokenizer
+stage. Unknown fields
 are ignored (OpenAI clients send some conveyor has no use for, e.g. ``logit_bias``, ``tools``).
-``presence_penalty`` and ``frequency_penalty`` are accepted and ignored: the engine implements
+``presence_penalty`` and ``frequency_penalty`` other than 0 are refused: the engine implements
 ``repetition_penalty`` (an extension) instead. Sampling defaults follow LMDeploy's api_server
 (temperature 0.7, top_p 1.0, top_k 40) rather than OpenAI's.
 
@@ -19,7 +22,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from conveyor.protocol import SamplingOptions
+from ...protocol import FINISH_REASONS, InvalidRequestError, SamplingParams, validate
 
 INT32_MAX = 2**31 - 1
 MAX_N = 128  # choices per request: each is a separate engine request
@@ -85,20 +88,19 @@ class _SamplingBody(_Body):
     """Sampling fields shared by chat and text completions (None means the default)."""
 
     model: str | None = Field(None, description="The served model's name (GET /v1/models); omitted: that one.")
-    temperature: float | None = Field(None, ge=0, le=2, description="Default 0.7.")
-    top_p: float | None = Field(None, gt=0, le=1, description="Default 1.0.")
-    top_k: int_in(-1, INT32_MAX) | None = Field(None,
-                              description="Extension. Default 40; 0 or -1: no top-k limit.")
-    min_p: float | None = Field(None, ge=0, le=1, description="Extension. Default 0.")
+    temperature: float | None = Field(None, le=2, description="OpenAI's range [0, 2]. Default 0.7; 0 is greedy.")
+    top_p: float | None = Field(None, description="In (0, 1]. Default 1.0.")
+    top_k: int | None = Field(None, description="Extension. Default 40; 0 or -1: no top-k limit.")
+    min_p: float | None = Field(None, description="Extension. In [0, 1]. Default 0.")
     n: int_in(1, MAX_N) | None = Field(None, description="Choices to generate. Default 1.")
     stop: str | list[str] | None = Field(None, description="Strings that end generation (not returned).")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     seed: int_in(0, MAX_SEED) | None = Field(None, description="Choice i uses seed + i.")
-    user: str | None = Field(None, description="Accepted and ignored.")
-    presence_penalty: float | None = Field(None, ge=-2, le=2, description="Accepted and ignored.")
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Accepted and ignored.")
-    repetition_penalty: float | None = Field(None, gt=0, le=100, description="Extension. Default 1.0 (off).")
+    user: str | None = Field(None, description="An end-user id for the client's own records; not used.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0: use repetition_penalty.")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0: use repetition_penalty.")
+    repetition_penalty: float | None = Field(None, description="Extension. > 0; default 1.0 (off).")
     ignore_eos: bool = Field(False, description="Extension: keep generating past the end-of-sequence token.")
     skip_special_tokens: bool = Field(True, description="Extension.")
     min_new_tokens: int_in(0, INT32_MAX) | None = Field(None, description="Extension.")
@@ -115,26 +117,48 @@ class _SamplingBody(_Body):
         """A streamed response ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_options(self, max_new_tokens: int, logprobs: int | None, choice: int = 0) -> SamplingOptions:
-        """The wire SamplingOptions for choice ``choice`` (its seed is seed + choice)."""
+    def sampling_params(self, max_new_tokens: int, logprobs: int | None, choice: int = 0) -> SamplingParams:
+        """The engine's parameters for choice ``choice`` (its seed is seed + choice), validated."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise InvalidRequestError(f"{name}={getattr(self, name)!r}: not supported; use "
+                                          "repetition_penalty (> 1 discourages repeats)", param=name)
         top_k = 40 if self.top_k is None else self.top_k
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingOptions(
+        return checked(SamplingParams(
             max_new_tokens=max_new_tokens,
             min_new_tokens=self.min_new_tokens or 0,
             temperature=0.7 if self.temperature is None else self.temperature,
-            top_k=max(top_k, 0),  # the engine reads top_k <= 0 as "no limit"; vLLM clients send -1
+            top_k=0 if top_k == -1 else top_k,  # vLLM clients send -1 for "no limit"
             top_p=1.0 if self.top_p is None else self.top_p,
             min_p=self.min_p or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             ignore_eos=self.ignore_eos,
-            seed=None if self.seed is None else self.seed + choice,
-            stop=stop,
+            random_seed=None if self.seed is None else self.seed + choice,
+            stop_words=_stop_list(self.stop),
             stop_token_ids=list(self.stop_token_ids or []),
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str=self.include_stop_str_in_output,
-        )
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        ))
+
+
+# The OpenAI name of each SamplingParams field whose name differs, for error messages.
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "random_seed": "seed", "stop_words": "stop",
+                 "logprobs": "top_logprobs"}
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def checked(params: SamplingParams) -> SamplingParams:
+    """``validate(params)``, its error naming the request body's field rather than the engine's."""
+    try:
+        return validate(params)
+    except InvalidRequestError as exc:
+        name = _OPENAI_NAMES.get(exc.param, exc.param)
+        raise InvalidRequestError(f"{name}: {str(exc).split(': ', 1)[-1]} (got {getattr(params, exc.param)!r})",
+                                  param=name) from None
 
 
 class ChatCompletionRequest(_SamplingBody):
@@ -166,7 +190,7 @@ class CompletionRequest(_SamplingBody):
     max_tokens: int_in(1, INT32_MAX) | None = Field(16, description="Default 16, as OpenAI's.")
     echo: bool = Field(False, description="Prepend the prompt to the text (the prompt gets no logprobs).")
     logprobs: int_in(0, MAX_COMPLETION_LOGPROBS) | None = None
-    suffix: str | None = Field(None, description="Accepted and ignored.")
+    suffix: str | None = Field(None, description="Only null or empty: text insertion is not supported.")
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -197,29 +221,31 @@ class InteractiveRequest(_Body):
     stream: bool = False
     stop: str | list[str] | None = None
     request_output_len: int_in(1, INT32_MAX) | None = None
-    top_p: float = Field(0.8, gt=0, le=1)
-    top_k: int_in(-1, INT32_MAX) = 40
-    temperature: float = Field(0.8, ge=0, le=2)
-    repetition_penalty: float = Field(1.0, gt=0, le=100)
+    top_p: float = Field(0.8, description="In (0, 1].")
+    top_k: int = Field(40, description="0 or -1: no top-k limit.")
+    temperature: float = Field(0.8, description="0 is greedy.")
+    repetition_penalty: float = Field(1.0, description="> 0; 1.0 is off.")
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     cancel: bool = Field(False, description="Abort the session's running turn.")
-    adapter_name: str | None = Field(None, description="Accepted and ignored (no LoRA adapters).")
+    adapter_name: str | None = Field(None, description="LoRA adapter: not supported, so only null is accepted.")
     seed: int_in(0, MAX_SEED) | None = None
     end: bool = Field(False, description="Extension: end the session and free its cache.")
 
-    def sampling_options(self, max_new_tokens: int) -> SamplingOptions:
-        """The wire SamplingOptions of this turn."""
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingOptions(
-            max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=max(self.top_k, 0),
+    def sampling_params(self, max_new_tokens: int) -> SamplingParams:
+        """The engine's parameters of this turn, validated."""
+        if self.adapter_name is not None:
+            raise InvalidRequestError(f"adapter_name={self.adapter_name!r}: LoRA adapters are not supported; "
+                                      "send null and serve a merged model", param="adapter_name")
+        return checked(SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=0 if self.top_k == -1 else self.top_k,
             top_p=self.top_p, repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
-            seed=self.seed, stop=stop, skip_special_tokens=self.skip_special_tokens)
+            random_seed=self.seed, stop_words=_stop_list(self.stop), skip_special_tokens=self.skip_special_tokens))
 
 
 # ---- responses ---------------------------------------------------------------------------------
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal[FINISH_REASONS]  # the OpenAI spelling of protocol.Finish
 
 
 class PromptTokensDetails(BaseModel):

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The runs behind docs/benchmarks.md, as made on the device machine (one H200), from the
+# repository root: `bash benchmarks/run_h200.sh STAGE`. Needs the wheels of
+# ../shared/scripts/gpu-wheels.sh in .whl/ (carried). The package is installed (editable, no
+# dependencies: the image has torch, triton and transformers); results land in
+# benchmarks/results/h200/ and in $OUT. CONVEYOR_COMMIT names the commit measured.
+#
+# STAGE "tests": the GPU kernel tests and, when /tmp/smol.gguf is there, the real-model GPU test.
+# STAGE "ab BEFORE_DIR": batch-1 decode and the ShareGPT-shaped workload for the tree in
+#   BEFORE_DIR (an older commit, run the way that commit's own run_h100.sh ran it) and for this
+#   tree, alternating, in one call: a before/after comparison free of machine-to-machine spread.
+# STAGE "bench": this tree's Llama-2-7B grid and ShareGPT run.
+set -u
+STAGE=${1:-bench}
+REPO=$PWD
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 BENCH_OUT=${OUT:-/tmp/out}
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+
+pytest_here() { timeout "$1" python3 -m pytest -q -p no:cacheprovider "${@:2}" 2>&1 | tail -15; }
+
+if [ "$STAGE" = tests ]; then
+  pytest_here 300 tests/unit/test_kernels.py tests/unit/test_sampling_kernel.py tests/unit/test_rotary.py
+  if [ -f /tmp/smol.gguf ]; then
+    timeout 120 python3 -m conveyor.default_model --gguf /tmp/smol.gguf --dest /tmp/smol >/dev/null 2>&1
+    CONVEYOR_TEST_MODEL=/tmp/smol CONVEYOR_OFFLINE=1 pytest_here 200 tests/integration/test_gpu_real_model.py
+  fi
+fi
+
+if [ "$STAGE" = ab ]; then
+  BEFORE=$(cd "$2" && pwd)
+  # The old tree is not installable as is (it predates the relative imports): rebuild its
+  # package layout in /tmp, as its own run_h100.sh did, and run its benchmarks from there.
+  rm -rf /tmp/pkg_before && mkdir -p /tmp/pkg_before/conveyor && cp -r "$BEFORE"/conveyor/* /tmp/pkg_before/conveyor/
+  for d in engine kernels protocol services; do ln -sfn "$BEFORE/$d" "/tmp/pkg_before/conveyor/$d"; done
+  ln -sfn "$BEFORE/benchmarks" /tmp/pkg_before/benchmarks
+  before() { (cd /tmp/pkg_before && CONVEYOR_COMMIT=${BEFORE_COMMIT:-before} PYTHONPATH=/tmp/pkg_before:/tmp/site \
+               BENCH_OUT=$BENCH_OUT/before timeout "$1" python3 -m "${@:2}"); }
+  after() { (CONVEYOR_COMMIT=${CONVEYOR_COMMIT:-after} BENCH_OUT=$BENCH_OUT/after timeout "$1" python3 -m "${@:2}"); }
+  GEN="benchmarks.profile_generation --model llama2-7b -b 1 -c 128:512"
+  TPUT="benchmarks.profile_throughput --model llama2-7b --num-prompts ${AB_PROMPTS:-3000}"
+  case ${AB_PART:-all} in
+    gen|all) before 120 $GEN --name ab_before_gen; after 120 $GEN --name ab_after_gen
+             after 120 $GEN --name ab_after_gen2; before 120 $GEN --name ab_before_gen2 ;;
+  esac
+  case ${AB_PART:-all} in
+    sharegpt|all) before 280 $TPUT --name ab_before_sharegpt; after 280 $TPUT --name ab_after_sharegpt ;;
+  esac
+fi
+
+if [ "$STAGE" = bench ]; then
+  timeout 170 python3 -m benchmarks.profile_generation --model llama2-7b -b 1 -b 64 -c 128:128 -c 128:512 -c 2048:1
+  timeout 330 python3 -m benchmarks.profile_throughput --model llama2-7b
+fi

@@ -1,0 +1,60 @@
+"""What the engine service needs from an engine: ``LLMEngine`` implements it, and so does the
+stack benchmark's model-free engine (``benchmarks/fake_engine.py``)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ..protocol.messages import EngineStats, Finish
+from ..protocol.sampling import SamplingParams
+
+
+class AdmittedRequest(Protocol):
+    """What ``add_request`` tells about the request it took."""
+
+    request_id: str
+    num_history_tokens: int  # a session's tokens before this turn
+
+
+class Output(Protocol):
+    """What one step did to one request (``llm_engine.StepOutput``)."""
+
+    request_id: str
+    token: int | None
+    finish_reason: Finish | None
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
+    num_cached_tokens: int
+
+
+class Engine(Protocol):
+    """Requests in, one list of outputs per step; not thread-safe (one thread drives it)."""
+
+    session_len: int
+
+    @property
+    def has_work(self) -> bool:
+        """True while a step would do or report something."""
+
+    def add_request(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    session_id: int | None = None, first_turn_ids: list[int] | None = None
+                    ) -> AdmittedRequest:
+        """Queue a request or a session's next turn; raises a ConveyorError on bad input."""
+
+    def abort(self, request_id: str) -> None:
+        """End a request now (reported with Finish.ABORT by the next step)."""
+
+    def stop(self, request_id: str) -> None:
+        """End a request whose text reached a stop string (Finish.STOP)."""
+
+    def abort_session(self, session_id: int) -> None:
+        """Abort a session's running turn; its history stays."""
+
+    def end_session(self, session_id: int) -> None:
+        """Abort a session's running turn and forget the session."""
+
+    def step(self) -> list[Output]:
+        """Run one step; every request that got a token or ended appears once."""
+
+    def stats(self) -> EngineStats:
+        """Queues, cache usage and counters."""

@@ -1,0 +1,89 @@
+"""One request's sampling parameters: the struct the pipeline, the wire and the engine share.
+
+The field names are LMDeploy's ``GenerationConfig`` names (``stop_words``, ``random_seed``,
+``include_stop_str_in_output``, ...). Words travel as text; the tokenizer stage adds the
+model's end-of-sequence ids to ``stop_token_ids`` and turns ``bad_words`` into
+``bad_token_ids`` (one-token words) and ``bad_sequences`` (longer ones) before the engine sees
+the request. ``stop_words`` are matched on text by the detokenizer, never by the engine.
+
+``validate`` is the one check every entry runs: ``GenerationConfig`` (the pipeline), the
+OpenAI bodies (the ingress) and the engine's ``add_request``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .errors import InvalidRequestError
+
+MAX_LOGPROBS = 20  # alternatives per token the engine reports (OpenAI's top_logprobs limit)
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """How to sample one request and when to stop it.
+
+    ``top_k <= 0`` means no top-k limit; ``top_k == 1`` or ``temperature == 0`` is greedy.
+    """
+
+    max_new_tokens: int = 512
+    min_new_tokens: int = 0
+    temperature: float = 0.8
+    top_k: int = 1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    random_seed: int | None = None
+    stop_words: list[str] = []
+    bad_words: list[str] = []
+    stop_token_ids: list[int] = []
+    bad_token_ids: list[int] = []
+    # Multi-token bad words as ids, filled by the tokenizer stage from ``bad_words``: the last
+    # token is banned when the ones before it were just generated.
+    bad_sequences: list[list[int]] = []
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+_RULES = (
+    ("max_new_tokens", lambda p: p.max_new_tokens >= 1, "must be >= 1"),
+    ("min_new_tokens", lambda p: p.min_new_tokens >= 0, "must be >= 0"),
+    ("temperature", lambda p: p.temperature >= 0, "must be >= 0 (0 means greedy)"),
+    ("top_p", lambda p: 0 < p.top_p <= 1, "must be in (0, 1]"),
+    ("top_k", lambda p: p.top_k >= 0, "must be >= 0 (0 means no limit, 1 greedy)"),
+    ("min_p", lambda p: 0 <= p.min_p <= 1, "must be in [0, 1]"),
+    ("repetition_penalty", lambda p: p.repetition_penalty > 0, "must be > 0 (1 means none)"),
+    ("logprobs", lambda p: p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS,
+     f"must be in [0, {MAX_LOGPROBS}]"),
+    ("random_seed", lambda p: p.random_seed is None or p.random_seed >= 0, "must be >= 0"),
+    ("stop_words", lambda p: all(isinstance(w, str) and w for w in p.stop_words),
+     "must be a list of non-empty strings"),
+    ("bad_words", lambda p: all(isinstance(w, str) and w for w in p.bad_words),
+     "must be a list of non-empty strings"),
+    ("stop_token_ids", lambda p: all(t >= 0 for t in p.stop_token_ids), "token ids must be >= 0"),
+    ("bad_token_ids", lambda p: all(t >= 0 for t in p.bad_token_ids), "token ids must be >= 0"),
+)
+
+
+def validate(params: SamplingParams, vocab_size: int | None = None, prefix: str = "") -> SamplingParams:
+    """Raise InvalidRequestError naming the first bad field and its valid range; return ``params``.
+
+    With ``vocab_size``, token ids must also lie in the vocabulary. ``prefix`` goes before the
+    field name in the message (``"GenerationConfig."`` for the pipeline).
+    """
+    for name, ok, rule in _RULES:
+        if not ok(params):
+            raise InvalidRequestError(f"{prefix}{name}={getattr(params, name)!r}: {rule}", param=name)
+    if vocab_size is not None:
+        for name in ("stop_token_ids", "bad_token_ids"):
+            bad = [t for t in getattr(params, name) if t >= vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"{prefix}{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=name)
+    return params

@@ -1,0 +1,83 @@
+"""The detokenizer's process loop: dispatches on the message type.
+
+Admitted starts a request's state and is forwarded to its ingress; a TokenBatch becomes text
+for each ingress (and StopReq to the engine for stop strings); an ErrorOut (a refusal) is
+forwarded; a LoadReport gets this stage's counters and goes on to the ingress that pinged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import zmq
+
+from ...protocol import (
+    Addresses,
+    Admitted,
+    Codec,
+    DetokenizerIn,
+    EngineIn,
+    ErrorOut,
+    LoadReport,
+    Stage,
+    StopReq,
+    TokenBatch,
+)
+from ..stage import ReplySockets, announce_ready, open_socket, setup_logging, stop_on_sigterm
+from ..tokenizer.preprocess import load_tokenizer
+from .batches import Detokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def serve_detokenizer(ctx: zmq.Context, addresses: Addresses, detok: Detokenizer, stop: threading.Event,
+                      launcher: str | None = None) -> None:
+    """The stage loop: blocks on its input, wakes every 0.5 s only to check ``stop``."""
+    inbox = open_socket(ctx, zmq.PULL, bind=addresses.detokenizer_in.bind)
+    engine = open_socket(ctx, zmq.PUSH, connect=addresses.engine_in.connect)
+    replies = ReplySockets(ctx)
+    in_codec, engine_codec = Codec(DetokenizerIn), Codec(EngineIn)
+    announce_ready(ctx, launcher, Stage.DETOKENIZER)
+    busy, tokens = 0.0, 0  # reported on LoadReports, for per-stage overhead measurements
+
+    def fail(errors: list[ErrorOut]) -> None:
+        for err in errors:  # requests failed here: the engine must stop them too
+            replies.send(err.reply_to, err)
+            engine_codec.send(engine, StopReq(err.rid))
+
+    try:
+        while not stop.is_set():
+            if not inbox.poll(500):
+                continue
+            for msg in in_codec.recv_all(inbox):
+                start = time.perf_counter()
+                if isinstance(msg, TokenBatch):
+                    tokens += len(msg.rids)
+                    batches, stops = detok.process(msg)
+                    for rid in stops:
+                        engine_codec.send(engine, StopReq(rid))
+                    for addr, tb in batches.items():
+                        replies.send(addr, tb)
+                elif isinstance(msg, Admitted):
+                    replies.send(msg.reply_to, msg)
+                    fail(detok.admit(msg))
+                elif isinstance(msg, ErrorOut):
+                    replies.send(msg.reply_to, msg)
+                elif isinstance(msg, LoadReport):
+                    msg.stage_stats.update(detokenizer_busy_s=busy, detokenizer_tokens=tokens)
+                    replies.send(msg.reply_to, msg)
+                busy += time.perf_counter() - start
+    finally:
+        inbox.close(linger=0)
+        engine.close(linger=0)
+        replies.close()
+
+
+def run_detokenizer_process(addresses: Addresses, model_path: str, launcher: str | None,
+                            log_level: str = "INFO") -> None:
+    """Entry point of the detokenizer process."""
+    setup_logging(log_level)
+    stop = stop_on_sigterm()
+    serve_detokenizer(zmq.Context(), addresses, Detokenizer(load_tokenizer(model_path)), stop, launcher)

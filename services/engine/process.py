@@ -1,0 +1,38 @@
+"""The engine process: builds the engine (an ``LLMEngine``, or what ``engine_factory`` names)
+and serves it."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import zmq
+
+from ...engine.config import EngineConfig
+from ...engine.interface import Engine
+from ...protocol import Addresses
+from ..stage import setup_logging, stop_on_sigterm
+from .service import EngineService
+
+
+def load_engine_factory(spec: str) -> Callable[[str, EngineConfig], Engine]:
+    """``"module:callable"`` -> the callable (it takes the model path and the EngineConfig)."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"engine factory {spec!r}: write it as 'module:callable'")
+    return getattr(importlib.import_module(module), name)
+
+
+def run_engine_process(addresses: Addresses, model_path: str, config: EngineConfig, launcher: str | None,
+                       log_level: str = "INFO", engine_factory: str | None = None) -> None:
+    """Entry point of the engine process."""
+    setup_logging(log_level)
+    stop = stop_on_sigterm()
+    if engine_factory:
+        engine = load_engine_factory(engine_factory)(model_path, config)
+    else:
+        from ...engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(model_path, config)
+    info = {"session_len": engine.session_len, "num_blocks": engine.stats().num_blocks}
+    EngineService(engine, zmq.Context(), addresses).serve(stop, launcher, info)

@@ -1,0 +1,204 @@
+"""The engine stage: drives an Engine (``engine/interface.py``) from its input socket and sends
+one TokenBatch out per step.
+
+Two IO threads keep the sockets moving while a step runs (vLLM's EngineCoreProc pattern): the
+input thread decodes messages and answers Pings from the last stats snapshot; the output thread
+encodes and sends. The engine loop only moves messages through queues, dispatching on their
+type, and blocks when it has nothing to do. Requests are idempotent by id: a TokenizedReq the
+ingress resent (its first copy was slow, not lost) is admitted once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from ...engine.interface import Engine, Output
+from ...protocol import (
+    Abort,
+    Addresses,
+    Admitted,
+    CancelSession,
+    Codec,
+    ConveyorError,
+    DetokenizerIn,
+    EngineIn,
+    EngineStats,
+    ErrorOut,
+    LoadReport,
+    Ping,
+    SessionEnd,
+    Stage,
+    StopReq,
+    TokenBatch,
+    TokenizedReq,
+    error_code,
+)
+from ..stage import announce_ready, open_socket
+
+logger = logging.getLogger(__name__)
+
+_RECENT_RIDS = 100_000  # request ids remembered, so that a resent duplicate is not run twice
+PROMPT_TAIL = 8  # prompt tokens the detokenizer needs to render the first output token right
+
+
+class EngineCall:
+    """Run ``fn(engine)`` on the engine thread (in-process only: never crosses a socket)."""
+
+    def __init__(self, fn: Callable[[Engine], Any]):
+        self.fn = fn
+        self.future: Future = Future()
+
+
+class EngineService:
+    """Moves messages between the sockets and an Engine."""
+
+    def __init__(self, engine: Engine, ctx: zmq.Context, addresses: Addresses):
+        self.engine = engine
+        self._ctx, self._addresses = ctx, addresses
+        self._inbox: queue.Queue = queue.Queue()
+        self._outbox: queue.Queue = queue.Queue()
+        self._seen: OrderedDict[str, None] = OrderedDict()  # request ids admitted (live or recently done)
+        self._snapshot = EngineStats()
+        self.draining = False
+        self._busy, self._steps = 0.0, 0  # seconds spent stepping and batching, and steps
+
+    # ---- IO threads ----------------------------------------------------------------------------
+    def _input_loop(self, stop: threading.Event, bound: threading.Event) -> None:
+        sock = open_socket(self._ctx, zmq.PULL, bind=self._addresses.engine_in.bind)
+        bound.set()
+        codec = Codec(EngineIn)
+        try:
+            while not stop.is_set():
+                try:
+                    if not sock.poll(200):
+                        continue
+                except zmq.ContextTerminated:  # the owner is shutting down: nothing more to read
+                    return
+                for msg in codec.recv_all(sock):
+                    if isinstance(msg, Ping):  # answered here, even while a long step runs
+                        stats = {**msg.stage_stats, "engine_busy_s": self._busy, "engine_steps": self._steps}
+                        self._outbox.put(LoadReport(msg.reply_to, msg.sent_at, self._snapshot, self.draining, stats))
+                    else:
+                        self._inbox.put(msg)
+        finally:
+            sock.close(linger=0)
+
+    def _output_loop(self) -> None:
+        sock = open_socket(self._ctx, zmq.PUSH, connect=self._addresses.detokenizer_in.connect, linger_ms=1000)
+        codec = Codec(DetokenizerIn)
+        try:
+            while (msg := self._outbox.get()) is not None:
+                codec.send(sock, msg)
+        finally:
+            sock.close()
+
+    # ---- engine loop ---------------------------------------------------------------------------
+    def serve(self, stop: threading.Event, launcher: str | None = None, info: dict | None = None) -> None:
+        """Run until ``stop`` is set."""
+        self._snapshot = self.engine.stats()  # before the input thread can answer a Ping
+        bound = threading.Event()
+        threads = [threading.Thread(target=self._input_loop, args=(stop, bound), name="engine-in", daemon=True),
+                   threading.Thread(target=self._output_loop, name="engine-out", daemon=True)]
+        for t in threads:
+            t.start()
+        bound.wait()
+        announce_ready(self._ctx, launcher, Stage.ENGINE, **(info or {}))
+        try:
+            while not stop.is_set():
+                msgs = self._take_messages(block=not self.engine.has_work)
+                start = time.perf_counter()
+                self.handle(msgs)
+                if self.engine.has_work:
+                    outputs = self.engine.step()
+                    if outputs:
+                        self._outbox.put(to_token_batch(outputs))
+                        self._steps += 1
+                self._snapshot = self.engine.stats()
+                self._busy += time.perf_counter() - start
+        finally:
+            self._outbox.put(None)
+            # Both IO threads must be off their sockets before the owner terminates the context
+            # (the input thread notices ``stop`` within one 200 ms poll).
+            for t in threads:
+                t.join(timeout=2)
+            for msg in self._take_messages(block=False):  # nobody will run these now
+                if isinstance(msg, EngineCall):
+                    msg.future.set_exception(RuntimeError("the engine stopped"))
+
+    def _take_messages(self, block: bool) -> list:
+        msgs = []
+        try:
+            msgs.append(self._inbox.get(timeout=0.2) if block else self._inbox.get_nowait())
+            while True:
+                msgs.append(self._inbox.get_nowait())
+        except queue.Empty:
+            return msgs
+
+    def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run ``fn(engine)`` between two steps and return its result (from another thread)."""
+        call = EngineCall(fn)
+        self._inbox.put(call)
+        return call.future.result()
+
+    def handle(self, msgs: list) -> None:
+        """Apply input messages to the engine, on the engine thread, by type."""
+        for msg in msgs:
+            if isinstance(msg, TokenizedReq):
+                self._add(msg)
+            elif isinstance(msg, Abort):
+                self.engine.abort(msg.rid)
+            elif isinstance(msg, StopReq):
+                self.engine.stop(msg.rid)
+            elif isinstance(msg, CancelSession):
+                self.engine.abort_session(msg.session_id)
+            elif isinstance(msg, SessionEnd):
+                self.engine.end_session(msg.session_id)
+            elif isinstance(msg, EngineCall):
+                try:
+                    msg.future.set_result(msg.fn(self.engine))
+                except Exception as exc:  # noqa: BLE001 - the caller gets its own error
+                    msg.future.set_exception(exc)
+
+    def _add(self, msg: TokenizedReq) -> None:
+        """Admit a request (Admitted goes out before any of its tokens) or refuse it (ErrorOut)."""
+        if msg.rid in self._seen:
+            return  # a resend of a request already admitted or refused
+        self._seen[msg.rid] = None
+        while len(self._seen) > _RECENT_RIDS:
+            self._seen.popitem(last=False)
+        try:
+            req = self.engine.add_request(msg.token_ids, msg.params, msg.rid, msg.session_id, msg.first_turn_ids)
+        except ConveyorError as exc:
+            self._outbox.put(ErrorOut(msg.rid, 400, str(exc), param=getattr(exc, "param", None),
+                                      code=error_code(exc), reply_to=msg.reply_to))
+            return
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the engine
+            logger.exception("adding request %s failed", msg.rid)
+            self._outbox.put(ErrorOut(msg.rid, 500, f"engine error: {exc}", type="internal_error",
+                                      reply_to=msg.reply_to))
+            return
+        ids = msg.token_ids if msg.first_turn_ids is None or req.num_history_tokens else msg.first_turn_ids
+        self._outbox.put(Admitted(msg.rid, msg.reply_to, len(ids), msg.params, ids[-PROMPT_TAIL:],
+                                  req.num_history_tokens))
+
+
+def to_token_batch(outputs: list[Output]) -> TokenBatch:
+    """One step's outputs, column-wise."""
+    want_lp = any(o.logprob is not None for o in outputs)
+    return TokenBatch(
+        rids=[o.request_id for o in outputs],
+        tokens=[-1 if o.token is None else o.token for o in outputs],
+        finish=[-1 if o.finish_reason is None else int(o.finish_reason) for o in outputs],
+        cached=[o.num_cached_tokens for o in outputs],
+        logprobs=[o.logprob or 0.0 for o in outputs] if want_lp else None,
+        top_logprobs=[o.top_logprobs or [] for o in outputs] if want_lp else None,
+    )

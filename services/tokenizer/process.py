@@ -1,0 +1,66 @@
+"""The tokenizer worker's process loop: N workers share the ingress feed (ZeroMQ spreads it).
+
+Pulls GenerateReq, pushes the TokenizedReq that ``Preprocessor.prepare`` makes to the engine,
+and sends a refusal (ErrorOut) straight back to the waiting ingress.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import zmq
+
+from ...engine.weight_loader import load_model_config
+from ...protocol import Addresses, Codec, ConveyorError, EngineIn, ErrorOut, Ping, Stage, TokenizerIn, error_code
+from ..stage import ReplySockets, announce_ready, open_socket, setup_logging, stop_on_sigterm
+from .chat_template import ChatTemplateConfig
+from .preprocess import Preprocessor
+
+logger = logging.getLogger(__name__)
+
+
+def serve_tokenizer(ctx: zmq.Context, addresses: Addresses, pre: Preprocessor,
+                    stop: threading.Event, launcher: str | None = None) -> None:
+    """The worker loop: blocks on its input, wakes every 0.5 s only to check ``stop``."""
+    feed = open_socket(ctx, zmq.PULL, connect=addresses.tokenizer_in.connect)
+    engine = open_socket(ctx, zmq.PUSH, connect=addresses.engine_in.connect, linger_ms=1000)
+    replies = ReplySockets(ctx)
+    in_codec, out_codec = Codec(TokenizerIn), Codec(EngineIn)
+    announce_ready(ctx, launcher, Stage.TOKENIZER)
+    busy, handled = 0.0, 0  # reported on Pings, for per-stage overhead measurements
+    try:
+        while not stop.is_set():
+            if not feed.poll(500):
+                continue
+            for msg in in_codec.recv_all(feed):
+                if isinstance(msg, Ping):
+                    msg.stage_stats.update(tokenizer_busy_s=busy, tokenizer_requests=handled)
+                    out_codec.send(engine, msg)
+                    continue
+                start = time.perf_counter()
+                handled += 1
+                try:
+                    out_codec.send(engine, pre.prepare(msg))
+                except ConveyorError as exc:
+                    replies.send(msg.reply_to, ErrorOut(msg.rid, 400, str(exc), param=getattr(exc, "param", None),
+                                                        code=error_code(exc)))
+                except Exception as exc:  # noqa: BLE001 - report, keep serving
+                    logger.exception("tokenizing request %s failed", msg.rid)
+                    replies.send(msg.reply_to, ErrorOut(msg.rid, 500, f"tokenizer error: {exc}", type="internal_error"))
+                busy += time.perf_counter() - start
+    finally:
+        feed.close(linger=0)
+        engine.close()
+        replies.close()
+
+
+def run_tokenizer_process(addresses: Addresses, model_path: str, session_len: int,
+                          chat_template: str | None, launcher: str | None, log_level: str = "INFO") -> None:
+    """Entry point of a tokenizer worker process."""
+    setup_logging(log_level)
+    stop = stop_on_sigterm()
+    template = ChatTemplateConfig(model_name=chat_template) if chat_template else None
+    eos = load_model_config(model_path).eos_token_ids
+    serve_tokenizer(zmq.Context(), addresses, Preprocessor(model_path, session_len, template, eos), stop, launcher)

@@ -1,0 +1,306 @@
+"""The seams between stages, without a model: the codec, the engine service loop (driving the
+model-free engine of benchmarks/fake_engine.py) and the engine client's admission protocol.
+
+Every wait is a poll with a deadline, never a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from benchmarks.fake_engine import FakeEngine
+from conveyor.protocol import (
+    Abort,
+    Addresses,
+    Admitted,
+    CancelSession,
+    Codec,
+    DetokenizerIn,
+    EngineIn,
+    EngineStats,
+    ErrorOut,
+    Finish,
+    GenerateReq,
+    IngressIn,
+    LoadReport,
+    Ping,
+    SamplingParams,
+    SessionEnd,
+    StopReq,
+    TextBatch,
+    TokenBatch,
+    TokenizedReq,
+    TokenizerIn,
+)
+from conveyor.services.engine.service import EngineService
+from conveyor.services.engine_client import EngineClient, RequestError
+
+DEADLINE = 10.0
+
+
+def wait_for(predicate, timeout: float = DEADLINE, what: str = "condition"):
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.002)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# ---- codec ---------------------------------------------------------------------------------------
+
+def test_every_message_round_trips_through_its_socket_union() -> None:
+    params = SamplingParams(max_new_tokens=3, stop_words=["x"], bad_sequences=[[1, 2]], random_seed=7)
+    cases = [
+        (TokenizerIn, GenerateReq("r", "inproc://x", params, messages=[{"role": "user", "content": "hi"}],
+                                  session_id=4, sequence_start=None)),
+        (EngineIn, TokenizedReq("r", "inproc://x", [1, 2, 3], params, session_id=4, first_turn_ids=[9, 1, 2, 3])),
+        (EngineIn, Abort("r")), (EngineIn, CancelSession(4)), (EngineIn, SessionEnd(4)), (EngineIn, StopReq("r")),
+        (EngineIn, Ping("inproc://x", 1.5, {"a": 1.0})),
+        (DetokenizerIn, Admitted("r", "inproc://x", 3, params, [2, 3], history_tokens=5)),
+        (DetokenizerIn, TokenBatch(["r"], [5], [int(Finish.STOP)], [0], [-0.1], [[(5, -0.1)]])),
+        (DetokenizerIn, LoadReport("inproc://x", 1.0, EngineStats(running=1, kv_usage=0.5))),
+        (IngressIn, TextBatch(["r"], ["a"], [[5]], [-1], [3], [1], [0])),
+        (IngressIn, ErrorOut("r", 400, "bad", param="top_p", code=None, reply_to="inproc://x")),
+    ]
+    for union, msg in cases:
+        codec = Codec(union)
+        assert codec.decode(codec.encode(msg)) == msg
+
+
+def test_recv_all_drops_a_malformed_frame_and_keeps_the_rest() -> None:
+    ctx = zmq.Context()
+    try:
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        pull.bind("inproc://codec-test")
+        push.connect("inproc://codec-test")
+        codec = Codec(EngineIn)
+        push.send(codec.encode(Abort("a")))
+        push.send(b"\xc1 not msgpack")  # 0xc1 is never valid msgpack
+        push.send(msgspec.msgpack.encode(["wrong", "shape"]))
+        push.send(codec.encode(StopReq("b")))
+        got: list = []
+        wait_for(lambda: got.extend(codec.recv_all(pull)) or len(got) >= 2, what="two good frames")
+        assert got == [Abort("a"), StopReq("b")]
+        pull.close(0)
+        push.close(0)
+    finally:
+        ctx.term()
+
+
+# ---- the engine service loop ---------------------------------------------------------------------
+
+class _Ring:
+    """An EngineService on a FakeEngine in a thread, with sockets standing in for its peers."""
+
+    def __init__(self, engine: FakeEngine):
+        self.ctx = zmq.Context()
+        self.addresses = Addresses.inproc()
+        self.engine = engine
+        self.out = self.ctx.socket(zmq.PULL)  # the detokenizer's side
+        self.out.bind(self.addresses.detokenizer_in.bind)
+        self.service = EngineService(engine, self.ctx, self.addresses)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.service.serve, args=(self.stop,), daemon=True)
+        self.thread.start()
+        self.into = self.ctx.socket(zmq.PUSH)  # the tokenizer's / ingress's side
+        self.into.connect(self.addresses.engine_in.connect)
+        self.in_codec, self.out_codec = Codec(EngineIn), Codec(DetokenizerIn)
+        self.received: list = []
+
+    def send(self, msg) -> None:
+        self.in_codec.send(self.into, msg)
+
+    def until(self, predicate, what: str):
+        """Collect output messages until ``predicate(received)`` holds."""
+        def ready():
+            self.received.extend(self.out_codec.recv_all(self.out))
+            return predicate(self.received)
+        return wait_for(ready, what=what)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(DEADLINE)
+        self.into.close(0)
+        self.out.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def ring():
+    r = _Ring(FakeEngine([11, 12, 13], session_len=64, num_blocks=100))
+    yield r
+    r.close()
+
+
+def _req(rid: str, n: int = 3, **kw) -> TokenizedReq:
+    return TokenizedReq(rid, "inproc://ingress", [1, 2, 3, 4], SamplingParams(max_new_tokens=n), **kw)
+
+
+def _finished(rid: str):
+    return lambda got: any(isinstance(m, TokenBatch) and rid in m.rids and m.finish[m.rids.index(rid)] >= 0
+                           for m in got)
+
+
+def test_admission_comes_before_tokens_and_a_resend_runs_once(ring) -> None:
+    ring.send(_req("a"))
+    ring.send(_req("a"))  # the ingress resent it: admitted once
+    ring.until(_finished("a"), "request a to finish")
+    kinds = [type(m) for m in ring.received]
+    assert kinds[0] is Admitted and kinds.count(Admitted) == 1
+    adm = ring.received[0]
+    assert (adm.rid, adm.reply_to, adm.num_prompt_tokens, adm.prompt_tail) == ("a", "inproc://ingress", 4, [1, 2, 3, 4])
+    tokens = [t for m in ring.received if isinstance(m, TokenBatch) for r, t in zip(m.rids, m.tokens) if r == "a"]
+    assert len(tokens) == 3
+    assert ring.engine.stats().free_blocks == 100
+
+
+def test_a_refusal_is_an_error_message_to_the_ingress(ring) -> None:
+    ring.send(TokenizedReq("bad", "inproc://ingress", [1], SamplingParams(top_p=0.0)))
+    ring.send(TokenizedReq("long", "inproc://ingress", list(range(80)), SamplingParams()))
+    errors = ring.until(lambda got: [m for m in got if isinstance(m, ErrorOut)] if len(
+        [m for m in got if isinstance(m, ErrorOut)]) == 2 else None, "two refusals")
+    assert {(e.rid, e.status, e.param, e.reply_to) for e in errors} == {
+        ("bad", 400, "top_p", "inproc://ingress"), ("long", 400, "messages", "inproc://ingress")}
+    assert errors[[e.rid for e in errors].index("long")].code == "context_length_exceeded"
+    assert not any(isinstance(m, Admitted) for m in ring.received)
+
+
+def test_abort_stop_and_sessions_by_type(ring) -> None:
+    ring.engine.step_delay = 0.01
+    ring.send(_req("x", n=10_000))
+    ring.send(_req("y", n=10_000))
+    ring.send(_req("s", n=10_000, session_id=5))
+    ring.until(lambda got: sum(isinstance(m, Admitted) for m in got) == 3, "three admissions")
+    ring.send(Abort("x"))
+    ring.send(StopReq("y"))
+    ring.send(CancelSession(5))
+    for rid, reason in (("x", Finish.ABORT), ("y", Finish.STOP), ("s", Finish.ABORT)):
+        ring.until(_finished(rid), f"{rid} to finish")
+        last = [m for m in ring.received if isinstance(m, TokenBatch) and rid in m.rids][-1]
+        assert last.finish[last.rids.index(rid)] == reason
+    # The session stays after a cancel: its next turn knows the history.
+    ring.send(_req("s2", n=1, session_id=5))
+    adm = ring.until(lambda got: next((m for m in got if isinstance(m, Admitted) and m.rid == "s2"), None), "s2")
+    assert adm.history_tokens > 4
+    ring.until(_finished("s2"), "s2 to finish")
+    ring.send(SessionEnd(5))
+    ring.send(_req("s3", n=1, session_id=5, first_turn_ids=[7, 7, 1, 2, 3, 4]))
+    adm = ring.until(lambda got: next((m for m in got if isinstance(m, Admitted) and m.rid == "s3"), None), "s3")
+    assert adm.history_tokens == 0 and adm.num_prompt_tokens == 6  # a new session: its first-turn rendering
+    ring.until(_finished("s3"), "s3 to finish")
+    assert ring.engine.stats().free_blocks == 100
+
+
+def test_ping_is_answered_with_the_engine_stats(ring) -> None:
+    ring.send(Ping("inproc://ingress", 12.5, {"tokenizer_busy_s": 0.25}))
+    report = ring.until(lambda got: next((m for m in got if isinstance(m, LoadReport)), None), "a LoadReport")
+    assert report.reply_to == "inproc://ingress" and report.sent_at == 12.5
+    assert report.engine.num_blocks == 100 and report.stage_stats["tokenizer_busy_s"] == 0.25
+    assert "engine_busy_s" in report.stage_stats
+
+
+def test_engine_calls_run_between_steps(ring) -> None:
+    assert ring.service.call(lambda engine: engine.stats().num_blocks) == 100
+    with pytest.raises(ZeroDivisionError):
+        ring.service.call(lambda engine: 1 / 0)
+
+
+# ---- the engine client ---------------------------------------------------------------------------
+
+async def _client_ring():
+    """An EngineClient with sockets standing in for the tokenizer, the engine and the detokenizer."""
+    ctx = zmq.asyncio.Context()
+    addresses = Addresses.inproc()
+    engine_in = ctx.socket(zmq.PULL)
+    engine_in.bind(addresses.engine_in.bind)
+    client = EngineClient(addresses, "m", 64, ping_interval=0.02, admit_timeout=0.2, max_resends=1, context=ctx)
+    await client.start()
+    feed = ctx.socket(zmq.PULL)
+    feed.connect(addresses.tokenizer_in.connect)
+    results = ctx.socket(zmq.PUSH)
+    results.connect(client.reply_to)
+    return ctx, client, feed, engine_in, results
+
+
+async def _recv(sock, codec: Codec, accept=lambda m: True, timeout: float = DEADLINE):
+    async def loop():
+        while True:
+            msg = codec.decode(await sock.recv())
+            if accept(msg):
+                return msg
+    return await asyncio.wait_for(loop(), timeout)
+
+
+@pytest.mark.anyio
+async def test_client_aborts_on_admission_when_its_consumer_left_early() -> None:
+    ctx, client, feed, engine_in, results = await _client_ring()
+    out = Codec(IngressIn)
+    try:
+        await results.send(out.encode(LoadReport(client.reply_to, 0.0)))
+        await asyncio.wait_for(_until(lambda: client.healthy), DEADLINE)
+        stream = client.generate(GenerateReq("r1", "", SamplingParams()))
+        first = asyncio.ensure_future(stream.__anext__())
+        req = await _recv(feed, Codec(TokenizerIn), lambda m: isinstance(m, GenerateReq))
+        assert req.rid == "r1" and req.reply_to == client.reply_to
+        first.cancel()  # the consumer leaves before the engine admitted the request
+        await asyncio.gather(first, return_exceptions=True)
+        await stream.aclose()
+        assert client.num_inflight == 0
+        # Nothing can be aborted yet; the Admitted makes the client send the Abort.
+        await results.send(out.encode(Admitted("r1", client.reply_to, 3, SamplingParams())))
+        abort = await _recv(engine_in, Codec(EngineIn), lambda m: isinstance(m, Abort))
+        assert abort.rid == "r1"
+        waiter = asyncio.ensure_future(client.wait_ended(["r1"]))
+        await results.send(out.encode(TextBatch(["r1"], [""], [[]], [int(Finish.ABORT)], [3], [0], [0])))
+        await asyncio.wait_for(waiter, DEADLINE)
+    finally:
+        await client.close()
+        for s in (feed, engine_in, results):
+            s.close(0)
+        ctx.term()
+
+
+@pytest.mark.anyio
+async def test_client_resends_an_unadmitted_request_then_gives_up() -> None:
+    ctx, client, feed, engine_in, results = await _client_ring()
+    out = Codec(IngressIn)
+    try:
+        await results.send(out.encode(LoadReport(client.reply_to, 0.0)))
+        await asyncio.wait_for(_until(lambda: client.healthy), DEADLINE)
+
+        async def run():
+            async for _ in client.generate(GenerateReq("r2", "", SamplingParams())):
+                pass
+
+        task = asyncio.ensure_future(run())
+        codec = Codec(TokenizerIn)
+        sent = [await _recv(feed, codec, lambda m: isinstance(m, GenerateReq)) for _ in range(2)]
+        assert [m.rid for m in sent] == ["r2", "r2"]  # the first send and one resend
+        with pytest.raises(RequestError) as err:
+            await asyncio.wait_for(task, DEADLINE)
+        assert err.value.status == 503 and client.num_inflight == 0
+    finally:
+        await client.close()
+        for s in (feed, engine_in, results):
+            s.close(0)
+        ctx.term()
+
+
+async def _until(predicate) -> None:
+    while not predicate():
+        await asyncio.sleep(0.005)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
