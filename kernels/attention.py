@@ -110,29 +110,41 @@ def _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 
 @jit
-def _load_kv_tile(
-    k_ptr, v_ptr, bt_row, n, n_end, kv_head, d,
+def _kv_offsets(
+    bt_row, n, n_mask, kv_head,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """Keys (transposed, [D, N]) and values ([N, D]) of one kv head at key positions ``n``, read
-    through the sequence's block table row ``bt_row``. MASKED: positions ``>= n_end`` read zeros;
-    without it every position must lie inside the sequence (no masks: the common, faster case)."""
+    """Element offsets of one kv head's keys and values at key positions ``n``, read through the
+    sequence's block table row ``bt_row``. MASKED: positions where ``n_mask`` is false read block
+    0; without it every position must lie inside the sequence (no mask: the common, faster case).
+    The loads stay in the kernels, each where its value is first needed (the key before the dot,
+    the value after it), the order the loops were tuned with."""
     if MASKED:
-        n_mask = n < n_end
         block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     else:
         block = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
     slot = n % BLOCK_SIZE
     k_off = block * stride_kb + slot * stride_ks + kv_head * stride_kh
     v_off = block * stride_vb + slot * stride_vs + kv_head * stride_vh
-    if MASKED:
-        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=n_mask[None, :], other=0.0)
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
-    else:
-        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None])
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :])
-    return k_t, v
+    return k_off, v_off
+
+
+@jit
+def _masked_tile_step(
+    q, k_ptr, v_ptr, bt_row, n, n_mask, visible, kv_head, d, m_i, l_i, acc, qk_scale,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One key tile that may run past the sequence (``n_mask``) and is seen only where
+    ``visible``: load the keys, score, mask, load the values, fold into the running softmax."""
+    k_off, v_off = _kv_offsets(bt_row, n, n_mask, kv_head, stride_kb, stride_ks, stride_kh,
+                               stride_vb, stride_vs, stride_vh, BLOCK_SIZE, True)
+    k_t = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=n_mask[None, :], other=0.0)  # [D, N]
+    s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)  # [N, D]
+    return _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
 @jit
@@ -176,12 +188,11 @@ def _decode_kernel(
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        k_t, v = _load_kv_tile(k_ptr, v_ptr, bt_row, n, end, kv_head, d, stride_kb, stride_ks, stride_kh,
-                               stride_vb, stride_vs, stride_vh, BLOCK_SIZE, True)
-        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        n_mask = n < end
         # The first tile always holds a valid key (start < seqlen), so m_i is finite from then on.
-        s = tl.where((n < end)[None, :], s, float("-inf"))
-        m_i, l_i, acc = _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
+        m_i, l_i, acc = _masked_tile_step(q, k_ptr, v_ptr, bt_row, n, n_mask, n_mask[None, :], kv_head, d,
+                                          m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
+                                          stride_vb, stride_vs, stride_vh, BLOCK_SIZE, DOT_PRECISION)
 
     o = acc / l_i[:, None]
     # A sequence that one partition covers is final here: the merge kernel skips it.
@@ -279,20 +290,22 @@ def _prefill_kernel(
     full_end = tl.minimum((ctx + m_tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, kv_end)
     for n0 in range(0, full_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        k_t, v = _load_kv_tile(k_ptr, v_ptr, bt_row, n, full_end, kv_head, d, stride_kb, stride_ks, stride_kh,
-                               stride_vb, stride_vs, stride_vh, BLOCK_SIZE, False)
+        k_off, v_off = _kv_offsets(bt_row, n, n, kv_head, stride_kb, stride_ks, stride_kh,  # no mask
+                                   stride_vb, stride_vs, stride_vh, BLOCK_SIZE, False)
+        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None])  # [D, N]
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :])  # [N, D]
         m_i, l_i, acc = _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
     # The diagonal tiles: causal mask and the end of the sequence.
     for n0 in range(full_end, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        k_t, v = _load_kv_tile(k_ptr, v_ptr, bt_row, n, kv_end, kv_head, d, stride_kb, stride_ks, stride_kh,
-                               stride_vb, stride_vs, stride_vh, BLOCK_SIZE, True)
-        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        n_mask = n < kv_end
         # Key 0 is visible to every row (pos >= 0), so each row's max is finite after the first tile
         # and fully masked later tiles contribute exp2(-inf) = 0, never NaN.
-        s = tl.where((n[None, :] <= pos[:, None]) & (n < kv_end)[None, :], s, float("-inf"))
-        m_i, l_i, acc = _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
+        visible = (n[None, :] <= pos[:, None]) & n_mask[None, :]
+        m_i, l_i, acc = _masked_tile_step(q, k_ptr, v_ptr, bt_row, n, n_mask, visible, kv_head, d,
+                                          m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
+                                          stride_vb, stride_vs, stride_vh, BLOCK_SIZE, DOT_PRECISION)
 
     o = acc / l_i[:, None]
     dst = out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :]

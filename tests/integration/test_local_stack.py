@@ -4,6 +4,7 @@ refusals, and a stage that dies. Waits are polls or queue reads with deadlines."
 
 from __future__ import annotations
 
+import contextlib
 import queue
 
 import pytest
@@ -21,10 +22,16 @@ def pre(smollm2_dir) -> Preprocessor:
     return Preprocessor(smollm2_dir, 512)
 
 
-def _stack(pre: Preprocessor, step_delay: float = 0.0) -> tuple[LocalStack, FakeEngine]:
+@contextlib.contextmanager
+def _stack(pre: Preprocessor, step_delay: float = 0.0):
+    """A LocalStack on a FakeEngine of 50 blocks, closed at the end, and a queue for results."""
     engine = FakeEngine(pre.tokenizer.encode(FILLER, add_special_tokens=False), session_len=512,
                         num_blocks=50, step_delay=step_delay)
-    return LocalStack(engine, pre), engine
+    stack = LocalStack(engine, pre)
+    try:
+        yield stack, engine, queue.Queue()
+    finally:
+        stack.close()
 
 
 def _req(stack: LocalStack, n: int, **params) -> GenerateReq:
@@ -32,9 +39,7 @@ def _req(stack: LocalStack, n: int, **params) -> GenerateReq:
 
 
 def test_a_request_streams_to_its_end(pre) -> None:
-    stack, _ = _stack(pre)
-    try:
-        sink: queue.Queue = queue.Queue()
+    with _stack(pre) as (stack, _, sink):
         stack.submit(_req(stack, 8), sink, tag=3)
         outs = []
         while not outs or outs[-1].finish_reason is None:
@@ -43,14 +48,10 @@ def test_a_request_streams_to_its_end(pre) -> None:
             outs.append(out)
         assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 8
         assert "".join(o.text for o in outs).startswith("The quick brown fox")
-    finally:
-        stack.close()
 
 
 def test_abort_returns_once_the_blocks_are_free(pre) -> None:
-    stack, engine = _stack(pre, step_delay=0.005)
-    try:
-        sink: queue.Queue = queue.Queue()
+    with _stack(pre, step_delay=0.005) as (stack, engine, sink):
         reqs = [_req(stack, 100_000) for _ in range(4)]
         for i, req in enumerate(reqs):
             stack.submit(req, sink, tag=i)
@@ -60,14 +61,10 @@ def test_abort_returns_once_the_blocks_are_free(pre) -> None:
         assert stack.call(lambda e: e.stats().free_blocks) == 46
         stack.abort([r.rid for r in reqs])
         assert stack.call(lambda e: e.stats().free_blocks) == 50
-    finally:
-        stack.close()
 
 
 def test_a_refusal_reaches_the_submitter_and_others_go_on(pre) -> None:
-    stack, _ = _stack(pre)
-    try:
-        sink: queue.Queue = queue.Queue()
+    with _stack(pre) as (stack, _, sink):
         stack.submit(_req(stack, 4, top_p=0.0), sink, tag=0)
         stack.submit(_req(stack, 4), sink, tag=1)
         results: dict[int, object] = {}
@@ -77,14 +74,10 @@ def test_a_refusal_reaches_the_submitter_and_others_go_on(pre) -> None:
                 results[tag] = out
         assert isinstance(results[0], RequestError) and results[0].status == 400 and results[0].param == "top_p"
         assert results[1].finish_reason == "length"
-    finally:
-        stack.close()
 
 
 def test_a_dead_stage_fails_waiting_requests_and_new_ones(pre) -> None:
-    stack, engine = _stack(pre, step_delay=0.005)
-    try:
-        sink: queue.Queue = queue.Queue()
+    with _stack(pre, step_delay=0.005) as (stack, engine, sink):
         stack.submit(_req(stack, 100_000), sink, tag=0)
         sink.get(timeout=DEADLINE)  # generating
 
@@ -99,5 +92,3 @@ def test_a_dead_stage_fails_waiting_requests_and_new_ones(pre) -> None:
         assert out.status == 503 and "the GPU fell off" in out.message
         with pytest.raises(EngineDiedError):
             stack.submit(_req(stack, 1), sink, tag=1)
-    finally:
-        stack.close()

@@ -7,6 +7,7 @@ Every wait is a poll with a deadline, never a fixed sleep.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -16,29 +17,9 @@ import zmq
 import zmq.asyncio
 
 from benchmarks.fake_engine import FakeEngine
-from conveyor.protocol import (
-    Abort,
-    Addresses,
-    Admitted,
-    CancelSession,
-    Codec,
-    DetokenizerIn,
-    EngineIn,
-    EngineStats,
-    ErrorOut,
-    Finish,
-    GenerateReq,
-    IngressIn,
-    LoadReport,
-    Ping,
-    SamplingParams,
-    SessionEnd,
-    StopReq,
-    TextBatch,
-    TokenBatch,
-    TokenizedReq,
-    TokenizerIn,
-)
+from conveyor.protocol import Abort, Addresses, Admitted, CancelSession, Codec, DetokenizerIn, EngineIn, \
+    EngineStats, ErrorOut, Finish, GenerateReq, IngressIn, LoadReport, Ping, SamplingParams, SessionEnd, StopReq, \
+    TextBatch, TokenBatch, TokenizedReq, TokenizerIn
 from conveyor.services.engine.service import EngineService
 from conveyor.services.engine_client import EngineClient, RequestError
 
@@ -217,8 +198,10 @@ def test_engine_calls_run_between_steps(ring) -> None:
 
 # ---- the engine client ---------------------------------------------------------------------------
 
+@contextlib.asynccontextmanager
 async def _client_ring():
-    """An EngineClient with sockets standing in for the tokenizer, the engine and the detokenizer."""
+    """A healthy EngineClient, with sockets standing in for the tokenizer (the feed it pushes
+    to), the engine (where its aborts go) and the detokenizer (what it reads results from)."""
     ctx = zmq.asyncio.Context()
     addresses = Addresses.inproc()
     engine_in = ctx.socket(zmq.PULL)
@@ -229,7 +212,20 @@ async def _client_ring():
     feed.connect(addresses.tokenizer_in.connect)
     results = ctx.socket(zmq.PUSH)
     results.connect(client.reply_to)
-    return ctx, client, feed, engine_in, results
+    out = Codec(IngressIn)
+
+    async def reply(msg) -> None:
+        await results.send(out.encode(msg))
+
+    try:
+        await reply(LoadReport(client.reply_to, 0.0))
+        await asyncio.wait_for(_until(lambda: client.healthy), DEADLINE)
+        yield client, feed, engine_in, reply
+    finally:
+        await client.close()
+        for s in (feed, engine_in, results):
+            s.close(0)
+        ctx.term()
 
 
 async def _recv(sock, codec: Codec, accept=lambda m: True, timeout: float = DEADLINE):
@@ -243,11 +239,7 @@ async def _recv(sock, codec: Codec, accept=lambda m: True, timeout: float = DEAD
 
 @pytest.mark.anyio
 async def test_client_aborts_on_admission_when_its_consumer_left_early() -> None:
-    ctx, client, feed, engine_in, results = await _client_ring()
-    out = Codec(IngressIn)
-    try:
-        await results.send(out.encode(LoadReport(client.reply_to, 0.0)))
-        await asyncio.wait_for(_until(lambda: client.healthy), DEADLINE)
+    async with _client_ring() as (client, feed, engine_in, reply):
         stream = client.generate(GenerateReq("r1", "", SamplingParams()))
         first = asyncio.ensure_future(stream.__anext__())
         req = await _recv(feed, Codec(TokenizerIn), lambda m: isinstance(m, GenerateReq))
@@ -257,27 +249,17 @@ async def test_client_aborts_on_admission_when_its_consumer_left_early() -> None
         await stream.aclose()
         assert client.num_inflight == 0
         # Nothing can be aborted yet; the Admitted makes the client send the Abort.
-        await results.send(out.encode(Admitted("r1", client.reply_to, 3, SamplingParams())))
+        await reply(Admitted("r1", client.reply_to, 3, SamplingParams()))
         abort = await _recv(engine_in, Codec(EngineIn), lambda m: isinstance(m, Abort))
         assert abort.rid == "r1"
         waiter = asyncio.ensure_future(client.wait_ended(["r1"]))
-        await results.send(out.encode(TextBatch(["r1"], [""], [[]], [int(Finish.ABORT)], [3], [0], [0])))
+        await reply(TextBatch(["r1"], [""], [[]], [int(Finish.ABORT)], [3], [0], [0]))
         await asyncio.wait_for(waiter, DEADLINE)
-    finally:
-        await client.close()
-        for s in (feed, engine_in, results):
-            s.close(0)
-        ctx.term()
 
 
 @pytest.mark.anyio
 async def test_client_resends_an_unadmitted_request_then_gives_up() -> None:
-    ctx, client, feed, engine_in, results = await _client_ring()
-    out = Codec(IngressIn)
-    try:
-        await results.send(out.encode(LoadReport(client.reply_to, 0.0)))
-        await asyncio.wait_for(_until(lambda: client.healthy), DEADLINE)
-
+    async with _client_ring() as (client, feed, _, _):
         async def run():
             async for _ in client.generate(GenerateReq("r2", "", SamplingParams())):
                 pass
@@ -289,11 +271,6 @@ async def test_client_resends_an_unadmitted_request_then_gives_up() -> None:
         with pytest.raises(RequestError) as err:
             await asyncio.wait_for(task, DEADLINE)
         assert err.value.status == 503 and client.num_inflight == 0
-    finally:
-        await client.close()
-        for s in (feed, engine_in, results):
-            s.close(0)
-        ctx.term()
 
 
 async def _until(predicate) -> None:
