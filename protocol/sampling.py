@@ -61,7 +61,6 @@ _RULES = (
     ("repetition_penalty", lambda p: p.repetition_penalty > 0, "must be > 0 (1 means none)"),
     ("logprobs", lambda p: p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS,
      f"must be in [0, {MAX_LOGPROBS}]"),
-    ("random_seed", lambda p: p.random_seed is None or p.random_seed >= 0, "must be >= 0"),
     ("stop_words", lambda p: all(isinstance(w, str) and w for w in p.stop_words),
      "must be a list of non-empty strings"),
     ("bad_words", lambda p: all(isinstance(w, str) and w for w in p.bad_words),
