@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import msgspec
@@ -14,9 +15,13 @@ logger = logging.getLogger(__name__)
 class Codec:
     """msgpack codec for one socket's message union."""
 
+    LOG_EVERY_S = 60.0  # a peer that floods bad frames gets one log line a minute, with the count
+
     def __init__(self, union: Any):
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(union)
+        self.dropped = 0  # frames that did not decode (stages report it on pings)
+        self._logged_at = -self.LOG_EVERY_S
 
     def encode(self, msg: msgspec.Struct) -> bytes:
         """Message -> bytes."""
@@ -46,4 +51,12 @@ class Codec:
             try:
                 out.append(self._decoder.decode(frame.buffer))
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                logger.error("dropped an undecodable frame of %d bytes: %s", len(frame.buffer), exc)
+                self.count_dropped(len(frame.buffer), exc)
+
+    def count_dropped(self, size: int, exc: Exception) -> None:
+        """Count a frame that did not decode; log it, at most once a minute."""
+        self.dropped += 1
+        now = time.monotonic()
+        if now - self._logged_at >= self.LOG_EVERY_S:
+            self._logged_at = now
+            logger.error("dropped an undecodable frame of %d bytes (%d so far): %s", size, self.dropped, exc)

@@ -129,6 +129,7 @@ class EngineClient:
         """Bind/connect the sockets and start the reader and health tasks."""
         self._to_tokenizer = self._ctx.socket(zmq.PUSH)
         self._to_tokenizer.setsockopt(zmq.LINGER, 0)
+        self._to_tokenizer.setsockopt(zmq.SNDHWM, 10_000)  # a burst waits here; past it, 503
         self._to_tokenizer.bind(self.addresses.tokenizer_in.bind)
         self._to_engine = self._ctx.socket(zmq.PUSH)
         self._to_engine.setsockopt(zmq.LINGER, 0)
@@ -170,7 +171,10 @@ class EngineClient:
         self._requests[req.rid] = request
         ended = False
         try:
-            await self._send_to_tokenizer(req)
+            if not await self._send_to_tokenizer(req):
+                ended = True
+                self._requests.pop(req.rid, None)
+                raise _unavailable("no tokenizer worker is taking requests; retry later")
             while True:
                 item = await request.queue.get()
                 if isinstance(item, RequestError):
@@ -204,8 +208,14 @@ class EngineClient:
         """Abort a session's running turn; the session stays."""
         await self._send_to_engine(CancelSession(session_id))
 
-    async def _send_to_tokenizer(self, msg) -> None:
-        await self._to_tokenizer.send(self._to_tokenizer_codec.encode(msg))
+    async def _send_to_tokenizer(self, msg) -> bool:
+        """Hand ``msg`` to a tokenizer worker without waiting; False when none can take it (no
+        worker connected, or every worker's queue full): a send must never hang the caller."""
+        try:
+            await self._to_tokenizer.send(self._to_tokenizer_codec.encode(msg), flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
 
     async def _send_to_engine(self, msg) -> None:
         try:
@@ -227,17 +237,23 @@ class EngineClient:
             try:
                 msg = self._in_codec.decode(frame.buffer)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # a bad frame must not kill the reader
-                logger.error("dropped an undecodable frame on the result socket: %s", exc)
+                self._in_codec.count_dropped(len(frame.buffer), exc)
                 continue
-            if isinstance(msg, TextBatch):
-                self._route_texts(msg)
-            elif isinstance(msg, Admitted):
-                await self._admitted(msg)
-            elif isinstance(msg, ErrorOut):
-                self._end(msg.rid, RequestError.from_wire(msg))
-            elif isinstance(msg, LoadReport):
-                self._last_ring = time.monotonic()
-                self.load = msg
+            try:
+                await self._dispatch(msg)
+            except Exception:  # noqa: BLE001 - a well-formed but inconsistent message (ragged columns, ...)
+                logger.exception("dropped a %s that could not be applied", type(msg).__name__)
+
+    async def _dispatch(self, msg) -> None:
+        if isinstance(msg, TextBatch):
+            self._route_texts(msg)
+        elif isinstance(msg, Admitted):
+            await self._admitted(msg)
+        elif isinstance(msg, ErrorOut):
+            self._end(msg.rid, RequestError.from_wire(msg))
+        elif isinstance(msg, LoadReport):
+            self._last_ring = time.monotonic()
+            self.load = msg
 
     async def _admitted(self, msg: Admitted) -> None:
         request = self._requests.get(msg.rid)
@@ -274,11 +290,7 @@ class EngineClient:
         was_healthy = False
         while True:
             await asyncio.sleep(self.ping_interval)
-            try:
-                await self._to_tokenizer.send(
-                    self._to_tokenizer_codec.encode(Ping(self.reply_to, time.time())), flags=zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # no tokenizer connected yet
+            await self._send_to_tokenizer(Ping(self.reply_to, time.time()))  # dropped if none is connected
             now = time.monotonic()
             if was_healthy and not self.healthy:
                 logger.error("no answer from the stage ring for %.1fs: failing in-flight requests", self.dead_after)
@@ -295,7 +307,7 @@ class EngineClient:
                     request.resends += 1
                     request.sent_at = now
                     logger.warning("request %s not admitted after %.1fs; resending", rid, self.admit_timeout)
-                    await self._send_to_tokenizer(request.req)
+                    await self._send_to_tokenizer(request.req)  # not taken: tried again next time
 
     def fail_all(self, why: str) -> None:
         """End every waiting request with a 503 (the ring is down or the client closes)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import shutil
 import signal
 import threading
 import time
@@ -85,6 +86,8 @@ class Deployment:
     def start(self) -> None:
         """Start every stage and wait until each said READY."""
         a, args, launcher = self.addresses, self.args, self.addresses.launcher.connect
+        if a.kind == "ipc":
+            logger.info("stage sockets in %s", a.run_dir)
         self._spawn("engine", run_engine_process, a, args.model_path, args.engine, launcher, args.log_level,
                     args.engine_factory)
         self._spawn("detokenizer", run_detokenizer_process, a, args.model_path, launcher, args.log_level)
@@ -117,6 +120,8 @@ class Deployment:
                 proc.join()
         self._ready.close(linger=0)
         self._ctx.term()
+        if self.addresses.kind == "ipc" and self.addresses.run_dir:
+            shutil.rmtree(self.addresses.run_dir, ignore_errors=True)  # the sockets' private directory
 
     def watch(self, stop: threading.Event) -> None:
         """Log stages that die until ``stop`` is set or the ingress exits."""

@@ -32,12 +32,16 @@ def announce_ready(ctx: zmq.Context, launcher_address: str | None, stage: Stage,
     sock.close()
 
 
+SEND_TIMEOUT_MS = 2000  # a send on the request path waits at most this long for its peer
+
+
 def open_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
-                linger_ms: int = 0) -> zmq.Socket:
+                linger_ms: int = 0, send_timeout_ms: int = -1) -> zmq.Socket:
     """A socket bound or connected to one address, with its linger time (how long unsent
-    messages are kept at close)."""
+    messages are kept at close) and send timeout (-1: wait; else a send raises zmq.Again)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, linger_ms)
+    sock.setsockopt(zmq.SNDTIMEO, send_timeout_ms)
     if bind is not None:
         sock.bind(bind)
     if connect is not None:

@@ -25,7 +25,7 @@ from ...protocol import (
     StopReq,
     TokenBatch,
 )
-from ..stage import ReplySockets, announce_ready, open_socket, setup_logging, stop_on_sigterm
+from ..stage import SEND_TIMEOUT_MS, ReplySockets, announce_ready, open_socket, setup_logging, stop_on_sigterm
 from ..tokenizer.preprocess import load_tokenizer
 from .batches import Detokenizer
 
@@ -36,16 +36,42 @@ def serve_detokenizer(ctx: zmq.Context, addresses: Addresses, detok: Detokenizer
                       launcher: str | None = None) -> None:
     """The stage loop: blocks on its input, wakes every 0.5 s only to check ``stop``."""
     inbox = open_socket(ctx, zmq.PULL, bind=addresses.detokenizer_in.bind)
-    engine = open_socket(ctx, zmq.PUSH, connect=addresses.engine_in.connect)
+    engine = open_socket(ctx, zmq.PUSH, connect=addresses.engine_in.connect, send_timeout_ms=SEND_TIMEOUT_MS)
     replies = ReplySockets(ctx)
     in_codec, engine_codec = Codec(DetokenizerIn), Codec(EngineIn)
     announce_ready(ctx, launcher, Stage.DETOKENIZER)
-    busy, tokens = 0.0, 0  # reported on LoadReports, for per-stage overhead measurements
+    busy, tokens, bad_messages = 0.0, 0, 0  # reported on LoadReports
+
+    def handle(msg) -> int:
+        """Apply one message by its type; returns the tokens it carried."""
+        if isinstance(msg, TokenBatch):
+            batches, stops = detok.process(msg)
+            for rid in stops:
+                stop_in_engine(rid)
+            for addr, tb in batches.items():
+                replies.send(addr, tb)
+            return len(msg.rids)
+        if isinstance(msg, Admitted):
+            replies.send(msg.reply_to, msg)
+            fail(detok.admit(msg))
+        elif isinstance(msg, ErrorOut):
+            replies.send(msg.reply_to, msg)
+        elif isinstance(msg, LoadReport):
+            msg.stage_stats.update(detokenizer_busy_s=busy, detokenizer_tokens=tokens,
+                                   detokenizer_bad_frames=in_codec.dropped, detokenizer_bad_messages=bad_messages)
+            replies.send(msg.reply_to, msg)
+        return 0
+
+    def stop_in_engine(rid: str) -> None:
+        try:
+            engine_codec.send(engine, StopReq(rid))
+        except zmq.Again:  # the engine is gone: the ring's silence fails the request anyway
+            logger.warning("could not tell the engine to stop %s", rid)
 
     def fail(errors: list[ErrorOut]) -> None:
         for err in errors:  # requests failed here: the engine must stop them too
             replies.send(err.reply_to, err)
-            engine_codec.send(engine, StopReq(err.rid))
+            stop_in_engine(err.rid)
 
     try:
         while not stop.is_set():
@@ -53,21 +79,11 @@ def serve_detokenizer(ctx: zmq.Context, addresses: Addresses, detok: Detokenizer
                 continue
             for msg in in_codec.recv_all(inbox):
                 start = time.perf_counter()
-                if isinstance(msg, TokenBatch):
-                    tokens += len(msg.rids)
-                    batches, stops = detok.process(msg)
-                    for rid in stops:
-                        engine_codec.send(engine, StopReq(rid))
-                    for addr, tb in batches.items():
-                        replies.send(addr, tb)
-                elif isinstance(msg, Admitted):
-                    replies.send(msg.reply_to, msg)
-                    fail(detok.admit(msg))
-                elif isinstance(msg, ErrorOut):
-                    replies.send(msg.reply_to, msg)
-                elif isinstance(msg, LoadReport):
-                    msg.stage_stats.update(detokenizer_busy_s=busy, detokenizer_tokens=tokens)
-                    replies.send(msg.reply_to, msg)
+                try:
+                    tokens += handle(msg)
+                except Exception:  # noqa: BLE001 - an inconsistent message must not stop the stage
+                    bad_messages += 1
+                    logger.exception("dropped a %s that could not be applied", type(msg).__name__)
                 busy += time.perf_counter() - start
     finally:
         inbox.close(linger=0)

@@ -68,6 +68,7 @@ class EngineService:
         self._outbox: queue.Queue = queue.Queue()
         self._seen: OrderedDict[str, None] = OrderedDict()  # request ids admitted (live or recently done)
         self._snapshot = EngineStats()
+        self._in_codec = Codec(EngineIn)
         self.draining = False
         self._busy, self._steps = 0.0, 0  # seconds spent stepping and batching, and steps
 
@@ -75,7 +76,7 @@ class EngineService:
     def _input_loop(self, stop: threading.Event, bound: threading.Event) -> None:
         sock = open_socket(self._ctx, zmq.PULL, bind=self._addresses.engine_in.bind)
         bound.set()
-        codec = Codec(EngineIn)
+        codec = self._in_codec
         try:
             while not stop.is_set():
                 try:
@@ -85,7 +86,8 @@ class EngineService:
                     return
                 for msg in codec.recv_all(sock):
                     if isinstance(msg, Ping):  # answered here, even while a long step runs
-                        stats = {**msg.stage_stats, "engine_busy_s": self._busy, "engine_steps": self._steps}
+                        stats = {**msg.stage_stats, "engine_busy_s": self._busy, "engine_steps": self._steps,
+                                 "engine_bad_frames": codec.dropped}
                         self._outbox.put(LoadReport(msg.reply_to, msg.sent_at, self._snapshot, self.draining, stats))
                     else:
                         self._inbox.put(msg)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from ...protocol import FINISH_REASONS, InvalidRequestError, SamplingParams, validate
 
@@ -41,10 +41,23 @@ def int_in(ge: int, le: int) -> Any:
     return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
 
 
+def _unicode_text(value: str) -> str:
+    # JSON can carry a lone UTF-16 surrogate ("\ud800"); it has no UTF-8 form, so no stage could
+    # tokenize it or send it on: refuse it here, naming the field.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"contains a lone surrogate ({value[exc.start]!r} at character {exc.start}): "
+                         "send valid Unicode") from None
+    return value
+
+
 # Constraints live in the types (not in validators) so that /openapi.json states every rule.
 _T = TypeVar("_T")
 NonEmpty = Annotated[_T, Field(min_length=1)]
-NonEmptyStr = Annotated[str, Field(min_length=1)]
+Text = Annotated[str, AfterValidator(_unicode_text)]  # text that reaches the tokenizer or detokenizer
+NonEmptyStr = Annotated[Text, Field(min_length=1)]
+Stop = NonEmptyStr | list[NonEmptyStr]  # stop strings: an empty one would match everywhere
 TokenId = int_in(0, INT32_MAX)
 
 
@@ -59,15 +72,15 @@ class TextContent(_Body):
     """One part of a message's content; only text parts are supported."""
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
     """One message of a conversation ("developer" is OpenAI's newer name for "system")."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContent] | None = None
-    name: str | None = None
+    content: Text | list[TextContent] | None = None
+    name: Text | None = None
 
     def to_wire(self) -> dict[str, str]:
         """The {role, content} dict the tokenizer stage's chat template takes."""
@@ -93,7 +106,7 @@ class _SamplingBody(_Body):
     top_k: int | None = Field(None, description="Extension. Default 40; 0 or -1: no top-k limit.")
     min_p: float | None = Field(None, description="Extension. In [0, 1]. Default 0.")
     n: int_in(1, MAX_N) | None = Field(None, description="Choices to generate. Default 1.")
-    stop: str | list[str] | None = Field(None, description="Strings that end generation (not returned).")
+    stop: Stop | None = Field(None, description="Strings that end generation (not returned).")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     seed: int_in(0, MAX_SEED) | None = Field(None, description="Choice i uses seed + i.")
@@ -214,12 +227,12 @@ class InteractiveRequest(_Body):
          "then": {"required": ["session_id"], "properties": {"session_id": {"minimum": 0}}}},
     ]})
 
-    prompt: str | list[ChatMessage] | None = Field(
+    prompt: Text | list[ChatMessage] | None = Field(
         None, description="This turn's text, or messages; required unless cancel or end.")
     session_id: int_in(-1, 2**53 - 1) = Field(-1, description="-1: a fresh session.")
     interactive_mode: bool = Field(False, description="True: keep the history on the server for the next turn.")
     stream: bool = False
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     request_output_len: int_in(1, INT32_MAX) | None = None
     top_p: float = Field(0.8, description="In (0, 1].")
     top_k: int = Field(40, description="0 or -1: no top-k limit.")

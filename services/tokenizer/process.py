@@ -6,6 +6,7 @@ and sends a refusal (ErrorOut) straight back to the waiting ingress.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -14,7 +15,7 @@ import zmq
 
 from ...engine.weight_loader import load_model_config
 from ...protocol import Addresses, Codec, ConveyorError, EngineIn, ErrorOut, Ping, Stage, TokenizerIn, error_code
-from ..stage import ReplySockets, announce_ready, open_socket, setup_logging, stop_on_sigterm
+from ..stage import SEND_TIMEOUT_MS, ReplySockets, announce_ready, open_socket, setup_logging, stop_on_sigterm
 from .chat_template import ChatTemplateConfig
 from .preprocess import Preprocessor
 
@@ -25,7 +26,8 @@ def serve_tokenizer(ctx: zmq.Context, addresses: Addresses, pre: Preprocessor,
                     stop: threading.Event, launcher: str | None = None) -> None:
     """The worker loop: blocks on its input, wakes every 0.5 s only to check ``stop``."""
     feed = open_socket(ctx, zmq.PULL, connect=addresses.tokenizer_in.connect)
-    engine = open_socket(ctx, zmq.PUSH, connect=addresses.engine_in.connect, linger_ms=1000)
+    engine = open_socket(ctx, zmq.PUSH, connect=addresses.engine_in.connect, linger_ms=1000,
+                         send_timeout_ms=SEND_TIMEOUT_MS)
     replies = ReplySockets(ctx)
     in_codec, out_codec = Codec(TokenizerIn), Codec(EngineIn)
     announce_ready(ctx, launcher, Stage.TOKENIZER)
@@ -36,13 +38,18 @@ def serve_tokenizer(ctx: zmq.Context, addresses: Addresses, pre: Preprocessor,
                 continue
             for msg in in_codec.recv_all(feed):
                 if isinstance(msg, Ping):
-                    msg.stage_stats.update(tokenizer_busy_s=busy, tokenizer_requests=handled)
-                    out_codec.send(engine, msg)
+                    msg.stage_stats.update(tokenizer_busy_s=busy, tokenizer_requests=handled,
+                                           tokenizer_bad_frames=in_codec.dropped)
+                    with contextlib.suppress(zmq.Again):  # no engine: the ring's silence says so
+                        out_codec.send(engine, msg)
                     continue
                 start = time.perf_counter()
                 handled += 1
                 try:
                     out_codec.send(engine, pre.prepare(msg))
+                except zmq.Again:
+                    replies.send(msg.reply_to, ErrorOut(msg.rid, 503, "the engine is not taking requests; retry later",
+                                                        type="service_unavailable", code="engine_unavailable"))
                 except ConveyorError as exc:
                     replies.send(msg.reply_to, ErrorOut(msg.rid, 400, str(exc), param=getattr(exc, "param", None),
                                                         code=error_code(exc)))

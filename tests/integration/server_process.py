@@ -66,6 +66,10 @@ class ServerProcess:
         """Pids of a stage ('engine', 'tokenizer', ...) from the launcher's READY log lines."""
         return [int(p) for p in re.findall(rf"INFO (?<![a-z]){stage} ready \(pid (\d+)\)", self.log())]
 
+    def run_dir(self) -> Path:
+        """The private directory holding the stages' ipc sockets (from the launcher's log)."""
+        return Path(re.search(r"stage sockets in (\S+)", self.log()).group(1))
+
     def headers(self) -> dict[str, str]:
         """The Authorization header, when the server has a key."""
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

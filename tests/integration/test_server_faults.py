@@ -43,6 +43,11 @@ def _metric(url: str, name: str) -> float:
     return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")), 0.0)
 
 
+def _metric_stat(url: str, stat: str) -> float:
+    """One stage counter from /metrics (conveyor_stage_stat{stat=...}), 0 when absent."""
+    return _metric(url, f'conveyor_stage_stat{{stat="{stat}"}}')
+
+
 def _wait_until(predicate, what: str, timeout: float = 30.0) -> None:
     """Poll ``predicate`` (every 50 ms) until it holds; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
@@ -84,6 +89,80 @@ def test_killing_one_of_two_tokenizers_under_load_hangs_nothing(smollm2_dir, tmp
             assert status == 200, body
     finally:
         srv.terminate()
+
+
+def test_the_last_tokenizer_killed_gives_503_at_once(smollm2_dir, tmp_path):
+    srv = _start(smollm2_dir, tmp_path, "--tokenizer-workers", "1")
+    try:
+        assert _chat(srv.url, 5)[0] == 200
+        worker = srv.stage_pids("tokenizer")[0]
+        os.kill(worker, signal.SIGKILL)
+        _wait_until(lambda: not os.path.exists(f"/proc/{worker}") or open(f"/proc/{worker}/stat").read().split()[2] == "Z",
+                    "the worker to die")
+        start = time.monotonic()
+        status, body = _chat(srv.url, 5, timeout=30)  # before: hung until the client gave up
+        assert status == 503 and '"error"' in body and time.monotonic() - start < 15
+        assert httpx.get(f"{srv.url}/health", timeout=5).status_code in (200, 503)  # the ingress still answers
+    finally:
+        srv.terminate()
+
+
+def test_hostile_frames_on_every_socket_leave_every_stage_serving(smollm2_dir, tmp_path):
+    """Random bytes, truncated frames and well-formed messages with nonsense values, sent to every
+    socket a stage binds (engine, detokenizer, the ingress's reply socket)."""
+    import random
+
+    import msgspec
+    import zmq
+
+    from conveyor.protocol import (Abort, Admitted, CancelSession, Codec, EngineIn, ErrorOut, IngressIn,
+                                   LoadReport, SamplingParams, SessionEnd, TextBatch, TokenBatch, TokenizedReq)
+
+    srv = _start(smollm2_dir, tmp_path)
+    run = srv.run_dir()
+    try:
+        targets = {p.name: f"ipc://{p}" for p in run.iterdir() if p.name in ("engine", "detokenizer")
+                   or p.name.startswith("reply-")}
+        assert {"engine", "detokenizer"} <= set(targets) and any(n.startswith("reply-") for n in targets)
+        rng = random.Random(0)
+        nonsense = {
+            "engine": [TokenizedReq("x1", "ipc:///nonexistent/reply", [10**9], SamplingParams(max_new_tokens=-5)),
+                       TokenizedReq("x2", "ipc:///nonexistent/reply", [], SamplingParams()),
+                       Abort("nobody"), CancelSession(-1), SessionEnd(2**62)],
+            "detokenizer": [TokenBatch(["a", "b", "c"], [1], [], [0]),  # ragged columns
+                            Admitted("x3", "ipc:///nonexistent/reply", 5, SamplingParams(), prompt_tail=[10**12]),
+                            ErrorOut("x4", 400, "forged", reply_to="ipc:///nonexistent/reply")],
+            "reply": [TextBatch(["a", "b"], ["t"], [], [0], [], [], []),
+                      LoadReport("x", 0.0), ErrorOut("nobody", 500, "forged")],
+        }
+        ctx = zmq.Context()
+        try:
+            for name, address in targets.items():
+                sock = ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 2000)
+                sock.connect(address)
+                codec = Codec(EngineIn if name == "engine" else IngressIn)
+                good = [msgspec.msgpack.encode(m) for m in nonsense["reply" if name.startswith("reply") else name]]
+                frames = [rng.randbytes(rng.randrange(0, 300)) for _ in range(100)]
+                frames += [f[: rng.randrange(len(f))] for f in good for _ in range(5)]  # truncated
+                frames += good + [b"", b"\x93\x01\x02", codec.encode(Abort("z"))[:-1]]
+                for frame in frames:
+                    sock.send(frame)
+                sock.close()
+        finally:
+            ctx.term()
+        for stage in ("engine", "detokenizer", "tokenizer", "ingress"):
+            for pid in srv.stage_pids(stage):
+                assert os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z", stage
+        status, body = _chat(srv.url, 20)
+        assert status == 200 and '"finish_reason"' in body
+        _wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 200, "/health 200")
+        # The drops are counted (a forged LoadReport above may stand until the next real ping).
+        _wait_until(lambda: _metric_stat(srv.url, "engine_bad_frames") > 0
+                    and _metric_stat(srv.url, "detokenizer_bad_frames") > 0, "the bad frames counted")
+    finally:
+        srv.terminate()
+    assert not run.exists()  # the launcher removes the sockets' directory
 
 
 def test_engine_death_gives_503_not_hangs(smollm2_dir, tmp_path):

@@ -19,6 +19,12 @@ pytestmark = pytest.mark.anyio
 PROMPT = "hello world foo"
 
 
+async def post_json(c: httpx.AsyncClient, path: str, body: dict[str, Any]) -> httpx.Response:
+    """POST ``body`` as ASCII JSON: lone surrogates travel as \\uXXXX escapes (httpx's json= would
+    try to encode them as UTF-8 and fail on the client's side)."""
+    return await c.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
@@ -401,12 +407,17 @@ async def test_logprob_tokens_use_the_tokenizer(engine) -> None:
     (chat_body(stop=5), "stop"),
     ({"model": "fake-model"}, "messages"),
     (chat_body(presence_penalty=0.5), "presence_penalty"),  # refused, not ignored: no such penalty here
+    (chat_body(messages=[{"role": "user", "content": "a\ud800b"}]), "messages.0.content"),  # lone surrogate
+    (chat_body(messages=[{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]),
+     "messages.0.content.0.text"),
+    (chat_body(stop=["ok", "x\ud800"]), "stop.1"),
+    (chat_body(stop=[""]), "stop.0"),  # the schema says so too: an empty stop string is refused
     (chat_body(repetition_penalty=0), "repetition_penalty"),
     (chat_body(min_p=1.5), "min_p"),
 ])
 async def test_bad_parameters_are_400(app, body: dict[str, Any], param: str | None) -> None:
     async with http(app) as c:
-        err = assert_error(await c.post("/v1/chat/completions", json=body), 400)
+        err = assert_error(await post_json(c, "/v1/chat/completions", body), 400)
         assert err["type"] == "invalid_request_error" and err["param"] == param
         if param:
             assert err["message"].startswith(param)
@@ -414,10 +425,11 @@ async def test_bad_parameters_are_400(app, body: dict[str, Any], param: str | No
 
 
 @pytest.mark.parametrize("body", [{"prompt": ""}, {"prompt": []}, {"prompt": [-1]}, {"prompt": "x", "logprobs": 6},
-                                  {"prompt": 5}, {"prompt": "x", "max_tokens": 0}])
+                                  {"prompt": 5}, {"prompt": "x", "max_tokens": 0}, {"prompt": "a\ud800"},
+                                  {"prompt": "x", "stop": [""]}])
 async def test_bad_completion_parameters_are_400(app, body: dict[str, Any]) -> None:
     async with http(app) as c:
-        assert_error(await c.post("/v1/completions", json=body), 400)
+        assert_error(await post_json(c, "/v1/completions", body), 400)
 
 
 async def test_malformed_bodies_are_400(app) -> None:
@@ -604,6 +616,9 @@ async def test_interactive_fresh_id_end_and_errors(app, engine) -> None:
         ended = (await c.post("/v1/chat/interactive", json={"session_id": sid, "end": True})).json()
         assert ended["text"] == "" and engine.ended == [sid]
         assert_error(await c.post("/v1/chat/interactive", json={"prompt": "", "interactive_mode": True}), 400)
+        err = assert_error(await post_json(c, "/v1/chat/interactive", {"prompt": "a\ud800b", "interactive_mode": True}),
+                           400)
+        assert err["param"] == "prompt" and "lone surrogate" in err["message"]
         assert_error(await c.post("/v1/chat/interactive", json={"prompt": "x", "cancel": True}), 400)
         # A first turn the tokenizer refuses does not leave a session behind.
         assert_error(await c.post("/v1/chat/interactive",

@@ -199,7 +199,7 @@ def test_engine_calls_run_between_steps(ring) -> None:
 # ---- the engine client ---------------------------------------------------------------------------
 
 @contextlib.asynccontextmanager
-async def _client_ring():
+async def _client_ring(with_tokenizer: bool = True):
     """A healthy EngineClient, with sockets standing in for the tokenizer (the feed it pushes
     to), the engine (where its aborts go) and the detokenizer (what it reads results from)."""
     ctx = zmq.asyncio.Context()
@@ -209,7 +209,8 @@ async def _client_ring():
     client = EngineClient(addresses, "m", 64, ping_interval=0.02, admit_timeout=0.2, max_resends=1, context=ctx)
     await client.start()
     feed = ctx.socket(zmq.PULL)
-    feed.connect(addresses.tokenizer_in.connect)
+    if with_tokenizer:
+        feed.connect(addresses.tokenizer_in.connect)
     results = ctx.socket(zmq.PUSH)
     results.connect(client.reply_to)
     out = Codec(IngressIn)
@@ -271,6 +272,14 @@ async def test_client_resends_an_unadmitted_request_then_gives_up() -> None:
         with pytest.raises(RequestError) as err:
             await asyncio.wait_for(task, DEADLINE)
         assert err.value.status == 503 and client.num_inflight == 0
+
+
+@pytest.mark.anyio
+async def test_client_answers_503_at_once_when_no_tokenizer_takes_requests() -> None:
+    async with _client_ring(with_tokenizer=False) as (client, _, _, _):
+        with pytest.raises(RequestError) as err:  # before: the send waited for a worker forever
+            await asyncio.wait_for(client.generate(GenerateReq("r3", "", SamplingParams())).__anext__(), 2.0)
+        assert err.value.status == 503 and "tokenizer" in err.value.message and client.num_inflight == 0
 
 
 async def _until(predicate) -> None:
