@@ -78,8 +78,24 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
     engine = _engine_config(args)
     return serve(ServerArgs(
         model_path=model, server_name=args.server_name, server_port=args.server_port,
-        tokenizer_workers=args.tokenizer_workers, api_keys=args.api_keys, chat_template=args.chat_template,
-        served_model_name=args.model_name, engine=engine, log_level=args.log_level, engine_factory=args.engine_factory))
+        tokenizer_workers=args.tokenizer_workers, api_keys=_api_keys(args), chat_template=args.chat_template,
+        served_model_name=args.model_name, engine=engine, log_level=args.log_level, engine_factory=args.engine_factory,
+        drain_timeout=args.drain_timeout))
+
+
+API_KEYS_ENV = "CONVEYOR_API_KEYS"  # comma-separated; keeps keys out of `ps`, like --api-keys-file
+
+
+def _api_keys(args: argparse.Namespace) -> list[str] | None:
+    """The accepted API keys: --api-keys, the lines of --api-keys-file and $CONVEYOR_API_KEYS."""
+    import os
+
+    keys = list(args.api_keys or [])
+    if args.api_keys_file:
+        with open(args.api_keys_file) as f:
+            keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    keys += [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    return keys or None
 
 
 def _engine_config(args: argparse.Namespace):
@@ -119,7 +135,7 @@ def _cmd_stage(args: argparse.Namespace) -> int:
 
         name = args.model_name or model.rstrip("/").split("/")[-1]
         run_ingress_process(addresses, model, name, session_len, args.server_name, args.server_port,
-                            args.api_keys, None, args.log_level)
+                            _api_keys(args), None, args.log_level, args.drain_timeout)
     return 0
 
 
@@ -138,6 +154,9 @@ def _server_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--server-port", type=int, default=23333)
     s.add_argument("--tokenizer-workers", type=int, default=1, help="tokenizer/chat-template processes")
     s.add_argument("--api-keys", nargs="*", default=None, help="accepted API keys (Authorization: Bearer KEY)")
+    s.add_argument("--api-keys-file", default=None,
+                   help=f"a file of accepted API keys, one a line (also ${API_KEYS_ENV}, comma-separated): "
+                        "unlike --api-keys, not visible in ps")
     s.add_argument("--model-name", default=None, help="the name /v1/models reports (default: the folder name)")
     s.add_argument("--session-len", type=int, default=None)
     s.add_argument("--max-batch-size", type=int, default=128)
@@ -153,6 +172,8 @@ def _server_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--dtype", default="auto")
     s.add_argument("--device", default="auto")
     s.add_argument("--log-level", default="INFO")
+    s.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="on SIGTERM, seconds requests in flight may run before the server stops (new ones get 503)")
     s.add_argument("--engine-factory", default=None, metavar="MODULE:CALLABLE",
                    help="build the engine with this callable (model path, EngineConfig) instead of the GPU "
                         "engine; e.g. benchmarks.fake_engine:build, a model-free engine for stack tests")

@@ -17,6 +17,7 @@ import msgspec
 from .errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # alternatives per token the engine reports (OpenAI's top_logprobs limit)
+MIN_PENALTY, MAX_PENALTY = 0.01, 100.0
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -58,7 +59,9 @@ _RULES = (
     ("top_p", lambda p: 0 < p.top_p <= 1, "must be in (0, 1]"),
     ("top_k", lambda p: p.top_k >= 0, "must be >= 0 (0 means no limit, 1 greedy)"),
     ("min_p", lambda p: 0 <= p.min_p <= 1, "must be in [0, 1]"),
-    ("repetition_penalty", lambda p: p.repetition_penalty > 0, "must be > 0 (1 means none)"),
+    # Bounded both ways: the penalty divides or multiplies logits, and 1e-300 would make them inf.
+    ("repetition_penalty", lambda p: MIN_PENALTY <= p.repetition_penalty <= MAX_PENALTY,
+     f"must be in [{MIN_PENALTY}, {MAX_PENALTY:g}] (1 means none)"),
     ("logprobs", lambda p: p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS,
      f"must be in [0, {MAX_LOGPROBS}]"),
     ("stop_words", lambda p: all(isinstance(w, str) and w for w in p.stop_words),

@@ -71,9 +71,10 @@ class RequestError(Exception):
     """A request failed; ``status`` and the fields map onto the OpenAI error envelope."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after = retry_after  # seconds, sent as Retry-After
 
     @classmethod
     def from_wire(cls, err: ErrorOut) -> "RequestError":
@@ -81,8 +82,11 @@ class RequestError(Exception):
         return cls(err.status, err.message, err.type, err.param, err.code)
 
 
+RETRY_AFTER_S = 5  # what a 503 asks the client to wait
+
+
 def _unavailable(why: str) -> RequestError:
-    return RequestError(503, why, type="service_unavailable", code="engine_unavailable")
+    return RequestError(503, why, type="service_unavailable", code="engine_unavailable", retry_after=RETRY_AFTER_S)
 
 
 @dataclass

@@ -43,6 +43,7 @@ class ServerArgs:
     engine: EngineConfig = field(default_factory=EngineConfig)
     log_level: str = "INFO"
     start_timeout: float = 600.0
+    drain_timeout: float = 60.0  # on SIGTERM, how long requests in flight may run before the stop
     # "module:callable" building the engine instead of LLMEngine (the stack benchmark and fault
     # tests use benchmarks.fake_engine:build, an engine without a model)
     engine_factory: str | None = None
@@ -99,16 +100,16 @@ class Deployment:
         self._wait_ready({Stage.TOKENIZER: args.tokenizer_workers})
         name = args.served_model_name or args.model_path.rstrip("/").split("/")[-1]
         self._spawn("ingress", run_ingress_process, a, args.model_path, name, session_len, args.server_name,
-                    args.server_port, args.api_keys, launcher, args.log_level)
+                    args.server_port, args.api_keys, launcher, args.log_level, args.drain_timeout)
         self._wait_ready({Stage.INGRESS: 1})
         logger.info("serving %s on http://%s:%d", name, args.server_name, args.server_port)
 
-    def stop(self, drain_timeout: float = 60.0) -> None:
+    def stop(self) -> None:
         """Drain the ingress, then stop the other stages; every process is gone on return."""
         ingress = self.procs.get("ingress")
         if ingress is not None and ingress.is_alive():
             ingress.terminate()  # SIGTERM: the ingress drains, then exits
-            ingress.join(drain_timeout)
+            ingress.join(self.args.drain_timeout + 10)
         for name, proc in self.procs.items():
             if proc.is_alive():
                 proc.terminate()

@@ -10,7 +10,7 @@ import threading
 import msgspec
 import zmq
 
-from ..protocol import Codec, Ready, Stage
+from ..protocol import Codec, ErrorOut, Ready, Stage
 from ..protocol.messages import IngressIn, LauncherIn
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,13 @@ def open_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect
     if connect is not None:
         sock.connect(connect)
     return sock
+
+
+def internal_error(rid: str, stage: str) -> ErrorOut:
+    """What a client is told of a stage's own failure: no exception text (it may hold internals),
+    only the request id to find the logged traceback by."""
+    return ErrorOut(rid, 500, f"internal error in the {stage} stage; the server log has the details under "
+                              f"request id {rid}", type="internal_error", code="internal_error")
 
 
 def stop_on_sigterm() -> threading.Event:

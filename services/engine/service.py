@@ -42,7 +42,7 @@ from ...protocol import (
     TokenizedReq,
     error_code,
 )
-from ..stage import announce_ready, open_socket
+from ..stage import announce_ready, internal_error, open_socket
 
 logger = logging.getLogger(__name__)
 
@@ -183,10 +183,11 @@ class EngineService:
             self._outbox.put(ErrorOut(msg.rid, 400, str(exc), param=getattr(exc, "param", None),
                                       code=error_code(exc), reply_to=msg.reply_to))
             return
-        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the engine
+        except Exception:  # noqa: BLE001 - one bad request must not stop the engine; details stay in the log
             logger.exception("adding request %s failed", msg.rid)
-            self._outbox.put(ErrorOut(msg.rid, 500, f"engine error: {exc}", type="internal_error",
-                                      reply_to=msg.reply_to))
+            err = internal_error(msg.rid, "engine")
+            err.reply_to = msg.reply_to
+            self._outbox.put(err)
             return
         ids = msg.token_ids if msg.first_turn_ids is None or req.num_history_tokens else msg.first_turn_ids
         self._outbox.put(Admitted(msg.rid, msg.reply_to, len(ids), msg.params, ids[-PROMPT_TAIL:],

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from ...protocol import GenerateReq, InvalidRequestError, LoadReport, error_code
-from ..engine_client import RequestError, RequestOutput
+from ..engine_client import RETRY_AFTER_S, RequestError, RequestOutput
 from .metrics import CONTENT_TYPE, IngressMetrics, RequestCounter
 from .openai_schemas import (
     ChatCompletionRequest,
@@ -188,7 +188,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(status, message, code=code, headers=getattr(exc, "headers", None))
 
     async def failed(request: Request, exc: RequestError) -> Response:
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, headers=headers)
 
     async def refused(request: Request, exc: InvalidRequestError) -> Response:  # a body's parameters
         return error_response(400, str(exc), param=exc.param, code=error_code(exc))
@@ -226,10 +227,10 @@ class _Ingress:
                                f"`{self.model_name}` (see GET /v1/models)", param="model", code="model_not_found")
         if self.app.state.draining:
             raise RequestError(503, "the server is shutting down: retry on another replica",
-                               type="service_unavailable", code="draining")
+                               type="service_unavailable", code="draining", retry_after=RETRY_AFTER_S)
         if not self.client.healthy:
             raise RequestError(503, "the engine is not answering: retry later",
-                               type="service_unavailable", code="engine_unavailable")
+                               type="service_unavailable", code="engine_unavailable", retry_after=RETRY_AFTER_S)
 
     async def respond(self, request: Request, reqs: list[GenerateReq], fmt: ResponseFormat, *, stream: bool,
                       n: int, start: float) -> Response:
@@ -297,10 +298,11 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
     @app.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
         """200 while the engine answers and the server is not draining; 503 otherwise."""
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
         if app.state.draining:
-            return error_response(503, "the server is shutting down", code="draining")
+            return error_response(503, "the server is shutting down", code="draining", headers=retry)
         if not client.healthy:
-            return error_response(503, "the engine is not answering", code="engine_unavailable")
+            return error_response(503, "the engine is not answering", code="engine_unavailable", headers=retry)
         return _json({"status": "ok"})
 
     @app.get("/metrics", response_class=Response)

@@ -111,9 +111,10 @@ class _SamplingBody(_Body):
     stream_options: StreamOptions | None = None
     seed: int_in(0, MAX_SEED) | None = Field(None, description="Choice i uses seed + i.")
     user: str | None = Field(None, description="An end-user id for the client's own records; not used.")
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported: only null or {}.")
     presence_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0: use repetition_penalty.")
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0: use repetition_penalty.")
-    repetition_penalty: float | None = Field(None, description="Extension. > 0; default 1.0 (off).")
+    repetition_penalty: float | None = Field(None, description="Extension. In [0.01, 100]; default 1.0 (off).")
     ignore_eos: bool = Field(False, description="Extension: keep generating past the end-of-sequence token.")
     skip_special_tokens: bool = Field(True, description="Extension.")
     min_new_tokens: int_in(0, INT32_MAX) | None = Field(None, description="Extension.")
@@ -132,6 +133,9 @@ class _SamplingBody(_Body):
 
     def sampling_params(self, max_new_tokens: int, logprobs: int | None, choice: int = 0) -> SamplingParams:
         """The engine's parameters for choice ``choice`` (its seed is seed + choice), validated."""
+        if self.logit_bias:
+            raise InvalidRequestError("logit_bias: not supported; ban tokens with bad_token_ids or "
+                                      "favour none (send null or {})", param="logit_bias")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise InvalidRequestError(f"{name}={getattr(self, name)!r}: not supported; use "
@@ -237,7 +241,7 @@ class InteractiveRequest(_Body):
     top_p: float = Field(0.8, description="In (0, 1].")
     top_k: int = Field(40, description="0 or -1: no top-k limit.")
     temperature: float = Field(0.8, description="0 is greedy.")
-    repetition_penalty: float = Field(1.0, description="> 0; 1.0 is off.")
+    repetition_penalty: float = Field(1.0, description="In [0.01, 100]; 1.0 is off.")
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     cancel: bool = Field(False, description="Abort the session's running turn.")

@@ -21,23 +21,30 @@ logger = logging.getLogger(__name__)
 
 
 class DrainingServer(uvicorn.Server):
-    """On SIGTERM: answer new requests with 503, let in-flight ones finish, then exit."""
+    """On SIGTERM: keep accepting connections and answer new requests with 503 and Retry-After,
+    let in-flight ones finish (up to ``drain_timeout`` seconds), then exit with code 0.
+
+    uvicorn routes SIGTERM and SIGINT to ``handle_exit`` (older versions through
+    ``install_signal_handlers``, newer through ``capture_signals``); overriding it works with both.
+    SIGINT is ignored: the launcher turns Ctrl-C into SIGTERM for every stage, in order.
+    """
 
     def __init__(self, config: uvicorn.Config, drain_timeout: float = 60.0):
         super().__init__(config)
         self.drain_timeout = drain_timeout
         self._draining = False
 
-    def install_signal_handlers(self) -> None:
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self._begin_drain)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher turns Ctrl-C into SIGTERM
-
-    def _begin_drain(self) -> None:
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig != signal.SIGTERM:
+            return
         if self._draining:
             self.should_exit = True  # a second SIGTERM: stop now
             return
         self._draining = True
+        # A signal handler runs between two bytecodes of the loop's thread: hand the work to the loop.
+        asyncio.get_running_loop().call_soon_threadsafe(self._begin_drain)
+
+    def _begin_drain(self) -> None:
         begin_drain(self.config.app)
         asyncio.get_running_loop().create_task(self._exit_when_idle())
 
@@ -49,12 +56,13 @@ class DrainingServer(uvicorn.Server):
 
 
 async def _serve(addresses: Addresses, model_path: str, model_name: str, session_len: int, host: str, port: int,
-                 api_keys: list[str] | None, launcher: str | None, log_level: str) -> None:
+                 api_keys: list[str] | None, launcher: str | None, log_level: str, drain_timeout: float) -> None:
     client = EngineClient(addresses, model_name, session_len)
     await client.start()
     app = build_app(client, api_keys=api_keys, served_model_name=model_name, tokenizer=load_tokenizer(model_path))
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
-                                           access_log=False, lifespan="off", timeout_keep_alive=30))
+                                           access_log=False, lifespan="off", timeout_keep_alive=30),
+                            drain_timeout=drain_timeout)
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
@@ -67,11 +75,13 @@ async def _serve(addresses: Addresses, model_path: str, model_name: str, session
 
 
 def run_ingress_process(addresses: Addresses, model_path: str, model_name: str, session_len: int, host: str,
-                        port: int, api_keys: list[str] | None, launcher: str | None, log_level: str = "INFO") -> None:
+                        port: int, api_keys: list[str] | None, launcher: str | None, log_level: str = "INFO",
+                        drain_timeout: float = 60.0) -> None:
     """Entry point of the ingress process."""
     setup_logging(log_level)
     logger.info("ingress pid %d", os.getpid())
-    main = _serve(addresses, model_path, model_name, session_len, host, port, api_keys, launcher, log_level)
+    main = _serve(addresses, model_path, model_name, session_len, host, port, api_keys, launcher, log_level,
+                  drain_timeout)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

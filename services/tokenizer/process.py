@@ -15,7 +15,8 @@ import zmq
 
 from ...engine.weight_loader import load_model_config
 from ...protocol import Addresses, Codec, ConveyorError, EngineIn, ErrorOut, Ping, Stage, TokenizerIn, error_code
-from ..stage import SEND_TIMEOUT_MS, ReplySockets, announce_ready, open_socket, setup_logging, stop_on_sigterm
+from ..stage import (SEND_TIMEOUT_MS, ReplySockets, announce_ready, internal_error, open_socket, setup_logging,
+                     stop_on_sigterm)
 from .chat_template import ChatTemplateConfig
 from .preprocess import Preprocessor
 
@@ -53,9 +54,9 @@ def serve_tokenizer(ctx: zmq.Context, addresses: Addresses, pre: Preprocessor,
                 except ConveyorError as exc:
                     replies.send(msg.reply_to, ErrorOut(msg.rid, 400, str(exc), param=getattr(exc, "param", None),
                                                         code=error_code(exc)))
-                except Exception as exc:  # noqa: BLE001 - report, keep serving
+                except Exception:  # noqa: BLE001 - report, keep serving; the details stay in the log
                     logger.exception("tokenizing request %s failed", msg.rid)
-                    replies.send(msg.reply_to, ErrorOut(msg.rid, 500, f"tokenizer error: {exc}", type="internal_error"))
+                    replies.send(msg.reply_to, internal_error(msg.rid, "tokenizer"))
                 busy += time.perf_counter() - start
     finally:
         feed.close(linger=0)

@@ -265,6 +265,25 @@ async def test_chat_sampling_options_mapped(app, engine) -> None:
     assert (o.repetition_penalty, o.ignore_eos, o.skip_special_tokens, o.min_new_tokens) == (1.2, True, False, 2)
 
 
+async def test_empty_logit_bias_is_accepted(app) -> None:
+    async with http(app) as c:
+        assert (await c.post("/v1/chat/completions", json=chat_body(logit_bias={}))).status_code == 200
+
+
+def test_api_keys_from_a_file_and_the_environment(tmp_path, monkeypatch) -> None:
+    import argparse
+
+    from conveyor.cli import API_KEYS_ENV, _api_keys
+
+    keys = tmp_path / "keys"
+    keys.write_text("# one a line\nsk-file-1\n\nsk-file-2\n")
+    monkeypatch.setenv(API_KEYS_ENV, "sk-env-1, sk-env-2")
+    args = argparse.Namespace(api_keys=["sk-flag"], api_keys_file=str(keys))
+    assert _api_keys(args) == ["sk-flag", "sk-file-1", "sk-file-2", "sk-env-1", "sk-env-2"]
+    monkeypatch.delenv(API_KEYS_ENV)
+    assert _api_keys(argparse.Namespace(api_keys=None, api_keys_file=None)) is None
+
+
 async def test_chat_stream_matches_non_stream(app) -> None:
     async with http(app) as c:
         whole = (await c.post("/v1/chat/completions", json=chat_body(max_tokens=2))).json()
@@ -412,6 +431,8 @@ async def test_logprob_tokens_use_the_tokenizer(engine) -> None:
      "messages.0.content.0.text"),
     (chat_body(stop=["ok", "x\ud800"]), "stop.1"),
     (chat_body(stop=[""]), "stop.0"),  # the schema says so too: an empty stop string is refused
+    (chat_body(repetition_penalty=1e-300), "repetition_penalty"),  # would make the logits (and logprobs) inf
+    (chat_body(logit_bias={"5": 10.0}), "logit_bias"),  # refused, not ignored
     (chat_body(repetition_penalty=0), "repetition_penalty"),
     (chat_body(min_p=1.5), "min_p"),
 ])

@@ -182,6 +182,17 @@ def test_abort_stop_and_sessions_by_type(ring) -> None:
     assert ring.engine.stats().free_blocks == 100
 
 
+def test_an_internal_failure_tells_the_client_only_the_request_id(ring, monkeypatch) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("secret: /srv/models/internal-path")
+
+    monkeypatch.setattr(ring.engine, "add_request", broken)
+    ring.send(_req("boom"))
+    err = ring.until(lambda got: next((m for m in got if isinstance(m, ErrorOut)), None), "the error")
+    assert err.status == 500 and err.code == "internal_error" and err.reply_to == "inproc://ingress"
+    assert "boom" in err.message and "secret" not in err.message
+
+
 def test_ping_is_answered_with_the_engine_stats(ring) -> None:
     ring.send(Ping("inproc://ingress", 12.5, {"tokenizer_busy_s": 0.25}))
     report = ring.until(lambda got: next((m for m in got if isinstance(m, LoadReport)), None), "a LoadReport")
