@@ -80,7 +80,7 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
         model_path=model, server_name=args.server_name, server_port=args.server_port,
         tokenizer_workers=args.tokenizer_workers, api_keys=_api_keys(args), chat_template=args.chat_template,
         served_model_name=args.model_name, engine=engine, log_level=args.log_level, engine_factory=args.engine_factory,
-        drain_timeout=args.drain_timeout))
+        drain_timeout=args.drain_timeout, max_restarts=args.max_restarts))
 
 
 API_KEYS_ENV = "CONVEYOR_API_KEYS"  # comma-separated; keeps keys out of `ps`, like --api-keys-file
@@ -121,20 +121,20 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     if args.stage == "engine":
         from conveyor.services.engine.process import run_engine_process
 
-        run_engine_process(addresses, model, _engine_config(args), None, args.log_level, args.engine_factory)
+        run_engine_process("engine", addresses, model, _engine_config(args), None, args.log_level, args.engine_factory)
     elif args.stage == "tokenizer":
         from conveyor.services.tokenizer.process import run_tokenizer_process
 
-        run_tokenizer_process(addresses, model, session_len, args.chat_template, None, args.log_level)
+        run_tokenizer_process("tokenizer", addresses, model, session_len, args.chat_template, None, args.log_level)
     elif args.stage == "detokenizer":
         from conveyor.services.detokenizer.process import run_detokenizer_process
 
-        run_detokenizer_process(addresses, model, None, args.log_level)
+        run_detokenizer_process("detokenizer", addresses, model, None, args.log_level)
     else:
         from conveyor.services.ingress.process import run_ingress_process
 
         name = args.model_name or model.rstrip("/").split("/")[-1]
-        run_ingress_process(addresses, model, name, session_len, args.server_name, args.server_port,
+        run_ingress_process("ingress", addresses, model, name, session_len, args.server_name, args.server_port,
                             _api_keys(args), None, args.log_level, args.drain_timeout)
     return 0
 
@@ -172,6 +172,8 @@ def _server_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--dtype", default="auto")
     s.add_argument("--device", default="auto")
     s.add_argument("--log-level", default="INFO")
+    s.add_argument("--max-restarts", type=int, default=5,
+                   help="restarts of one stage within a minute; one more and the server exits 1 (for systemd/compose)")
     s.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds requests in flight may run before the server stops (new ones get 503)")
     s.add_argument("--engine-factory", default=None, metavar="MODULE:CALLABLE",

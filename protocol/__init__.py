@@ -32,6 +32,7 @@ from .messages import (
     Ready,
     SessionEnd,
     Stage,
+    StageStatus,
     StopReq,
     TextBatch,
     TokenBatch,
@@ -44,7 +45,7 @@ __all__ = [
     "FINISH_REASONS", "Abort", "Addresses", "Admitted", "CancelSession", "Codec", "ConveyorError",
     "DetokenizerIn", "EngineConfigError", "EngineIn", "EngineStats", "Endpoint", "ErrorOut", "Finish",
     "GenerateReq", "IngressIn", "InvalidRequestError", "LauncherIn", "LoadReport", "Ping",
-    "PromptTooLongError", "Ready", "SamplingParams", "SessionEnd", "Stage", "StopReq", "TextBatch",
+    "PromptTooLongError", "Ready", "SamplingParams", "SessionEnd", "Stage", "StageStatus", "StopReq", "TextBatch",
     "TokenBatch", "TokenizedReq", "TokenizerIn", "UnsupportedModelError", "error_code", "rebuild_error",
     "validate",
 ]

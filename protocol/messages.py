@@ -9,6 +9,7 @@ Sockets and what they carry (see addresses.py for where each is bound):
   detokenizer  -> ingress      Admitted, TextBatch, ErrorOut, LoadReport
   tokenizer    -> ingress      ErrorOut
   any stage    -> launcher     Ready
+  launcher     -> ingress      StageStatus
 Each socket's messages form one tagged union, decoded by one reused Decoder.
 """
 
@@ -204,9 +205,18 @@ class Ready(msgspec.Struct, tag=13, **_TAG):
     info: dict[str, Any] = {}
 
 
+class StageStatus(msgspec.Struct, tag=14, **_TAG):
+    """The launcher saw a stage process stop or become ready again (sent to the ingress)."""
+
+    name: str  # "engine", "detokenizer", "tokenizer-0", ...
+    up: bool
+    pid: int
+    restarts: int = 0
+
+
 # One union per receiving socket.
 TokenizerIn = Union[GenerateReq, Ping]
 EngineIn = Union[TokenizedReq, Abort, SessionEnd, CancelSession, StopReq, Ping]
 DetokenizerIn = Union[Admitted, TokenBatch, ErrorOut, LoadReport]
-IngressIn = Union[Admitted, TextBatch, ErrorOut, LoadReport]
+IngressIn = Union[Admitted, TextBatch, ErrorOut, LoadReport, StageStatus]
 LauncherIn = Ready

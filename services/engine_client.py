@@ -14,6 +14,9 @@ result addressed to it, dispatched on the message type:
 * ``ErrorOut``: the request was refused or failed.
 * ``LoadReport``: a Ping that went round the whole ring. When none comes back for
   ``dead_after`` seconds the client is unhealthy and every waiting request fails with 503.
+* ``StageStatus``: the launcher saw a stage die or come back. While the engine or the
+  detokenizer is down the client is unhealthy at once, and the requests in flight fail (their
+  state died with the stage); a tokenizer worker's requests are resent to the others.
 
 A request stays known until the engine has ended it, also after its consumer left, so that
 ``wait_ended`` can tell when its KV blocks are free.
@@ -46,6 +49,7 @@ from ..protocol import (
     LoadReport,
     Ping,
     SessionEnd,
+    StageStatus,
     TextBatch,
     TokenizerIn,
 )
@@ -83,6 +87,11 @@ class RequestError(Exception):
 
 
 RETRY_AFTER_S = 5  # what a 503 asks the client to wait
+
+
+def _needed_by_all(stage: str) -> bool:
+    """Whether every request needs this stage (a tokenizer worker has peers)."""
+    return stage in ("engine", "detokenizer")
 
 
 def _unavailable(why: str) -> RequestError:
@@ -126,6 +135,7 @@ class EngineClient:
         self._in_codec = Codec(IngressIn)
         self._last_ring = 0.0
         self.load: LoadReport | None = None
+        self.stages: dict[str, StageStatus] = {}  # what the launcher last said of each restarted stage
         self._tasks: list[asyncio.Task] = []
 
     # ---- lifetime ---------------------------------------------------------------------------
@@ -155,8 +165,15 @@ class EngineClient:
     # ---- health ------------------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
-        """True while a Ping went round the whole ring recently."""
-        return self._last_ring > 0 and time.monotonic() - self._last_ring < self.dead_after
+        """True while a Ping went round the whole ring recently and no stage that every request
+        needs (the engine, the detokenizer) is down."""
+        ring = self._last_ring > 0 and time.monotonic() - self._last_ring < self.dead_after
+        return ring and not any(_needed_by_all(name) for name in self.down)
+
+    @property
+    def down(self) -> list[str]:
+        """The stages the launcher reported down and not yet back."""
+        return sorted(name for name, st in self.stages.items() if not st.up)
 
     @property
     def num_inflight(self) -> int:
@@ -258,6 +275,11 @@ class EngineClient:
         elif isinstance(msg, LoadReport):
             self._last_ring = time.monotonic()
             self.load = msg
+        elif isinstance(msg, StageStatus):
+            self.stages[msg.name] = msg
+            if not msg.up and _needed_by_all(msg.name):
+                logger.error("stage %s (pid %d) stopped: failing the requests in flight", msg.name, msg.pid)
+                self.fail_all(f"the {msg.name} stage stopped and is being restarted; retry later")
 
     async def _admitted(self, msg: Admitted) -> None:
         request = self._requests.get(msg.rid)

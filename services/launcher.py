@@ -1,9 +1,14 @@
 """Starts a whole deployment: every stage as its own process over ``ipc://`` (or ``tcp://``).
 
 Order: engine (slowest: loads weights), detokenizer and tokenizer workers, all saying READY;
-then the HTTP ingress. The launcher then supervises: SIGTERM/SIGINT drains the ingress (in
-flight requests finish, new ones get 503), then stops every other stage. A dead tokenizer
-worker is logged and the others carry on; a dead engine makes the ingress answer 503.
+then the HTTP ingress. The launcher then supervises: a stage that dies is restarted after a
+backoff (0.5 s, doubling, at most 10 s) and the ingress is told at once (StageStatus): while
+the engine or the detokenizer is down, requests get 503 and the ones in flight end with an
+error (their state died with the stage); /health names the stages that are down. A stage that
+dies more than RESTART_BUDGET times in RESTART_WINDOW_S makes the launcher stop everything and
+exit 1, so that an outer supervisor (systemd, compose ``restart:``) sees it.
+SIGTERM/SIGINT drains the ingress (in-flight requests finish, new ones get 503), then stops
+every other stage and exits 0.
 """
 
 from __future__ import annotations
@@ -19,14 +24,16 @@ from dataclasses import dataclass, field
 import zmq
 
 from ..engine.config import EngineConfig
-from ..protocol import Addresses, Codec, Stage
-from ..protocol.messages import LauncherIn
+from ..protocol import Addresses, Codec, IngressIn, LauncherIn, Stage, StageStatus
 from .detokenizer.process import run_detokenizer_process
 from .engine.process import run_engine_process
 from .ingress.process import run_ingress_process
 from .tokenizer.process import run_tokenizer_process
 
 logger = logging.getLogger(__name__)
+
+RESTART_BUDGET = 5  # restarts of one stage within RESTART_WINDOW_S before the launcher gives up
+RESTART_WINDOW_S = 60.0
 
 
 @dataclass
@@ -44,6 +51,7 @@ class ServerArgs:
     log_level: str = "INFO"
     start_timeout: float = 600.0
     drain_timeout: float = 60.0  # on SIGTERM, how long requests in flight may run before the stop
+    max_restarts: int = RESTART_BUDGET  # restarts of one stage within RESTART_WINDOW_S; one more: exit 1
     # "module:callable" building the engine instead of LLMEngine (the stack benchmark and fault
     # tests use benchmarks.fake_engine:build, an engine without a model)
     engine_factory: str | None = None
@@ -62,11 +70,41 @@ class Deployment:
         self._ready.bind(self.addresses.launcher.bind)
         self._codec = Codec(LauncherIn)
         self.engine_info: dict = {}
+        self._specs: dict[str, tuple] = {}  # name -> (target, args): how to start it again
+        self._restarts: dict[str, list[float]] = {}  # name -> when it was restarted
+        self._restart_at: dict[str, float] = {}  # dead stages waiting out their backoff
+        self._to_ingress: zmq.Socket | None = None  # StageStatus to the ingress's reply address
+        self._status_codec = Codec(IngressIn)
 
     def _spawn(self, name: str, target, *args) -> None:
-        proc = self._mp.Process(target=target, args=args, name=f"conveyor-{name}", daemon=False)
+        self._specs[name] = (target, args)
+        proc = self._mp.Process(target=target, args=(name, *args), name=f"conveyor-{name}", daemon=False)
         proc.start()
         self.procs[name] = proc
+        logger.info("started stage %s (pid %d)", name, proc.pid)
+
+    def _on_ready(self, msg) -> None:
+        """A stage said READY: log it, and for the ingress, where to send stage news."""
+        logger.info("%s ready (pid %d)", msg.stage.name.lower(), msg.pid)
+        if msg.stage == Stage.ENGINE:
+            self.engine_info = dict(msg.info)
+        if msg.stage == Stage.INGRESS and msg.info.get("reply_to"):
+            if self._to_ingress is not None:
+                self._to_ingress.close(linger=0)
+            self._to_ingress = self._ctx.socket(zmq.PUSH)
+            self._to_ingress.setsockopt(zmq.LINGER, 0)
+            self._to_ingress.connect(msg.info["reply_to"])
+        name = next((n for n, p in self.procs.items() if p.pid == msg.pid), None)
+        if name is not None and self._restarts.get(name):
+            self._tell_ingress(name, True, msg.pid)
+
+    def _tell_ingress(self, name: str, up: bool, pid: int) -> None:
+        if self._to_ingress is not None:
+            try:
+                self._status_codec.send(self._to_ingress, StageStatus(name, up, pid, len(self._restarts.get(name, []))),
+                                        zmq.NOBLOCK)
+            except zmq.Again:
+                logger.warning("could not tell the ingress that %s is %s", name, "up" if up else "down")
 
     def _wait_ready(self, expected: dict[Stage, int]) -> None:
         deadline = time.monotonic() + self.args.start_timeout
@@ -78,11 +116,9 @@ class Deployment:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"stages not ready after {self.args.start_timeout}s: {remaining}")
             if self._ready.poll(200):
-                msg = self._codec.recv(self._ready)
-                remaining[msg.stage] = remaining.get(msg.stage, 0) - 1
-                if msg.stage == Stage.ENGINE:
-                    self.engine_info = dict(msg.info)
-                logger.info("%s ready (pid %d)", msg.stage.name.lower(), msg.pid)
+                for msg in self._codec.recv_all(self._ready):
+                    remaining[msg.stage] = remaining.get(msg.stage, 0) - 1
+                    self._on_ready(msg)
 
     def start(self) -> None:
         """Start every stage and wait until each said READY."""
@@ -120,20 +156,40 @@ class Deployment:
                 proc.kill()
                 proc.join()
         self._ready.close(linger=0)
+        if self._to_ingress is not None:
+            self._to_ingress.close(linger=0)
         self._ctx.term()
         if self.addresses.kind == "ipc" and self.addresses.run_dir:
             shutil.rmtree(self.addresses.run_dir, ignore_errors=True)  # the sockets' private directory
 
-    def watch(self, stop: threading.Event) -> None:
-        """Log stages that die until ``stop`` is set or the ingress exits."""
-        dead: set[str] = set()
-        while not stop.wait(1.0):
+    def watch(self, stop: threading.Event) -> int:
+        """Restart stages that die until ``stop`` is set; returns the exit code (1: a stage kept
+        dying, past its restart budget)."""
+        while not stop.wait(0.2):
+            for msg in self._codec.recv_all(self._ready):
+                self._on_ready(msg)
+            now = time.monotonic()
             for name, proc in self.procs.items():
-                if name not in dead and not proc.is_alive():
-                    dead.add(name)
-                    logger.error("stage %s exited (code %s)", name, proc.exitcode)
-            if "ingress" in dead:
-                return
+                if proc.is_alive() or name in self._restart_at:
+                    continue
+                recent = [t for t in self._restarts.get(name, []) if now - t < RESTART_WINDOW_S]
+                self._restarts[name] = recent
+                self._tell_ingress(name, False, proc.pid)
+                if len(recent) >= self.args.max_restarts:
+                    logger.error("stage %s (pid %d) exited with code %s, its %d restart in %.0fs: giving up",
+                                 name, proc.pid, proc.exitcode, len(recent) + 1, RESTART_WINDOW_S)
+                    return 1
+                delay = min(0.5 * 2 ** len(recent), 10.0)
+                logger.error("stage %s (pid %d) exited with code %s; restarting it in %.1fs",
+                             name, proc.pid, proc.exitcode, delay)
+                self._restart_at[name] = now + delay
+            for name, when in list(self._restart_at.items()):
+                if now >= when:
+                    del self._restart_at[name]
+                    self._restarts[name].append(now)
+                    target, args = self._specs[name]
+                    self._spawn(name, target, *args)
+        return 0
 
 
 def serve(args: ServerArgs) -> int:
@@ -145,7 +201,7 @@ def serve(args: ServerArgs) -> int:
     deployment = Deployment(args)
     try:
         deployment.start()
-        deployment.watch(stop)
+        code = deployment.watch(stop)
     finally:
         deployment.stop()
-    return 0
+    return code

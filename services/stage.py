@@ -56,6 +56,22 @@ def internal_error(rid: str, stage: str) -> ErrorOut:
                               f"request id {rid}", type="internal_error", code="internal_error")
 
 
+def set_process_title(title: str) -> None:
+    """Name this process for ps and top (``conveyor: tokenizer-0``): setproctitle when installed
+    (the whole command line), else the kernel's 15-character thread name."""
+    try:
+        import setproctitle
+    except ImportError:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(15, title.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        except (OSError, AttributeError):
+            pass
+        return
+    setproctitle.setproctitle(title)
+
+
 def stop_on_sigterm() -> threading.Event:
     """An Event set by SIGTERM, for loops that poll with a timeout (main thread only).
 

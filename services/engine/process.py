@@ -11,7 +11,7 @@ import zmq
 from ...engine.config import EngineConfig
 from ...engine.interface import Engine
 from ...protocol import Addresses
-from ..stage import setup_logging, stop_on_sigterm
+from ..stage import set_process_title, setup_logging, stop_on_sigterm
 from .service import EngineService
 
 
@@ -23,10 +23,11 @@ def load_engine_factory(spec: str) -> Callable[[str, EngineConfig], Engine]:
     return getattr(importlib.import_module(module), name)
 
 
-def run_engine_process(addresses: Addresses, model_path: str, config: EngineConfig, launcher: str | None,
+def run_engine_process(name: str, addresses: Addresses, model_path: str, config: EngineConfig, launcher: str | None,
                        log_level: str = "INFO", engine_factory: str | None = None) -> None:
     """Entry point of the engine process."""
     setup_logging(log_level)
+    set_process_title(f"conveyor: {name}")
     stop = stop_on_sigterm()
     if engine_factory:
         engine = load_engine_factory(engine_factory)(model_path, config)

@@ -85,6 +85,8 @@ class EngineClientLike(Protocol):
     def healthy(self) -> bool: ...
     @property
     def load(self) -> LoadReport | None: ...
+    @property
+    def down(self) -> list[str]: ...
 
 
 def error_response(status: int, message: str, type: str | None = None, param: str | None = None,
@@ -301,6 +303,9 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
         retry = {"Retry-After": str(RETRY_AFTER_S)}
         if app.state.draining:
             return error_response(503, "the server is shutting down", code="draining", headers=retry)
+        down = client.down
+        if down:
+            return error_response(503, f"stage(s) restarting: {', '.join(down)}", code="stage_down", headers=retry)
         if not client.healthy:
             return error_response(503, "the engine is not answering", code="engine_unavailable", headers=retry)
         return _json({"status": "ok"})

@@ -47,6 +47,7 @@ class IngressMetrics:
         self._load_gauge(client, "conveyor_engine_generated_tokens", "Tokens the engine generated since it started.",
                          "generated_tokens")
         r.register(_StageStats(client))
+        r.register(_StageHealth(client))
         self.ttft = Histogram("conveyor_time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("conveyor_inter_token_latency_seconds", "Time between generated tokens.",
@@ -87,6 +88,29 @@ class _StageStats:
         for name, value in sorted((getattr(load, "stage_stats", None) or {}).items()):
             family.add_metric([name], float(value))
         yield family
+
+
+class _StageHealth:
+    """conveyor_stage_up and conveyor_stage_restarts, per stage the launcher restarted."""
+
+    def __init__(self, client: Any):
+        self._client = client
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        up = GaugeMetricFamily("conveyor_stage_up", "1 while the stage runs (stages that were restarted).",
+                               labels=["stage"])
+        restarts = GaugeMetricFamily("conveyor_stage_restarts", "Restarts in the launcher's window.",
+                                     labels=["stage"])
+        for name, st in sorted(self._client.stages.items()):
+            up.add_metric([name], 1.0 if st.up else 0.0)
+            restarts.add_metric([name], float(st.restarts))
+        yield up
+        yield restarts
 
 
 class RequestStats:

@@ -14,7 +14,7 @@ import zmq
 from ...protocol import Addresses, Stage
 from ..engine_client import EngineClient
 from .app import begin_drain, build_app, inflight_requests
-from ..stage import announce_ready, setup_logging
+from ..stage import announce_ready, set_process_title, setup_logging
 from ..tokenizer.preprocess import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -69,16 +69,18 @@ async def _serve(addresses: Addresses, model_path: str, model_name: str, session
             await task  # re-raises a bind failure
             return
         await asyncio.sleep(0.05)
-    announce_ready(zmq.Context.instance(), launcher, Stage.INGRESS, url=f"http://{host}:{port}")
+    announce_ready(zmq.Context.instance(), launcher, Stage.INGRESS, url=f"http://{host}:{port}",
+                   reply_to=client.reply_to)  # where the launcher sends StageStatus
     await task
     await client.close()
 
 
-def run_ingress_process(addresses: Addresses, model_path: str, model_name: str, session_len: int, host: str,
+def run_ingress_process(name: str, addresses: Addresses, model_path: str, model_name: str, session_len: int, host: str,
                         port: int, api_keys: list[str] | None, launcher: str | None, log_level: str = "INFO",
                         drain_timeout: float = 60.0) -> None:
     """Entry point of the ingress process."""
     setup_logging(log_level)
+    set_process_title(f"conveyor: {name}")
     logger.info("ingress pid %d", os.getpid())
     main = _serve(addresses, model_path, model_name, session_len, host, port, api_keys, launcher, log_level,
                   drain_timeout)

@@ -15,8 +15,8 @@ import zmq
 
 from ...engine.weight_loader import load_model_config
 from ...protocol import Addresses, Codec, ConveyorError, EngineIn, ErrorOut, Ping, Stage, TokenizerIn, error_code
-from ..stage import (SEND_TIMEOUT_MS, ReplySockets, announce_ready, internal_error, open_socket, setup_logging,
-                     stop_on_sigterm)
+from ..stage import (SEND_TIMEOUT_MS, ReplySockets, announce_ready, internal_error, open_socket, set_process_title,
+                     setup_logging, stop_on_sigterm)
 from .chat_template import ChatTemplateConfig
 from .preprocess import Preprocessor
 
@@ -64,10 +64,11 @@ def serve_tokenizer(ctx: zmq.Context, addresses: Addresses, pre: Preprocessor,
         replies.close()
 
 
-def run_tokenizer_process(addresses: Addresses, model_path: str, session_len: int,
+def run_tokenizer_process(name: str, addresses: Addresses, model_path: str, session_len: int,
                           chat_template: str | None, launcher: str | None, log_level: str = "INFO") -> None:
     """Entry point of a tokenizer worker process."""
     setup_logging(log_level)
+    set_process_title(f"conveyor: {name}")
     stop = stop_on_sigterm()
     template = ChatTemplateConfig(model_name=chat_template) if chat_template else None
     eos = load_model_config(model_path).eos_token_ids

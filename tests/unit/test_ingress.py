@@ -58,6 +58,8 @@ class FakeEngineClient:
         self.active: set[str] = set()
         self._abort_events: dict[str, asyncio.Event] = {}
         self.sessions: dict[int, int] = {}  # session id -> its tokens
+        self.stages: dict = {}  # StageStatus by stage name, as the launcher reports them
+        self.down: list[str] = []
         self.session_turns: dict[int, str] = {}  # session id -> rid of its running turn
 
     @property
