@@ -46,8 +46,7 @@ class IngressMetrics:
                          "kv_usage")
         self._load_gauge(client, "conveyor_engine_generated_tokens", "Tokens the engine generated since it started.",
                          "generated_tokens")
-        r.register(_StageStats(client))
-        r.register(_StageHealth(client))
+        r.register(_StageMetrics(client))
         self.ttft = Histogram("conveyor_time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("conveyor_inter_token_latency_seconds", "Time between generated tokens.",
@@ -70,8 +69,9 @@ class IngressMetrics:
         return generate_latest(self.registry)
 
 
-class _StageStats:
-    """Per-stage busy seconds and item counts, as the last ring ping collected them."""
+class _StageMetrics:
+    """What the stages report: each stage's busy seconds and item counts (as the last ring ping
+    collected them), and, per stage the launcher restarted, whether it is up and how often."""
 
     def __init__(self, client: Any):
         self._client = client
@@ -82,26 +82,10 @@ class _StageStats:
     def collect(self):
         from prometheus_client.core import GaugeMetricFamily
 
-        family = GaugeMetricFamily("conveyor_stage_stat", "Counters reported by each stage (busy seconds, items).",
-                                   labels=["stat"])
-        load = self._client.load
-        for name, value in sorted((getattr(load, "stage_stats", None) or {}).items()):
-            family.add_metric([name], float(value))
-        yield family
-
-
-class _StageHealth:
-    """conveyor_stage_up and conveyor_stage_restarts, per stage the launcher restarted."""
-
-    def __init__(self, client: Any):
-        self._client = client
-
-    def describe(self) -> list:
-        return []
-
-    def collect(self):
-        from prometheus_client.core import GaugeMetricFamily
-
+        stats = GaugeMetricFamily("conveyor_stage_stat", "Counters reported by each stage (busy seconds, items).",
+                                  labels=["stat"])
+        for name, value in sorted((getattr(self._client.load, "stage_stats", None) or {}).items()):
+            stats.add_metric([name], float(value))
         up = GaugeMetricFamily("conveyor_stage_up", "1 while the stage runs (stages that were restarted).",
                                labels=["stage"])
         restarts = GaugeMetricFamily("conveyor_stage_restarts", "Restarts in the launcher's window.",
@@ -109,8 +93,7 @@ class _StageHealth:
         for name, st in sorted(self._client.stages.items()):
             up.add_metric([name], 1.0 if st.up else 0.0)
             restarts.add_metric([name], float(st.restarts))
-        yield up
-        yield restarts
+        yield from (stats, up, restarts)
 
 
 class RequestStats:
