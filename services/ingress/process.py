@@ -19,6 +19,8 @@ from ..tokenizer.preprocess import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
+RING_WAIT_S = 30.0  # how long the ingress waits for the stages to answer before it says READY
+
 
 class DrainingServer(uvicorn.Server):
     """On SIGTERM: keep accepting connections and answer new requests with 503 and Retry-After,
@@ -69,6 +71,13 @@ async def _serve(addresses: Addresses, model_path: str, model_name: str, session
             await task  # re-raises a bind failure
             return
         await asyncio.sleep(0.05)
+    # READY means serving: wait for the first ping to go round the ring (else the first requests
+    # after "serving" would get 503). A ring that stays silent is reported by /health instead.
+    deadline = time.monotonic() + RING_WAIT_S
+    while not client.healthy and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if not client.healthy:
+        logger.warning("no answer from the stage ring after %.0fs: serving, with /health at 503", RING_WAIT_S)
     announce_ready(zmq.Context.instance(), launcher, Stage.INGRESS, url=f"http://{host}:{port}",
                    reply_to=client.reply_to)  # where the launcher sends StageStatus
     await task
