@@ -26,6 +26,7 @@ class _Req:
     request_id: str
     params: SamplingParams
     num_prompt: int
+    turn_token_ids: list[int]
     num_history_tokens: int = 0
     generated: int = 0
 
@@ -65,7 +66,7 @@ class FakeEngine:
         if history + len(token_ids) >= self.session_len:
             raise PromptTooLongError(history + len(token_ids), self.session_len)
         rid = f"fake-{next(self._ids)}" if request_id is None else request_id
-        req = _Req(rid, params, history + len(token_ids), history)
+        req = _Req(rid, params, history + len(token_ids), list(token_ids), history)
         self._waiting[rid] = req
         if session_id is not None:
             self._sessions[session_id] = (history, rid)

@@ -14,6 +14,7 @@ class AdmittedRequest(Protocol):
 
     request_id: str
     num_history_tokens: int  # a session's tokens before this turn
+    turn_token_ids: list[int]  # this turn's prompt, as the engine took it (first-turn rendering or not)
 
 
 class Output(Protocol):

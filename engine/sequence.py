@@ -84,6 +84,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def turn_token_ids(self) -> list[int]:
+        """The current turn's prompt (after a session's history)."""
+        return self.token_ids[self.num_history_tokens : self.num_prompt_tokens]
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose KV is still to be computed."""
         return self.num_tokens - self.num_computed_tokens

@@ -189,7 +189,7 @@ class EngineService:
             err.reply_to = msg.reply_to
             self._outbox.put(err)
             return
-        ids = msg.token_ids if msg.first_turn_ids is None or req.num_history_tokens else msg.first_turn_ids
+        ids = req.turn_token_ids
         self._outbox.put(Admitted(msg.rid, msg.reply_to, len(ids), msg.params, ids[-PROMPT_TAIL:],
                                   req.num_history_tokens))
 
