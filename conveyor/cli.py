@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 from conveyor.services.tokenizer.chat_template import list_chat_templates
@@ -17,8 +18,6 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 def _cmd_chat(args: argparse.Namespace) -> int:
     """Multi-turn chat in the terminal; the session's history stays in the engine's KV cache."""
-    import sys
-
     from conveyor import EngineConfig, GenerationConfig, pipeline
     from conveyor.default_model import fetch
     from conveyor.services.tokenizer.chat_template import ChatTemplateConfig
@@ -53,8 +52,6 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 def _read_prompt(interactive: bool) -> str | None:
     """One prompt: up to a blank line when typing, one line per prompt when piped."""
-    import sys
-
     if not interactive:
         line = sys.stdin.readline()
         return None if not line else line.rstrip("\n")
@@ -113,10 +110,15 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     """Run one stage in the foreground over tcp:// (a compose service); peers found by service name."""
     from conveyor.default_model import fetch
     from conveyor.engine.weight_loader import load_model_config
-    from conveyor.protocol import Addresses
+    from conveyor.protocol import Addresses, CurveKeys, SecurityError
 
+    try:  # first: a stage without keys must not load a model before it says so
+        keys = CurveKeys.load(args.curve_key_file) if args.curve_key_file else None
+        addresses = Addresses.tcp(base_port=args.base_port, curve=keys)
+    except SecurityError as exc:
+        print(f"conveyor: {exc}", file=sys.stderr)
+        return 2
     model = args.model or str(fetch())
-    addresses = Addresses.tcp(base_port=args.base_port)
     session_len = args.session_len or load_model_config(model).max_position_embeddings
     if args.stage == "engine":
         from conveyor.services.engine.process import run_engine_process
@@ -136,6 +138,24 @@ def _cmd_stage(args: argparse.Namespace) -> int:
         name = args.model_name or model.rstrip("/").split("/")[-1]
         run_ingress_process("ingress", addresses, model, name, session_len, args.server_name, args.server_port,
                             _api_keys(args), None, args.log_level, args.drain_timeout)
+    return 0
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    """Write a deployment's CURVE key pair for the tcp:// stages (mode 0600, never overwritten)."""
+    import os
+
+    from conveyor.protocol import CurveKeys
+
+    if os.path.exists(args.path):
+        if args.keep_existing:
+            CurveKeys.load(args.path)  # still fail loudly on a file that is not a key
+            return 0
+        print(f"conveyor: {args.path} exists; not overwriting a deployment's key (--keep-existing: keep it)",
+              file=sys.stderr)
+        return 1
+    CurveKeys.generate().save(args.path)
+    print(f"wrote {args.path}: give every stage CONVEYOR_CURVE_KEY_FILE={args.path}", file=sys.stderr)
     return 0
 
 
@@ -191,6 +211,12 @@ def _add_serve(sub) -> None:
     st.add_argument("stage", choices=["ingress", "tokenizer", "engine", "detokenizer"])
     _server_options(st)
     st.add_argument("--base-port", type=int, default=5550, help="first of the stages' ZeroMQ ports")
+    st.add_argument("--curve-key-file", default=None,
+                    help="the deployment's CURVE keys (default: $CONVEYOR_CURVE_KEY_FILE); see serve keygen")
+    k = serve_sub.add_parser("keygen", help="write the CURVE key file that the tcp:// stages share")
+    k.add_argument("path")
+    k.add_argument("--keep-existing", action="store_true", help="exit 0 if the file is already there (compose)")
+    k.set_defaults(func=_cmd_keygen)
     st.set_defaults(func=_cmd_stage)
     c = serve_sub.add_parser("api_client", help="chat in the terminal with a running server")
     c.add_argument("api_server_url", help="e.g. http://localhost:23333")

@@ -40,12 +40,13 @@ from .messages import (
     TokenizerIn,
 )
 from .sampling import SamplingParams, validate
+from .security import CurveKeys, SecurityError
 
 __all__ = [
-    "FINISH_REASONS", "Abort", "Addresses", "Admitted", "CancelSession", "Codec", "ConveyorError",
+    "FINISH_REASONS", "Abort", "Addresses", "Admitted", "CancelSession", "Codec", "ConveyorError", "CurveKeys",
     "DetokenizerIn", "EngineConfigError", "EngineIn", "EngineStats", "Endpoint", "ErrorOut", "Finish",
     "GenerateReq", "IngressIn", "InvalidRequestError", "LauncherIn", "LoadReport", "Ping",
-    "PromptTooLongError", "Ready", "SamplingParams", "SessionEnd", "Stage", "StageStatus", "StopReq", "TextBatch",
+    "PromptTooLongError", "Ready", "SamplingParams", "SecurityError", "SessionEnd", "Stage", "StageStatus", "StopReq", "TextBatch",
     "TokenBatch", "TokenizedReq", "TokenizerIn", "UnsupportedModelError", "error_code", "rebuild_error",
     "validate",
 ]

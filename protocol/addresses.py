@@ -3,7 +3,10 @@
 - ``inproc://``: stages are threads of one process (the offline pipeline);
 - ``ipc://``: stages are processes on one host, sockets under a private temp dir;
 - ``tcp://``: stages are containers; each endpoint is bound on the owner's own address (never
-  ``tcp://*``) and reached through its service name.
+  ``tcp://*``) and reached through its service name, every socket under CURVE (``security.py``).
+
+Results go back to the ``reply_to`` address a request names; :meth:`Addresses.is_reply_address`
+lets the stages that connect out to it refuse any address that is not an ingress's.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import os
 import socket
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .security import CurveKeys, SecurityError
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,8 @@ class Addresses:
     kind: str = "ipc"
     run_dir: str = ""
     base_port: int = 0  # tcp only: the ingress's reply port is base_port + 10
+    curve: CurveKeys | None = None  # tcp only: the deployment's keys; every socket is a CURVE socket
+    ingress_hosts: tuple[str, ...] = field(default=())  # tcp only: where ingress reply addresses may live
 
     @classmethod
     def inproc(cls) -> "Addresses":
@@ -50,11 +57,18 @@ class Addresses:
         return cls(ep("tokenizer"), ep("engine"), ep("detokenizer"), ep("launcher"), kind="ipc", run_dir=run_dir)
 
     @classmethod
-    def tcp(cls, hosts: dict[str, str] | None = None, base_port: int = 5550) -> "Addresses":
+    def tcp(cls, hosts: dict[str, str] | None = None, base_port: int = 5550,
+            curve: CurveKeys | None = None) -> "Addresses":
         """Containers: stage ``name`` is reached at ``tcp://{hosts[name]}:{port}``.
 
-        Defaults follow compose.yaml's service names; CONVEYOR_<NAME>_HOST overrides one.
+        Defaults follow compose.yaml's service names; CONVEYOR_<NAME>_HOST overrides one. The
+        keys default to the file named by $CONVEYOR_CURVE_KEY_FILE; there is no tcp:// without them.
         """
+        curve = curve or CurveKeys.from_env()
+        if curve is None:
+            raise SecurityError("the tcp:// topology needs the deployment's CURVE keys: write them once with "
+                                "`conveyor serve keygen FILE` and give every stage CONVEYOR_CURVE_KEY_FILE=FILE "
+                                "(compose.yaml does both)")
         hosts = dict(hosts or {})
         names = ("ingress", "engine", "detokenizer", "launcher")
         for n in names:
@@ -64,7 +78,8 @@ class Addresses:
             return Endpoint(f"tcp://{_bind_host(hosts[owner])}:{port}", f"tcp://{hosts[owner]}:{port}")
 
         return cls(ep("ingress", base_port), ep("engine", base_port + 1), ep("detokenizer", base_port + 2),
-                   ep("launcher", base_port + 3), kind="tcp", base_port=base_port)
+                   ep("launcher", base_port + 3), kind="tcp", base_port=base_port, curve=curve,
+                   ingress_hosts=(hosts["ingress"],))
 
     def reply_endpoint(self, port: int | None = None, host: str | None = None) -> Endpoint:
         """A fresh address for one ingress to receive its results on."""
@@ -74,9 +89,22 @@ class Addresses:
         if self.kind == "ipc":
             addr = f"ipc://{self.run_dir}/reply-{os.getpid()}-{uuid.uuid4().hex[:6]}"
             return Endpoint(addr, addr)
-        host = host or os.environ.get("CONVEYOR_INGRESS_HOST", "ingress")
+        host = host or (self.ingress_hosts[0] if self.ingress_hosts else "ingress")
         port = port or self.base_port + 10
         return Endpoint(f"tcp://{_bind_host(host)}:{port}", f"tcp://{host}:{port}")
+
+    def is_reply_address(self, address: str) -> bool:
+        """Whether ``address`` can be an ingress's reply address in this deployment. A request
+        naming any other (another host, a stage's own socket, a path outside the run directory)
+        is not answered: the stages never connect out to where a forged request points."""
+        if self.kind == "inproc":
+            return address.startswith("inproc://conveyor-reply-")
+        if self.kind == "ipc":
+            prefix = f"ipc://{self.run_dir}/reply-"
+            return address.startswith(prefix) and "/" not in address[len(prefix):]
+        host, _, port = address.removeprefix("tcp://").rpartition(":")
+        return (address.startswith("tcp://") and host in self.ingress_hosts and port.isdigit()
+                and self.base_port + 10 <= int(port) < self.base_port + 100)
 
 
 def _bind_host(name: str) -> str:

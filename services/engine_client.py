@@ -53,6 +53,7 @@ from ..protocol import (
     TextBatch,
     TokenizerIn,
 )
+from .stage import open_socket
 
 logger = logging.getLogger(__name__)
 
@@ -141,16 +142,11 @@ class EngineClient:
     # ---- lifetime ---------------------------------------------------------------------------
     async def start(self) -> None:
         """Bind/connect the sockets and start the reader and health tasks."""
-        self._to_tokenizer = self._ctx.socket(zmq.PUSH)
-        self._to_tokenizer.setsockopt(zmq.LINGER, 0)
-        self._to_tokenizer.setsockopt(zmq.SNDHWM, 10_000)  # a burst waits here; past it, 503
-        self._to_tokenizer.bind(self.addresses.tokenizer_in.bind)
-        self._to_engine = self._ctx.socket(zmq.PUSH)
-        self._to_engine.setsockopt(zmq.LINGER, 0)
-        self._to_engine.connect(self.addresses.engine_in.connect)
-        self._results = self._ctx.socket(zmq.PULL)
-        self._results.setsockopt(zmq.LINGER, 0)
-        self._results.bind(self.reply.bind)
+        a = self.addresses
+        # a burst waits in the tokenizer feed's queue; past it, 503
+        self._to_tokenizer = open_socket(self._ctx, zmq.PUSH, bind=a.tokenizer_in.bind, send_hwm=10_000, curve=a.curve)
+        self._to_engine = open_socket(self._ctx, zmq.PUSH, connect=a.engine_in.connect, curve=a.curve)
+        self._results = open_socket(self._ctx, zmq.PULL, bind=self.reply.bind, curve=a.curve)
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
 
     async def close(self) -> None:

@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 import zmq
 
 from ..engine.config import EngineConfig
-from ..protocol import Addresses, Codec, IngressIn, LauncherIn, Stage, StageStatus
+from ..protocol import Addresses, Codec, IngressIn, LauncherIn, Stage, StageStatus, security
 from .detokenizer.process import run_detokenizer_process
 from .engine.process import run_engine_process
 from .ingress.process import run_ingress_process
+from .stage import open_socket
 from .tokenizer.process import run_tokenizer_process
 
 logger = logging.getLogger(__name__)
@@ -66,8 +67,7 @@ class Deployment:
         self._mp = mp.get_context("spawn")
         self.procs: dict[str, mp.Process] = {}
         self._ctx = zmq.Context()
-        self._ready = self._ctx.socket(zmq.PULL)
-        self._ready.bind(self.addresses.launcher.bind)
+        self._ready = open_socket(self._ctx, zmq.PULL, bind=self.addresses.launcher.bind, curve=self.addresses.curve)
         self._codec = Codec(LauncherIn)
         self.engine_info: dict = {}
         self._specs: dict[str, tuple] = {}  # name -> (target, args): how to start it again
@@ -91,9 +91,10 @@ class Deployment:
         if msg.stage == Stage.INGRESS and msg.info.get("reply_to"):
             if self._to_ingress is not None:
                 self._to_ingress.close(linger=0)
-            self._to_ingress = self._ctx.socket(zmq.PUSH)
-            self._to_ingress.setsockopt(zmq.LINGER, 0)
-            self._to_ingress.connect(msg.info["reply_to"])
+            if not self.addresses.is_reply_address(msg.info["reply_to"]):
+                logger.warning("ingress named %r as its address, not one of this deployment's", msg.info["reply_to"])
+                return
+            self._to_ingress = open_socket(self._ctx, zmq.PUSH, connect=msg.info["reply_to"], curve=self.addresses.curve)
         name = next((n for n, p in self.procs.items() if p.pid == msg.pid), None)
         if name is not None and self._restarts.get(name):
             self._tell_ingress(name, True, msg.pid)
@@ -158,6 +159,7 @@ class Deployment:
         self._ready.close(linger=0)
         if self._to_ingress is not None:
             self._to_ingress.close(linger=0)
+        security.release(self._ctx)
         self._ctx.term()
         if self.addresses.kind == "ipc" and self.addresses.run_dir:
             shutil.rmtree(self.addresses.run_dir, ignore_errors=True)  # the sockets' private directory

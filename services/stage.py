@@ -10,8 +10,9 @@ import threading
 import msgspec
 import zmq
 
-from ..protocol import Codec, ErrorOut, Ready, Stage
+from ..protocol import Addresses, Codec, ErrorOut, Ready, Stage
 from ..protocol.messages import IngressIn, LauncherIn
+from ..protocol.security import CurveKeys
 
 logger = logging.getLogger(__name__)
 
@@ -21,13 +22,12 @@ def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
 
 
-def announce_ready(ctx: zmq.Context, launcher_address: str | None, stage: Stage, **info) -> None:
+def announce_ready(ctx: zmq.Context, launcher_address: str | None, stage: Stage, curve: CurveKeys | None = None,
+                   **info) -> None:
     """Tell the launcher this stage accepts traffic (no launcher: nothing to do)."""
     if not launcher_address:
         return
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 2000)
-    sock.connect(launcher_address)
+    sock = open_socket(ctx, zmq.PUSH, connect=launcher_address, linger_ms=2000, curve=curve)
     Codec(LauncherIn).send(sock, Ready(stage, os.getpid(), info))
     sock.close()
 
@@ -36,12 +36,18 @@ SEND_TIMEOUT_MS = 2000  # a send on the request path waits at most this long for
 
 
 def open_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
-                linger_ms: int = 0, send_timeout_ms: int = -1) -> zmq.Socket:
+                linger_ms: int = 0, send_timeout_ms: int = -1, send_hwm: int | None = None,
+                curve: CurveKeys | None = None) -> zmq.Socket:
     """A socket bound or connected to one address, with its linger time (how long unsent
-    messages are kept at close) and send timeout (-1: wait; else a send raises zmq.Again)."""
+    messages are kept at close), send timeout (-1: wait; else a send raises zmq.Again), send
+    queue bound, and the deployment's CURVE keys (tcp://: a bound socket admits only key holders)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, linger_ms)
     sock.setsockopt(zmq.SNDTIMEO, send_timeout_ms)
+    if send_hwm is not None:
+        sock.setsockopt(zmq.SNDHWM, send_hwm)
+    if curve is not None:
+        curve.secure(sock, server=bind is not None)
     if bind is not None:
         sock.bind(bind)
     if connect is not None:
@@ -86,25 +92,32 @@ def stop_on_sigterm() -> threading.Event:
 
 
 class ReplySockets:
-    """PUSH sockets to ingress reply addresses, made on first use and kept."""
+    """PUSH sockets to ingress reply addresses, made on first use and kept. An address that is
+    not an ingress's of this deployment is refused (counted in ``refused``), so a forged request
+    cannot make a stage connect out to a place of its choosing."""
 
-    def __init__(self, ctx: zmq.Context, max_sockets: int = 256):
+    def __init__(self, ctx: zmq.Context, addresses: Addresses, max_sockets: int = 256):
         self._ctx = ctx
+        self._addresses = addresses
         self._socks: dict[str, zmq.Socket] = {}
         self._codec = Codec(IngressIn)
         self._max = max_sockets
+        self.refused = 0
 
     def send(self, address: str, msg: msgspec.Struct) -> None:
         """Deliver ``msg`` to the ingress at ``address``; drops it if that ingress is gone."""
         sock = self._socks.get(address)
         if sock is None:
+            if not self._addresses.is_reply_address(address):
+                self.refused += 1
+                if self.refused & (self.refused - 1) == 0:  # 1st, 2nd, 4th, ...: a flood logs little
+                    logger.warning("refused to answer to %r, not an ingress of this deployment (%d so far)",
+                                   address[:200], self.refused)
+                return
             if len(self._socks) >= self._max:  # ingresses come and go; forget the oldest
                 old = next(iter(self._socks))
                 self._socks.pop(old).close(linger=0)
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 100_000)
-            sock.connect(address)
+            sock = open_socket(self._ctx, zmq.PUSH, connect=address, send_hwm=100_000, curve=self._addresses.curve)
             self._socks[address] = sock
         try:
             self._codec.send(sock, msg, zmq.NOBLOCK)

@@ -36,11 +36,12 @@ logger = logging.getLogger(__name__)
 def serve_detokenizer(ctx: zmq.Context, addresses: Addresses, detok: Detokenizer, stop: threading.Event,
                       launcher: str | None = None) -> None:
     """The stage loop: blocks on its input, wakes every 0.5 s only to check ``stop``."""
-    inbox = open_socket(ctx, zmq.PULL, bind=addresses.detokenizer_in.bind)
-    engine = open_socket(ctx, zmq.PUSH, connect=addresses.engine_in.connect, send_timeout_ms=SEND_TIMEOUT_MS)
-    replies = ReplySockets(ctx)
+    inbox = open_socket(ctx, zmq.PULL, bind=addresses.detokenizer_in.bind, curve=addresses.curve)
+    engine = open_socket(ctx, zmq.PUSH, connect=addresses.engine_in.connect, send_timeout_ms=SEND_TIMEOUT_MS,
+                         curve=addresses.curve)
+    replies = ReplySockets(ctx, addresses)
     in_codec, engine_codec = Codec(DetokenizerIn), Codec(EngineIn)
-    announce_ready(ctx, launcher, Stage.DETOKENIZER)
+    announce_ready(ctx, launcher, Stage.DETOKENIZER, addresses.curve)
     busy, tokens, bad_messages = 0.0, 0, 0  # reported on LoadReports
 
     def handle(msg) -> int:
@@ -59,7 +60,8 @@ def serve_detokenizer(ctx: zmq.Context, addresses: Addresses, detok: Detokenizer
             replies.send(msg.reply_to, msg)
         elif isinstance(msg, LoadReport):
             msg.stage_stats.update(detokenizer_busy_s=busy, detokenizer_tokens=tokens,
-                                   detokenizer_bad_frames=in_codec.dropped, detokenizer_bad_messages=bad_messages)
+                                   detokenizer_bad_frames=in_codec.dropped, detokenizer_bad_messages=bad_messages,
+                                   detokenizer_refused_replies=replies.refused)
             replies.send(msg.reply_to, msg)
         return 0
 

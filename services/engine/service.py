@@ -74,7 +74,7 @@ class EngineService:
 
     # ---- IO threads ----------------------------------------------------------------------------
     def _input_loop(self, stop: threading.Event, bound: threading.Event) -> None:
-        sock = open_socket(self._ctx, zmq.PULL, bind=self._addresses.engine_in.bind)
+        sock = open_socket(self._ctx, zmq.PULL, bind=self._addresses.engine_in.bind, curve=self._addresses.curve)
         bound.set()
         codec = self._in_codec
         try:
@@ -95,7 +95,8 @@ class EngineService:
             sock.close(linger=0)
 
     def _output_loop(self) -> None:
-        sock = open_socket(self._ctx, zmq.PUSH, connect=self._addresses.detokenizer_in.connect, linger_ms=1000)
+        sock = open_socket(self._ctx, zmq.PUSH, connect=self._addresses.detokenizer_in.connect, linger_ms=1000,
+                           curve=self._addresses.curve)
         codec = Codec(DetokenizerIn)
         try:
             while (msg := self._outbox.get()) is not None:
@@ -113,7 +114,7 @@ class EngineService:
         for t in threads:
             t.start()
         bound.wait()
-        announce_ready(self._ctx, launcher, Stage.ENGINE, **(info or {}))
+        announce_ready(self._ctx, launcher, Stage.ENGINE, self._addresses.curve, **(info or {}))
         try:
             while not stop.is_set():
                 msgs = self._take_messages(block=not self.engine.has_work)

@@ -78,7 +78,7 @@ async def _serve(addresses: Addresses, model_path: str, model_name: str, session
         await asyncio.sleep(0.05)
     if not client.healthy:
         logger.warning("no answer from the stage ring after %.0fs: serving, with /health at 503", RING_WAIT_S)
-    announce_ready(zmq.Context.instance(), launcher, Stage.INGRESS, url=f"http://{host}:{port}",
+    announce_ready(zmq.Context.instance(), launcher, Stage.INGRESS, addresses.curve, url=f"http://{host}:{port}",
                    reply_to=client.reply_to)  # where the launcher sends StageStatus
     await task
     await client.close()

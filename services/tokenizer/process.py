@@ -26,12 +26,12 @@ logger = logging.getLogger(__name__)
 def serve_tokenizer(ctx: zmq.Context, addresses: Addresses, pre: Preprocessor,
                     stop: threading.Event, launcher: str | None = None) -> None:
     """The worker loop: blocks on its input, wakes every 0.5 s only to check ``stop``."""
-    feed = open_socket(ctx, zmq.PULL, connect=addresses.tokenizer_in.connect)
+    feed = open_socket(ctx, zmq.PULL, connect=addresses.tokenizer_in.connect, curve=addresses.curve)
     engine = open_socket(ctx, zmq.PUSH, connect=addresses.engine_in.connect, linger_ms=1000,
-                         send_timeout_ms=SEND_TIMEOUT_MS)
-    replies = ReplySockets(ctx)
+                         send_timeout_ms=SEND_TIMEOUT_MS, curve=addresses.curve)
+    replies = ReplySockets(ctx, addresses)
     in_codec, out_codec = Codec(TokenizerIn), Codec(EngineIn)
-    announce_ready(ctx, launcher, Stage.TOKENIZER)
+    announce_ready(ctx, launcher, Stage.TOKENIZER, addresses.curve)
     busy, handled = 0.0, 0  # reported on Pings, for per-stage overhead measurements
     try:
         while not stop.is_set():
@@ -40,7 +40,8 @@ def serve_tokenizer(ctx: zmq.Context, addresses: Addresses, pre: Preprocessor,
             for msg in in_codec.recv_all(feed):
                 if isinstance(msg, Ping):
                     msg.stage_stats.update(tokenizer_busy_s=busy, tokenizer_requests=handled,
-                                           tokenizer_bad_frames=in_codec.dropped)
+                                           tokenizer_bad_frames=in_codec.dropped,
+                                           tokenizer_refused_replies=replies.refused)
                     with contextlib.suppress(zmq.Again):  # no engine: the ring's silence says so
                         out_codec.send(engine, msg)
                     continue

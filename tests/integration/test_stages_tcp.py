@@ -6,6 +6,7 @@ peers; here every host is 127.0.0.1 and the ports come from a free base port.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -36,10 +37,43 @@ def _port_free(port: int) -> bool:
             return False
 
 
+def _forged_request_gets_nothing(base: int, url: str) -> None:
+    """A peer on the network without the key: its request, sent straight to the engine's socket
+    (skipping the API key), never runs, and the deployment goes on serving."""
+    import zmq
+
+    from conveyor.protocol import Codec, EngineIn, SamplingParams, TokenizedReq
+
+    def generated() -> float:
+        line = next(li for li in httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
+                    if li.startswith("conveyor_engine_generated_tokens"))
+        return float(line.split()[-1])
+
+    time.sleep(1.5)  # a load report after the last request
+    before = generated()
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, 1000)
+        sock.connect(f"tcp://127.0.0.1:{base + 1}")
+        forged = TokenizedReq("forged", f"tcp://127.0.0.1:{base + 10}", [1, 2, 3], SamplingParams(max_new_tokens=5))
+        with contextlib.suppress(zmq.Again):  # the handshake never completes: nothing is sent
+            Codec(EngineIn).send(sock, forged)
+    finally:
+        ctx.destroy(linger=0)
+    time.sleep(1.5)
+    assert generated() == before, "the engine ran a request from a peer without the key"
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+
+
 def test_stages_as_separate_processes_over_tcp(smollm2_dir, tmp_path):
     base, http_port = _free_base_port(), free_port()
+    keys = tmp_path / "curve.key_secret"
+    subprocess.run([sys.executable, "-m", "conveyor.cli", "serve", "keygen", str(keys)], check=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CONVEYOR_INGRESS_HOST": "127.0.0.1",
-           "CONVEYOR_ENGINE_HOST": "127.0.0.1", "CONVEYOR_DETOKENIZER_HOST": "127.0.0.1"}
+           "CONVEYOR_ENGINE_HOST": "127.0.0.1", "CONVEYOR_DETOKENIZER_HOST": "127.0.0.1",
+           "CONVEYOR_CURVE_KEY_FILE": str(keys)}
     common = [str(smollm2_dir), "--base-port", str(base), "--session-len", "1024", "--log-level", "INFO"]
     stages = {
         "engine": ["--cache-max-entry-count", "64", "--cache-block-seq-len", "16"],
@@ -74,6 +108,7 @@ def test_stages_as_separate_processes_over_tcp(smollm2_dir, tmp_path):
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
             model=model, messages=messages, temperature=0, max_tokens=20, stream=True) if c.choices)
         assert streamed == full.choices[0].message.content
+        _forged_request_gets_nothing(base, url)
     finally:
         for p in procs.values():
             if p.poll() is None:
