@@ -77,7 +77,17 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
         model_path=model, server_name=args.server_name, server_port=args.server_port,
         tokenizer_workers=args.tokenizer_workers, api_keys=_api_keys(args), chat_template=args.chat_template,
         served_model_name=args.model_name, engine=engine, log_level=args.log_level, engine_factory=args.engine_factory,
-        drain_timeout=args.drain_timeout, max_restarts=args.max_restarts))
+        drain_timeout=args.drain_timeout, max_restarts=args.max_restarts, limits=_limits(args)))
+
+
+def _limits(args: argparse.Namespace):
+    """The ingress's limits from the command line (0 for --request-timeout: none)."""
+    from conveyor.services.ingress.limits import IngressLimits
+
+    return IngressLimits(max_prompt_chars=args.max_prompt_chars, max_prompts=args.max_prompts,
+                         max_sequences=args.max_sequences_per_request, max_queued=args.max_queued_requests,
+                         request_timeout_s=args.request_timeout or None, header_timeout_s=args.header_timeout,
+                         body_timeout_s=args.body_timeout, max_connections=args.max_connections)
 
 
 API_KEYS_ENV = "CONVEYOR_API_KEYS"  # comma-separated; keeps keys out of `ps`, like --api-keys-file
@@ -137,7 +147,7 @@ def _cmd_stage(args: argparse.Namespace) -> int:
 
         name = args.model_name or model.rstrip("/").split("/")[-1]
         run_ingress_process("ingress", addresses, model, name, session_len, args.server_name, args.server_port,
-                            _api_keys(args), None, args.log_level, args.drain_timeout)
+                            _api_keys(args), None, args.log_level, args.drain_timeout, _limits(args))
     return 0
 
 
@@ -196,6 +206,25 @@ def _server_options(s: argparse.ArgumentParser) -> None:
                    help="restarts of one stage within a minute; one more and the server exits 1 (for systemd/compose)")
     s.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds requests in flight may run before the server stops (new ones get 503)")
+    lim = s.add_argument_group("limits", "what one client may ask of the server (README: Limits)")
+    lim.add_argument("--max-prompt-chars", type=int, default=None,
+                     help="characters of a request's prompts, checked before tokenizing (default: 32 x session_len)")
+    lim.add_argument("--max-prompts", type=int, default=128, help="prompts in one /v1/completions request")
+    lim.add_argument("--max-sequences-per-request", type=int, default=256,
+                     help="generations one request may start: n x prompts")
+    lim.add_argument("--max-queued-requests", type=int, default=1024,
+                     help="generations queued or running at the ingress; past it, 429 with Retry-After")
+    lim.add_argument("--request-timeout", type=float, default=600.0,
+                     help="seconds a request may run before it is stopped with 504 (0: no limit)")
+    lim.add_argument("--header-timeout", type=float, default=10.0,
+                     help="seconds a client may take to send its request headers before the connection is closed")
+    lim.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds a client may take to send its request body before it gets 408")
+    lim.add_argument("--max-connections", type=int, default=4096,
+                     help="open connections and requests; past it new requests get 503")
+    s.add_argument("--session-idle-timeout", type=float, default=600.0,
+                   help="seconds an interactive session may sit idle before its KV cache is freed "
+                        "(its history is kept and recomputed on the next turn; 0: never)")
     s.add_argument("--engine-factory", default=None, metavar="MODULE:CALLABLE",
                    help="build the engine with this callable (model path, EngineConfig) instead of the GPU "
                         "engine; e.g. benchmarks.fake_engine:build, a model-free engine for stack tests")

@@ -120,7 +120,8 @@ class EngineClient:
 
     def __init__(self, addresses: Addresses, model_name: str, session_len: int, reply: Endpoint | None = None,
                  ping_interval: float = 0.5, dead_after: float = 10.0, admit_timeout: float = 3.0,
-                 max_resends: int = 2, forget_after: float = 30.0, context: zmq.asyncio.Context | None = None):
+                 max_resends: int = 2, forget_after: float = 30.0, context: zmq.asyncio.Context | None = None,
+                 request_timeout: float | None = None):
         self.addresses = addresses
         self.model_name = model_name
         self.session_len = session_len
@@ -129,6 +130,7 @@ class EngineClient:
         self.ping_interval, self.dead_after = ping_interval, dead_after
         self.admit_timeout, self.max_resends = admit_timeout, max_resends
         self.forget_after = forget_after  # an abandoned request the engine never ends is forgotten then
+        self.request_timeout = request_timeout  # a request running longer is aborted and fails with 504
         self._ctx = context or zmq.asyncio.Context.instance()
         self._requests: dict[str, _Request] = {}
         self._to_tokenizer_codec = Codec(TokenizerIn)
@@ -192,8 +194,17 @@ class EngineClient:
                 ended = True
                 self._requests.pop(req.rid, None)
                 raise _unavailable("no tokenizer worker is taking requests; retry later")
+            deadline = None if self.request_timeout is None else request.sent_at + self.request_timeout
             while True:
-                item = await request.queue.get()
+                if deadline is None:
+                    item = await request.queue.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(request.queue.get(), max(deadline - time.monotonic(), 0))
+                    except asyncio.TimeoutError:  # ended False: the finally aborts it in the engine
+                        raise RequestError(504, f"the request ran past the server's limit of {self.request_timeout:g}s "
+                                           "and was stopped; ask for fewer tokens (max_tokens)", type="timeout",
+                                           code="request_timeout") from None
                 if isinstance(item, RequestError):
                     ended = True
                     raise item

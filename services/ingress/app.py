@@ -8,12 +8,18 @@ invalid parameters are 400, never FastAPI's 422. API keys, when set, guard /v1/*
 /health stays open for load balancers and probes, /docs and /openapi.json stay open because they
 describe the API without touching the model.
 
+Limits (``limits.py``): a request's prompt characters, prompts and engine requests are capped
+before anything is tokenized (400); past ``max_queued`` engine requests in flight a request gets
+429 with Retry-After; a request running past ``request_timeout_s`` is aborted (504, or an error
+event in a stream); slow headers close the connection, a slow body gets 408.
+
 A request whose HTTP client goes away is aborted in the engine: a stream when its response ends
 (``ClosingStreamingResponse``), a non-streamed request through a watcher on the connection.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import secrets
@@ -31,6 +37,7 @@ from starlette.responses import Response
 
 from ...protocol import GenerateReq, InvalidRequestError, LoadReport, error_code
 from ..engine_client import RETRY_AFTER_S, RequestError, RequestOutput
+from .limits import IngressLimits
 from .metrics import CONTENT_TYPE, IngressMetrics, RequestCounter
 from .openai_schemas import (
     ChatCompletionRequest,
@@ -66,7 +73,9 @@ logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
-_ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 503)}
+_ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse}
+                                            for s in (400, 401, 404, 408, 413, 429, 503, 504)}
+INTERACTIVE_MAX_NEW_TOKENS = 512  # /v1/chat/interactive's request_output_len default, as LMDeploy's
 _STREAMED = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE with stream: true"}}
 _LINES = {200: {"content": {"application/x-ndjson": {}}, "description": "JSON, or JSON lines with stream: true"}}
 
@@ -132,8 +141,8 @@ class BodyLimit:
     more than it announced) and replayed to the app; JSON bodies are read whole anyway.
     """
 
-    def __init__(self, app: Any, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: Any, max_bytes: int, timeout_s: float = 30.0):
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -144,8 +153,14 @@ class BodyLimit:
             await self._reject(scope, receive, send)
             return
         chunks, total = [], 0
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:  # a client dripping its body must not hold a task and a socket
+                await error_response(408, f"the request body did not arrive within {self.timeout_s:g}s",
+                                     code="request_timeout", headers={"Connection": "close"})(scope, receive, send)
+                return
             if message["type"] == "http.disconnect":
                 return  # gone before the body arrived: nobody to answer
             chunk = message.get("body", b"")
@@ -216,9 +231,12 @@ def _install_error_handlers(app: FastAPI) -> None:
 class _Ingress:
     """Per-app state, and the request flow the generation routes share."""
 
-    def __init__(self, app: FastAPI, client: EngineClientLike, model_name: str, tokenizer: Any | None):
+    def __init__(self, app: FastAPI, client: EngineClientLike, model_name: str, tokenizer: Any | None,
+                 limits: IngressLimits):
         self.app, self.client, self.model_name, self.tokenizer = app, client, model_name, tokenizer
-        self.inflight = 0
+        self.limits = limits
+        self.inflight = 0  # HTTP generation requests being served
+        self.sequences = 0  # engine requests they made (n x prompts each)
         self.metrics = IngressMetrics(client, lambda: self.inflight)
         self.renderer = LogprobRenderer(tokenizer)
 
@@ -234,18 +252,42 @@ class _Ingress:
             raise RequestError(503, "the engine is not answering: retry later",
                                type="service_unavailable", code="engine_unavailable", retry_after=RETRY_AFTER_S)
 
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """400 before tokenizing a prompt longer than the character cap (tokenizing costs the
+        tokenizer worker time and memory in proportion, whatever the token count turns out to be)."""
+        cap = self.limits.prompt_chars_cap(self.client.session_len)
+        if chars > cap:
+            raise RequestError(400, f"the prompt has {chars} characters; this server takes at most {cap} "
+                               f"(its context is {self.client.session_len} tokens)", param=param,
+                               code="prompt_too_long")
+
+    def _reserve(self, num: int, n: int) -> None:
+        """Count ``num`` engine requests in, or refuse them: too many for one request (400), or
+        the ingress's queue full (429; its places come back as requests end)."""
+        if num > self.limits.max_sequences:
+            raise RequestError(400, f"this request makes {num} generations (n={n} for each prompt); this server "
+                               f"takes at most {self.limits.max_sequences} per request", param="n",
+                               code="too_many_choices")
+        if self.sequences + num > self.limits.max_queued:
+            raise RequestError(429, f"the server has {self.sequences} generations queued or running, its limit: "
+                               "retry later", type="rate_limit_exceeded", code="rate_limit_exceeded",
+                               retry_after=RETRY_AFTER_S)
+        self.sequences += num
+        self.inflight += 1
+
     async def respond(self, request: Request, reqs: list[GenerateReq], fmt: ResponseFormat, *, stream: bool,
                       n: int, start: float) -> Response:
         """Run ``reqs`` (n choices per prompt) and answer with ``fmt``, streamed or whole."""
+        self._reserve(len(reqs), n)
         stats = [self.metrics.track(start) for _ in reqs]
         events = iter_choices(self.client, reqs, stats)
-        self.inflight += 1
 
         async def finish() -> None:
             try:
                 await events.aclose()
             finally:
                 self.inflight -= 1
+                self.sequences -= len(reqs)
                 self.metrics.e2e.observe(time.perf_counter() - start)
 
         handed_off = False
@@ -281,7 +323,7 @@ def _rid(prefix: str) -> str:
 
 def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, served_model_name: str | None = None,
-              tokenizer: Any | None = None) -> FastAPI:
+              tokenizer: Any | None = None, limits: IngressLimits | None = None) -> FastAPI:
     """The OpenAI-compatible app serving ``client``'s model.
 
     ``served_model_name`` is the name clients use (default: ``client.model_name``); ``tokenizer``
@@ -290,9 +332,10 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
     """
     app = FastAPI(title="conveyor", summary="OpenAI-compatible LLM server", version="0.1.0")
     app.state.draining = False
-    app.state.ingress = ing = _Ingress(app, client, served_model_name or client.model_name, tokenizer)
+    limits = limits or IngressLimits()
+    app.state.ingress = ing = _Ingress(app, client, served_model_name or client.model_name, tokenizer, limits)
     _install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=limits.body_timeout_s)
     if api_keys:
         app.add_middleware(ApiKeyGuard, api_keys=list(api_keys))
     app.add_middleware(RequestCounter, metrics=ing.metrics)  # outermost: counts 401s and 413s too
@@ -330,6 +373,7 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
         ing.admit(body.model)
         rid, n, k = _rid("chatcmpl"), body.num_choices, body.num_logprobs
         messages = [m.to_wire() for m in body.messages]
+        ing.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         max_new = body.requested_max_tokens or client.session_len  # the tokenizer caps it to what fits
         reqs = [GenerateReq(rid=f"{rid}-{i}", reply_to=client.reply_to, messages=messages,
                             params=body.sampling_params(max_new, k, i)) for i in range(n)]
@@ -344,6 +388,10 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
         if body.suffix:
             raise RequestError(400, "suffix: text insertion is not supported; send null", param="suffix")
         rid, n, prompts = _rid("cmpl"), body.num_choices, body.prompts
+        if len(prompts) > limits.max_prompts:
+            raise RequestError(400, f"{len(prompts)} prompts in one request; this server takes at most "
+                               f"{limits.max_prompts}: split the batch", param="prompt", code="too_many_prompts")
+        ing.check_prompt_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
         echo: list[str] | None = None
         if body.echo:
             if tokenizer is None and any(isinstance(p, list) for p in prompts):
@@ -389,12 +437,13 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
             raise RequestError(400, "the prompt is empty: give some text or messages", param="prompt")
         prompt, messages = (body.prompt, None) if isinstance(body.prompt, str) else \
             (None, [m.to_wire() for m in body.prompt])
+        ing.check_prompt_chars(len(prompt) if prompt else sum(len(m["content"]) for m in messages or []), "prompt")
         session_id = None
         if body.interactive_mode:  # the engine keeps the session; it knows whether this is a first turn
             session_id = sid if sid != -1 else ing.new_session_id()
         req = GenerateReq(rid=_rid("interactive"), reply_to=client.reply_to, prompt=prompt, messages=messages,
                           session_id=session_id, sequence_start=None if body.interactive_mode else True,
-                          params=body.sampling_params(body.request_output_len or client.session_len))
+                          params=body.sampling_params(body.request_output_len or INTERACTIVE_MAX_NEW_TOKENS))
         fmt = InteractiveFormat(session_id)
         return await ing.respond(request, [req], fmt, stream=body.stream, n=1, start=start)
 

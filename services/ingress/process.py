@@ -14,6 +14,7 @@ import zmq
 from ...protocol import Addresses, Stage
 from ..engine_client import EngineClient
 from .app import begin_drain, build_app, inflight_requests
+from .limits import IngressLimits, with_header_timeout
 from ..stage import announce_ready, set_process_title, setup_logging
 from ..tokenizer.preprocess import load_tokenizer
 
@@ -58,13 +59,18 @@ class DrainingServer(uvicorn.Server):
 
 
 async def _serve(addresses: Addresses, model_path: str, model_name: str, session_len: int, host: str, port: int,
-                 api_keys: list[str] | None, launcher: str | None, log_level: str, drain_timeout: float) -> None:
-    client = EngineClient(addresses, model_name, session_len)
+                 api_keys: list[str] | None, launcher: str | None, log_level: str, drain_timeout: float,
+                 limits: IngressLimits) -> None:
+    client = EngineClient(addresses, model_name, session_len, request_timeout=limits.request_timeout_s)
     await client.start()
-    app = build_app(client, api_keys=api_keys, served_model_name=model_name, tokenizer=load_tokenizer(model_path))
-    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
-                                           access_log=False, lifespan="off", timeout_keep_alive=30),
-                            drain_timeout=drain_timeout)
+    app = build_app(client, api_keys=api_keys, served_model_name=model_name, tokenizer=load_tokenizer(model_path),
+                    limits=limits)
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol  # the class uvicorn would pick (httptools or h11)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
+                            lifespan="off", timeout_keep_alive=30, limit_concurrency=limits.max_connections,
+                            http=with_header_timeout(AutoHTTPProtocol, limits.header_timeout_s))
+    server = DrainingServer(config, drain_timeout=drain_timeout)
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
@@ -86,13 +92,13 @@ async def _serve(addresses: Addresses, model_path: str, model_name: str, session
 
 def run_ingress_process(name: str, addresses: Addresses, model_path: str, model_name: str, session_len: int, host: str,
                         port: int, api_keys: list[str] | None, launcher: str | None, log_level: str = "INFO",
-                        drain_timeout: float = 60.0) -> None:
+                        drain_timeout: float = 60.0, limits: IngressLimits | None = None) -> None:
     """Entry point of the ingress process."""
     setup_logging(log_level)
     set_process_title(f"conveyor: {name}")
     logger.info("ingress pid %d", os.getpid())
     main = _serve(addresses, model_path, model_name, session_len, host, port, api_keys, launcher, log_level,
-                  drain_timeout)
+                  drain_timeout, limits or IngressLimits())
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

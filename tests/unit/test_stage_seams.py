@@ -210,14 +210,15 @@ def test_engine_calls_run_between_steps(ring) -> None:
 # ---- the engine client ---------------------------------------------------------------------------
 
 @contextlib.asynccontextmanager
-async def _client_ring(with_tokenizer: bool = True):
+async def _client_ring(with_tokenizer: bool = True, **client_kw):
     """A healthy EngineClient, with sockets standing in for the tokenizer (the feed it pushes
     to), the engine (where its aborts go) and the detokenizer (what it reads results from)."""
     ctx = zmq.asyncio.Context()
     addresses = Addresses.inproc()
     engine_in = ctx.socket(zmq.PULL)
     engine_in.bind(addresses.engine_in.bind)
-    client = EngineClient(addresses, "m", 64, ping_interval=0.02, admit_timeout=0.2, max_resends=1, context=ctx)
+    client = EngineClient(addresses, "m", 64, ping_interval=0.02, admit_timeout=0.2, max_resends=1, context=ctx,
+                          **client_kw)
     await client.start()
     feed = ctx.socket(zmq.PULL)
     if with_tokenizer:
@@ -291,6 +292,23 @@ async def test_client_answers_503_at_once_when_no_tokenizer_takes_requests() -> 
         with pytest.raises(RequestError) as err:  # before: the send waited for a worker forever
             await asyncio.wait_for(client.generate(GenerateReq("r3", "", SamplingParams())).__anext__(), 2.0)
         assert err.value.status == 503 and "tokenizer" in err.value.message and client.num_inflight == 0
+
+
+@pytest.mark.anyio
+async def test_client_stops_a_request_past_the_request_timeout() -> None:
+    async with _client_ring(request_timeout=0.3) as (client, feed, engine_in, reply):
+        async def run():
+            async for _ in client.generate(GenerateReq("r4", "", SamplingParams())):
+                pass
+
+        task = asyncio.ensure_future(run())
+        await _recv(feed, Codec(TokenizerIn), lambda m: isinstance(m, GenerateReq))
+        await reply(Admitted("r4", client.reply_to, 3, SamplingParams()))  # admitted, then never a token
+        with pytest.raises(RequestError) as err:
+            await asyncio.wait_for(task, DEADLINE)
+        assert err.value.status == 504 and err.value.code == "request_timeout"
+        abort = await _recv(engine_in, Codec(EngineIn), lambda m: isinstance(m, Abort))
+        assert abort.rid == "r4"  # the engine is told to stop it: its blocks come back
 
 
 async def _until(predicate) -> None:
