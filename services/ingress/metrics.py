@@ -2,6 +2,8 @@
 
 Each app has its own registry (several apps in one process, as in tests, must not collide).
 Engine gauges read the client's last LoadReport when scraped, so they cost nothing per request.
+While the stage ring is silent or a stage is down that report is stale: the engine gauges read
+NaN and the stage counters are left out, rather than a dead engine's last numbers.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class IngressMetrics:
     def _load_gauge(self, client: Any, name: str, doc: str, field: str) -> None:
         def read() -> float:
             load = client.load
-            return float(getattr(load.engine, field)) if load is not None else 0.0
+            return float(getattr(load.engine, field)) if load is not None and client.healthy else float("nan")
         Gauge(name, doc, registry=self.registry).set_function(read)
 
     def track(self, start: float) -> "RequestStats":
@@ -84,7 +86,8 @@ class _StageMetrics:
 
         stats = GaugeMetricFamily("conveyor_stage_stat", "Counters reported by each stage (busy seconds, items).",
                                   labels=["stat"])
-        for name, value in sorted((getattr(self._client.load, "stage_stats", None) or {}).items()):
+        fresh = self._client.healthy
+        for name, value in sorted((getattr(self._client.load, "stage_stats", None) or {}).items() if fresh else ()):
             stats.add_metric([name], float(value))
         up = GaugeMetricFamily("conveyor_stage_up", "1 while the stage runs (stages that were restarted).",
                                labels=["stage"])

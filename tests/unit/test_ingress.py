@@ -686,6 +686,16 @@ async def test_metrics(app) -> None:
     assert "conveyor_e2e_request_latency_seconds_count 1.0" in text
 
 
+async def test_metrics_do_not_show_a_dead_engines_last_numbers(app, engine) -> None:
+    engine.load.stage_stats = {"engine_steps": 7.0}
+    async with http(app) as c:
+        assert 'conveyor_stage_stat{stat="engine_steps"} 7.0' in (await c.get("/metrics")).text
+        engine.healthy = False  # the ring went silent: the last report is stale
+        text = (await c.get("/metrics")).text
+    assert "conveyor_engine_requests_running NaN" in text and "conveyor_kv_cache_usage_ratio NaN" in text
+    assert "conveyor_engine_healthy 0.0" in text and "engine_steps" not in text
+
+
 async def test_openapi_lists_routes(app) -> None:
     async with http(app) as c:
         spec = (await c.get("/openapi.json")).json()
