@@ -103,6 +103,11 @@ class FakeEngine:
         self.abort_session(session_id)
         self._sessions.pop(session_id, None)
 
+    def release_idle_sessions(self) -> int:
+        """Nothing to release: a session here holds no blocks between turns (only its token count,
+        which is its history and must stay), so an idle one costs no cache."""
+        return 0
+
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         while self._waiting and len(self._running) < self.max_batch_size:

@@ -58,6 +58,12 @@ class EngineConfig:
     # None: on for CUDA; off on the CPU, where a "launch" computes the step at once, so the
     # overlap would only report every token one step later.
     overlap_schedule: bool | None = None
+    # Seconds a parked interactive session (between turns) may wait for its next turn before its
+    # KV blocks are freed. Its history stays as token ids, as when the cache runs short: a later
+    # turn recomputes it (one prefill), ``end_session`` still works. Without it, sessions left
+    # open hold their blocks forever. None or 0: keep them until the session ends or the cache
+    # needs them.
+    session_idle_timeout: float | None = 600.0
     # LMDeploy spellings, folded into the fields above.
     cache_block_seq_len: int | None = None
     num_gpu_blocks: int = 0
@@ -117,6 +123,7 @@ class EngineConfig:
         if self.overlap_schedule not in (None, True, False):
             raise EngineConfigError(
                 f"overlap_schedule={self.overlap_schedule!r}: use True, False or None (on for CUDA only)")
+        self._check_session_idle_timeout()
         if self.load_format not in ("auto", "dummy"):
             raise EngineConfigError(f"load_format={self.load_format!r}: use 'auto' (read the weights) or 'dummy'")
         if self.rope_scaling_factor < 0:
@@ -141,6 +148,19 @@ class EngineConfig:
             raise EngineConfigError(
                 "model_format='llama': Meta's original layout (consolidated.*.pth) is not read; convert "
                 "it with transformers' convert_llama_weights_to_hf.py and pass that with model_format=None")
+
+    def _check_session_idle_timeout(self) -> None:
+        value = self.session_idle_timeout
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:  # NaN != NaN
+            raise EngineConfigError(
+                f"session_idle_timeout={value!r}: give seconds as a number (e.g. 600), or None to "
+                "keep idle sessions' KV blocks")
+        if value < 0:
+            raise EngineConfigError(
+                f"session_idle_timeout={value}: must be >= 0 seconds (e.g. 600); 0 or None keeps idle "
+                "sessions' KV blocks until the session ends or the cache needs them")
 
     def _check_hub_options(self) -> None:
         for name in ("revision", "download_dir"):

@@ -54,6 +54,10 @@ class Engine(Protocol):
     def end_session(self, session_id: int) -> None:
         """Abort a session's running turn and forget the session."""
 
+    def release_idle_sessions(self) -> int:
+        """Free the KV blocks of sessions idle between turns past the configured timeout (their
+        history stays, recomputed by a next turn); returns how many. Called about once a second."""
+
     def step(self) -> list[Output]:
         """Run one step; every request that got a token or ended appears once."""
 

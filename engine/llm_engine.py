@@ -173,6 +173,19 @@ class LLMEngine:
         if self._sessions.pop(session_id, None) is not None:
             self.scheduler.end_session(session_id)
 
+    def release_idle_sessions(self, now: float | None = None) -> int:
+        """Free the KV blocks of sessions parked longer than ``EngineConfig.session_idle_timeout``
+        (``now``: a ``time.monotonic()`` reading, by default the present). A released session
+        keeps its history as token ids: its next turn recomputes it, ``end_session`` forgets it.
+        Returns how many were released (0 when the timeout is None or 0)."""
+        timeout = self.config.session_idle_timeout
+        if not timeout:
+            return 0
+        released = self.scheduler.release_idle(self.scheduler.clock() if now is None else now, timeout)
+        if released:
+            logger.info("released the KV blocks of %d session(s) idle for %ss or more", released, timeout)
+        return released
+
     def step(self) -> list[StepOutput]:
         """Queue the next step on the device, read back the one before, and report every
         request that moved (see the module docstring for the overlap)."""

@@ -4,7 +4,9 @@ Each step gives every sequence some of its uncomputed tokens, within ``max_num_t
 all: running sequences first (a decode is one token, an unfinished prompt its next chunk), then
 waiting ones while there is room in the batch. So a long prompt is cut into chunks and never
 stalls the decodes running beside it. When the cache runs out, a parked session is evicted
-first, then the most recently admitted running sequence is preempted and later recomputed.
+first, then the most recently admitted running sequence is preempted and later recomputed. A
+parked session left idle too long is evicted the same way (``release_idle``), so that sessions
+nobody continues do not hold the cache forever.
 
 A step has two halves, so that the engine can overlap them with the GPU (``engine/llm_engine.py``):
 ``launched`` right after the step is handed to the GPU advances the counters and counts each
@@ -17,7 +19,9 @@ need the ids. ``update`` does both at once.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, PrefixMatch
@@ -59,7 +63,8 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the queues; asks the block manager for room; applies each step's sampled tokens."""
 
-    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int, session_len: int):
+    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int, session_len: int,
+                 clock: Callable[[], float] = time.monotonic):
         self.block_manager = block_manager
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
@@ -67,6 +72,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.parked: OrderedDict[int, Sequence] = OrderedDict()  # session id -> seq, LRU first
+        self.parked_at: dict[int, float] = {}  # session id -> clock() when it parked
+        self.clock = clock  # monotonic seconds; a test passes its own
 
     @property
     def has_work(self) -> bool:
@@ -75,8 +82,9 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (or a session's next turn)."""
-        if seq.session_id is not None:
-            self.parked.pop(seq.session_id, None)  # its blocks now belong to a live turn
+        if seq.session_id is not None:  # its blocks now belong to a live turn
+            self.parked.pop(seq.session_id, None)
+            self.parked_at.pop(seq.session_id, None)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -166,10 +174,29 @@ class Scheduler:
         """Drop the least recently used parked session's blocks; it keeps its token ids."""
         if not self.parked:
             return False
-        _, seq = self.parked.popitem(last=False)
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
+        self._release(next(iter(self.parked)))
         return True
+
+    def release_idle(self, now: float, idle_s: float) -> int:
+        """Free the blocks of every session parked at least ``idle_s`` seconds before ``now``
+        (a ``clock()`` reading), oldest first; they keep their token ids, so a next turn
+        recomputes them. Returns how many were released."""
+        released = 0
+        for session_id in list(self.parked):  # in park order, so parked_at only grows
+            if now - self.parked_at[session_id] < idle_s:
+                break
+            self._release(session_id)
+            released += 1
+        return released
+
+    def _release(self, session_id: int) -> None:
+        """Take a session out of ``parked`` and free its blocks, if it is parked; its token ids
+        stay, so its next turn recomputes them."""
+        seq = self.parked.pop(session_id, None)
+        self.parked_at.pop(session_id, None)
+        if seq is not None:
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.FINISHED
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -231,6 +258,7 @@ class Scheduler:
             seq.status = SequenceStatus.PARKED
             self.parked[seq.session_id] = seq
             self.parked.move_to_end(seq.session_id)
+            self.parked_at[seq.session_id] = self.clock()
         else:
             self.block_manager.free(seq)
 
@@ -246,8 +274,5 @@ class Scheduler:
         self._finish(seq, reason)
 
     def end_session(self, session_id: int) -> None:
-        """Forget a session and free its blocks."""
-        seq = self.parked.pop(session_id, None)
-        if seq is not None:
-            self.block_manager.free(seq)
-            seq.status = SequenceStatus.FINISHED
+        """Forget a session and free its blocks (none left if it was evicted or released)."""
+        self._release(session_id)

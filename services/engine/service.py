@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 _RECENT_RIDS = 100_000  # request ids remembered, so that a resent duplicate is not run twice
 PROMPT_TAIL = 8  # prompt tokens the detokenizer needs to render the first output token right
+RELEASE_IDLE_EVERY_S = 1.0  # how often idle sessions' KV blocks are looked at (the timeout is minutes)
 
 
 class EngineCall:
@@ -71,6 +72,7 @@ class EngineService:
         self._in_codec = Codec(EngineIn)
         self.draining = False
         self._busy, self._steps = 0.0, 0  # seconds spent stepping and batching, and steps
+        self._next_release = 0.0  # perf_counter() time of the next release_idle_sessions()
 
     # ---- IO threads ----------------------------------------------------------------------------
     def _input_loop(self, stop: threading.Event, bound: threading.Event) -> None:
@@ -125,6 +127,9 @@ class EngineService:
                     if outputs:
                         self._outbox.put(to_token_batch(outputs))
                         self._steps += 1
+                if start >= self._next_release:  # also while idle: the loop wakes every 0.2 s
+                    self.engine.release_idle_sessions()
+                    self._next_release = start + RELEASE_IDLE_EVERY_S
                 self._snapshot = self.engine.stats()
                 self._busy += time.perf_counter() - start
         finally:

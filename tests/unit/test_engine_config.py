@@ -82,6 +82,11 @@ def test_defaults_are_silent(warnings_, kwargs):
     (dict(revision=""), "branch, tag or commit"),
     (dict(revision=3), "use a string"),
     (dict(download_dir=""), "name a directory"),
+    (dict(session_idle_timeout=-1), "must be >= 0 seconds"),
+    (dict(session_idle_timeout=-0.5), "0 or None keeps"),
+    (dict(session_idle_timeout="10m"), "give seconds as a number"),
+    (dict(session_idle_timeout=True), "give seconds as a number"),
+    (dict(session_idle_timeout=float("nan")), "give seconds as a number"),
 ])
 def test_unimplemented_values_are_refused_with_the_fix(warnings_, kwargs, fix):
     with pytest.raises(EngineConfigError) as info:
@@ -89,6 +94,16 @@ def test_unimplemented_values_are_refused_with_the_fix(warnings_, kwargs, fix):
     assert fix in str(info.value)
     assert str(next(iter(kwargs))) in str(info.value)  # the message names the option
     assert warnings_() == []
+
+
+@pytest.mark.parametrize("timeout", [None, 0, 0.0, 1, 600.0])
+def test_session_idle_timeout_accepts_seconds_or_none(warnings_, timeout):
+    assert EngineConfig(session_idle_timeout=timeout).session_idle_timeout == timeout
+    assert warnings_() == []
+
+
+def test_session_idle_timeout_defaults_to_ten_minutes():
+    assert EngineConfig().session_idle_timeout == 600.0
 
 
 def test_refusal_is_a_value_error():

@@ -14,9 +14,20 @@ TOK = 7  # the token every step samples unless told otherwise
 STOP = 2
 
 
-def make(num_blocks=8, block_size=4, max_batch_size=8, max_num_tokens=64, session_len=1000, prefix=False):
+class Clock:
+    """A monotonic clock the test sets (idle timeouts without sleeping)."""
+
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(num_blocks=8, block_size=4, max_batch_size=8, max_num_tokens=64, session_len=1000, prefix=False,
+         clock=None):
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    return Scheduler(bm, max_batch_size, max_num_tokens, session_len), bm
+    return Scheduler(bm, max_batch_size, max_num_tokens, session_len, clock=clock or Clock()), bm
 
 
 def seq(n_or_tokens, seq_id, max_new_tokens=100, session_id=None, start=0) -> Sequence:
@@ -47,7 +58,7 @@ def run_until_idle(sched: Scheduler, max_steps=100) -> None:
 
 def assert_no_leaks(sched: Scheduler) -> None:
     bm = sched.block_manager
-    assert not sched.running and not sched.waiting and not sched.parked
+    assert not sched.running and not sched.waiting and not sched.parked and not sched.parked_at
     assert bm.num_free_blocks == bm.num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert not bm._num_hashed
@@ -304,9 +315,88 @@ def test_parked_sessions_evicted_lru_first():
     assert a.block_table == [2, 3]
     sched.finish(a, FinishReason.ABORT)
     assert s2.status == SequenceStatus.FINISHED and s2.block_table == []
-    assert list(sched.parked) == [3, 1]
+    assert list(sched.parked) == [3, 1] and list(sched.parked_at) == [3, 1]
     for sid in (1, 3):
         sched.end_session(sid)
+    assert_no_leaks(sched)
+
+
+def _park(sched: Scheduler, s: Sequence) -> None:
+    """Run ``s`` (one new token) until its session parks."""
+    sched.add(s)
+    run_until_idle(sched)
+    assert s.status == SequenceStatus.PARKED
+
+
+def test_idle_parked_sessions_are_released_oldest_first():
+    clock = Clock(100.0)
+    sched, bm = make(clock=clock)
+    s1 = seq(7, 0, max_new_tokens=1, session_id=1, start=100)
+    s2 = seq(7, 1, max_new_tokens=1, session_id=2, start=200)
+    s3 = seq(7, 2, max_new_tokens=1, session_id=3, start=300)
+    for t, s in ((100.0, s1), (105.0, s2), (110.0, s3)):
+        clock.t = t
+        _park(sched, s)
+    assert list(sched.parked) == [1, 2, 3] and sched.parked_at == {1: 100.0, 2: 105.0, 3: 110.0}
+    assert bm.num_free_blocks == 2
+    assert sched.release_idle(now=109.9, idle_s=10) == 0  # none idle for 10 s yet
+    assert bm.num_free_blocks == 2 and list(sched.parked) == [1, 2, 3]
+    # At 115: s1 idle 15 s, s2 exactly 10 s (released), s3 5 s (kept).
+    assert sched.release_idle(now=115.0, idle_s=10) == 2
+    assert list(sched.parked) == [3] and list(sched.parked_at) == [3]
+    assert bm.num_free_blocks == 6 and s3.block_table == [4, 5] and s3.status == SequenceStatus.PARKED
+    for s, start in ((s1, 100), (s2, 200)):
+        assert s.status == SequenceStatus.FINISHED and s.block_table == [] and s.num_computed_tokens == 0
+        assert s.token_ids == list(range(start, start + 7)) + [TOK]  # the history stays
+    assert sched.release_idle(now=115.0, idle_s=10) == 0  # nothing is released twice
+    assert sched.release_idle(now=120.0, idle_s=10) == 1
+    assert bm.num_free_blocks == bm.num_blocks
+    for sid in (1, 2, 3):
+        sched.end_session(sid)  # after a release: nothing left to free, no double free
+    assert_no_leaks(sched)
+
+
+def test_a_new_turn_restarts_the_idle_clock():
+    clock = Clock(0.0)
+    sched, bm = make(clock=clock)
+    s1 = seq(7, 0, max_new_tokens=1, session_id=1, start=100)
+    s2 = seq(7, 1, max_new_tokens=1, session_id=2, start=200)
+    _park(sched, s1)
+    clock.t = 1.0
+    _park(sched, s2)
+    clock.t = 8.0  # s1 takes another turn, so it parks after s2 and its idle time starts again
+    s1.start_turn([9], SamplingParams(max_new_tokens=1))
+    sched.add(s1)
+    assert 1 not in sched.parked_at  # a running turn is never released
+    assert sched.release_idle(now=100.0, idle_s=1) == 1 and s2.block_table == []
+    run_until_idle(sched)
+    assert list(sched.parked) == [1] and sched.parked_at == {1: 8.0}
+    assert sched.release_idle(now=12.0, idle_s=5) == 0  # idle 4 s
+    assert s1.block_table == [0, 1, 2] and s1.status == SequenceStatus.PARKED  # 2: s2's, freed
+    assert sched.release_idle(now=13.0, idle_s=5) == 1 and s1.block_table == []
+    assert bm.num_free_blocks == bm.num_blocks
+    for sid in (1, 2):
+        sched.end_session(sid)
+    assert_no_leaks(sched)
+
+
+def test_released_session_next_turn_recomputes_its_history():
+    clock = Clock(50.0)
+    sched, bm = make(clock=clock)
+    s = seq(12, 0, max_new_tokens=1, session_id=5, start=500)
+    _park(sched, s)
+    assert s.block_table == [0, 1, 2] and s.num_computed_tokens == 12 and bm.num_free_blocks == 5
+    assert sched.release_idle(now=50.0 + 600, idle_s=600) == 1
+    assert bm.num_free_blocks == 8 and s.num_computed_tokens == 0
+    # The next turn computes all 15 tokens again (kept, 3 would be computed) and parks as usual.
+    s.start_turn([60, 61], SamplingParams(max_new_tokens=1, stop_token_ids=[STOP]))
+    sched.add(s)
+    plan, _, fin = step(sched)
+    assert plan == [(0, 15, True)] and fin == [s]
+    assert s.token_ids == list(range(500, 512)) + [TOK, 60, 61, TOK]
+    assert s.status == SequenceStatus.PARKED and s.block_table == [0, 1, 2, 3]  # freed ones first
+    sched.end_session(5)
+    sched.end_session(5)
     assert_no_leaks(sched)
 
 
