@@ -113,7 +113,8 @@ def _engine_config(args: argparse.Namespace):
                         cache_max_entry_count=int(cache) if cache > 1 and cache.is_integer() else cache,
                         quant_policy=args.quant_policy, model_format=args.model_format,
                         enable_prefix_caching=args.enable_prefix_caching, block_size=args.cache_block_seq_len,
-                        max_prefill_token_num=args.max_prefill_token_num, dtype=args.dtype, device=args.device)
+                        max_prefill_token_num=args.max_prefill_token_num, dtype=args.dtype, device=args.device,
+                        session_idle_timeout=args.session_idle_timeout or None)
 
 
 def _cmd_stage(args: argparse.Namespace) -> int:

@@ -1,0 +1,298 @@
+"""Soak: mixed traffic for a while, with hostile frames and one SIGKILL per stage kind.
+
+A real ``conveyor serve api_server`` (two tokenizer workers) on the model-free engine of
+benchmarks/fake_engine.py, which keeps a KV block count like the real one; CONVEYOR_SOAK_S sets
+the length of the load (default 60 s, about 100 s in all on 2 cores). Eight clients loop over
+chat (whole and streamed), streams they abandon after a few chunks, batched completions with n=2
+and two-turn interactive sessions. Meanwhile: bad frames to every socket a stage binds (four
+times), and one kill each of a tokenizer worker, the detokenizer, the engine and the ingress.
+
+What the server promises, checked at the end:
+- no request hangs (each ends well inside its client's 60 s timeout);
+- 0 lost: every request that did not overlap a kill (from the kill until the launcher saw the
+  stage ready again, plus a second) succeeded, with a complete answer;
+- 0 blocks held once the load stops (engine running 0, waiting 0, KV usage 0);
+- every stage up: /health 200, each stage's newest process alive, one restart per kill;
+- memory: each process's RSS, read just before it is killed (or at the end, for those never
+  killed), is within RSS_GROWTH_MIB of its RSS after the warm-up.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import json
+import os
+import random
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from server_process import ServerProcess
+
+SOAK_S = float(os.environ.get("CONVEYOR_SOAK_S", "60"))
+CLIENTS = 8
+CLIENT_TIMEOUT_S = 60.0
+KILL_MARGIN_S = 1.0  # after a killed stage is ready again, requests still in its wake are forgiven
+RSS_GROWTH_MIB = 64  # the stated bound: no process grows more than this over the soak
+KILLS = ("tokenizer", "detokenizer", "engine", "ingress")
+
+
+@dataclass
+class Outcome:
+    kind: str
+    start: float
+    end: float
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class Chaos:
+    """What the chaos thread did: kill windows (start, end) per stage, RSS readings."""
+
+    windows: list[tuple[str, float, float]] = field(default_factory=list)
+    rss_before_kill: dict[str, tuple[int, int]] = field(default_factory=dict)  # stage -> (warm-up, pre-kill) KiB
+    bad_frame_rounds: int = 0
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _stage_pids(srv: ServerProcess) -> dict[str, int]:
+    """The newest pid of each stage process, by name (tokenizer-0, engine, ...)."""
+    return {name: int(pid) for name, pid in re.findall(r"started stage (\S+) \(pid (\d+)\)", srv.log())}
+
+
+# ---- the clients -----------------------------------------------------------------------------------
+
+def _one_request(http: httpx.Client, url: str, model: str, kind: str, rng: random.Random) -> str:
+    """Run one request of ``kind``; returns '' on success, else what went wrong."""
+    msgs = [{"role": "user", "content": f"tell me about {rng.choice(['cats', 'rust', 'tides', 'jazz'])}"}]
+    max_tokens = rng.randrange(8, 48)
+    if kind == "chat":
+        r = http.post(f"{url}/v1/chat/completions", json={"model": model, "messages": msgs, "max_tokens": max_tokens})
+        if r.status_code != 200:
+            return f"{r.status_code} {r.text[:200]}"
+        choice = r.json()["choices"][0]
+        return "" if choice["finish_reason"] in ("stop", "length") and choice["message"]["content"] else r.text[:200]
+    if kind in ("stream", "abandon"):
+        body = {"model": model, "messages": msgs, "max_tokens": max_tokens, "stream": True}
+        with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                return f"{r.status_code} {r.text[:200]}"
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if kind == "abandon" and len(events) == 3:
+                        return ""  # the client goes away mid-stream: the server must clean up
+        if events[-1:] != ["[DONE]"] or any('"error"' in e for e in events):
+            return f"stream ended badly: {events[-3:]}"
+        finals = [json.loads(e)["choices"][0].get("finish_reason") for e in events[:-1] if json.loads(e)["choices"]]
+        return "" if any(f in ("stop", "length") for f in finals) else "no finish_reason"
+    if kind == "completions":
+        r = http.post(f"{url}/v1/completions", json={"model": model, "prompt": ["once upon", "in a"], "n": 2,
+                                                    "max_tokens": max_tokens})
+        if r.status_code != 200:
+            return f"{r.status_code} {r.text[:200]}"
+        choices = r.json()["choices"]
+        return "" if len(choices) == 4 and all(c["finish_reason"] for c in choices) else r.text[:200]
+    sid = rng.randrange(1, 2**31)  # interactive: two turns, then end the session
+    for turn in ("hello there", "and then?"):
+        r = http.post(f"{url}/v1/chat/interactive", json={"prompt": turn, "session_id": sid, "interactive_mode": True,
+                                                         "request_output_len": max_tokens})
+        if r.status_code != 200 or r.json().get("finish_reason") not in ("stop", "length"):
+            return f"turn: {r.status_code} {r.text[:200]}"
+    r = http.post(f"{url}/v1/chat/interactive", json={"session_id": sid, "end": True})
+    return "" if r.status_code == 200 else f"end: {r.status_code} {r.text[:200]}"
+
+
+def _client(url: str, model: str, seed: int, stop: threading.Event, out: list[Outcome]) -> None:
+    rng = random.Random(seed)
+    kinds = ["chat", "stream", "stream", "abandon", "completions", "interactive"]
+    with httpx.Client(timeout=CLIENT_TIMEOUT_S) as http:
+        while not stop.is_set():
+            kind, start = rng.choice(kinds), time.monotonic()
+            try:
+                problem = _one_request(http, url, model, kind, rng)
+            except httpx.TimeoutException as exc:
+                problem = f"HUNG: {type(exc).__name__}"
+            except (httpx.HTTPError, json.JSONDecodeError, KeyError, IndexError) as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            out.append(Outcome(kind, start, time.monotonic(), not problem, problem))
+            if problem:
+                time.sleep(0.2)  # a stage is restarting: back off as a client would
+
+
+# ---- the chaos -----------------------------------------------------------------------------------
+
+def _bad_frames(srv: ServerProcess, rng: random.Random) -> None:
+    """Random, truncated and empty frames to every socket a stage binds."""
+    import zmq
+
+    from conveyor.protocol import Abort, Codec, EngineIn
+
+    run = srv.run_dir()
+    targets = [f"ipc://{p}" for p in run.iterdir()
+               if p.name in ("engine", "detokenizer", "launcher") or p.name.startswith("reply-")]
+    good = Codec(EngineIn).encode(Abort("soak"))
+    ctx = zmq.Context()
+    try:
+        for address in targets:
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDTIMEO, 1000)  # a dead ingress's socket file: nobody takes the frames
+            sock.connect(address)
+            try:
+                for frame in [rng.randbytes(rng.randrange(0, 200)) for _ in range(30)] + [b"", good[:-1], b"\x93"]:
+                    sock.send(frame)
+            except zmq.Again:
+                pass
+            sock.close()
+    finally:
+        ctx.term()
+
+
+def _wait_ready_again(srv: ServerProcess, stage: str, ready_before: int, timeout: float = 60) -> float:
+    """When the launcher logged the killed stage's replacement ready and /health says 200."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len(re.findall(rf"INFO (?<![a-z]){stage} ready \(pid", srv.log())) > ready_before:
+            try:
+                if httpx.get(f"{srv.url}/health", timeout=2).status_code == 200:
+                    return time.monotonic()
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.1)
+    raise AssertionError(f"{stage} did not come back within {timeout}s:\n{srv.log()[-3000:]}")
+
+
+def _chaos(srv: ServerProcess, t0: float, chaos: Chaos, baseline: dict[str, int], errors: list[str]) -> None:
+    rng = random.Random(1)
+    plan = [(0.08, "frames"), (0.15, "tokenizer"), (0.30, "frames"), (0.35, "detokenizer"), (0.52, "frames"),
+            (0.55, "engine"), (0.72, "frames"), (0.78, "ingress")]
+    try:
+        for at, what in plan:
+            time.sleep(max(0.0, t0 + at * SOAK_S - time.monotonic()))
+            if what == "frames":
+                _bad_frames(srv, rng)
+                chaos.bad_frame_rounds += 1
+                continue
+            name = "tokenizer-0" if what == "tokenizer" else what
+            pid = _stage_pids(srv)[name]
+            chaos.rss_before_kill[name] = (baseline[name], _rss_kib(pid))
+            ready_before = len(re.findall(rf"INFO (?<![a-z]){what} ready \(pid", srv.log()))
+            killed = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            back = _wait_ready_again(srv, what, ready_before)
+            chaos.windows.append((what, killed, back + KILL_MARGIN_S))
+    except Exception as exc:  # noqa: BLE001 - reported by the test, which then fails
+        errors.append(f"chaos: {type(exc).__name__}: {exc}")
+
+
+# ---- the test --------------------------------------------------------------------------------------
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_soak_with_hostile_frames_and_a_kill_per_stage(smollm2_dir, tmp_path):
+    os.environ["CONVEYOR_FAKE_STEP_DELAY"] = "0.004"  # requests last long enough to be in flight at a kill
+    try:
+        srv = ServerProcess(smollm2_dir, "--engine-factory", "benchmarks.fake_engine:build", "--session-len", "4096",
+                            "--tokenizer-workers", "2", log_dir=tmp_path)
+    finally:
+        os.environ.pop("CONVEYOR_FAKE_STEP_DELAY", None)
+    try:
+        model = httpx.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        outcomes: list[Outcome] = []
+        stop = threading.Event()
+        # Warm-up: every kind once per client, then the RSS baseline.
+        with cf.ThreadPoolExecutor(CLIENTS) as pool:
+            warm = threading.Event()
+            futures = [pool.submit(_client, srv.url, model, 100 + i, warm, []) for i in range(CLIENTS)]
+            time.sleep(3)
+            warm.set()
+            for f in futures:
+                f.result(timeout=CLIENT_TIMEOUT_S + 10)
+        pids = _stage_pids(srv)
+        baseline = {name: _rss_kib(pid) for name, pid in pids.items()}
+        baseline["launcher"] = _rss_kib(srv.proc.pid)
+
+        chaos, errors = Chaos(), []
+        t0 = time.monotonic()
+        with cf.ThreadPoolExecutor(CLIENTS + 1) as pool:
+            clients = [pool.submit(_client, srv.url, model, i, stop, outcomes) for i in range(CLIENTS)]
+            chaos_done = pool.submit(_chaos, srv, t0, chaos, baseline, errors)
+            time.sleep(max(0.0, t0 + SOAK_S - time.monotonic()))
+            chaos_done.result(timeout=120)  # the last restart may outlast the load
+            stop.set()
+            for f in clients:
+                f.result(timeout=CLIENT_TIMEOUT_S + 10)
+        assert not errors, errors
+
+        # 1. Nothing hung; nothing lost outside the kill windows.
+        hung = [o for o in outcomes if o.detail.startswith("HUNG")]
+        assert not hung, hung[:5]
+
+        def in_blast(o: Outcome) -> bool:
+            return any(o.start <= end and o.end >= start for _, start, end in chaos.windows)
+
+        lost = [o for o in outcomes if not o.ok and not in_blast(o)]
+        assert [w[0] for w in chaos.windows] == list(KILLS) and chaos.bad_frame_rounds == 4
+        served = sum(o.ok for o in outcomes)
+        assert not lost, f"{len(lost)} of {len(outcomes)} requests outside kill windows failed: {lost[:5]}"
+        assert served > 20 * CLIENTS, f"only {served} requests served"
+
+        # 2. No blocks held once the load is gone (abandoned streams, killed stages included).
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if (_metric(srv.url, "conveyor_engine_requests_running") == 0
+                        and _metric(srv.url, "conveyor_engine_requests_waiting") == 0
+                        and _metric(srv.url, "conveyor_kv_cache_usage_ratio") == 0):
+                    break
+            except (httpx.HTTPError, StopIteration):
+                pass
+            assert time.monotonic() < deadline, "KV blocks still held 30 s after the load stopped"
+            time.sleep(0.2)
+
+        # 3. Every stage up, restarted once per kill.
+        assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
+        now = _stage_pids(srv)
+        assert set(now) == set(pids) and all(_alive(pid) for pid in now.values()), now
+        assert {n for n in now if now[n] != pids[n]} == {"tokenizer-0", "detokenizer", "engine", "ingress"}
+        assert srv.log().count("restarting it in") == len(KILLS)  # one restart each, none from the frames
+
+        # 4. Memory: no process grew by more than the bound.
+        ends = {name: (baseline[name], _rss_kib(now[name])) for name in now if now[name] == pids[name]}
+        ends["launcher"] = (baseline["launcher"], _rss_kib(srv.proc.pid))
+        readings = {**chaos.rss_before_kill, **ends}
+        grown = {n: (b // 1024, e // 1024) for n, (b, e) in readings.items() if e - b > RSS_GROWTH_MIB * 1024}
+        assert not grown, f"RSS grew by more than {RSS_GROWTH_MIB} MiB (MiB before, after): {grown}"
+        by_window = {w: collections.Counter(o.detail[:40] for o in outcomes if not o.ok and o.start <= e and o.end >= s)
+                     for w, s, e in chaos.windows}
+        print(f"soak: failures by kill window: {by_window}")
+        print(f"soak: {len(outcomes)} requests, {served} served, "
+              f"{sum(not o.ok for o in outcomes)} failed inside kill windows; "
+              f"windows {[(w, round(e - s, 1)) for w, s, e in chaos.windows]}; "
+              f"RSS MiB (before, after) {{{', '.join(f'{n}: {b // 1024}->{e // 1024}' for n, (b, e) in readings.items())}}}")
+    finally:
+        stop.set()
+        srv.terminate()
