@@ -13,6 +13,7 @@ writes one (mode 0600). Compose generates it once into a volume that only the st
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from dataclasses import dataclass
@@ -102,8 +103,17 @@ class _OnlyKey:
         return key == self.public
 
 
-_guards: dict[int, object] = {}  # libzmq context address -> its running ZAP authenticator
+_guards: dict[int, tuple[zmq.Context, object]] = {}  # libzmq context address -> (context, its ZAP authenticator)
 _guards_lock = threading.Lock()
+
+
+@atexit.register
+def _release_all() -> None:
+    """Stop every ZAP handler before the interpreter tears the contexts down: a context whose
+    handler still holds sockets would wait for them for ever when it is terminated."""
+    for address in list(_guards):
+        ctx, _ = _guards[address]
+        release(ctx)
 
 
 def _guard(ctx: zmq.Context, public: bytes) -> None:
@@ -119,12 +129,14 @@ def _guard(ctx: zmq.Context, public: bytes) -> None:
         auth = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying))
         auth.start()
         auth.configure_curve_callback("*", _OnlyKey(public))
-        _guards[ctx.underlying] = auth
+        # Held here, the context outlives the sockets' owners until release() or exit: dropped
+        # earlier, its finalizer would terminate it while the handler's sockets are open (a hang).
+        _guards[ctx.underlying] = (ctx, auth)
 
 
 def release(ctx: zmq.Context) -> None:
     """Stop ``ctx``'s ZAP handler (its socket would keep ``ctx.term()`` waiting)."""
     with _guards_lock:
-        auth = _guards.pop(ctx.underlying, None)
-    if auth is not None:
-        auth.stop()
+        entry = _guards.pop(ctx.underlying, None)
+    if entry is not None:
+        entry[1].stop()

@@ -109,6 +109,10 @@ def test_stages_as_separate_processes_over_tcp(smollm2_dir, tmp_path):
             model=model, messages=messages, temperature=0, max_tokens=20, stream=True) if c.choices)
         assert streamed == full.choices[0].message.content
         _forged_request_gets_nothing(base, url)
+        for p in procs.values():  # SIGTERM stops each stage, CURVE handler threads and all
+            p.send_signal(signal.SIGTERM)
+        codes = {name: p.wait(30) for name, p in procs.items()}
+        assert all(code == 0 for code in codes.values()), codes
     finally:
         for p in procs.values():
             if p.poll() is None:
