@@ -11,7 +11,6 @@ logger = logging.getLogger(__name__)
 
 _QUANT_POLICIES = (0, 4, 8)
 _MODEL_FORMATS = (None, "hf", "llama", "gguf", "awq", "smooth_quant")
-_QUANTIZED_FORMATS = ("awq", "smooth_quant")
 _EVICTION_TYPES = ("recompute", "copy")
 _DEFAULT_PREFILL_TOKENS = 8192
 
@@ -139,11 +138,12 @@ class EngineConfig:
         fmt = self.model_format
         if fmt not in _MODEL_FORMATS:
             raise EngineConfigError(
-                f"model_format={fmt!r}: use None or 'hf' (a Hugging Face checkpoint or a .gguf file)")
-        if fmt in _QUANTIZED_FORMATS:
+                f"model_format={fmt!r}: use None or 'hf' (a Hugging Face checkpoint or a .gguf file), "
+                "or 'awq' (4-bit AWQ weights; None finds them too)")
+        if fmt == "smooth_quant":
             raise EngineConfigError(
-                f"model_format={fmt!r}: quantized weights are not implemented yet; "
-                "give an fp16/bf16 Hugging Face checkpoint (or a .gguf file) with model_format=None")
+                "model_format='smooth_quant': W8A8 weights are not implemented yet; serve the fp16/bf16 "
+                "checkpoint, or quantize it to 4 bits with `conveyor lite auto_awq` (model_format='awq')")
         if fmt == "llama":
             raise EngineConfigError(
                 "model_format='llama': Meta's original layout (consolidated.*.pth) is not read; convert "

@@ -33,6 +33,7 @@ from ..protocol.sampling import SamplingParams, validate
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .model_config import parse_dtype
+from .quant_format import resolve_quant_format
 from .model_runner import LaunchedStep, ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
@@ -81,6 +82,8 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.model_path = resolve_model_path(model_path, config.revision, download_dir=config.download_dir)
         self.model_config = load_model_config(self.model_path)
+        self.model_config.quant = resolve_quant_format(self.model_config, config.model_format,
+                                                       dummy_weights=config.load_format == "dummy")
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.model_config.dtype, self.device)
         self.runner = ModelRunner(self.model_path, self.model_config, config, self.device, self.dtype)

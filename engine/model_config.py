@@ -51,6 +51,9 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    # The decoder linears' weight format (engine/quant_format.py), set by the engine once it has
+    # checked the checkpoint against EngineConfig.model_format; None: dense 16-bit weights.
+    quant: Any = None
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":

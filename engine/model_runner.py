@@ -114,7 +114,15 @@ def init_dummy_weights(model: nn.Module, seed: int = DUMMY_WEIGHT_SEED) -> None:
     params = list(model.parameters())
     gen = torch.Generator(device=params[0].device).manual_seed(seed) if params else None
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    done: set[int] = set()
+    for module in model.modules():  # quantized layers know what random weights of theirs look like
+        init = getattr(getattr(module, "method", None), "init_dummy", None)
+        if init is not None:
+            init(module, gen)
+            done.update(id(p) for p in module.parameters(recurse=False))
     for p in params:
+        if id(p) in done:
+            continue
         if id(p) in norms:
             p.fill_(1.0)
         elif p.dim() == 1:

@@ -2,9 +2,11 @@
 
 Two seams are kept on purpose:
 
-* **Weight format** goes through a ``LinearMethod`` (``create_weights`` + ``apply``). Only the
-  unquantized method exists now; W4A16 / W8A8 methods plug in by creating their packed
-  weights/scales and a matching ``apply`` without touching model files.
+* **Weight format** goes through a ``LinearMethod`` (``create_weights`` + ``apply``): dense
+  here, W4A16 in ``awq_linear.py``; ``engine/quant_format.py`` picks one from the checkpoint.
+  A parameter whose output dimension is not dim 0 says so in ``output_dim``, and one that packs
+  several outputs per element says how many in ``pack_factor`` (AWQ's ``qweight`` is [in, out/8]):
+  fused shards are placed by those.
 * **Tensor parallelism** will change only *which slice* of a checkpoint tensor a rank keeps
   (``weight_loader``) and add a collective in ``forward``: column-parallel layers (QKV, gate/up)
   shard ``dim 0``, row-parallel ones (o_proj, down_proj) shard ``dim 1`` and all-reduce. Every
@@ -120,8 +122,13 @@ class MergedLinear(LinearBase):
             _copy_checked(param.data, loaded, type(self).__name__)
             return
         idx = self._shard_index(shard_id)
-        start = sum(self.output_sizes[:idx])
-        _copy_checked(param.data.narrow(0, start, self.output_sizes[idx]), loaded, f"{type(self).__name__}[{shard_id}]")
+        dim, pack = getattr(param, "output_dim", 0), getattr(param, "pack_factor", 1)
+        start, size = sum(self.output_sizes[:idx]), self.output_sizes[idx]
+        if start % pack or size % pack:
+            raise ValueError(f"{type(self).__name__}[{shard_id}]: {size} outputs at {start} do not fall on "
+                             f"whole packed elements of {pack}")
+        _copy_checked(param.data.narrow(dim, start // pack, size // pack), loaded,
+                      f"{type(self).__name__}[{shard_id}]")
 
 
 class QKVLinear(MergedLinear):

@@ -38,6 +38,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 _MAX_LISTED = 20
 
 
+def linear_method(config: ModelConfig):
+    """A fresh LinearMethod for one decoder linear: the checkpoint's quantized format, or dense."""
+    return config.quant.linear_method() if config.quant is not None else None
+
+
 class LlamaAttention(nn.Module):
     """Fused QKV projection, RoPE, paged attention, output projection."""
 
@@ -48,8 +53,8 @@ class LlamaAttention(nn.Module):
         h, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, d
         self.q_size, self.kv_size = h * d, hkv * d
-        self.qkv_proj = QKVLinear(config.hidden_size, d, h, hkv, bias=qkv_bias)
-        self.o_proj = ReplicatedLinear(h * d, config.hidden_size, bias=o_bias)
+        self.qkv_proj = QKVLinear(config.hidden_size, d, h, hkv, bias=qkv_bias, method=linear_method(config))
+        self.o_proj = ReplicatedLinear(h * d, config.hidden_size, bias=o_bias, method=linear_method(config))
         self.rotary_emb = rotary
         self.attn = Attention(h, hkv, d)
 
@@ -72,8 +77,8 @@ class LlamaMLP(nn.Module):
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"MLP activation {act!r} is not supported (only silu)")
         inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias)
-        self.down_proj = ReplicatedLinear(inter, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias, method=linear_method(config))
+        self.down_proj = ReplicatedLinear(inter, config.hidden_size, bias=bias, method=linear_method(config))
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
