@@ -34,3 +34,21 @@ __all__ = [
     "seeded_race_ref", "seeded_race_triton", "silu_and_mul",
     "silu_and_mul_ref", "silu_and_mul_triton", "store_kv", "store_kv_ref", "store_kv_triton",
 ]
+
+from .w8a8 import (  # noqa: E402 - appended with the W8A8 kernels
+    int8_matmul,
+    int8_matmul_int_mm,
+    int8_matmul_ref,
+    int8_matmul_triton,
+    quant_per_token,
+    quant_per_token_ref,
+    quant_per_token_triton,
+    rms_norm_quant,
+    rms_norm_quant_ref,
+    rms_norm_quant_triton,
+)
+
+__all__ += [
+    "int8_matmul", "int8_matmul_int_mm", "int8_matmul_ref", "int8_matmul_triton", "quant_per_token",
+    "quant_per_token_ref", "quant_per_token_triton", "rms_norm_quant", "rms_norm_quant_ref", "rms_norm_quant_triton",
+]
