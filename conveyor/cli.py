@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from conveyor.lite import add_lite_parser
 from conveyor.services.tokenizer.chat_template import list_chat_templates
 
 
@@ -275,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_chat.add_argument("--device", default="auto")
     p_chat.set_defaults(func=_cmd_chat)
     _add_serve(sub)
+    add_lite_parser(sub)
     return parser
 
 

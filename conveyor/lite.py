@@ -1,0 +1,85 @@
+"""``conveyor lite``: model compression tools shaped like ``lmdeploy lite`` (``auto_awq`` for now).
+
+    conveyor lite auto_awq MODEL --work-dir DIR [--calib-dataset FILE] [--calib-samples 128]
+        [--calib-seqlen 512] [--w-bits 4] [--w-group-size 128] [--search-scale | --no-search-scale]
+        [--batch-size 1] [--device auto] [--dtype auto]
+
+writes a 4-bit AWQ checkpoint in AutoAWQ's "gemm" layout. Without ``--calib-dataset`` the
+calibration text is the public-domain novel shipped in ``conveyor/data/`` (see its
+PROVENANCE.md). Unlike LMDeploy, ``--search-scale`` is on by default (the AWQ search with
+clipping); ``--no-search-scale`` is plain round-to-nearest with no calibration at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+DEFAULT_CALIB_DATASET = Path(__file__).resolve().parent / "data" / "frankenstein.txt"
+
+
+def auto_awq(model: str | Path, work_dir: str | Path = "./work_dir", calib_dataset: str | Path | None = None,
+             calib_samples: int = 128, calib_seqlen: int = 512, w_bits: int = 4, w_group_size: int = 128,
+             search_scale: bool = True, batch_size: int = 1, device: str = "auto", dtype: str = "auto",
+             progress: bool = True):
+    """Quantize a Hugging Face model directory to 4-bit AWQ in ``work_dir`` (LMDeploy's ``lite.auto_awq``).
+
+    Returns the run's ``AwqResult``; raises ``QuantizationError`` (before doing any work) when a
+    setting does not fit the model, the work directory is not empty, or the dataset is unusable.
+    """
+    from conveyor.engine.quantization import AwqConfig
+    from conveyor.engine.quantization import auto_awq as run
+
+    config = AwqConfig(w_bits=w_bits, w_group_size=w_group_size, search_scale=search_scale,
+                       calib_samples=calib_samples, calib_seqlen=calib_seqlen, batch_size=batch_size)
+    dataset = calib_dataset if calib_dataset is not None else DEFAULT_CALIB_DATASET
+    return run(model, work_dir, config, dataset if search_scale else None, device=device, dtype=dtype,
+               progress=progress)
+
+
+def _cmd_auto_awq(args: argparse.Namespace) -> int:
+    """The ``lite auto_awq`` handler: exit 0, or 2 with a one-line reason for a bad setting."""
+    from conveyor.engine.quantization import QuantizationError
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        result = auto_awq(args.model, args.work_dir, args.calib_dataset, args.calib_samples, args.calib_seqlen,
+                          args.w_bits, args.w_group_size, args.search_scale, args.batch_size, args.device,
+                          args.dtype)
+    except QuantizationError as exc:
+        print(f"conveyor lite auto_awq: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {result.work_dir} in {result.seconds:.0f} s", file=sys.stderr)
+    return 0
+
+
+def add_lite_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``conveyor lite`` and its subcommands on the top-level parser's subparsers."""
+    lite = sub.add_parser("lite", help="compress a model (weight quantization)")
+    lite_sub = lite.add_subparsers(dest="lite_command", metavar="LITE_COMMAND", required=True)
+    p = lite_sub.add_parser(
+        "auto_awq", help="4-bit AWQ weight quantization into an AutoAWQ 'gemm' checkpoint",
+        description="Quantize a Hugging Face model's linear layers to 4 bits with AWQ (activation-aware scales "
+                    "and clipping searched on calibration text) and write an AutoAWQ 'gemm' checkpoint.")
+    p.add_argument("model", help="Hugging Face model directory (Llama, Mistral or Qwen2 family)")
+    p.add_argument("--work-dir", required=True,
+                   help="where to write the quantized model; must not exist or be empty")
+    p.add_argument("--calib-dataset", default=None,
+                   help="calibration text: a .txt file, or a .jsonl file with a \"text\" field per line "
+                        f"(default: the shipped {DEFAULT_CALIB_DATASET.name})")
+    p.add_argument("--calib-samples", type=int, default=128, help="calibration windows")
+    p.add_argument("--calib-seqlen", type=int, default=512, help="tokens per calibration window")
+    p.add_argument("--w-bits", type=int, default=4, help="weight bits (only 4)")
+    p.add_argument("--w-group-size", type=int, default=128,
+                   help="input channels per quantization group: 32, 64 or 128, dividing every layer's input size "
+                        "(128 does not divide SmolLM2's 576: use 64)")
+    p.add_argument("--search-scale", action=argparse.BooleanOptionalAction, default=True,
+                   help="search AWQ scales and clipping (default); --no-search-scale: round-to-nearest only")
+    p.add_argument("--batch-size", type=int, default=1, help="calibration windows per forward pass")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="compute dtype (auto: float32 on CPU, the model's half type on GPU)")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=_cmd_auto_awq)

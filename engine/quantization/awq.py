@@ -1,0 +1,272 @@
+"""Activation-aware weight quantization (AWQ, Lin et al. 2023), one decoder layer at a time.
+
+For each group of linear layers that read the same input (q/k/v after ``input_layernorm``;
+``o_proj`` after attention; gate/up after ``post_attention_layernorm``; ``down_proj`` after the
+MLP activation) the search picks per-input-channel scales ``s = mean|x|**alpha`` (normalised so
+that ``max(s) * min(s) == 1``), ``alpha`` on a grid over ``[0, 1)``, minimising the MSE between
+the block's output with ``Q(W * s) / s`` and with ``W``. The block is the one the group feeds
+(self-attention for q/k/v, the MLP for gate/up, the linear itself otherwise), as in AutoAWQ.
+``alpha = 0`` is plain round-to-nearest, so the search never does worse than RTN on its
+objective. The chosen ``1 / s`` is folded into the op before the group (the RMSNorm weight, or
+the rows of ``v_proj`` / ``up_proj`` that produce the group's input), which leaves the
+unquantized model's function unchanged. ``o_proj`` is scaled only when ``v_proj`` and ``o_proj``
+have the same shape: with grouped-query attention one ``v_proj`` row feeds several ``o_proj``
+columns (AutoAWQ and LMDeploy skip it too). A clip search then shrinks each group's range
+(``max |w|`` times ``1 - i / 20``, up to half) where that lowers the error of the linear's output
+on calibration inputs; q/k are not clipped (their error is amplified by the q-k product).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .calibration import InputRecord, LayerwiseRunner
+from .config import AwqConfig
+from .quantizer import GroupQuantized, fake_quantize, quantize
+
+logger = logging.getLogger(__name__)
+
+_NO_CLIP = ("q_proj", "k_proj")
+_CLIP_MAX_SHRINK = 0.5
+_CLIP_ROW_CHUNK = 256
+
+
+@dataclass
+class ScaleGroup:
+    """Linear layers that share an input, the op that produces it, and the block whose output is judged."""
+
+    name: str
+    prev: nn.Module
+    linears: dict[str, nn.Linear]
+    input_name: str  # the key of the InputRecord holding the group's input
+    block: Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class LayerReport:
+    """What the search chose for one decoder layer: per group the alpha and the loss at alpha=0 and at it."""
+
+    alphas: dict[str, float] = field(default_factory=dict)
+    rtn_loss: dict[str, float] = field(default_factory=dict)
+    best_loss: dict[str, float] = field(default_factory=dict)
+
+
+def decoder_linears(layer: nn.Module) -> dict[str, nn.Linear]:
+    """The linear layers of a Llama-family decoder layer, by name relative to the layer."""
+    return {name: module for name, module in layer.named_modules() if isinstance(module, nn.Linear)}
+
+
+def scale_groups(layer: nn.Module, runner: LayerwiseRunner) -> list[ScaleGroup]:
+    """The AWQ groups of a Llama / Mistral / Qwen2 decoder layer (transformers' module names)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    groups = [ScaleGroup("qkv", layer.input_layernorm,
+                         {"self_attn.q_proj": attn.q_proj, "self_attn.k_proj": attn.k_proj,
+                          "self_attn.v_proj": attn.v_proj},
+                         "self_attn.q_proj", lambda x: runner.attention(attn, x))]
+    if attn.v_proj.weight.shape == attn.o_proj.weight.shape:
+        groups.append(ScaleGroup("o", attn.v_proj, {"self_attn.o_proj": attn.o_proj}, "self_attn.o_proj",
+                                 attn.o_proj))
+    groups.append(ScaleGroup("gate_up", layer.post_attention_layernorm,
+                             {"mlp.gate_proj": mlp.gate_proj, "mlp.up_proj": mlp.up_proj}, "mlp.gate_proj", mlp))
+    groups.append(ScaleGroup("down", mlp.up_proj, {"mlp.down_proj": mlp.down_proj}, "mlp.down_proj",
+                             mlp.down_proj))
+    return groups
+
+
+def recorded_inputs(layer: nn.Module) -> dict[str, nn.Module]:
+    """The submodules whose inputs the search needs: one per distinct input of the layer's linears."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return {"self_attn.q_proj": attn.q_proj, "self_attn.o_proj": attn.o_proj,
+            "mlp.gate_proj": mlp.gate_proj, "mlp.down_proj": mlp.down_proj}
+
+
+# The input each linear reads, as the name of the module recorded for it.
+_INPUT_OF = {"self_attn.q_proj": "self_attn.q_proj", "self_attn.k_proj": "self_attn.q_proj",
+             "self_attn.v_proj": "self_attn.q_proj", "self_attn.o_proj": "self_attn.o_proj",
+             "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.gate_proj", "mlp.down_proj": "mlp.down_proj"}
+
+
+def candidate_scales(x_mean: torch.Tensor, alpha: float, w_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """``mean|x|**alpha`` (or AutoAWQ's duo form ``mean|x|**alpha / mean|w|**(1-alpha)``), normalised."""
+    if w_mean is None:
+        s = x_mean.pow(alpha).clamp(min=1e-4)
+    else:
+        s = (x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
+    s = s / (s.max() * s.min()).sqrt()
+    return torch.where(torch.isfinite(s), s, torch.ones_like(s))
+
+
+def _weight_mean(linears: list[nn.Linear], group_size: int) -> torch.Tensor:
+    """Per input channel, the mean over output rows of ``|w|`` relative to its quantization group's max."""
+    w = torch.cat([lin.weight for lin in linears]).float()
+    g = w.abs().view(w.shape[0], -1, group_size)
+    return (g / (g.amax(-1, keepdim=True) + 1e-6)).view_as(w).mean(0)
+
+
+@torch.no_grad()
+def _block_loss(block: Callable[[torch.Tensor], torch.Tensor], inputs: list[torch.Tensor],
+                refs: list[torch.Tensor]) -> float:
+    total, count = 0.0, 0
+    for x, ref in zip(inputs, refs):
+        out = block(x)
+        total += float((out.float() - ref.float()).pow(2).sum())
+        count += ref.numel()
+    return total / count
+
+
+@torch.no_grad()
+def search_scale(group: ScaleGroup, record: InputRecord, config: AwqConfig,
+                 runner: LayerwiseRunner) -> tuple[torch.Tensor, float, float, float]:
+    """The best scales for ``group``: returns (scales, alpha, loss at alpha=0, best loss).
+
+    The group's weights are restored before returning; nothing is folded yet.
+    """
+    assert record.kept is not None, "the scale search needs the kept calibration inputs"
+    inputs = list(runner.batches(record.kept))
+    with runner.autocast():
+        refs = [group.block(x) for x in inputs]
+    linears = list(group.linears.values())
+    originals = [lin.weight.detach().clone() for lin in linears]
+    x_mean = record.absmean.to(originals[0].device)
+    w_mean = _weight_mean(linears, config.w_group_size) if config.duo_scaling else None
+    best = (math.inf, 0.0, None)
+    rtn_loss = math.inf
+    try:
+        for step in range(config.n_grid):
+            alpha = step / config.n_grid
+            s = candidate_scales(x_mean, alpha, w_mean)
+            sw = s.to(originals[0].dtype).view(1, -1)
+            for lin, w in zip(linears, originals):
+                lin.weight.copy_(fake_quantize(w * sw, config.w_bits, config.w_group_size) / sw)
+            with runner.autocast():
+                loss = _block_loss(group.block, inputs, refs)
+            if step == 0:
+                rtn_loss = loss
+            if loss < best[0]:
+                best = (loss, alpha, s)
+    finally:
+        for lin, w in zip(linears, originals):
+            lin.weight.copy_(w)
+    loss, alpha, scales = best
+    if scales is None:  # every candidate gave a non-finite loss: keep the weights as they are
+        logger.warning("AWQ scale search for %s found no finite loss; leaving it unscaled", group.name)
+        scales = torch.ones_like(x_mean)
+    return scales, alpha, rtn_loss, loss
+
+
+@torch.no_grad()
+def apply_scale(group: ScaleGroup, scales: torch.Tensor, record: InputRecord | None = None) -> None:
+    """Fold ``scales`` in: the previous op's output divided by them, the group's weights multiplied.
+
+    The unquantized function of the layer is unchanged. The recorded inputs, if given, are divided
+    too, so that later searches (clipping) see what the scaled weights will be fed.
+    """
+    prev = group.prev
+    s = scales.to(prev.weight.device)
+    if isinstance(prev, nn.Linear):
+        # The previous linear's last len(s) output rows produce the group's input.
+        rows = prev.weight[-s.numel():]
+        rows.div_(s.to(rows.dtype).view(-1, 1))
+        if prev.bias is not None:
+            prev.bias[-s.numel():].div_(s.to(prev.bias.dtype))
+    else:  # RMSNorm / LayerNorm: a per-channel weight (and bias)
+        prev.weight.div_(s.to(prev.weight.dtype))
+        if getattr(prev, "bias", None) is not None:
+            prev.bias.div_(s.to(prev.bias.dtype))
+    for lin in group.linears.values():
+        lin.weight.mul_(s.to(lin.weight.dtype).view(1, -1))
+    if record is not None:
+        if record.kept is not None:
+            record.kept.div_(s.to(record.kept.dtype))
+        record.absmean.div_(s.to(record.absmean.dtype))
+        record.absmax.div_(s.to(record.absmax.dtype))
+
+
+@torch.no_grad()
+def search_clip(weight: torch.Tensor, x: torch.Tensor, bits: int, group_size: int, n_grid: int = 20,
+                max_shrink: float = _CLIP_MAX_SHRINK) -> torch.Tensor:
+    """Per output row and quantization group, the clip bound ``[out, in / G]`` that minimises the output error.
+
+    ``x`` is ``[tokens, in]``. Each group's error is measured on its own partial dot products,
+    as AutoAWQ's ``_compute_best_clip`` does.
+    """
+    out_features, in_features = weight.shape
+    groups = in_features // group_size
+    xg = x.to(weight.dtype).view(-1, groups, group_size).permute(1, 2, 0)  # [groups, G, tokens]
+    bounds = []
+    for chunk in weight.split(_CLIP_ROW_CHUNK):
+        rows = chunk.shape[0]
+        wg = chunk.view(rows, groups, group_size).permute(1, 0, 2)  # [groups, rows, G]
+        ref = torch.bmm(wg, xg)
+        absmax = wg.abs().amax(-1, keepdim=True)
+        best_bound, best_err = absmax.clone(), torch.full_like(absmax, math.inf)
+        for step in range(int(max_shrink * n_grid)):
+            bound = absmax * (1 - step / n_grid)
+            clipped = torch.maximum(torch.minimum(wg, bound), -bound)
+            q = fake_quantize(clipped.reshape(-1, group_size), bits, group_size).view_as(wg)
+            err = (torch.bmm(q, xg) - ref).pow(2).mean(-1, keepdim=True)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_bound = torch.where(better, bound, best_bound)
+        bounds.append(best_bound.squeeze(-1).t())  # [rows, groups]
+    return torch.cat(bounds)
+
+
+@torch.no_grad()
+def apply_clip(linear: nn.Linear, bound: torch.Tensor, group_size: int) -> None:
+    """Clamp each group of ``linear.weight`` to ``[-bound, bound]``."""
+    w = linear.weight.view(linear.weight.shape[0], -1, group_size)
+    b = bound.to(w.dtype).unsqueeze(-1)
+    torch.maximum(torch.minimum(w, b), -b, out=w)
+
+
+def _clip_tokens(kept: torch.Tensor, count: int) -> torch.Tensor:
+    flat = kept.reshape(-1, kept.shape[-1])
+    step = max(1, flat.shape[0] // count)
+    return flat[::step][:count]
+
+
+@torch.no_grad()
+def quantize_linears(layer: nn.Module, config: AwqConfig) -> dict[str, GroupQuantized]:
+    """Round every linear of ``layer`` to the grid; its weight becomes the dequantized value."""
+    quantized = {}
+    for name, lin in decoder_linears(layer).items():
+        q = quantize(lin.weight, config.w_bits, config.w_group_size)
+        lin.weight.copy_(q.dequantize(lin.weight.dtype))
+        quantized[name] = q
+    return quantized
+
+
+@torch.no_grad()
+def awq_layer(layer: nn.Module, runner: LayerwiseRunner, config: AwqConfig,
+              records: dict[str, InputRecord]) -> LayerReport:
+    """Search, fold and clip one decoder layer in place (the weights stay unquantized)."""
+    report = LayerReport()
+    groups = scale_groups(layer, runner)
+    # Every group is searched on the layer as it was (AutoAWQ's order); then all scales are folded.
+    found = [(g, search_scale(g, records[g.input_name], config, runner)) for g in groups]
+    for group, (scales, alpha, rtn_loss, best_loss) in found:
+        report.alphas[group.name], report.rtn_loss[group.name], report.best_loss[group.name] = (
+            alpha, rtn_loss, best_loss)
+    for group, (scales, *_) in found:
+        apply_scale(group, scales, records[group.input_name])
+    if config.apply_clip:
+        for name, lin in decoder_linears(layer).items():
+            if name.rsplit(".", 1)[-1] in _NO_CLIP:
+                continue
+            kept = records[_INPUT_OF[name]].kept
+            bound = search_clip(lin.weight, _clip_tokens(kept, config.clip_tokens), config.w_bits,
+                                config.w_group_size, config.n_grid)
+            apply_clip(lin, bound, config.w_group_size)
+    return report
+
+
+def keep_samples(config: AwqConfig, num_samples: int) -> int:
+    """How many calibration samples the searches re-run: ``search_tokens`` worth, at least one."""
+    return max(1, min(num_samples, math.ceil(config.search_tokens / config.calib_seqlen)))

@@ -1,0 +1,229 @@
+"""Calibration for post-training quantization: text in, per-layer activations out.
+
+Shared by the quantization tools (AWQ now; SmoothQuant's activation scales need the same):
+
+- ``read_text`` / ``calibration_windows``: a ``.txt`` or ``.jsonl`` file -> ``[n, seqlen]`` token
+  windows spread over the whole text.
+- ``LayerwiseRunner``: a Hugging Face causal LM run one decoder layer at a time over those
+  windows, so the peak memory is the model plus one layer's activations. ``record`` runs a layer
+  and returns, for chosen submodules, the per-input-channel mean and max of ``|x|`` over every
+  calibration token plus the raw inputs of the first few samples (for searches that re-run a
+  block); ``forward`` runs a layer; ``advance`` moves on to the next layer's inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import QuantizationError
+
+logger = logging.getLogger(__name__)
+
+
+def read_text(path: str | Path) -> str:
+    """The text of a ``.txt`` file, or the ``"text"`` fields of a ``.jsonl`` file joined by blank lines."""
+    path = Path(path)
+    if not path.is_file():
+        raise QuantizationError(f"calibration dataset {path} is not a file: pass a .txt or .jsonl file")
+    suffix = path.suffix.lower()
+    if suffix == ".txt":
+        return path.read_text(encoding="utf-8")
+    if suffix == ".jsonl":
+        texts = []
+        with path.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise QuantizationError(f"{path}:{number} is not valid JSON ({exc.msg})") from exc
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise QuantizationError(f'{path}:{number} has no string "text" field')
+                texts.append(record["text"])
+        return "\n\n".join(texts)
+    raise QuantizationError(f"calibration dataset {path} must be a .txt or .jsonl (\"text\" field) file")
+
+
+def calibration_windows(token_ids: list[int], num_samples: int, seqlen: int, seed: int = 0) -> torch.Tensor:
+    """``[n, seqlen]`` non-overlapping windows spread evenly over ``token_ids``, in a seeded shuffled order.
+
+    The order is shuffled so that any prefix of the samples (the ones a search re-runs) still
+    covers the whole text. Fewer than ``num_samples`` windows are returned, with a warning, when
+    the text is too short; none at all is an error.
+    """
+    available = len(token_ids) // seqlen
+    if available < 1:
+        raise QuantizationError(
+            f"the calibration text has {len(token_ids)} tokens, fewer than one window of --calib-seqlen {seqlen}: "
+            "use a longer text or a shorter --calib-seqlen")
+    n = min(num_samples, available)
+    if n < num_samples:
+        logger.warning("the calibration text has %d tokens: using %d windows of %d tokens instead of %d",
+                       len(token_ids), n, seqlen, num_samples)
+    stride = len(token_ids) // n
+    ids = torch.tensor(token_ids, dtype=torch.long)
+    windows = torch.stack([ids[i * stride:i * stride + seqlen] for i in range(n)])
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    return windows[order]
+
+
+def tokenize_for_calibration(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens (the windows are cut from the middle of a text)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@dataclass
+class InputRecord:
+    """What ``LayerwiseRunner.record`` saw entering one module.
+
+    ``absmean`` / ``absmax``: per input channel, over every calibration token (float32).
+    ``kept``: the inputs of the first ``keep_samples`` samples, ``[n, seqlen, channels]``.
+    """
+
+    absmean: torch.Tensor
+    absmax: torch.Tensor
+    kept: torch.Tensor | None
+    tokens: int
+
+
+class _Recorder:
+    """A forward pre-hook that accumulates ``|x|`` statistics and keeps the first samples' inputs."""
+
+    def __init__(self, keep_samples: int, dtype: torch.dtype) -> None:
+        self.keep_samples = keep_samples
+        self.dtype = dtype
+        self.abs_sum: torch.Tensor | None = None
+        self.abs_max: torch.Tensor | None = None
+        self.tokens = 0
+        self.kept: list[torch.Tensor] = []
+        self.kept_samples = 0
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        x = args[0].detach()
+        flat = x.reshape(-1, x.shape[-1]).abs().float()
+        total, peak = flat.sum(0), flat.amax(0)
+        if self.abs_sum is None:
+            self.abs_sum, self.abs_max = total, peak
+        else:
+            self.abs_sum += total
+            torch.maximum(self.abs_max, peak, out=self.abs_max)
+        self.tokens += flat.shape[0]
+        if self.kept_samples < self.keep_samples:
+            take = x[: self.keep_samples - self.kept_samples]
+            self.kept.append(take.to(self.dtype, copy=True))
+            self.kept_samples += take.shape[0]
+
+    def result(self) -> InputRecord:
+        assert self.abs_sum is not None, "the recorded module never ran"
+        kept = torch.cat(self.kept) if self.kept else None
+        return InputRecord(self.abs_sum / self.tokens, self.abs_max, kept, self.tokens)
+
+
+class LayerwiseRunner:
+    """Runs a Hugging Face Llama-family causal LM one decoder layer at a time over calibration windows.
+
+    The decoder layers are called as transformers' own modules with SDPA attention and no mask,
+    i.e. causal attention over each full window (windows are never padded). With
+    ``compute_dtype`` other than the weights' dtype, forward passes run under ``torch.autocast``
+    (e.g. float32 weights, bfloat16 matmuls on a CPU with AMX: about four times faster).
+    """
+
+    def __init__(self, model: nn.Module, input_ids: torch.Tensor, batch_size: int = 1,
+                 compute_dtype: torch.dtype | None = None) -> None:
+        if getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
+            raise QuantizationError("the calibration model must use SDPA attention (attn_implementation='sdpa')")
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.compute_dtype = compute_dtype or self.dtype
+        self.batch_size = batch_size
+        self.seqlen = input_ids.shape[1]
+        self.num_samples = input_ids.shape[0]
+        inner = model.model
+        with torch.no_grad():
+            self.hidden: list[torch.Tensor] = [
+                inner.embed_tokens(batch.to(self.device)) for batch in input_ids.split(batch_size)]
+            positions = torch.arange(self.seqlen, device=self.device).unsqueeze(0)
+            # cos/sin of shape [1, seqlen, head_dim]: they broadcast over any batch size.
+            self.position_embeddings = inner.rotary_emb(self.hidden[0], positions)
+        self.position_ids = positions
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The context every forward pass runs in: autocast to ``compute_dtype`` when it differs from the weights'."""
+        if self.compute_dtype == self.dtype:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder layers, in order."""
+        return self.model.model.layers
+
+    def layer_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of a decoder layer's (or its attention's) forward besides the hidden states."""
+        return {"attention_mask": None, "position_ids": self.position_ids,
+                "position_embeddings": self.position_embeddings}
+
+    def attention(self, attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A layer's self-attention block on its (normed) input ``[b, seqlen, hidden]``."""
+        return attn(x, position_embeddings=self.position_embeddings, attention_mask=None)[0]
+
+    @torch.no_grad()
+    def forward(self, layer: nn.Module) -> list[torch.Tensor]:
+        """``layer`` applied to every batch of the current inputs (the outputs in the weights' dtype)."""
+        kwargs = self.layer_kwargs()
+        with self.autocast():
+            return [self._output(layer(h, **kwargs)).to(self.dtype) for h in self.hidden]
+
+    @torch.no_grad()
+    def record(self, layer: nn.Module, modules: Mapping[str, nn.Module],
+               keep_samples: int = 0) -> tuple[list[torch.Tensor], dict[str, InputRecord]]:
+        """Run ``layer`` over every batch, recording what enters each of ``modules`` (name -> submodule).
+
+        Returns the layer's outputs (the next layer's unquantized inputs) and one ``InputRecord``
+        per name, keeping the inputs of the first ``keep_samples`` samples.
+        """
+        recorders = {name: _Recorder(keep_samples, self.dtype) for name in modules}
+        handles = [module.register_forward_pre_hook(recorders[name]) for name, module in modules.items()]
+        try:
+            outputs = self.forward(layer)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return outputs, {name: rec.result() for name, rec in recorders.items()}
+
+    def advance(self, outputs: list[torch.Tensor]) -> None:
+        """Make ``outputs`` (from ``record`` or ``forward``) the next layer's inputs."""
+        self.hidden = outputs
+
+    def batches(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
+        """``x`` ``[n, ...]`` in chunks of the runner's batch size."""
+        yield from x.split(self.batch_size)
+
+    @staticmethod
+    def _output(out: Any) -> torch.Tensor:
+        # transformers < 5 returns a tuple from decoder layers, 5.x a tensor.
+        return out[0] if isinstance(out, tuple) else out
+
+
+# Model types whose decoder layers have the Llama module names the quantization tools rely on.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def load_causal_lm(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """A Hugging Face Llama-family causal LM for calibration: SDPA attention, eval mode, no grads."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
+    model.requires_grad_(False)
+    return model.eval().to(device)

@@ -1,0 +1,387 @@
+"""`conveyor lite auto_awq` on tiny random Llamas: folding, the search, the packed layout, the CLI's refusals."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conveyor.cli import main
+from conveyor.engine.quantization import (
+    AwqConfig,
+    LayerwiseRunner,
+    QuantizationError,
+    auto_awq,
+    awq_pack,
+    awq_unpack,
+    calibration_windows,
+    dequantize_awq_ref,
+    dequantize_checkpoint,
+    fake_quantize,
+    pack_linear,
+    quantize,
+    read_text,
+    unpack_linear,
+)
+from conveyor.engine.quantization.awq import (
+    apply_scale,
+    awq_layer,
+    candidate_scales,
+    keep_samples,
+    recorded_inputs,
+    scale_groups,
+    search_clip,
+    search_scale,
+)
+
+WORDS = ("the a of and to in was he she it his her that with for on as at by from had not but were this "
+         "which be have they all one or so my an me we no if are who when there their been would more out "
+         "time night sea ice ship cold light dark storm shore snow wind creature river mountain friend").split()
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=256, rms_norm_eps=1e-5)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny matmuls run faster on one thread than waking a pool (and the CI box is shared)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "<s>", "</s>", *WORDS, ",", "."])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="[UNK]")
+
+
+def _tiny_model(kv_heads: int = 2, seed: int = 0, tie: bool = False) -> LlamaForCausalLM:
+    """A random Llama whose norms give a few input channels large activations, as real LLMs have."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(**TINY, num_key_value_heads=kv_heads, vocab_size=len(WORDS) + 5, tie_word_embeddings=tie)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=gen))
+                param[torch.randperm(param.numel(), generator=gen)[:3]] *= 12  # outlier channels
+            else:
+                param.copy_(0.08 * torch.randn(param.shape, generator=gen))
+    return model
+
+
+def _text(words: int = 3000, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+@pytest.fixture()
+def tiny_dir(tmp_path: Path) -> Path:
+    """A tiny Llama checkpoint directory with a tokenizer (GQA 4/2, group size 32 fits every layer)."""
+    out = tmp_path / "tiny-llama"
+    _tiny_model().save_pretrained(out)
+    _tokenizer().save_pretrained(out)
+    (tmp_path / "calib.txt").write_text(_text())
+    return out
+
+
+def _windows(n: int = 8, seqlen: int = 32) -> torch.Tensor:
+    ids = _tokenizer()(_text(), add_special_tokens=False)["input_ids"]
+    return calibration_windows(ids, n, seqlen)
+
+
+def _logits(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+# ---- quantizer and packed layout ---------------------------------------------------------------
+
+
+def test_rtn_quantize_pack_unpack_dequantize_round_trip():
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(0)) * 0.05
+    w[:, 5] *= 20  # a wide group next to narrow ones
+    q = quantize(w, bits=4, group_size=32)
+    assert q.codes.min() >= 0 and q.codes.max() <= 15 and q.scales.dtype == torch.float16
+    packed = pack_linear(q)
+    assert packed["qweight"].shape == (128, 6) and packed["qweight"].dtype == torch.int32
+    assert packed["qzeros"].shape == (4, 6) and packed["qzeros"].dtype == torch.int32
+    assert packed["scales"].shape == (4, 48) and packed["scales"].dtype == torch.float16
+    back = unpack_linear(packed["qweight"], packed["qzeros"], packed["scales"], 32)
+    assert torch.equal(back.codes, q.codes) and torch.equal(back.zeros, q.zeros)
+    assert torch.equal(back.scales, q.scales)
+    dense = dequantize_awq_ref(packed["qweight"], packed["qzeros"], packed["scales"], 32).t()
+    assert torch.equal(dense, q.dequantize())
+    # Round to nearest: weights within half a step, except at a range's ends, where the rounded zero
+    # point can push one step out of 0..15 (AutoAWQ's scheme has the same property).
+    step = q.scales.float().repeat_interleave(32, dim=1)
+    err = (dense - w).abs()
+    assert (err <= step + 1e-6).all() and (err <= step / 2 + 1e-6).float().mean() > 0.97
+    assert torch.equal(fake_quantize(w, 4, 32), dense)
+
+
+def test_awq_nibble_order_matches_autoawq():
+    # Nibble i of each int32 holds column [0, 2, 4, 6, 1, 3, 5, 7][i] of its eight.
+    values = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [15, 14, 13, 12, 11, 10, 9, 8]])
+    packed = awq_pack(values)
+    assert packed[0, 0].item() == 0x75316420
+    assert packed[1, 0].item() == 0x8ACE9BDF - 2**32  # the sign bit set: stored as a negative int32
+    # Against AutoAWQ's packing loop, written out independently.
+    rand = torch.randint(0, 16, (5, 32))
+    expected = torch.zeros(5, 4, dtype=torch.int64)
+    for word in range(4):
+        for i, col in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
+            expected[:, word] |= rand[:, word * 8 + col] << (4 * i)
+    expected = torch.where(expected >= 2**31, expected - 2**32, expected).to(torch.int32)
+    assert torch.equal(awq_pack(rand), expected)
+    assert torch.equal(awq_unpack(expected), rand.to(torch.int32))
+
+
+def test_quantize_handles_constant_and_one_signed_groups():
+    w = torch.zeros(8, 32)
+    w[1] = 0.3  # all positive: the range still includes 0, nothing is clipped
+    deq = quantize(w, 4, 32).dequantize()
+    assert torch.equal(deq[0], w[0])
+    assert torch.allclose(deq[1], w[1], atol=1e-3)
+
+
+# ---- calibration -------------------------------------------------------------------------------
+
+
+def test_calibration_windows_spread_and_refuse_short_text():
+    ids = list(range(1000))
+    w = calibration_windows(ids, 4, 100)
+    assert w.shape == (4, 100)
+    assert sorted(int(row[0]) for row in w) == [0, 250, 500, 750]  # spread over the text, shuffled order
+    assert calibration_windows(ids, 50, 100).shape == (10, 100)  # fewer windows than asked: all there are
+    with pytest.raises(QuantizationError, match="fewer than one window"):
+        calibration_windows(ids[:50], 4, 100)
+
+
+def test_read_text_txt_and_jsonl(tmp_path: Path):
+    (tmp_path / "a.txt").write_text("hello world")
+    (tmp_path / "b.jsonl").write_text('{"text": "one"}\n\n{"text": "two"}\n')
+    (tmp_path / "c.jsonl").write_text('{"body": "x"}\n')
+    (tmp_path / "d.csv").write_text("x")
+    assert read_text(tmp_path / "a.txt") == "hello world"
+    assert read_text(tmp_path / "b.jsonl") == "one\n\ntwo"
+    with pytest.raises(QuantizationError, match='"text" field'):
+        read_text(tmp_path / "c.jsonl")
+    with pytest.raises(QuantizationError, match=".txt or .jsonl"):
+        read_text(tmp_path / "d.csv")
+    with pytest.raises(QuantizationError, match="not a file"):
+        read_text(tmp_path / "missing.txt")
+
+
+def test_layerwise_runner_reproduces_the_model():
+    model = _tiny_model()
+    ids = _windows(4, 32)
+    runner = LayerwiseRunner(model, ids, batch_size=3)
+    for layer in runner.layers:
+        runner.advance(runner.forward(layer))
+    hidden = torch.cat(runner.hidden)
+    with torch.no_grad():
+        logits = model.lm_head(model.model.norm(hidden))
+    torch.testing.assert_close(logits, _logits(model, ids), rtol=1e-4, atol=1e-4)
+
+
+# ---- scale folding and the search --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha-scales-o_proj", "gqa"])
+def test_folding_scales_keeps_the_unquantized_model(kv_heads: int):
+    model = _tiny_model(kv_heads)
+    ids = _windows(4, 32)
+    before = _logits(model, ids)
+    runner = LayerwiseRunner(model, ids)
+    gen = torch.Generator().manual_seed(1)
+    for layer in runner.layers:
+        groups = scale_groups(layer, runner)
+        assert ("o" in [g.name for g in groups]) == (kv_heads == 4)  # GQA: o_proj is not scaled (AutoAWQ)
+        for group in groups:
+            scales = torch.rand(next(iter(group.linears.values())).in_features, generator=gen) * 4 + 0.25
+            apply_scale(group, scales)
+    torch.testing.assert_close(_logits(model, ids), before, rtol=1e-4, atol=1e-4)
+
+
+def test_search_never_worse_than_rtn_and_alpha_zero_is_rtn():
+    model = _tiny_model(kv_heads=4)
+    config = AwqConfig(w_group_size=32, calib_samples=8, calib_seqlen=32)
+    runner = LayerwiseRunner(model, _windows(8, 32), batch_size=4)
+    layer = runner.layers[0]
+    _, records = runner.record(layer, recorded_inputs(layer), keep_samples(config, 8))
+    improved = 0
+    for group in scale_groups(layer, runner):
+        before = {n: lin.weight.clone() for n, lin in group.linears.items()}
+        scales, alpha, rtn_loss, best_loss = search_scale(group, records[group.input_name], config, runner)
+        assert all(torch.equal(lin.weight, before[n]) for n, lin in group.linears.items())  # restored
+        assert best_loss <= rtn_loss and 0 <= alpha < 1
+        improved += best_loss < rtn_loss
+        # alpha = 0 means scales of exactly 1: the loss it reports is plain round-to-nearest's.
+        assert torch.equal(candidate_scales(records[group.input_name].absmean, 0.0), torch.ones_like(scales))
+        x = records[group.input_name].kept
+        ref = group.block(x)
+        for lin in group.linears.values():
+            lin.weight.copy_(fake_quantize(lin.weight, 4, 32))
+        rtn = float((group.block(x) - ref).pow(2).mean())
+        for n, lin in group.linears.items():
+            lin.weight.copy_(before[n])
+        assert rtn == pytest.approx(rtn_loss, rel=1e-4)
+    assert improved >= 2  # with outlier channels, scaling helps
+
+
+def test_clip_search_never_worse_than_no_clip():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 64, generator=gen)
+    w[3, 7] = 9.0  # one outlier weight that stretches its group's grid
+    x = torch.randn(256, 64, generator=gen)
+    bound = search_clip(w, x, 4, 32)
+    assert bound.shape == (64, 2)
+    clipped = w.view(64, 2, 32).clamp(-bound[..., None], bound[..., None]).view(64, 64)
+
+    def err(weight: torch.Tensor) -> torch.Tensor:
+        return ((fake_quantize(weight, 4, 32) - w) @ x.t()).pow(2).sum()
+
+    assert err(clipped) <= err(w)
+
+
+def test_awq_layer_beats_rtn_on_the_layer_output():
+    model = _tiny_model(kv_heads=4)
+    ids = _windows(8, 32)
+    config = AwqConfig(w_group_size=32, calib_samples=8, calib_seqlen=32)
+    rtn_model = _tiny_model(kv_heads=4)
+    with torch.no_grad():
+        for lin in rtn_model.model.layers[0].modules():
+            if isinstance(lin, torch.nn.Linear):
+                lin.weight.copy_(fake_quantize(lin.weight, 4, 32))
+    runner = LayerwiseRunner(model, ids, batch_size=4)
+    layer = runner.layers[0]
+    ref, records = runner.record(layer, recorded_inputs(layer), keep_samples(config, 8))
+    awq_layer(layer, runner, config, records)
+    from conveyor.engine.quantization.awq import quantize_linears
+
+    quantize_linears(layer, config)
+    awq_err = sum(float((o - r).pow(2).sum()) for o, r in zip(runner.forward(layer), ref))
+    rtn_runner = LayerwiseRunner(rtn_model, ids, batch_size=4)
+    rtn_err = sum(float((o - r).pow(2).sum()) for o, r in zip(rtn_runner.forward(rtn_model.model.layers[0]), ref))
+    assert awq_err < rtn_err
+
+
+# ---- the tool: checkpoint, refusals, atomic work dir ------------------------------------------
+
+
+@pytest.mark.parametrize("search", [True, False], ids=["awq", "rtn"])
+def test_auto_awq_writes_an_autoawq_gemm_checkpoint(tiny_dir: Path, tmp_path: Path, search: bool):
+    out = tmp_path / "out"
+    config = AwqConfig(w_group_size=32, calib_samples=8, calib_seqlen=32, search_scale=search)
+    result = auto_awq(tiny_dir, out, config, tmp_path / "calib.txt" if search else None, progress=False)
+    assert result.work_dir == out and len(result.layers) == (2 if search else 0)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                                          "version": "gemm"}
+    assert (out / "tokenizer.json").exists() and (out / "tokenizer_config.json").exists()
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        t = {n: f.get_tensor(n) for n in names}
+    shapes = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
+              "gate_proj": (64, 128), "up_proj": (64, 128), "down_proj": (128, 64)}  # (in, out)
+    for i in range(2):
+        for proj, (inp, outp) in shapes.items():
+            part = "self_attn" if proj[0] in "qkvo" else "mlp"
+            base = f"model.layers.{i}.{part}.{proj}"
+            assert f"{base}.weight" not in names
+            assert t[f"{base}.qweight"].shape == (inp, outp // 8) and t[f"{base}.qweight"].dtype == torch.int32
+            assert t[f"{base}.qzeros"].shape == (inp // 32, outp // 8) and t[f"{base}.qzeros"].dtype == torch.int32
+            assert t[f"{base}.scales"].shape == (inp // 32, outp) and t[f"{base}.scales"].dtype == torch.float16
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+                 "model.layers.0.input_layernorm.weight"):
+        assert t[name].dtype == torch.float16
+    # The dequantized copy is an ordinary checkpoint that transformers runs, close to the original.
+    deq = dequantize_checkpoint(out, tmp_path / "deq")
+    original = LlamaForCausalLM.from_pretrained(tiny_dir)
+    restored = LlamaForCausalLM.from_pretrained(deq)
+    ids = _windows(2, 32)
+    a, b = _logits(original, ids), _logits(restored, ids)
+    assert (a - b).norm() / a.norm() < 0.5  # 4-bit noise, not a broken layout (that is ~1)
+
+
+def test_awq_checkpoint_is_closer_to_the_model_than_rtn(tiny_dir: Path, tmp_path: Path):
+    calib = tmp_path / "calib.txt"
+    paths = {}
+    for search in (False, True):
+        out = tmp_path / f"out-{search}"
+        config = AwqConfig(w_group_size=32, calib_samples=16, calib_seqlen=32, search_scale=search)
+        auto_awq(tiny_dir, out, config, calib, progress=False)
+        paths[search] = dequantize_checkpoint(out, tmp_path / f"deq-{search}")
+    ids = calibration_windows(_tokenizer()(_text(seed=7), add_special_tokens=False)["input_ids"], 4, 32)
+    ref = _logits(LlamaForCausalLM.from_pretrained(tiny_dir), ids)
+    errors = {s: float((_logits(LlamaForCausalLM.from_pretrained(p), ids) - ref).norm()) for s, p in paths.items()}
+    assert errors[True] < errors[False]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--w-bits", "3"], "--w-bits 3 is not supported"),
+    (["--w-bits", "8"], "use --w-bits 4"),
+    (["--w-group-size", "48"], "use one of 32, 64, 128"),
+    (["--w-group-size", "128"], "does not divide the model's hidden_size .* of 64 .*use --w-group-size 64 or 32"),
+    (["--calib-samples", "0"], "calib-samples must be at least 1"),
+    (["--w-group-size", "32", "--calib-dataset", "missing.txt"], "not a file"),
+], ids=["bits3", "bits8", "group48", "group128", "samples0", "nodata"])
+def test_bad_flags_fail_before_any_work(tiny_dir: Path, tmp_path: Path, capsys, monkeypatch, flags, message):
+    import conveyor.engine.quantization.awq_tool as tool
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded despite a bad setting")
+
+    monkeypatch.setattr(tool, "load_causal_lm", no_load)
+    out = tmp_path / "out"
+    code = main(["lite", "auto_awq", str(tiny_dir), "--work-dir", str(out), *flags])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err
+    import re
+    assert re.search(message, err), err
+    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_refuses_a_non_empty_work_dir_and_an_unsupported_model(tiny_dir: Path, tmp_path: Path):
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    with pytest.raises(QuantizationError, match="not an empty directory"):
+        auto_awq(tiny_dir, busy, AwqConfig(w_group_size=32, search_scale=False), progress=False)
+    assert (busy / "keep.txt").read_text() == "mine"
+    cfg = json.loads((tiny_dir / "config.json").read_text())
+    (tiny_dir / "config.json").write_text(json.dumps({**cfg, "model_type": "internlm2"}))
+    with pytest.raises(QuantizationError, match="supports model types llama, mistral, qwen2"):
+        auto_awq(tiny_dir, tmp_path / "x", AwqConfig(w_group_size=32, search_scale=False), progress=False)
+
+
+def test_a_failure_mid_way_leaves_no_work_dir(tiny_dir: Path, tmp_path: Path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    import safetensors.torch
+
+    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="disk full"):
+        auto_awq(tiny_dir, out, AwqConfig(w_group_size=32, search_scale=False), progress=False)
+    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+    # An empty directory is accepted and filled.
+    out.mkdir()
+    monkeypatch.undo()
+    auto_awq(tiny_dir, out, AwqConfig(w_group_size=32, search_scale=False), progress=False)
+    assert (out / "model.safetensors").exists() and not list(tmp_path.glob(".out.partial-*"))
