@@ -35,6 +35,19 @@ __all__ = [
     "silu_and_mul_ref", "silu_and_mul_triton", "store_kv", "store_kv_ref", "store_kv_triton",
 ]
 
+from .w4a16 import (  # noqa: E402 - appended with the W4A16 kernels
+    awq_pack,
+    awq_unpack,
+    dequantize_awq_ref,
+    w4a16_matmul,
+    w4a16_matmul_ref,
+    w4a16_matmul_triton,
+)
+
+__all__ += [
+    "awq_pack", "awq_unpack", "dequantize_awq_ref", "w4a16_matmul", "w4a16_matmul_ref", "w4a16_matmul_triton",
+]
+
 from .w8a8 import (  # noqa: E402 - appended with the W8A8 kernels
     int8_matmul,
     int8_matmul_int_mm,

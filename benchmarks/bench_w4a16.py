@@ -1,0 +1,233 @@
+"""W4A16 (AWQ, group 128) matrix products against fp16 ``torch.matmul`` on Llama-2-7B shapes.
+
+For each projection (fused qkv, o_proj, fused gate_up, down) and each row count M, three ways
+to compute ``x [M, K] @ W [K, N]`` in fp16:
+
+* ``w4a16``: ``conveyor.kernels.w4a16_matmul`` on the packed 4-bit weight (what the layer runs:
+  the GEMV at M = 1, the fused GEMM below ``DEQUANT_MIN_ROWS`` rows, the Triton dequantization
+  plus cuBLAS from there on);
+* ``fp16``: ``torch.matmul`` on the dense fp16 weight (cuBLAS: what an unquantized model runs);
+* ``dequant``: the reference path, ``dequantize_awq_ref`` to fp16, then ``torch.matmul``.
+
+Each case is first checked against the fp32 reference. Timing: the calls are captured in one
+CUDA graph (so Python launch overhead, tens of µs for a Triton call, does not hide a few-µs
+kernel) over several copies of the weights whose bytes together exceed three times the L2
+(60 MB on an H200: a 25 MB 4-bit layer would otherwise be read from L2, not HBM, as no decode
+step would); after a warm-up replay the graph is replayed between CUDA events many times and
+the median per call is reported, in µs, as effective GB/s (weights, scales, zeros, x and y
+bytes over the time) and TFLOP/s, with the speed-up over fp16 (fp16 time / w4a16 time).
+
+For M = 1 the floor is reading the packed weights: 25 MB for qkv at ~4.2 TB/s is ~6 µs.
+
+    python -m benchmarks.bench_w4a16 [--quick] [--sweep] [--out PATH]
+
+``--sweep`` also times a list of tile configurations of the Triton kernels per case and reports
+the fastest (for choosing ``gemv_config``/``gemm_config``'s defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import record, save
+from conveyor.kernels._triton import cdiv
+from conveyor.kernels.w4a16 import (
+    GemmConfig,
+    GemvConfig,
+    dequantize_awq_ref,
+    gemm_config,
+    gemv_config,
+    split_k,
+    tile_k,
+    w4a16_matmul,
+    w4a16_matmul_triton,
+)
+
+SHAPES = {"qkv": (4096, 12288), "o_proj": (4096, 4096), "gate_up": (4096, 22016), "down": (11008, 4096)}
+ROWS = [1, 16, 64, 256, 2048]
+QUICK_SHAPES = ["qkv", "down"]
+QUICK_ROWS = [1, 16, 256]
+GROUP = 128
+GEMV_SWEEP = [GemvConfig(*c) for c in (  # block_p, block_r, num_warps, programs_per_sm
+    (32, 4, 1, 16), (32, 4, 1, 24), (32, 4, 1, 12), (32, 4, 1, 32), (16, 8, 1, 16), (16, 8, 1, 24),
+    (64, 2, 1, 16), (32, 8, 2, 8), (32, 8, 2, 12), (32, 16, 4, 4), (32, 16, 4, 6),
+)]
+GEMM_SWEEP = [GemmConfig(*c[:3], num_warps=c[3], num_stages=c[4]) for c in (
+    (16, 256, 64, 4, 4), (16, 128, 128, 4, 4), (16, 256, 128, 4, 3), (16, 128, 64, 4, 4), (16, 512, 64, 8, 3),
+    (32, 256, 64, 4, 3), (32, 128, 128, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (64, 128, 128, 4, 3),
+)]
+
+
+def layer_copies(k: int, n: int, copies: int) -> list[tuple[torch.Tensor, ...]]:
+    """``copies`` random AWQ layers [K, N] on the GPU: (qweight, qzeros, scales). Random int32
+    words are random 4-bit codes in every nibble (the timing does not depend on the values)."""
+    groups = -(-k // GROUP)
+    out = []
+    for _ in range(copies):
+        qw = torch.randint(-(2**31), 2**31, (k, n // 8), dtype=torch.int32, device="cuda")
+        qz = torch.randint(-(2**31), 2**31, (groups, n // 8), dtype=torch.int32, device="cuda")
+        s = torch.rand(groups, n, device="cuda").mul_(0.002).add_(0.001).half()
+        out.append((qw, qz, s))
+    return out
+
+
+def eager_time_us(call: Callable[[], object], samples: int) -> float:
+    """Median µs of single eager calls (for the slow, multi-kernel reference path)."""
+    call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def graph_time_us(calls: list[Callable[[], object]], samples: int) -> float:
+    """Median µs per call of ``calls`` captured back to back in one CUDA graph."""
+    for call in calls:  # compile, autotune-free warm-up, allocator warm-up
+        call()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, M in {QUICK_ROWS}, fewer samples")
+    ap.add_argument("--sweep", action="store_true", help="also time the tile configurations of the Triton kernels")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (default results/<gpu>/bench_w4a16.json)")
+    ap.add_argument("--layers", nargs="+", choices=sorted(SHAPES), help="a subset of the layers")
+    ap.add_argument("--rows", nargs="+", type=int, help="other row counts M")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_w4a16 needs a CUDA GPU")
+
+    shapes = {name: SHAPES[name] for name in (args.layers or (QUICK_SHAPES if args.quick else SHAPES))}
+    rows = args.rows or (QUICK_ROWS if args.quick else ROWS)
+    samples = 10 if args.quick else 30
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 * 2**20)
+    torch.manual_seed(0)
+    records = []
+    print(f"{'layer':8s} {'M':>5s} {'w4a16 us':>9s} {'GB/s':>6s} {'TFLOP/s':>7s} {'fp16 us':>8s} {'GB/s':>6s} "
+          f"{'speedup':>7s} {'dequant us':>10s} {'err':>8s}", flush=True)
+    for name, (k, n) in shapes.items():
+        groups = -(-k // GROUP)
+        w4_bytes = k * n // 2 + groups * n * 2 + groups * n // 2
+        layers = layer_copies(k, n, max(2, -(-3 * l2 // w4_bytes)))
+        # fp16 weights have 4x the bytes: fewer copies exceed the L2 (each one its own memory).
+        dense = [dequantize_awq_ref(*layers[i % len(layers)], GROUP, dtype=torch.float16)
+                 for i in range(max(2, -(-3 * l2 // (k * n * 2))))]
+        for m in rows:
+            xs = [torch.randn(m, k, device="cuda", dtype=torch.float16) for _ in range(2)]
+            ref = (xs[0].float() @ dequantize_awq_ref(*layers[0], GROUP)).half()
+            err = rel_err(w4a16_matmul(xs[0], *layers[0], GROUP), ref)
+            io_bytes = m * k * 2 + m * n * 2
+            flops = 2 * m * k * n
+            t_w4 = graph_time_us([lambda i=i, layer=layer: w4a16_matmul(xs[i % 2], *layer, GROUP)
+                                  for i, layer in enumerate(layers)], samples)
+            t_fp16 = graph_time_us([lambda i=i: torch.matmul(xs[i % 2], dense[i]) for i in range(len(dense))], samples)
+            t_deq = eager_time_us(
+                lambda: torch.matmul(xs[0], dequantize_awq_ref(*layers[0], GROUP, dtype=torch.float16)),
+                max(3, samples // 5))
+            gbs = (w4_bytes + io_bytes) / t_w4 / 1e3
+            gbs16 = (k * n * 2 + io_bytes) / t_fp16 / 1e3
+            print(f"{name:8s} {m:5d} {t_w4:9.1f} {gbs:6.0f} {flops / t_w4 / 1e6:7.1f} {t_fp16:8.1f} {gbs16:6.0f} "
+                  f"{t_fp16 / t_w4:7.2f} {t_deq:10.1f} {err:8.1e}", flush=True)
+            cfg = gemv_config(n, k) if m == 1 else gemm_config(m, n, k)
+            rec = record(engine="conveyor", model="llama2-7b", precision="w4a16", model_format="awq",
+                         benchmark="bench_w4a16", batch=m, layer=name, K=k, N=n, group_size=GROUP,
+                         w4a16_us=t_w4, w4a16_gb_s=gbs, w4a16_tflops=flops / t_w4 / 1e6, fp16_us=t_fp16,
+                         fp16_gb_s=gbs16, speedup_vs_fp16=t_fp16 / t_w4, dequant_matmul_us=t_deq,
+                         rel_err=err, config=repr(cfg))
+            if args.sweep:
+                rec["sweep"] = sweep(m, k, n, xs, layers, ref, samples)
+                best = min(rec["sweep"], key=lambda r: r["us"] if r["us"] is not None else float("inf"))
+                print(f"{'':8s} {'':5s} best {best['config']} splits={best['splits']}: {best['us']:.1f} us",
+                      flush=True)
+            records.append(rec)
+        layers = dense = []  # free this shape's copies before the next one's
+        torch.cuda.empty_cache()
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(records, indent=1) + "\n")
+        print(f"saved {args.out}")
+    else:
+        print(f"saved {save(records, 'bench_w4a16')}")
+
+
+def sweep(m: int, k: int, n: int, xs: list[torch.Tensor], layers: list[tuple[torch.Tensor, ...]],
+          ref: torch.Tensor, samples: int) -> list[dict]:
+    """Time every candidate tile configuration of the kernel that M rows take (checked first),
+    then the fastest one with other numbers of K splits than the default."""
+    results = []
+
+    def run(cfg: GemvConfig | GemmConfig | None, splits: int | None, dequant: bool = False) -> None:
+        kw = {"gemv" if m == 1 else "gemm": cfg, "splits": splits, "dequant": dequant}
+        try:
+            err = rel_err(w4a16_matmul_triton(xs[0], *layers[0], GROUP, **kw), ref)
+            us = graph_time_us([lambda i=i, layer=layer: w4a16_matmul_triton(xs[i % 2], *layer, GROUP, **kw)
+                                for i, layer in enumerate(layers)], max(5, samples // 3))
+        except Exception as exc:  # noqa: BLE001 - a configuration that does not compile or fit
+            print(f"    {cfg} splits={splits}: failed ({type(exc).__name__}: {str(exc)[:80]})", flush=True)
+            us = err = None
+        name = "dequant+matmul" if dequant else repr(cfg)
+        results.append({"config": name, "splits": splits, "us": us, "rel_err": err})
+
+    if m > 1:
+        run(None, None, dequant=True)
+    for cfg in GEMV_SWEEP if m == 1 else GEMM_SWEEP:
+        run(cfg, None)
+    timed = [r for r in results if r["us"] is not None and r["config"] != "dequant+matmul"]
+    if not timed:
+        return results
+    best = min(timed, key=lambda r: r["us"])
+    cfg = next(c for c in (GEMV_SWEEP if m == 1 else GEMM_SWEEP) if repr(c) == best["config"])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if m == 1:
+        unit = 4 * cfg.block_r
+        auto, _ = split_k(cdiv(n // 8, cfg.block_p), k, unit, cfg.programs_per_sm * sms)
+    else:
+        unit = tile_k(cfg.block_k, GROUP, k)
+        auto, _ = split_k(cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), k, unit, cfg.programs_per_sm * sms,
+                          min_units=4)
+    for splits in sorted({1, max(1, auto // 2), 2 * auto, 4 * auto} - {auto}):
+        if splits <= cdiv(k, unit):
+            run(cfg, splits)
+    return results
+
+
+if __name__ == "__main__":
+    main()
