@@ -10,6 +10,8 @@
 #   BEFORE_DIR (an older commit, run the way that commit's own run_h100.sh ran it) and for this
 #   tree, alternating, in one call: a before/after comparison free of machine-to-machine spread.
 # STAGE "bench": this tree's Llama-2-7B grid and ShareGPT run.
+# STAGE "quant": the W4A16/W8A8 kernel tests and microbenchmarks, then Llama-2-7B fp16 and AWQ
+#   (random 4-bit weights) generation in the same call, fp16 first and last.
 set -u
 STAGE=${1:-bench}
 REPO=$PWD
@@ -53,4 +55,13 @@ fi
 if [ "$STAGE" = bench ]; then
   timeout 170 python3 -m benchmarks.profile_generation --model llama2-7b -b 1 -b 64 -c 128:128 -c 128:512 -c 2048:1
   timeout 330 python3 -m benchmarks.profile_throughput --model llama2-7b
+fi
+
+if [ "$STAGE" = quant ]; then
+  pytest_here 400 tests/unit/test_kernels_w4a16.py tests/unit/test_kernels_w8a8.py
+  timeout 200 python3 -m benchmarks.bench_w4a16 ${QUICK:+--quick} --out "$BENCH_OUT/bench_w4a16.json"
+  timeout 200 python3 -m benchmarks.bench_w8a8 ${QUICK:+--quick} --out "$BENCH_OUT/bench_w8a8.json"
+  GEN="benchmarks.profile_generation --model llama2-7b -b 1 -b 64 -c 128:512 -c 128:128 -c 2048:1"
+  timeout 200 python3 -m $GEN --name quant_fp16
+  timeout 200 python3 -m $GEN --model-format awq --name quant_awq
 fi
