@@ -2,12 +2,13 @@
 
 For each group of linear layers that read the same input (q/k/v after ``input_layernorm``;
 ``o_proj`` after attention; gate/up after ``post_attention_layernorm``; ``down_proj`` after the
-MLP activation) the search picks per-input-channel scales ``s = mean|x|**alpha`` (normalised so
-that ``max(s) * min(s) == 1``), ``alpha`` on a grid over ``[0, 1)``, minimising the MSE between
-the block's output with ``Q(W * s) / s`` and with ``W``. The block is the one the group feeds
+MLP activation) the search picks per-input-channel scales ``s = mean|x|**alpha`` (or, with
+``duo_scaling``, AutoAWQ's ``mean|x|**alpha / mean|w|**(1 - alpha)``; normalised so that
+``max(s) * min(s) == 1``), ``alpha`` on a grid over ``[0, 1)``, minimising the MSE between the
+block's output with ``Q(W * s) / s`` and with ``W``. The block is the one the group feeds
 (self-attention for q/k/v, the MLP for gate/up, the linear itself otherwise), as in AutoAWQ.
-``alpha = 0`` is plain round-to-nearest, so the search never does worse than RTN on its
-objective. The chosen ``1 / s`` is folded into the op before the group (the RMSNorm weight, or
+No scaling (plain round-to-nearest) is always a candidate too, so the search never does worse
+than RTN on its objective. The chosen ``1 / s`` is folded into the op before the group (the RMSNorm weight, or
 the rows of ``v_proj`` / ``up_proj`` that produce the group's input), which leaves the
 unquantized model's function unchanged. ``o_proj`` is scaled only when ``v_proj`` and ``o_proj``
 have the same shape: with grouped-query attention one ``v_proj`` row feeds several ``o_proj``
@@ -50,9 +51,9 @@ class ScaleGroup:
 
 @dataclass
 class LayerReport:
-    """What the search chose for one decoder layer: per group the alpha and the loss at alpha=0 and at it."""
+    """What the search chose for one decoder layer: per group the alpha (None: no scaling), RTN's loss and the best."""
 
-    alphas: dict[str, float] = field(default_factory=dict)
+    alphas: dict[str, float | None] = field(default_factory=dict)
     rtn_loss: dict[str, float] = field(default_factory=dict)
     best_loss: dict[str, float] = field(default_factory=dict)
 
@@ -122,10 +123,12 @@ def _block_loss(block: Callable[[torch.Tensor], torch.Tensor], inputs: list[torc
 
 @torch.no_grad()
 def search_scale(group: ScaleGroup, record: InputRecord, config: AwqConfig,
-                 runner: LayerwiseRunner) -> tuple[torch.Tensor, float, float, float]:
-    """The best scales for ``group``: returns (scales, alpha, loss at alpha=0, best loss).
+                 runner: LayerwiseRunner) -> tuple[torch.Tensor, float | None, float, float]:
+    """The best scales for ``group``: returns (scales, alpha, round-to-nearest's loss, best loss).
 
-    The group's weights are restored before returning; nothing is folded yet.
+    The candidates are no scaling at all (plain round-to-nearest; alpha None) and the
+    ``n_grid`` values of alpha, so the result is never worse than RTN on the objective. The
+    group's weights are restored before returning; nothing is folded yet.
     """
     assert record.kept is not None, "the scale search needs the kept calibration inputs"
     inputs = list(runner.batches(record.kept))
@@ -135,29 +138,29 @@ def search_scale(group: ScaleGroup, record: InputRecord, config: AwqConfig,
     originals = [lin.weight.detach().clone() for lin in linears]
     x_mean = record.absmean.to(originals[0].device)
     w_mean = _weight_mean(linears, config.w_group_size) if config.duo_scaling else None
-    best = (math.inf, 0.0, None)
-    rtn_loss = math.inf
+    candidates: list[tuple[float | None, torch.Tensor]] = [(None, torch.ones_like(x_mean))]
+    for step in range(config.n_grid):
+        if step == 0 and w_mean is None:
+            continue  # mean|x|**0 is no scaling, already a candidate
+        alpha = step / config.n_grid
+        candidates.append((alpha, candidate_scales(x_mean, alpha, w_mean)))
+    losses = []
     try:
-        for step in range(config.n_grid):
-            alpha = step / config.n_grid
-            s = candidate_scales(x_mean, alpha, w_mean)
+        for alpha, s in candidates:
             sw = s.to(originals[0].dtype).view(1, -1)
             for lin, w in zip(linears, originals):
                 lin.weight.copy_(fake_quantize(w * sw, config.w_bits, config.w_group_size) / sw)
             with runner.autocast():
-                loss = _block_loss(group.block, inputs, refs)
-            if step == 0:
-                rtn_loss = loss
-            if loss < best[0]:
-                best = (loss, alpha, s)
+                losses.append(_block_loss(group.block, inputs, refs))
     finally:
         for lin, w in zip(linears, originals):
             lin.weight.copy_(w)
-    loss, alpha, scales = best
-    if scales is None:  # every candidate gave a non-finite loss: keep the weights as they are
+    finite = [i for i, loss in enumerate(losses) if math.isfinite(loss)]
+    if not finite:
         logger.warning("AWQ scale search for %s found no finite loss; leaving it unscaled", group.name)
-        scales = torch.ones_like(x_mean)
-    return scales, alpha, rtn_loss, loss
+        return candidates[0][1], None, losses[0], losses[0]
+    best = min(finite, key=lambda i: losses[i])
+    return candidates[best][1], candidates[best][0], losses[0], losses[best]
 
 
 @torch.no_grad()

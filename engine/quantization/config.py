@@ -22,11 +22,16 @@ class AwqConfig:
     """What ``auto_awq`` does: LMDeploy's ``lite auto_awq`` options plus the search's own knobs.
 
     ``search_scale=False`` is plain round-to-nearest (no activation-aware scales, no clipping),
-    the baseline AWQ is measured against. ``search_tokens`` bounds the calibration tokens the
-    grid search and clip search evaluate (activation statistics always use every token).
-    ``propagate`` picks the next layer's calibration input: ``"fp"`` the unquantized layer's
-    output (AutoAWQ and LMDeploy), ``"quantized"`` the quantized layer's output (as GPTQ does;
-    one more forward pass per layer).
+    the baseline AWQ is measured against. ``duo_scaling`` searches ``mean|x|**a / mean|w|**(1-a)``
+    (AutoAWQ's default and LMDeploy's form) instead of the paper's ``mean|x|**a``.
+    ``search_tokens`` bounds the calibration tokens the scale search re-runs blocks on and
+    ``clip_tokens`` those of the clip search (the activation statistics use every token).
+    ``propagate`` picks the next layer's calibration input: ``"quantized"`` the quantized
+    layer's output (as GPTQ does; one more forward pass per layer), ``"fp"`` the unquantized
+    layer's output (what AutoAWQ and LMDeploy do). Measured on a calibration split of the
+    shipped text (SmolLM2-135M, g64), the defaults scored best; paper scales, fp propagation,
+    float32 compute or no clipping scored up to 2.3 % higher perplexity, about the spread
+    between otherwise equal runs.
     """
 
     w_bits: int = 4
@@ -37,10 +42,10 @@ class AwqConfig:
     calib_seqlen: int = 512
     batch_size: int = 1
     n_grid: int = 20
-    duo_scaling: bool = False
+    duo_scaling: bool = True
     search_tokens: int = 4096
     clip_tokens: int = 512
-    propagate: Literal["fp", "quantized"] = "fp"
+    propagate: Literal["fp", "quantized"] = "quantized"
 
     def __post_init__(self) -> None:
         if self.w_bits not in SUPPORTED_BITS:

@@ -29,6 +29,7 @@ from conveyor.engine.quantization import (
     unpack_linear,
 )
 from conveyor.engine.quantization.awq import (
+    _weight_mean,
     apply_scale,
     awq_layer,
     candidate_scales,
@@ -216,29 +217,38 @@ def test_folding_scales_keeps_the_unquantized_model(kv_heads: int):
     torch.testing.assert_close(_logits(model, ids), before, rtol=1e-4, atol=1e-4)
 
 
-def test_search_never_worse_than_rtn_and_alpha_zero_is_rtn():
+@pytest.mark.parametrize("duo", [False, True], ids=["paper-scales", "duo-scales"])
+def test_search_never_worse_than_alpha_zero_or_rtn(duo: bool):
     model = _tiny_model(kv_heads=4)
-    config = AwqConfig(w_group_size=32, calib_samples=8, calib_seqlen=32)
+    config = AwqConfig(w_group_size=32, calib_samples=8, calib_seqlen=32, duo_scaling=duo)
     runner = LayerwiseRunner(model, _windows(8, 32), batch_size=4)
     layer = runner.layers[0]
     _, records = runner.record(layer, recorded_inputs(layer), keep_samples(config, 8))
     improved = 0
     for group in scale_groups(layer, runner):
+        record = records[group.input_name]
         before = {n: lin.weight.clone() for n, lin in group.linears.items()}
-        scales, alpha, rtn_loss, best_loss = search_scale(group, records[group.input_name], config, runner)
-        assert all(torch.equal(lin.weight, before[n]) for n, lin in group.linears.items())  # restored
-        assert best_loss <= rtn_loss and 0 <= alpha < 1
-        improved += best_loss < rtn_loss
-        # alpha = 0 means scales of exactly 1: the loss it reports is plain round-to-nearest's.
-        assert torch.equal(candidate_scales(records[group.input_name].absmean, 0.0), torch.ones_like(scales))
-        x = records[group.input_name].kept
+        x = record.kept
         ref = group.block(x)
-        for lin in group.linears.values():
-            lin.weight.copy_(fake_quantize(lin.weight, 4, 32))
-        rtn = float((group.block(x) - ref).pow(2).mean())
-        for n, lin in group.linears.items():
-            lin.weight.copy_(before[n])
-        assert rtn == pytest.approx(rtn_loss, rel=1e-4)
+
+        def loss_with(scales: torch.Tensor) -> float:
+            for n, lin in group.linears.items():
+                lin.weight.copy_(fake_quantize(before[n] * scales, 4, 32) / scales)
+            loss = float((group.block(x) - ref).pow(2).mean())
+            for n, lin in group.linears.items():
+                lin.weight.copy_(before[n])
+            return loss
+
+        scales, alpha, rtn_loss, best_loss = search_scale(group, record, config, runner)
+        assert all(torch.equal(lin.weight, before[n]) for n, lin in group.linears.items())  # restored
+        assert alpha is None or 0 <= alpha < 1
+        # Its objective, recomputed here: plain RTN, alpha = 0, and what it chose.
+        w_mean = _weight_mean(list(group.linears.values()), 32) if duo else None
+        assert rtn_loss == pytest.approx(loss_with(torch.ones_like(scales)), rel=1e-4)
+        assert best_loss == pytest.approx(loss_with(scales), rel=1e-4)
+        assert best_loss <= rtn_loss
+        assert best_loss <= loss_with(candidate_scales(record.absmean, 0.0, w_mean)) * (1 + 1e-5)
+        improved += best_loss < rtn_loss
     assert improved >= 2  # with outlier channels, scaling helps
 
 
