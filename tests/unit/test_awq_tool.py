@@ -147,7 +147,7 @@ def test_awq_nibble_order_matches_autoawq():
             expected[:, word] |= rand[:, word * 8 + col] << (4 * i)
     expected = torch.where(expected >= 2**31, expected - 2**32, expected).to(torch.int32)
     assert torch.equal(awq_pack(rand), expected)
-    assert torch.equal(awq_unpack(expected), rand.to(torch.int32))
+    assert torch.equal(awq_unpack(expected).to(torch.int32), rand.to(torch.int32))
 
 
 def test_quantize_handles_constant_and_one_signed_groups():
