@@ -16,10 +16,7 @@ filled with NaN first (``poisoned_empty``), so an element a kernel forgets to wr
 
 import importlib
 import os
-import subprocess
 import sys
-import zlib
-from pathlib import Path
 
 import torch
 
@@ -31,6 +28,9 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from conveyor.kernels._triton import TRITON_INTERPRETED  # noqa: E402
+from kernel_harness import (  # noqa: E402,F401 - fixtures are used by name
+    assert_close, compiled_gpu, forced, gpu, interp, poisoned_empty, rel_err, run_interpreter_cases_in_child, seed,
+)
 from conveyor.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from conveyor.kernels.attention import (  # noqa: E402
     paged_attention,
@@ -53,59 +53,11 @@ activation_mod, attention_mod, kv_cache_mod, rms_norm_mod, rotary_mod = (
     for name in ("activation", "attention", "kv_cache", "rms_norm", "rotary")
 )
 gemv_mod = importlib.import_module("conveyor.kernels.gemv")
-ROOT = Path(__file__).resolve().parents[2]
 FP32_TOL = 1e-5
 GPU_TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 
-interp = pytest.mark.skipif(
-    not TRITON_INTERPRETED,
-    reason="Triton runs compiled in this process: test_interpreter_cases_in_child runs these",
-)
-gpu = pytest.mark.gpu
-compiled_gpu = pytest.mark.skipif(TRITON_INTERPRETED, reason="Triton runs interpreted in this process")
-
 
 # --------------------------------------------------------------------------------------------- helpers
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in fp64 (NaN anywhere in ``out`` makes it NaN, which fails a ``<``)."""
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
-    assert out.shape == ref.shape, f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    assert out.dtype == ref.dtype, f"dtype {out.dtype} != {ref.dtype}"
-    assert torch.isfinite(out).all(), "non-finite output (an unwritten element?)"
-    err = rel_err(out, ref)
-    assert err < tol, f"relative error {err:.3g} >= {tol:g}"
-
-
-@pytest.fixture
-def seed(request: pytest.FixtureRequest) -> int:
-    """A different, reproducible seed for every test case."""
-    return zlib.crc32(request.node.nodeid.encode())
-
-
-@pytest.fixture
-def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make ``torch.empty`` return NaN-filled floating tensors while the test runs."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):  # noqa: ANN002, ANN003 - torch.empty's signature
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
-@pytest.fixture
-def forced(monkeypatch: pytest.MonkeyPatch, poisoned_empty: None) -> None:
-    """Dispatchers run Triton whatever the device (and unsupported inputs raise)."""
-    monkeypatch.setenv("CONVEYOR_KERNELS", "triton")
 
 
 def randn(*shape: int, gen: torch.Generator, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
@@ -398,14 +350,7 @@ def test_forced_triton_on_cpu_without_interpreter_says_why(monkeypatch: pytest.M
 @pytest.mark.skipif(TRITON_INTERPRETED, reason="the interpreter cases run in this process")
 def test_interpreter_cases_in_child() -> None:
     """Run this file's interpreter cases in a child process that imports triton interpreted."""
-    env = {k: v for k, v in os.environ.items() if k != "CONVEYOR_KERNELS"}
-    env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-m", "not gpu", "-p", "no:cacheprovider"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    tail = (proc.stdout[-6000:] + proc.stderr[-3000:]).strip()
-    assert proc.returncode == 0, f"interpreter cases failed in the child:\n{tail}"
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary, f"the child ran no case:\n{tail}"
+    run_interpreter_cases_in_child(__file__)
 
 
 # -------------------------------------------------------------------------------------------------- GPU

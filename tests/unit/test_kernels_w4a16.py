@@ -22,10 +22,7 @@ rms in the output (~3e-4 / ~2.5e-3) on top; limits fp16 2e-3, bf16 1.5e-2.
 
 import importlib
 import os
-import subprocess
 import sys
-import zlib
-from pathlib import Path
 
 import torch
 
@@ -37,6 +34,9 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from conveyor.kernels._triton import TRITON_INTERPRETED  # noqa: E402
+from kernel_harness import (  # noqa: E402,F401 - fixtures are used by name
+    assert_close, compiled_gpu, forced, gpu, interp, poisoned_empty, rel_err, run_interpreter_cases_in_child, seed,
+)
 from conveyor.kernels.w4a16 import (  # noqa: E402
     AWQ_NIBBLE_OF_COLUMN,
     AWQ_PACK_ORDER,
@@ -52,59 +52,11 @@ from conveyor.kernels.w4a16 import (  # noqa: E402
 )
 
 w4a16_mod = importlib.import_module("conveyor.kernels.w4a16")
-ROOT = Path(__file__).resolve().parents[2]
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 GEMV_TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}  # exact unpacking: output rounding only
 
-interp = pytest.mark.skipif(
-    not TRITON_INTERPRETED,
-    reason="Triton runs compiled in this process: test_interpreter_cases_in_child runs these",
-)
-gpu = pytest.mark.gpu
-compiled_gpu = pytest.mark.skipif(TRITON_INTERPRETED, reason="Triton runs interpreted in this process")
-
 
 # --------------------------------------------------------------------------------------------- helpers
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in fp64 (NaN anywhere in ``out`` makes it NaN, which fails a ``<``)."""
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
-    assert out.shape == ref.shape, f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    assert out.dtype == ref.dtype, f"dtype {out.dtype} != {ref.dtype}"
-    assert torch.isfinite(out).all(), "non-finite output (an unwritten element?)"
-    err = rel_err(out, ref)
-    assert err < tol, f"relative error {err:.3g} >= {tol:g}"
-
-
-@pytest.fixture
-def seed(request: pytest.FixtureRequest) -> int:
-    """A different, reproducible seed for every test case."""
-    return zlib.crc32(request.node.nodeid.encode())
-
-
-@pytest.fixture
-def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make ``torch.empty`` return NaN-filled floating tensors while the test runs."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):  # noqa: ANN002, ANN003 - torch.empty's signature
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
-@pytest.fixture
-def forced(monkeypatch: pytest.MonkeyPatch, poisoned_empty: None) -> None:
-    """Dispatchers run Triton whatever the device (and unsupported inputs raise)."""
-    monkeypatch.setenv("CONVEYOR_KERNELS", "triton")
 
 
 def awq_layer(k: int, n: int, group_size: int, seed: int, device: str = "cpu", bias: bool = False):
@@ -354,14 +306,7 @@ def test_auto_and_ref_modes_use_the_reference_on_cpu(monkeypatch: pytest.MonkeyP
 @pytest.mark.skipif(TRITON_INTERPRETED, reason="the interpreter cases run in this process")
 def test_interpreter_cases_in_child() -> None:
     """Run this file's interpreter cases in a child process that imports triton interpreted."""
-    env = {k: v for k, v in os.environ.items() if k != "CONVEYOR_KERNELS"}
-    env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-m", "not gpu", "-p", "no:cacheprovider"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    tail = (proc.stdout[-6000:] + proc.stderr[-3000:]).strip()
-    assert proc.returncode == 0, f"interpreter cases failed in the child:\n{tail}"
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary, f"the child ran no case:\n{tail}"
+    run_interpreter_cases_in_child(__file__)
 
 
 # -------------------------------------------------------------------------------------------------- GPU

@@ -16,10 +16,7 @@ code the quantizer never writes), so an element a kernel forgets to write fails.
 
 import importlib
 import os
-import subprocess
 import sys
-import zlib
-from pathlib import Path
 
 import torch
 
@@ -31,6 +28,9 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from conveyor.kernels._triton import TRITON_INTERPRETED  # noqa: E402
+from kernel_harness import (  # noqa: E402,F401 - fixtures are used by name
+    assert_close, compiled_gpu, forced, gpu, interp, poisoned_empty, rel_err, run_interpreter_cases_in_child, seed,
+)
 from conveyor.kernels.rms_norm import add_rms_norm_ref, rms_norm_ref  # noqa: E402
 from conveyor.kernels.w8a8 import (  # noqa: E402
     MATMUL_CONFIGS,
@@ -46,14 +46,7 @@ from conveyor.kernels.w8a8 import (  # noqa: E402
 )
 
 w8a8_mod = importlib.import_module("conveyor.kernels.w8a8")
-ROOT = Path(__file__).resolve().parents[2]
 
-interp = pytest.mark.skipif(
-    not TRITON_INTERPRETED,
-    reason="Triton runs compiled in this process: test_interpreter_cases_in_child runs these",
-)
-gpu = pytest.mark.gpu
-compiled_gpu = pytest.mark.skipif(TRITON_INTERPRETED, reason="Triton runs interpreted in this process")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]
 
@@ -71,20 +64,6 @@ W8A8_TOL = 2.5e-2
 
 
 # --------------------------------------------------------------------------------------------- helpers
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in fp64 (NaN anywhere in ``out`` makes it NaN, which fails a ``<``)."""
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
-    assert out.shape == ref.shape, f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    assert out.dtype == ref.dtype, f"dtype {out.dtype} != {ref.dtype}"
-    assert torch.isfinite(out).all(), "non-finite output (an unwritten element?)"
-    err = rel_err(out, ref)
-    assert err < tol, f"relative error {err:.3g} >= {tol:g}"
 
 
 def dequant(xq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -121,34 +100,6 @@ def assert_codes_close(
     assert int(diff.max()) <= (2 if normed_dtype == torch.bfloat16 else 1), f"codes differ by up to {int(diff.max())}"
     changed = float((diff > 0).float().mean())
     assert changed <= 1e-2, f"{changed:.2%} of the codes differ"
-
-
-@pytest.fixture
-def seed(request: pytest.FixtureRequest) -> int:
-    """A different, reproducible seed for every test case."""
-    return zlib.crc32(request.node.nodeid.encode())
-
-
-@pytest.fixture
-def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``torch.empty`` returns NaN-filled floats and -128-filled int8 tensors while the test runs."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):  # noqa: ANN002, ANN003 - torch.empty's signature
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        elif t.dtype == torch.int8:
-            t.fill_(-128)
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
-@pytest.fixture
-def forced(monkeypatch: pytest.MonkeyPatch, poisoned_empty: None) -> None:
-    """Dispatchers run Triton whatever the device (and unsupported inputs raise)."""
-    monkeypatch.setenv("CONVEYOR_KERNELS", "triton")
 
 
 def randn(*shape: int, gen: torch.Generator, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
@@ -428,14 +379,7 @@ def test_auto_and_ref_modes_use_the_reference_on_cpu(monkeypatch: pytest.MonkeyP
 @pytest.mark.skipif(TRITON_INTERPRETED, reason="the interpreter cases run in this process")
 def test_interpreter_cases_in_child() -> None:
     """Run this file's interpreter cases in a child process that imports triton interpreted."""
-    env = {k: v for k, v in os.environ.items() if k != "CONVEYOR_KERNELS"}
-    env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-m", "not gpu", "-p", "no:cacheprovider"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    tail = (proc.stdout[-6000:] + proc.stderr[-3000:]).strip()
-    assert proc.returncode == 0, f"interpreter cases failed in the child:\n{tail}"
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary, f"the child ran no case:\n{tail}"
+    run_interpreter_cases_in_child(__file__)
 
 
 # -------------------------------------------------------------------------------------------------- GPU
