@@ -11,6 +11,7 @@ Dispatch policy (``CONVEYOR_KERNELS``, read at every call so tests can switch it
   falling back, so a forced run really exercises Triton.
 """
 
+import functools
 import os
 import types
 from collections.abc import Callable
@@ -85,6 +86,27 @@ def row_and_cols(BLOCK: tl.constexpr):
     """For a grid ``(rows, cdiv(columns, BLOCK))``: this program's row (int64, for addresses) and
     its ``BLOCK`` column indices."""
     return tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+
+
+@jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program ``pid``'s output tile ``(pid_m, pid_n)`` of an [M, N] matmul, taken in bands of
+    GROUP_M tile rows that walk one tile column at a time: programs running together share weight
+    tiles (and their activation rows) in L2."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    band = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // band) * GROUP_M
+    band_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % band) % band_m, (pid % band) // band_m
+
+
+@functools.cache
+def sm_count(device: torch.device, interpreted: int = 1) -> int:
+    """Streaming multiprocessors of a CUDA ``device``; ``interpreted`` elsewhere (how many a
+    launcher should plan for under the interpreter: few programs keep CPU tests quick)."""
+    if device.type != "cuda":
+        return interpreted
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 KERNELS_ENV = "CONVEYOR_KERNELS"

@@ -49,31 +49,37 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def as_rows(t: torch.Tensor) -> torch.Tensor:
     """[..., hidden] as a 2-D [rows, hidden] tensor with unit stride along hidden."""
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def norm_inputs(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype]:
+    """Checked kernel operands of an (add_)rms_norm launch: ``(x2, r2, w, res_out, normed_dtype)``,
+    rows as 2-D unit-stride tensors, ``res_out`` the new residual's buffer (without a residual,
+    ``r2`` and ``res_out`` are ``x2``: valid pointers the kernel does not use)."""
+    hidden = x.shape[-1]
+    assert x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES, f"unsupported dtypes {x.dtype}, {weight.dtype}"
+    assert weight.shape == (hidden,), f"weight {tuple(weight.shape)} does not match hidden size {hidden}"
+    assert weight.device == x.device, "weight and x on different devices"
+    x2 = as_rows(x)
+    w = weight if weight.stride(0) == 1 else weight.contiguous()
+    if residual is None:
+        return x2, x2, w, x2, x.dtype
+    assert residual.shape == x.shape and residual.device == x.device, "residual must match x"
+    assert residual.dtype in FLOAT_DTYPES, f"unsupported residual dtype {residual.dtype}"
+    res_dtype = torch.result_type(x, residual)
+    return x2, as_rows(residual), w, torch.empty(x2.shape, dtype=res_dtype, device=x.device), res_dtype
 
 
 def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     hidden = x.shape[-1]
-    assert x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES, f"unsupported dtypes {x.dtype}, {weight.dtype}"
-    assert weight.shape == (hidden,), f"weight {tuple(weight.shape)} does not match hidden size {hidden}"
-    assert weight.device == x.device, "weight and x on different devices"
-    x2 = _rows(x)
-    w = weight if weight.stride(0) == 1 else weight.contiguous()
-    if residual is not None:
-        assert residual.shape == x.shape and residual.device == x.device, "residual must match x"
-        assert residual.dtype in FLOAT_DTYPES, f"unsupported residual dtype {residual.dtype}"
-        r2 = _rows(residual)
-        res_dtype = torch.result_type(x, residual)
-        res_out = torch.empty(x2.shape, dtype=res_dtype, device=x.device)
-        normed_dtype = res_dtype
-    else:
-        r2 = res_out = x2  # unused by the kernel (HAS_RESIDUAL=False); any valid pointer will do
-        normed_dtype = x.dtype
+    x2, r2, w, res_out, normed_dtype = norm_inputs(x, residual, weight)
     # The reference multiplies ``weight * normed``: the product's dtype follows torch promotion.
     out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, normed_dtype), device=x.device)
     if x2.shape[0]:

@@ -35,7 +35,6 @@ the CPU and on the GPU (for finite, non-negative probabilities; see :func:`seede
 
 # No ``from __future__ import annotations``: Triton reads ``tl.constexpr`` annotations as objects.
 
-import functools
 
 import torch
 from ._triton import (
@@ -44,6 +43,7 @@ from ._triton import (
     jit,
     next_pow2,
     row_and_cols,
+    sm_count,
     tl,
     triton_takes,
 )
@@ -264,17 +264,11 @@ _NUM_WARPS = 8
 _PROGRAMS_PER_SM = 8
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few programs per row, so tests cover the split
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _split(batch: int, vocab: int, block: int, device: torch.device) -> tuple[int, int]:
     """(chunk, num_chunks): a row's columns per program (a multiple of ``block``) and programs."""
     tiles = cdiv(vocab, block)
-    want = max(1, cdiv(_PROGRAMS_PER_SM * _sm_count(device), batch))
+    # the interpreter plans for 4 SMs: a few programs a row, so tests cover the split
+    want = max(1, cdiv(_PROGRAMS_PER_SM * sm_count(device, interpreted=4), batch))
     chunk = cdiv(tiles, min(tiles, want)) * block
     return chunk, cdiv(vocab, chunk)
 

@@ -57,12 +57,11 @@ divide ``group_size``, or one group covers K). Launch choices are in ``gemv_conf
 
 # No ``from __future__ import annotations``: Triton reads ``tl.constexpr`` annotations as objects.
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from ._triton import TRITON_INTERPRETED, cdiv, jit, next_pow2, row_and_cols, tl, triton_takes
+from ._triton import TRITON_INTERPRETED, cdiv, grouped_tile, jit, next_pow2, row_and_cols, sm_count, tl, triton_takes
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 """Nibble ``i`` (bits ``4i .. 4i+3``) of a packed int32 holds column ``AWQ_PACK_ORDER[i]`` of its 8."""
@@ -345,14 +344,7 @@ def _gemm_kernel(
     # their interleaved columns once at the end. The tensor cores get (q - z) * 16**j exactly;
     # the scales multiply each K tile's fp32 product instead of every weight.
     BLOCK_P: tl.constexpr = BLOCK_N // 8
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    band = GROUP_M * num_n
-    first_m = (pid // band) * GROUP_M
-    band_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % band) % band_m
-    pid_n = (pid % band) // band_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = rm < M
@@ -501,13 +493,6 @@ def gemm_config(m: int, n: int, k: int) -> GemmConfig:
     return GemmConfig(64, 128, 128, num_warps=4, num_stages=3)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1  # the interpreter: few programs keep CPU tests quick (tests set splits themselves)
-
-
 def tile_k(block_k: int, group_size: int, k: int) -> int:
     """The K tile: at most ``block_k`` (and not far past K), a divisor of ``group_size`` when there
     are several groups, and at least 16 (tl.dot's minimum)."""
@@ -573,7 +558,7 @@ def w4a16_matmul_triton(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], n)
-    sms = _sm_count(x.device)
+    sms = sm_count(x.device)  # the interpreter: 1 (tests set splits themselves)
     b = bias if bias is not None else scales  # a placeholder pointer when there is no bias
     if m == 1:
         cfg = gemv or gemv_config(n, k)

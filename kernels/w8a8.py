@@ -32,6 +32,7 @@ from ._triton import (
     HAS_TRITON,
     TRITON_INTERPRETED,
     cdiv,
+    grouped_tile,
     jit,
     next_pow2,
     row_and_cols,
@@ -39,7 +40,7 @@ from ._triton import (
     triton,
     triton_takes,
 )
-from .rms_norm import add_rms_norm_ref, rms_norm_ref
+from .rms_norm import add_rms_norm_ref, as_rows, norm_inputs, rms_norm_ref
 
 try:  # CUDA's round-half-even instruction; the interpreter cannot run libdevice (see _round_half_even)
     from triton.language.extra import libdevice
@@ -192,12 +193,6 @@ def _rms_norm_quant_kernel(
     _quantize_row(y, cols, mask, q_ptr + row * stride_q, scale_ptr + row, USE_RINT)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """[..., K] as a 2-D [rows, K] tensor with unit stride along K."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 def _row_warps(block: int) -> int:
     # As kernels/rms_norm.py: 8-32 elements per thread in flight keeps a row's loads wide without spilling.
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
@@ -208,7 +203,7 @@ def quant_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     k = x.shape[-1]
     assert x.dtype in FLOAT_DTYPES, f"unsupported dtype {x.dtype}"
     assert 0 < k <= MAX_HIDDEN, f"row length {k} not in 1..{MAX_HIDDEN}"
-    x2 = _rows(x)
+    x2 = as_rows(x)
     xq = torch.empty(x2.shape, dtype=torch.int8, device=x.device)
     scale = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
     if x2.shape[0]:
@@ -225,22 +220,8 @@ def rms_norm_quant_triton(
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton launcher for :func:`rms_norm_quant_ref`: one read of x (and residual) per row."""
     hidden = x.shape[-1]
-    assert x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES, f"unsupported dtypes {x.dtype}, {weight.dtype}"
-    assert weight.shape == (hidden,), f"weight {tuple(weight.shape)} does not match hidden size {hidden}"
-    assert weight.device == x.device, "weight and x on different devices"
     assert 0 < hidden <= MAX_HIDDEN, f"hidden size {hidden} not in 1..{MAX_HIDDEN}"
-    x2 = _rows(x)
-    w = weight if weight.stride(0) == 1 else weight.contiguous()
-    if residual is not None:
-        assert residual.shape == x.shape and residual.device == x.device, "residual must match x"
-        assert residual.dtype in FLOAT_DTYPES, f"unsupported residual dtype {residual.dtype}"
-        r2 = _rows(residual)
-        res_dtype = torch.result_type(x, residual)
-        res_out = torch.empty(x2.shape, dtype=res_dtype, device=x.device)
-        normed_dtype = res_dtype
-    else:
-        r2 = res_out = x2  # unused by the kernel (HAS_RESIDUAL=False); any valid pointer will do
-        normed_dtype = x.dtype
+    x2, r2, w, res_out, normed_dtype = norm_inputs(x, residual, weight)
     xq = torch.empty(x2.shape, dtype=torch.int8, device=x.device)
     scale = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
     if x2.shape[0]:
@@ -273,14 +254,7 @@ def _int8_matmul_kernel(
     # Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),). Consecutive programs take GROUP_M row tiles of
     # one column of tiles before moving right, so each weight tile is fetched from HBM once per group
     # and the group's activation rows stay in L2.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_m
-    pid_n = (pid % group) // group_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
