@@ -87,6 +87,7 @@ class RequestError(Exception):
         return cls(err.status, err.message, err.type, err.param, err.code)
 
 
+_TIMED_OUT = object()  # put in a request's queue when it has run past the request timeout
 RETRY_AFTER_S = 5  # what a 503 asks the client to wait
 
 
@@ -188,23 +189,21 @@ class EngineClient:
         req.reply_to = self.reply_to
         request = _Request(req, asyncio.Queue(), time.monotonic())
         self._requests[req.rid] = request
-        ended = False
+        ended, timer = False, None
         try:
             if not await self._send_to_tokenizer(req):
                 ended = True
                 self._requests.pop(req.rid, None)
                 raise _unavailable("no tokenizer worker is taking requests; retry later")
-            deadline = None if self.request_timeout is None else request.sent_at + self.request_timeout
+            if self.request_timeout is not None:  # one timer a request, not one a token
+                timer = asyncio.get_running_loop().call_later(self.request_timeout, request.queue.put_nowait,
+                                                              _TIMED_OUT)
             while True:
-                if deadline is None:
-                    item = await request.queue.get()
-                else:
-                    try:
-                        item = await asyncio.wait_for(request.queue.get(), max(deadline - time.monotonic(), 0))
-                    except asyncio.TimeoutError:  # ended False: the finally aborts it in the engine
-                        raise RequestError(504, f"the request ran past the server's limit of {self.request_timeout:g}s "
-                                           "and was stopped; ask for fewer tokens (max_tokens)", type="timeout",
-                                           code="request_timeout") from None
+                item = await request.queue.get()
+                if item is _TIMED_OUT:  # ended False: the finally aborts it in the engine
+                    raise RequestError(504, f"the request ran past the server's limit of {self.request_timeout:g}s "
+                                       "and was stopped; ask for fewer tokens (max_tokens)", type="timeout",
+                                       code="request_timeout")
                 if isinstance(item, RequestError):
                     ended = True
                     raise item
@@ -213,6 +212,8 @@ class EngineClient:
                     ended = True
                     return
         finally:
+            if timer is not None:
+                timer.cancel()
             if not ended:
                 await self._leave(request)
 
