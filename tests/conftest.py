@@ -46,3 +46,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 sys.path.insert(0, str(ROOT / "tests"))
+
+
+@pytest.fixture(scope="module")
+def torch_single_thread():
+    """Tiny matmuls run faster on one thread than waking a pool (and the CI box is shared); a
+    module of tiny-model tests asks for it with ``pytest.mark.usefixtures``."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -47,13 +47,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             max_position_embeddings=256, rms_norm_eps=1e-5)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny matmuls run faster on one thread than waking a pool (and the CI box is shared)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny models: see tests/conftest.py
 
 
 def _tokenizer():

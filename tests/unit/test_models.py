@@ -24,13 +24,7 @@ TINY = dict(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny matmuls run faster on one thread than waking a pool (and the CI box is shared)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny models: see tests/conftest.py
 
 
 def _tiny_configs() -> dict[str, object]:
