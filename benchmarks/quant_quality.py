@@ -1,16 +1,16 @@
-"""Perplexity of a model and its 4-bit quantizations on held-out English prose.
+"""Perplexity of a model and its quantizations (W4A16 AWQ, W8A8 SmoothQuant) on held-out English prose.
 
-    python -m benchmarks.quant_quality                      # SmolLM2: fp32, RTN g64, AWQ g64 (built if absent)
+    python -m benchmarks.quant_quality                      # SmolLM2: fp32 and the four below (built if absent)
     python -m benchmarks.quant_quality --model DIR --quantized rtn=DIR1 awq=DIR2 --window 1024
 
 Each model scores the same token windows of ``benchmarks/data/time_machine.txt`` (H. G. Wells;
-never used for calibration) through ``conveyor.pipeline(...).get_ppl``; perplexity is
-``exp`` of the token-weighted mean loss over all windows. An AWQ directory is loaded as it is
-when the engine can; otherwise it is first dequantized into a plain checkpoint whose weights are
-the packed weights read back (the same numbers the W4A16 kernels compute with), and the record
-says which. Without ``--quantized`` the script makes RTN and AWQ checkpoints of ``--model``
-with ``conveyor lite auto_awq``'s defaults (group size ``--group-size``, timed) in ``--cache``.
-Results go to ``benchmarks/results/quality/<name>.json`` and a table is printed.
+never used for calibration) through ``conveyor.pipeline(...).get_ppl``, loaded by the engine as
+it is (the quantized formats run through their own linear methods); perplexity is ``exp`` of the
+token-weighted mean loss over all windows. Without ``--quantized`` the script makes, in
+``--cache`` with the tools' defaults (timed): 4-bit round-to-nearest and AWQ checkpoints of
+``--model`` (``conveyor lite auto_awq``, group size ``--group-size``), and W8A8 ones without and
+with smoothing (``conveyor lite smooth_quant``). Results go to
+``benchmarks/results/quality/<name>.json`` and a table is printed.
 """
 
 from __future__ import annotations
@@ -49,39 +49,36 @@ def perplexity(model_dir: str | Path, windows: list[list[int]], device: str, mod
     return math.exp(nll / sum(len(w) - 1 for w in windows))
 
 
-def score(model_dir: Path, windows: list[list[int]], device: str, scratch: Path) -> tuple[float, str]:
-    """Perplexity of a model directory, and how it was loaded: "hf", "awq", or "dequantized".
-
-    An AWQ checkpoint is loaded as it is (``model_format='awq'``) when the engine can; otherwise
-    its dequantized copy is scored.
-    """
-    config = json.loads((model_dir / "config.json").read_text())
-    if not config.get("quantization_config"):
-        return perplexity(model_dir, windows, device), "hf"
-    from conveyor.engine.quantization import dequantize_checkpoint
-    from conveyor.protocol.errors import ConveyorError
-
-    try:
-        return perplexity(model_dir, windows, device, model_format="awq"), "awq"
-    except ConveyorError as exc:
-        out = scratch / f"{model_dir.name}-dequantized"
-        print(f"{model_dir.name}: the engine does not load AWQ checkpoints yet ({exc}); "
-              f"scoring its dequantized copy {out}")
-        if not (out / "config.json").exists():
-            dequantize_checkpoint(model_dir, out)
-        return perplexity(out, windows, device), "dequantized"
+BUILDS = {  # name -> (tool, keyword arguments); "{g}" is the group size
+    "rtn-g{g}": ("auto_awq", {"search_scale": False}),
+    "awq-g{g}": ("auto_awq", {"search_scale": True}),
+    "w8a8-nosmooth": ("smooth_quant", {"smooth": False}),
+    "w8a8-smooth": ("smooth_quant", {"smooth": True}),
+}
 
 
-def build(model: Path, cache: Path, group_size: int, search_scale: bool) -> tuple[Path, float | None]:
-    """An RTN (``search_scale=False``) or AWQ checkpoint of ``model`` in ``cache``, made with the CLI defaults."""
-    from conveyor.lite import auto_awq
+def build(model: Path, cache: Path, name: str, group_size: int) -> tuple[Path, float | None]:
+    """The checkpoint ``name`` of BUILDS for ``model`` in ``cache``, made with the CLI defaults (and its
+    build time, or None when it was already there)."""
+    from conveyor import lite
 
-    name = f"{model.name}-{'awq' if search_scale else 'rtn'}-g{group_size}"
-    out = cache / name
+    tool, kwargs = BUILDS[name]
+    out = cache / f"{model.name}-{name.format(g=group_size)}"
     if (out / "config.json").exists():
         return out, None
-    result = auto_awq(model, out, w_group_size=group_size, search_scale=search_scale)
+    if tool == "auto_awq":
+        kwargs = {**kwargs, "w_group_size": group_size}
+    result = getattr(lite, tool)(model, out, **kwargs)
     return out, result.seconds
+
+
+def loaded_as(model_dir: Path) -> str:
+    """The format the engine runs a directory in: hf, awq or smooth_quant."""
+    from conveyor.engine.model_config import ModelConfig
+    from conveyor.engine.quant_format import resolve_quant_format
+
+    fmt = resolve_quant_format(ModelConfig.from_pretrained(model_dir), None)
+    return fmt.model_format if fmt else "hf"
 
 
 def main() -> None:
@@ -104,13 +101,12 @@ def main() -> None:
     args.cache.mkdir(parents=True, exist_ok=True)
     build_seconds: dict[str, float | None] = {}
     if args.quantized is None:
-        rtn, build_seconds["rtn"] = build(model, args.cache, args.group_size, search_scale=False)
-        awq, build_seconds["awq"] = build(model, args.cache, args.group_size, search_scale=True)
-        quantized = {f"rtn-g{args.group_size}": rtn, f"awq-g{args.group_size}": awq}
-        build_seconds = {f"{k}-g{args.group_size}": v for k, v in build_seconds.items()}
+        quantized = {}
+        for name in BUILDS:
+            key = name.format(g=args.group_size)
+            quantized[key], build_seconds[key] = build(model, args.cache, name, args.group_size)
     else:
-        quantized = dict(item.split("=", 1) for item in args.quantized)
-        quantized = {k: Path(v) for k, v in quantized.items()}
+        quantized = {k: Path(v) for k, v in (item.split("=", 1) for item in args.quantized)}
 
     from transformers import AutoTokenizer
 
@@ -123,8 +119,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for name, path in {"fp32": model, **quantized}.items():
         start = time.perf_counter()
-        ppl, loaded_as = score(Path(path), windows, args.device, args.cache)
-        rows.append({"model": name, "path": str(path), "loaded_as": loaded_as, "ppl": ppl,
+        ppl = perplexity(Path(path), windows, args.device)
+        rows.append({"model": name, "path": str(path), "loaded_as": loaded_as(Path(path)), "ppl": ppl,
                      "eval_seconds": round(time.perf_counter() - start, 1),
                      "quantize_seconds": build_seconds.get(name)})
         print(f"{name:>10}: ppl {ppl:.4f}")

@@ -1,13 +1,20 @@
-"""``conveyor lite``: model compression tools shaped like ``lmdeploy lite`` (``auto_awq`` for now).
+"""``conveyor lite``: model compression tools shaped like ``lmdeploy lite``.
 
     conveyor lite auto_awq MODEL --work-dir DIR [--calib-dataset FILE] [--calib-samples 128]
         [--calib-seqlen 512] [--w-bits 4] [--w-group-size 128] [--search-scale | --no-search-scale]
         [--batch-size 1] [--device auto] [--dtype auto]
 
-writes a 4-bit AWQ checkpoint in AutoAWQ's "gemm" layout. Without ``--calib-dataset`` the
-calibration text is the public-domain novel shipped in ``conveyor/data/`` (see its
-PROVENANCE.md). Unlike LMDeploy, ``--search-scale`` is on by default (the AWQ search with
-clipping); ``--no-search-scale`` is plain round-to-nearest with no calibration at all.
+writes a 4-bit AWQ checkpoint in AutoAWQ's "gemm" layout. Unlike LMDeploy, ``--search-scale`` is
+on by default (the AWQ search with clipping); ``--no-search-scale`` is plain round-to-nearest
+with no calibration at all.
+
+    conveyor lite smooth_quant MODEL --work-dir DIR [--calib-dataset FILE] [--calib-samples 128]
+        [--calib-seqlen 512] [--w-bits 8] [--alpha 0.5] [--smooth | --no-smooth]
+        [--batch-size 1] [--device auto] [--dtype auto]
+
+writes a W8A8 checkpoint (SmoothQuant smoothing, int8 weights per channel, int8 activations per
+token at run time) in compressed-tensors' int8 layout. Without ``--calib-dataset`` both tools
+calibrate on the public-domain novel shipped in ``conveyor/data/`` (see its PROVENANCE.md).
 """
 
 from __future__ import annotations
@@ -39,20 +46,47 @@ def auto_awq(model: str | Path, work_dir: str | Path = "./work_dir", calib_datas
                progress=progress)
 
 
-def _cmd_auto_awq(args: argparse.Namespace) -> int:
-    """The ``lite auto_awq`` handler: exit 0, or 2 with a one-line reason for a bad setting."""
+def smooth_quant(model: str | Path, work_dir: str | Path = "./work_dir", calib_dataset: str | Path | None = None,
+                 calib_samples: int = 128, calib_seqlen: int = 512, w_bits: int = 8, alpha: float = 0.5,
+                 smooth: bool = True, batch_size: int = 1, device: str = "auto", dtype: str = "auto",
+                 progress: bool = True):
+    """Quantize a Hugging Face model directory to W8A8 with SmoothQuant in ``work_dir`` (LMDeploy's
+    ``lite.smooth_quant``). Returns the run's ``SmoothQuantResult``; raises ``QuantizationError``
+    (before doing any work) for a bad setting, a non-empty work directory or an unusable dataset."""
+    from conveyor.engine.quantization import SmoothQuantConfig
+    from conveyor.engine.quantization import smooth_quant as run
+
+    config = SmoothQuantConfig(w_bits=w_bits, alpha=alpha, smooth=smooth, calib_samples=calib_samples,
+                               calib_seqlen=calib_seqlen, batch_size=batch_size)
+    dataset = calib_dataset if calib_dataset is not None else DEFAULT_CALIB_DATASET
+    return run(model, work_dir, config, dataset if smooth else None, device=device, dtype=dtype, progress=progress)
+
+
+def _run_tool(name: str, args: argparse.Namespace, call) -> int:
+    """Run a tool: exit 0, or 2 with a one-line reason for a bad setting."""
     from conveyor.engine.quantization import QuantizationError
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        result = auto_awq(args.model, args.work_dir, args.calib_dataset, args.calib_samples, args.calib_seqlen,
-                          args.w_bits, args.w_group_size, args.search_scale, args.batch_size, args.device,
-                          args.dtype)
+        result = call()
     except QuantizationError as exc:
-        print(f"conveyor lite auto_awq: error: {exc}", file=sys.stderr)
+        print(f"conveyor lite {name}: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {result.work_dir} in {result.seconds:.0f} s", file=sys.stderr)
     return 0
+
+
+def _cmd_smooth_quant(args: argparse.Namespace) -> int:
+    return _run_tool("smooth_quant", args, lambda: smooth_quant(
+        args.model, args.work_dir, args.calib_dataset, args.calib_samples, args.calib_seqlen, args.w_bits,
+        args.alpha, args.smooth, args.batch_size, args.device, args.dtype))
+
+
+def _cmd_auto_awq(args: argparse.Namespace) -> int:
+    """The ``lite auto_awq`` handler: exit 0, or 2 with a one-line reason for a bad setting."""
+    return _run_tool("auto_awq", args, lambda: auto_awq(
+        args.model, args.work_dir, args.calib_dataset, args.calib_samples, args.calib_seqlen, args.w_bits,
+        args.w_group_size, args.search_scale, args.batch_size, args.device, args.dtype))
 
 
 def add_lite_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,6 +97,31 @@ def add_lite_parser(sub: argparse._SubParsersAction) -> None:
         "auto_awq", help="4-bit AWQ weight quantization into an AutoAWQ 'gemm' checkpoint",
         description="Quantize a Hugging Face model's linear layers to 4 bits with AWQ (activation-aware scales "
                     "and clipping searched on calibration text) and write an AutoAWQ 'gemm' checkpoint.")
+    _common_arguments(p)
+    p.add_argument("--w-bits", type=int, default=4, help="weight bits (only 4)")
+    p.add_argument("--w-group-size", type=int, default=128,
+                   help="input channels per quantization group: 32, 64 or 128, dividing every layer's input size "
+                        "(128 does not divide SmolLM2's 576: use 64)")
+    p.add_argument("--search-scale", action=argparse.BooleanOptionalAction, default=True,
+                   help="search AWQ scales and clipping (default); --no-search-scale: round-to-nearest only")
+    _run_arguments(p)
+    p.set_defaults(func=_cmd_auto_awq)
+    p = lite_sub.add_parser(
+        "smooth_quant", help="W8A8 (SmoothQuant) quantization into a compressed-tensors int8 checkpoint",
+        description="Smooth a Hugging Face model's activation outliers into its weights (SmoothQuant, calibrated "
+                    "on text), quantize its linear layers' weights to int8 per output channel and write a "
+                    "compressed-tensors int8 checkpoint; activations are quantized per token at run time.")
+    _common_arguments(p)
+    p.add_argument("--w-bits", type=int, default=8, help="weight bits (only 8)")
+    p.add_argument("--alpha", type=float, default=0.5,
+                   help="migration strength: s = max|x|**alpha / max|w|**(1-alpha) per input channel")
+    p.add_argument("--smooth", action=argparse.BooleanOptionalAction, default=True,
+                   help="smooth on calibration text (default); --no-smooth: int8 weights as they are")
+    _run_arguments(p)
+    p.set_defaults(func=_cmd_smooth_quant)
+
+
+def _common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="Hugging Face model directory (Llama, Mistral or Qwen2 family)")
     p.add_argument("--work-dir", required=True,
                    help="where to write the quantized model; must not exist or be empty")
@@ -71,15 +130,11 @@ def add_lite_parser(sub: argparse._SubParsersAction) -> None:
                         f"(default: the shipped {DEFAULT_CALIB_DATASET.name})")
     p.add_argument("--calib-samples", type=int, default=128, help="calibration windows")
     p.add_argument("--calib-seqlen", type=int, default=512, help="tokens per calibration window")
-    p.add_argument("--w-bits", type=int, default=4, help="weight bits (only 4)")
-    p.add_argument("--w-group-size", type=int, default=128,
-                   help="input channels per quantization group: 32, 64 or 128, dividing every layer's input size "
-                        "(128 does not divide SmolLM2's 576: use 64)")
-    p.add_argument("--search-scale", action=argparse.BooleanOptionalAction, default=True,
-                   help="search AWQ scales and clipping (default); --no-search-scale: round-to-nearest only")
+
+
+def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="calibration windows per forward pass")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="compute dtype (auto: float32 on CPU, the model's half type on GPU)")
     p.add_argument("--log-level", default="INFO")
-    p.set_defaults(func=_cmd_auto_awq)

@@ -139,11 +139,7 @@ class EngineConfig:
         if fmt not in _MODEL_FORMATS:
             raise EngineConfigError(
                 f"model_format={fmt!r}: use None or 'hf' (a Hugging Face checkpoint or a .gguf file), "
-                "or 'awq' (4-bit AWQ weights; None finds them too)")
-        if fmt == "smooth_quant":
-            raise EngineConfigError(
-                "model_format='smooth_quant': W8A8 weights are not implemented yet; serve the fp16/bf16 "
-                "checkpoint, or quantize it to 4 bits with `conveyor lite auto_awq` (model_format='awq')")
+                "'awq' (4-bit AWQ weights) or 'smooth_quant' (W8A8 int8 weights); None finds both")
         if fmt == "llama":
             raise EngineConfigError(
                 "model_format='llama': Meta's original layout (consolidated.*.pth) is not read; convert "

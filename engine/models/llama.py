@@ -43,6 +43,11 @@ def linear_method(config: ModelConfig):
     return config.quant.linear_method() if config.quant is not None else None
 
 
+def norm_quantizes_output(config: ModelConfig) -> bool:
+    """Whether the norms before q/k/v and gate/up hand their output over quantized (W8A8 linears read int8)."""
+    return config.quant is not None and config.quant.takes_int8_input
+
+
 class LlamaAttention(nn.Module):
     """Fused QKV projection, RoPE, paged attention, output projection."""
 
@@ -95,8 +100,9 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias)
         self.mlp = LlamaMLP(config, mlp_bias)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        quantize = norm_quantizes_output(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize_output=quantize)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize_output=quantize)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -206,6 +212,8 @@ class LlamaForCausalLM(nn.Module):
         saw_lm_head = False
         for ckpt_name, tensor in weights:
             if ckpt_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if self.config.quant is not None and self.config.quant.skips_tensor(ckpt_name, tensor):
                 continue
             for name, shard, piece in self.map_weight(ckpt_name, tensor):
                 if name == "lm_head.weight":

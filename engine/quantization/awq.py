@@ -30,6 +30,7 @@ from torch import nn
 from .calibration import InputRecord, LayerwiseRunner
 from .config import AwqConfig
 from .quantizer import GroupQuantized, fake_quantize, quantize
+from .scale_groups import INPUT_OF, ScaleGroup, apply_scale, decoder_linears, scale_groups
 
 logger = logging.getLogger(__name__)
 
@@ -39,58 +40,12 @@ _CLIP_ROW_CHUNK = 256
 
 
 @dataclass
-class ScaleGroup:
-    """Linear layers that share an input, the op that produces it, and the block whose output is judged."""
-
-    name: str
-    prev: nn.Module
-    linears: dict[str, nn.Linear]
-    input_name: str  # the key of the InputRecord holding the group's input
-    block: Callable[[torch.Tensor], torch.Tensor]
-
-
-@dataclass
 class LayerReport:
     """What the search chose for one decoder layer: per group the alpha (None: no scaling), RTN's loss and the best."""
 
     alphas: dict[str, float | None] = field(default_factory=dict)
     rtn_loss: dict[str, float] = field(default_factory=dict)
     best_loss: dict[str, float] = field(default_factory=dict)
-
-
-def decoder_linears(layer: nn.Module) -> dict[str, nn.Linear]:
-    """The linear layers of a Llama-family decoder layer, by name relative to the layer."""
-    return {name: module for name, module in layer.named_modules() if isinstance(module, nn.Linear)}
-
-
-def scale_groups(layer: nn.Module, runner: LayerwiseRunner) -> list[ScaleGroup]:
-    """The AWQ groups of a Llama / Mistral / Qwen2 decoder layer (transformers' module names)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    groups = [ScaleGroup("qkv", layer.input_layernorm,
-                         {"self_attn.q_proj": attn.q_proj, "self_attn.k_proj": attn.k_proj,
-                          "self_attn.v_proj": attn.v_proj},
-                         "self_attn.q_proj", lambda x: runner.attention(attn, x))]
-    if attn.v_proj.weight.shape == attn.o_proj.weight.shape:
-        groups.append(ScaleGroup("o", attn.v_proj, {"self_attn.o_proj": attn.o_proj}, "self_attn.o_proj",
-                                 attn.o_proj))
-    groups.append(ScaleGroup("gate_up", layer.post_attention_layernorm,
-                             {"mlp.gate_proj": mlp.gate_proj, "mlp.up_proj": mlp.up_proj}, "mlp.gate_proj", mlp))
-    groups.append(ScaleGroup("down", mlp.up_proj, {"mlp.down_proj": mlp.down_proj}, "mlp.down_proj",
-                             mlp.down_proj))
-    return groups
-
-
-def recorded_inputs(layer: nn.Module) -> dict[str, nn.Module]:
-    """The submodules whose inputs the search needs: one per distinct input of the layer's linears."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return {"self_attn.q_proj": attn.q_proj, "self_attn.o_proj": attn.o_proj,
-            "mlp.gate_proj": mlp.gate_proj, "mlp.down_proj": mlp.down_proj}
-
-
-# The input each linear reads, as the name of the module recorded for it.
-_INPUT_OF = {"self_attn.q_proj": "self_attn.q_proj", "self_attn.k_proj": "self_attn.q_proj",
-             "self_attn.v_proj": "self_attn.q_proj", "self_attn.o_proj": "self_attn.o_proj",
-             "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.gate_proj", "mlp.down_proj": "mlp.down_proj"}
 
 
 def candidate_scales(x_mean: torch.Tensor, alpha: float, w_mean: torch.Tensor | None = None) -> torch.Tensor:
@@ -161,34 +116,6 @@ def search_scale(group: ScaleGroup, record: InputRecord, config: AwqConfig,
         return candidates[0][1], None, losses[0], losses[0]
     best = min(finite, key=lambda i: losses[i])
     return candidates[best][1], candidates[best][0], losses[0], losses[best]
-
-
-@torch.no_grad()
-def apply_scale(group: ScaleGroup, scales: torch.Tensor, record: InputRecord | None = None) -> None:
-    """Fold ``scales`` in: the previous op's output divided by them, the group's weights multiplied.
-
-    The unquantized function of the layer is unchanged. The recorded inputs, if given, are divided
-    too, so that later searches (clipping) see what the scaled weights will be fed.
-    """
-    prev = group.prev
-    s = scales.to(prev.weight.device)
-    if isinstance(prev, nn.Linear):
-        # The previous linear's last len(s) output rows produce the group's input.
-        rows = prev.weight[-s.numel():]
-        rows.div_(s.to(rows.dtype).view(-1, 1))
-        if prev.bias is not None:
-            prev.bias[-s.numel():].div_(s.to(prev.bias.dtype))
-    else:  # RMSNorm / LayerNorm: a per-channel weight (and bias)
-        prev.weight.div_(s.to(prev.weight.dtype))
-        if getattr(prev, "bias", None) is not None:
-            prev.bias.div_(s.to(prev.bias.dtype))
-    for lin in group.linears.values():
-        lin.weight.mul_(s.to(lin.weight.dtype).view(1, -1))
-    if record is not None:
-        if record.kept is not None:
-            record.kept.div_(s.to(record.kept.dtype))
-        record.absmean.div_(s.to(record.absmean.dtype))
-        record.absmax.div_(s.to(record.absmax.dtype))
 
 
 @torch.no_grad()
@@ -263,7 +190,7 @@ def awq_layer(layer: nn.Module, runner: LayerwiseRunner, config: AwqConfig,
         for name, lin in decoder_linears(layer).items():
             if name.rsplit(".", 1)[-1] in _NO_CLIP:
                 continue
-            kept = records[_INPUT_OF[name]].kept
+            kept = records[INPUT_OF[name]].kept
             bound = search_clip(lin.weight, _clip_tokens(kept, config.clip_tokens), config.w_bits,
                                 config.w_group_size, config.n_grid)
             apply_clip(lin, bound, config.w_group_size)

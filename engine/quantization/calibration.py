@@ -1,9 +1,11 @@
 """Calibration for post-training quantization: text in, per-layer activations out.
 
-Shared by the quantization tools (AWQ now; SmoothQuant's activation scales need the same):
+Shared by the quantization tools (AWQ's search and SmoothQuant's activation ranges):
 
 - ``read_text`` / ``calibration_windows``: a ``.txt`` or ``.jsonl`` file -> ``[n, seqlen]`` token
   windows spread over the whole text.
+- ``read_model_config`` / ``pick_device`` / ``pick_dtypes`` / ``load_causal_lm``: the checked
+  model directory and the calibration model's device and dtypes.
 - ``LayerwiseRunner``: a Hugging Face causal LM run one decoder layer at a time over those
   windows, so the peak memory is the model plus one layer's activations. ``record`` runs a layer
   and returns, for chosen submodules, the per-input-channel mean and max of ``|x|`` over every
@@ -227,3 +229,59 @@ def load_causal_lm(model_dir: str | Path, device: torch.device, dtype: torch.dty
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
     model.requires_grad_(False)
     return model.eval().to(device)
+
+
+def read_model_config(model_dir: Path, tool: str) -> dict:
+    """The config.json of an unquantized Llama-family model directory, or QuantizationError naming the fix."""
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise QuantizationError(
+            f"{model_dir} is not a Hugging Face model directory (no config.json): pass the directory of an "
+            "fp16/bf16/fp32 checkpoint")
+    config = json.loads(config_path.read_text())
+    if config.get("quantization_config"):
+        raise QuantizationError(f"{model_dir} is already quantized ({config['quantization_config'].get('quant_method')})")
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise QuantizationError(
+            f"{tool} supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; {model_dir} is {model_type!r}")
+    return config
+
+
+def pick_device(device: str) -> torch.device:
+    """``auto``: cuda when there is one, else cpu; any other name as torch reads it."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16; Linux /proc/cpuinfo)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def pick_dtypes(dtype: str, device: torch.device, hf_config: dict) -> tuple[torch.dtype, torch.dtype]:
+    """(weights dtype, compute dtype) of the calibration model.
+
+    On CPU the weights stay float32 (the checkpoint is quantized from them) and ``auto`` computes
+    in bfloat16 where the CPU does that natively, else float32. On a GPU both are the model's
+    half type (``auto``) or the named one.
+    """
+    if dtype != "auto" and dtype not in _DTYPES:
+        raise QuantizationError(f"dtype {dtype!r}: use auto, float32, float16 or bfloat16")
+    if device.type == "cpu":
+        if dtype == "auto":
+            return torch.float32, torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+        return torch.float32, _DTYPES[dtype]
+    if dtype == "auto":
+        stored = hf_config.get("dtype") or hf_config.get("torch_dtype")
+        half = torch.bfloat16 if stored == "bfloat16" else torch.float16
+        return half, half
+    return _DTYPES[dtype], _DTYPES[dtype]

@@ -1,9 +1,14 @@
-"""Writing and reading AWQ checkpoints: Hugging Face directories in AutoAWQ's "gemm" layout.
+"""Writing and reading quantized checkpoints: Hugging Face directories the engine (and others) load.
 
-A quantized linear ``<name>`` is stored as ``<name>.qweight`` / ``.qzeros`` / ``.scales`` (and
-``.bias``, float16); every other tensor (embeddings, norms, an untied ``lm_head``) is float16.
-``config.json`` gains ``quantization_config`` (``quant_method: awq``, ``version: gemm``), and the
-tokenizer, chat template and generation config are copied. A directory is written next to its
+* AWQ, in AutoAWQ's "gemm" layout: a quantized linear ``<name>`` is stored as ``<name>.qweight``
+  / ``.qzeros`` / ``.scales``; ``quantization_config`` says ``quant_method: awq``, ``version: gemm``.
+* W8A8, in compressed-tensors' "int-quantized" layout (what llm-compressor writes and vLLM reads):
+  ``<name>.weight`` int8 ``[out, in]`` and ``<name>.weight_scale`` float32 ``[out, 1]``;
+  ``quantization_config`` says ``quant_method: compressed-tensors`` with one config group of
+  symmetric per-channel int8 weights and dynamic symmetric per-token int8 input activations.
+
+Either way a linear's ``.bias`` and every other tensor (embeddings, norms, an untied ``lm_head``)
+is float16, and the tokenizer, chat template and generation config are copied. A directory is written next to its
 destination and renamed into place at the end, so a failure never leaves a half-written one.
 """
 
@@ -32,6 +37,20 @@ _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json
 def quantization_config(bits: int, group_size: int) -> dict[str, Any]:
     """The ``quantization_config`` entry of an AWQ checkpoint's config.json (AutoAWQ / LMDeploy keys)."""
     return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True, "version": "gemm"}
+
+
+def w8a8_quantization_config() -> dict[str, Any]:
+    """The ``quantization_config`` of a W8A8 checkpoint: compressed-tensors' int8 scheme, as llm-compressor
+    writes it for symmetric per-channel weights and dynamic per-token activations."""
+    def int8(strategy: str, dynamic: bool) -> dict[str, Any]:
+        return {"num_bits": 8, "type": "int", "symmetric": True, "strategy": strategy, "dynamic": dynamic,
+                "group_size": None, "block_structure": None, "actorder": None, "observer": None,
+                "observer_kwargs": {}}
+
+    group = {"targets": ["Linear"], "weights": int8("channel", False), "input_activations": int8("token", True),
+             "output_activations": None, "format": "int-quantized"}
+    return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": group}, "ignore": ["lm_head"], "kv_cache_scheme": None}
 
 
 def check_work_dir(work_dir: str | Path) -> Path:
@@ -96,6 +115,10 @@ def save_state_dict(tensors: Mapping[str, torch.Tensor], dest_dir: Path) -> None
     """Write ``tensors`` as ``model.safetensors``, or as shards with an index past 4 GiB."""
     from safetensors.torch import save_file
 
+    def save(shard: dict[str, torch.Tensor], path: Path) -> None:
+        save_file(shard, str(path), metadata={"format": "pt"})
+        path.chmod(0o666 & ~_umask())  # safetensors (0.8 here) writes its files private (0600)
+
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in tensors.items():
@@ -106,21 +129,22 @@ def save_state_dict(tensors: Mapping[str, torch.Tensor], dest_dir: Path) -> None
         shards[-1][name] = tensor.contiguous()
         size += nbytes
     if len(shards) == 1:
-        save_file(shards[0], str(dest_dir / "model.safetensors"), metadata={"format": "pt"})
+        save(shards[0], dest_dir / "model.safetensors")
         return
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(dest_dir / file), metadata={"format": "pt"})
+        save(shard, dest_dir / file)
         weight_map.update(dict.fromkeys(shard, file))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (dest_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def awq_state_dict(state: Mapping[str, torch.Tensor], packed: Mapping[str, Mapping[str, torch.Tensor]],
-                   tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors: ``packed`` (linear name -> qweight/qzeros/scales) plus the rest in float16."""
+def quantized_state_dict(state: Mapping[str, torch.Tensor], packed: Mapping[str, Mapping[str, torch.Tensor]],
+                         tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors: ``packed`` (linear name -> its stored tensors, e.g. qweight/qzeros/scales)
+    in place of each quantized linear's weight, plus the rest in float16."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         if tie_word_embeddings and name == "lm_head.weight":
@@ -131,21 +155,21 @@ def awq_state_dict(state: Mapping[str, torch.Tensor], packed: Mapping[str, Mappi
                 out[f"{base}.{key}"] = value.cpu()
         else:
             out[name] = tensor.detach().to(torch.float16).cpu() if tensor.is_floating_point() else tensor.cpu()
-    missing = set(packed) - {n.rpartition(".")[0] for n in out if n.endswith(".qweight")}
+    missing = [base for base, stored in packed.items() if not all(f"{base}.{key}" in out for key in stored)]
     if missing:
         raise ValueError(f"quantized layers missing from the model's state dict: {sorted(missing)[:5]}")
     return out
 
 
-def write_awq_checkpoint(src_dir: str | Path, dest_dir: Path, tensors: Mapping[str, torch.Tensor],
-                         bits: int, group_size: int) -> None:
-    """Fill ``dest_dir`` with an AWQ checkpoint: weights, config.json with quantization_config, side files."""
+def write_quantized_checkpoint(src_dir: str | Path, dest_dir: Path, tensors: Mapping[str, torch.Tensor],
+                               quant_config: dict[str, Any]) -> None:
+    """Fill ``dest_dir`` with a quantized checkpoint: weights, config.json with ``quant_config``, side files."""
     src = Path(src_dir)
     save_state_dict(tensors, dest_dir)
 
     def edit(config: dict[str, Any]) -> None:
         _set_dtype(config, "float16")
-        config["quantization_config"] = quantization_config(bits, group_size)
+        config["quantization_config"] = quant_config
 
     _write_config(src, dest_dir, edit)
     copy_side_files(src, dest_dir)

@@ -90,3 +90,38 @@ class AwqConfig:
             raise QuantizationError(
                 f"the AWQ format packs {PACK_FACTOR} output channels per int32, but {odd} are not multiples of "
                 f"{PACK_FACTOR}: this model cannot be stored in the 'gemm' layout")
+
+
+W8A8_BITS = (8,)
+
+
+@dataclass
+class SmoothQuantConfig:
+    """What ``smooth_quant`` does: LMDeploy's ``lite smooth_quant`` options.
+
+    ``alpha`` is SmoothQuant's migration strength: each input channel ``j`` of a group of linears
+    is scaled by ``s_j = max|x_j|**alpha / max|w_j|**(1 - alpha)`` (activations divided, weights
+    multiplied), moving that much of the activation outliers' range into the weights.
+    ``smooth=False`` quantizes the weights to int8 as they are and runs no calibration (the
+    baseline smoothing is measured against).
+    """
+
+    w_bits: int = 8
+    alpha: float = 0.5
+    smooth: bool = True
+    calib_samples: int = 128
+    calib_seqlen: int = 512
+    batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.w_bits not in W8A8_BITS:
+            raise QuantizationError(
+                f"--w-bits {self.w_bits} is not supported: SmoothQuant writes int8 weights (W8A8); use --w-bits 8, "
+                "or `conveyor lite auto_awq` for 4-bit weights")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise QuantizationError(f"--alpha {self.alpha} must be between 0 and 1 (0.5 is SmoothQuant's default)")
+        for name in ("calib_samples", "calib_seqlen", "batch_size"):
+            if getattr(self, name) < 1:
+                raise QuantizationError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.calib_seqlen < 2:
+            raise QuantizationError("--calib-seqlen must be at least 2 tokens")

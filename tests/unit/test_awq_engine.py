@@ -13,23 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from conveyor.engine.config import EngineConfig
-from conveyor.engine.llm_engine import LLMEngine
 from conveyor.kernels.w4a16 import awq_pack, awq_unpack
 from conveyor.protocol import EngineConfigError
-from conveyor.protocol.sampling import SamplingParams
+
+from tiny_llama import TINY, engine, greedy, random_tensors, write_checkpoint
 
 GROUP = 32
-TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=96,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-            max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, torch_dtype="float32",
-            tie_word_embeddings=False)
 AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
-LINEARS = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (64, 32), "self_attn.v_proj": (64, 32),
-           "self_attn.o_proj": (64, 64), "mlp.gate_proj": (64, 96), "mlp.up_proj": (64, 96),
-           "mlp.down_proj": (96, 64)}  # (in, out)
 
 
 def rtn_awq(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -49,42 +40,14 @@ def rtn_awq(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
 
 def write_models(root: Path, seed: int = 0) -> tuple[Path, Path]:
     """An AWQ checkpoint and the dense checkpoint of its dequantized weights."""
-    gen = torch.Generator().manual_seed(seed)
-    common = {"model.embed_tokens.weight": torch.randn(128, 64, generator=gen) * 0.5,
-              "model.norm.weight": 1 + 0.1 * torch.randn(64, generator=gen),
-              "lm_head.weight": torch.randn(128, 64, generator=gen) * 0.1}
+    common, linears = random_tensors(torch.Generator().manual_seed(seed))
     awq, dense = dict(common), dict(common)
-    for i in range(TINY["num_hidden_layers"]):
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            awq[f"model.layers.{i}.{norm}.weight"] = dense[f"model.layers.{i}.{norm}.weight"] = \
-                1 + 0.1 * torch.randn(64, generator=gen)
-        for name, (k, n) in LINEARS.items():
-            qweight, qzeros, scales, w = rtn_awq(torch.randn(n, k, generator=gen) * 0.2, GROUP)
-            prefix = f"model.layers.{i}.{name}"
-            awq.update({f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales})
-            dense[f"{prefix}.weight"] = w
-    dirs = []
-    for sub, tensors, config in (("awq", awq, {**TINY, "torch_dtype": "float16", "quantization_config": AWQ_CONFIG}),
-                                 ("dense", dense, TINY)):
-        d = root / sub
-        d.mkdir()
-        (d / "config.json").write_text(json.dumps(config))
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"))
-        dirs.append(d)
-    return dirs[0], dirs[1]
-
-
-def engine(path: Path, **kw) -> LLMEngine:
-    return LLMEngine(path, EngineConfig(device="cpu", dtype="float32", cache_max_entry_count=32, block_size=4,
-                                        max_batch_size=4, max_prefill_token_num=64, **kw))
-
-
-def greedy(eng: LLMEngine, prompt: list[int], n: int = 12) -> list[int]:
-    eng.add_request(prompt, SamplingParams(max_new_tokens=n, temperature=0.0))
-    out = []
-    while eng.has_work:
-        out += [o.token for o in eng.step() if o.token is not None]
-    return out
+    for prefix, weight in linears.items():
+        qweight, qzeros, scales, w = rtn_awq(weight, GROUP)
+        awq.update({f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales})
+        dense[f"{prefix}.weight"] = w
+    return (write_checkpoint(root / "awq", awq, torch_dtype="float16", quantization_config=AWQ_CONFIG),
+            write_checkpoint(root / "dense", dense))
 
 
 def test_an_awq_checkpoint_computes_what_its_dequantized_weights_compute(tmp_path) -> None:

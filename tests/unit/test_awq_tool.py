@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from conveyor.cli import main
 from conveyor.engine.quantization import (
@@ -30,76 +29,17 @@ from conveyor.engine.quantization import (
 )
 from conveyor.engine.quantization.awq import (
     _weight_mean,
-    apply_scale,
     awq_layer,
     candidate_scales,
     keep_samples,
-    recorded_inputs,
-    scale_groups,
     search_clip,
     search_scale,
 )
+from conveyor.engine.quantization.scale_groups import apply_scale, recorded_inputs, scale_groups
 
-WORDS = ("the a of and to in was he she it his her that with for on as at by from had not but were this "
-         "which be have they all one or so my an me we no if are who when there their been would more out "
-         "time night sea ice ship cold light dark storm shore snow wind creature river mountain friend").split()
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=256, rms_norm_eps=1e-5)
-
+from calibration_models import logits, text, tiny_model, tokenizer, windows
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny models: see tests/conftest.py
-
-
-def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(["[UNK]", "<s>", "</s>", *WORDS, ",", "."])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="[UNK]")
-
-
-def _tiny_model(kv_heads: int = 2, seed: int = 0, tie: bool = False) -> LlamaForCausalLM:
-    """A random Llama whose norms give a few input channels large activations, as real LLMs have."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(**TINY, num_key_value_heads=kv_heads, vocab_size=len(WORDS) + 5, tie_word_embeddings=tie)
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config).eval().requires_grad_(False)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=gen))
-                param[torch.randperm(param.numel(), generator=gen)[:3]] *= 12  # outlier channels
-            else:
-                param.copy_(0.08 * torch.randn(param.shape, generator=gen))
-    return model
-
-
-def _text(words: int = 3000, seed: int = 0) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-@pytest.fixture()
-def tiny_dir(tmp_path: Path) -> Path:
-    """A tiny Llama checkpoint directory with a tokenizer (GQA 4/2, group size 32 fits every layer)."""
-    out = tmp_path / "tiny-llama"
-    _tiny_model().save_pretrained(out)
-    _tokenizer().save_pretrained(out)
-    (tmp_path / "calib.txt").write_text(_text())
-    return out
-
-
-def _windows(n: int = 8, seqlen: int = 32) -> torch.Tensor:
-    ids = _tokenizer()(_text(), add_special_tokens=False)["input_ids"]
-    return calibration_windows(ids, n, seqlen)
-
-
-def _logits(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids).logits
 
 
 # ---- quantizer and packed layout ---------------------------------------------------------------
@@ -155,7 +95,7 @@ def test_quantize_handles_constant_and_one_signed_groups():
 # ---- calibration -------------------------------------------------------------------------------
 
 
-def test_calibration_windows_spread_and_refuse_short_text():
+def test_calibration_windows_spread_and_refuse_shorttext():
     ids = list(range(1000))
     w = calibration_windows(ids, 4, 100)
     assert w.shape == (4, 100)
@@ -181,15 +121,15 @@ def test_read_text_txt_and_jsonl(tmp_path: Path):
 
 
 def test_layerwise_runner_reproduces_the_model():
-    model = _tiny_model()
-    ids = _windows(4, 32)
+    model = tiny_model()
+    ids = windows(4, 32)
     runner = LayerwiseRunner(model, ids, batch_size=3)
     for layer in runner.layers:
         runner.advance(runner.forward(layer))
     hidden = torch.cat(runner.hidden)
     with torch.no_grad():
-        logits = model.lm_head(model.model.norm(hidden))
-    torch.testing.assert_close(logits, _logits(model, ids), rtol=1e-4, atol=1e-4)
+        out = model.lm_head(model.model.norm(hidden))
+    torch.testing.assert_close(out, logits(model, ids), rtol=1e-4, atol=1e-4)
 
 
 # ---- scale folding and the search --------------------------------------------------------------
@@ -197,9 +137,9 @@ def test_layerwise_runner_reproduces_the_model():
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha-scales-o_proj", "gqa"])
 def test_folding_scales_keeps_the_unquantized_model(kv_heads: int):
-    model = _tiny_model(kv_heads)
-    ids = _windows(4, 32)
-    before = _logits(model, ids)
+    model = tiny_model(kv_heads)
+    ids = windows(4, 32)
+    before = logits(model, ids)
     runner = LayerwiseRunner(model, ids)
     gen = torch.Generator().manual_seed(1)
     for layer in runner.layers:
@@ -208,14 +148,14 @@ def test_folding_scales_keeps_the_unquantized_model(kv_heads: int):
         for group in groups:
             scales = torch.rand(next(iter(group.linears.values())).in_features, generator=gen) * 4 + 0.25
             apply_scale(group, scales)
-    torch.testing.assert_close(_logits(model, ids), before, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits(model, ids), before, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("duo", [False, True], ids=["paper-scales", "duo-scales"])
 def test_search_never_worse_than_alpha_zero_or_rtn(duo: bool):
-    model = _tiny_model(kv_heads=4)
+    model = tiny_model(kv_heads=4)
     config = AwqConfig(w_group_size=32, calib_samples=8, calib_seqlen=32, duo_scaling=duo)
-    runner = LayerwiseRunner(model, _windows(8, 32), batch_size=4)
+    runner = LayerwiseRunner(model, windows(8, 32), batch_size=4)
     layer = runner.layers[0]
     _, records = runner.record(layer, recorded_inputs(layer), keep_samples(config, 8))
     improved = 0
@@ -262,10 +202,10 @@ def test_clip_search_never_worse_than_no_clip():
 
 
 def test_awq_layer_beats_rtn_on_the_layer_output():
-    model = _tiny_model(kv_heads=4)
-    ids = _windows(8, 32)
+    model = tiny_model(kv_heads=4)
+    ids = windows(8, 32)
     config = AwqConfig(w_group_size=32, calib_samples=8, calib_seqlen=32)
-    rtn_model = _tiny_model(kv_heads=4)
+    rtn_model = tiny_model(kv_heads=4)
     with torch.no_grad():
         for lin in rtn_model.model.layers[0].modules():
             if isinstance(lin, torch.nn.Linear):
@@ -316,8 +256,8 @@ def test_auto_awq_writes_an_autoawq_gemm_checkpoint(tiny_dir: Path, tmp_path: Pa
     deq = dequantize_checkpoint(out, tmp_path / "deq")
     original = LlamaForCausalLM.from_pretrained(tiny_dir)
     restored = LlamaForCausalLM.from_pretrained(deq)
-    ids = _windows(2, 32)
-    a, b = _logits(original, ids), _logits(restored, ids)
+    ids = windows(2, 32)
+    a, b = logits(original, ids), logits(restored, ids)
     assert (a - b).norm() / a.norm() < 0.5  # 4-bit noise, not a broken layout (that is ~1)
 
 
@@ -329,9 +269,9 @@ def test_awq_checkpoint_is_closer_to_the_model_than_rtn(tiny_dir: Path, tmp_path
         config = AwqConfig(w_group_size=32, calib_samples=16, calib_seqlen=32, search_scale=search)
         auto_awq(tiny_dir, out, config, calib, progress=False)
         paths[search] = dequantize_checkpoint(out, tmp_path / f"deq-{search}")
-    ids = calibration_windows(_tokenizer()(_text(seed=7), add_special_tokens=False)["input_ids"], 4, 32)
-    ref = _logits(LlamaForCausalLM.from_pretrained(tiny_dir), ids)
-    errors = {s: float((_logits(LlamaForCausalLM.from_pretrained(p), ids) - ref).norm()) for s, p in paths.items()}
+    ids = calibration_windows(tokenizer()(text(seed=7), add_special_tokens=False)["input_ids"], 4, 32)
+    ref = logits(LlamaForCausalLM.from_pretrained(tiny_dir), ids)
+    errors = {s: float((logits(LlamaForCausalLM.from_pretrained(p), ids) - ref).norm()) for s, p in paths.items()}
     assert errors[True] < errors[False]
 
 

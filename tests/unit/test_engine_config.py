@@ -71,7 +71,6 @@ def test_defaults_are_silent(warnings_, kwargs):
     (dict(num_cpu_blocks=128), "recomputed"),
     (dict(num_cpu_blocks=-1), "must be 0"),
     (dict(shared_cache=True), "shared_cache=False"),
-    (dict(model_format="smooth_quant"), "fp16/bf16"),
     (dict(model_format="llama"), "convert_llama_weights_to_hf"),
     (dict(model_format="exl2"), "use None or 'hf'"),
     (dict(max_prefill_iters=0), "must be >= 1"),
