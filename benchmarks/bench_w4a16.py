@@ -35,32 +35,26 @@ from pathlib import Path
 
 import torch
 
+import importlib
+
 from benchmarks.common import record, save
 from conveyor.kernels._triton import cdiv
-from conveyor.kernels.w4a16 import (
-    GemmConfig,
-    GemvConfig,
-    dequantize_awq_ref,
-    gemm_config,
-    gemv_config,
-    split_k,
-    tile_k,
-    w4a16_matmul,
-    w4a16_matmul_triton,
-)
+from conveyor.kernels.w4a16 import GemmConfig, GemvConfig, dequantize_awq_ref, split_k, tile_k
+
+IMPL = importlib.import_module("conveyor.kernels.w4a16")  # --impl: another copy, to time before/after
 
 SHAPES = {"qkv": (4096, 12288), "o_proj": (4096, 4096), "gate_up": (4096, 22016), "down": (11008, 4096)}
 ROWS = [1, 16, 64, 256, 2048]
 QUICK_SHAPES = ["qkv", "down"]
 QUICK_ROWS = [1, 16, 256]
 GROUP = 128
-GEMV_SWEEP = [GemvConfig(*c) for c in (  # block_p, block_r, num_warps, programs_per_sm
-    (32, 4, 1, 16), (32, 4, 1, 24), (32, 4, 1, 12), (32, 4, 1, 32), (16, 8, 1, 16), (16, 8, 1, 24),
-    (64, 2, 1, 16), (32, 8, 2, 8), (32, 8, 2, 12), (32, 16, 4, 4), (32, 16, 4, 6),
+GEMV_SWEEP = [GemvConfig(*c) for c in (  # block_p, block_r, num_warps, programs_per_sm, chain
+    (32, 4, 1, 12, 2), (32, 4, 1, 8, 2), (32, 4, 1, 16, 2), (32, 4, 1, 12, 1), (32, 4, 1, 12, 4),
+    (16, 8, 1, 12, 2), (16, 8, 1, 8, 1), (32, 8, 2, 6, 1), (64, 2, 1, 12, 4),
 )]
 GEMM_SWEEP = [GemmConfig(*c[:3], num_warps=c[3], num_stages=c[4]) for c in (
-    (16, 256, 64, 4, 4), (16, 128, 128, 4, 4), (16, 256, 128, 4, 3), (16, 128, 64, 4, 4), (16, 512, 64, 8, 3),
-    (32, 256, 64, 4, 3), (32, 128, 128, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (64, 128, 128, 4, 3),
+    (16, 128, 64, 4, 3), (16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (16, 256, 64, 8, 3), (32, 128, 64, 4, 3),
+    (64, 128, 64, 4, 3), (64, 64, 128, 4, 4), (64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4),
 )]
 
 
@@ -125,13 +119,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def main() -> None:
+    global IMPL
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, M in {QUICK_ROWS}, fewer samples")
     ap.add_argument("--sweep", action="store_true", help="also time the tile configurations of the Triton kernels")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default results/<gpu>/bench_w4a16.json)")
     ap.add_argument("--layers", nargs="+", choices=sorted(SHAPES), help="a subset of the layers")
     ap.add_argument("--rows", nargs="+", type=int, help="other row counts M")
+    ap.add_argument("--impl", default=IMPL.__name__,
+                    help="the module to time (a copy of an earlier w4a16.py, for before/after in one run)")
     args = ap.parse_args()
+    IMPL = importlib.import_module(args.impl)
     if not torch.cuda.is_available():
         raise SystemExit("bench_w4a16 needs a CUDA GPU")
 
@@ -153,10 +151,10 @@ def main() -> None:
         for m in rows:
             xs = [torch.randn(m, k, device="cuda", dtype=torch.float16) for _ in range(2)]
             ref = (xs[0].float() @ dequantize_awq_ref(*layers[0], GROUP)).half()
-            err = rel_err(w4a16_matmul(xs[0], *layers[0], GROUP), ref)
+            err = rel_err(IMPL.w4a16_matmul(xs[0], *layers[0], GROUP), ref)
             io_bytes = m * k * 2 + m * n * 2
             flops = 2 * m * k * n
-            t_w4 = graph_time_us([lambda i=i, layer=layer: w4a16_matmul(xs[i % 2], *layer, GROUP)
+            t_w4 = graph_time_us([lambda i=i, layer=layer: IMPL.w4a16_matmul(xs[i % 2], *layer, GROUP)
                                   for i, layer in enumerate(layers)], samples)
             t_fp16 = graph_time_us([lambda i=i: torch.matmul(xs[i % 2], dense[i]) for i in range(len(dense))], samples)
             t_deq = eager_time_us(
@@ -166,12 +164,13 @@ def main() -> None:
             gbs16 = (k * n * 2 + io_bytes) / t_fp16 / 1e3
             print(f"{name:8s} {m:5d} {t_w4:9.1f} {gbs:6.0f} {flops / t_w4 / 1e6:7.1f} {t_fp16:8.1f} {gbs16:6.0f} "
                   f"{t_fp16 / t_w4:7.2f} {t_deq:10.1f} {err:8.1e}", flush=True)
-            cfg = gemv_config(n, k) if m == 1 else gemm_config(m, n, k)
+            dense_path = m >= getattr(IMPL, "DEQUANT_MIN_ROWS", 1 << 30)
+            cfg = IMPL.gemv_config(n, k) if m == 1 else "dequant+matmul" if dense_path else IMPL.gemm_config(m, n, k)
             rec = record(engine="conveyor", model="llama2-7b", precision="w4a16", model_format="awq",
                          benchmark="bench_w4a16", batch=m, layer=name, K=k, N=n, group_size=GROUP,
                          w4a16_us=t_w4, w4a16_gb_s=gbs, w4a16_tflops=flops / t_w4 / 1e6, fp16_us=t_fp16,
                          fp16_gb_s=gbs16, speedup_vs_fp16=t_fp16 / t_w4, dequant_matmul_us=t_deq,
-                         rel_err=err, config=repr(cfg))
+                         rel_err=err, config=repr(cfg), impl=args.impl)
             if args.sweep:
                 rec["sweep"] = sweep(m, k, n, xs, layers, ref, samples)
                 best = min(rec["sweep"], key=lambda r: r["us"] if r["us"] is not None else float("inf"))
@@ -197,8 +196,8 @@ def sweep(m: int, k: int, n: int, xs: list[torch.Tensor], layers: list[tuple[tor
     def run(cfg: GemvConfig | GemmConfig | None, splits: int | None, dequant: bool = False) -> None:
         kw = {"gemv" if m == 1 else "gemm": cfg, "splits": splits, "dequant": dequant}
         try:
-            err = rel_err(w4a16_matmul_triton(xs[0], *layers[0], GROUP, **kw), ref)
-            us = graph_time_us([lambda i=i, layer=layer: w4a16_matmul_triton(xs[i % 2], *layer, GROUP, **kw)
+            err = rel_err(IMPL.w4a16_matmul_triton(xs[0], *layers[0], GROUP, **kw), ref)
+            us = graph_time_us([lambda i=i, layer=layer: IMPL.w4a16_matmul_triton(xs[i % 2], *layer, GROUP, **kw)
                                 for i, layer in enumerate(layers)], max(5, samples // 3))
         except Exception as exc:  # noqa: BLE001 - a configuration that does not compile or fit
             print(f"    {cfg} splits={splits}: failed ({type(exc).__name__}: {str(exc)[:80]})", flush=True)

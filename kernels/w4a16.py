@@ -57,11 +57,11 @@ divide ``group_size``, or one group covers K). Launch choices are in ``gemv_conf
 
 # No ``from __future__ import annotations``: Triton reads ``tl.constexpr`` annotations as objects.
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ._triton import TRITON_INTERPRETED, cdiv, grouped_tile, jit, next_pow2, row_and_cols, sm_count, tl, triton_takes
+from ._triton import HAS_TRITON, TRITON_INTERPRETED, cdiv, grouped_tile, jit, next_pow2, row_and_cols, sm_count, tl, triton_takes
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 """Nibble ``i`` (bits ``4i .. 4i+3``) of a packed int32 holds column ``AWQ_PACK_ORDER[i]`` of its 8."""
@@ -74,7 +74,7 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16)
 # write and read cost a fixed ~K * N * 4 bytes. On an H200 (Llama-2-7B qkv and down, group 128)
 # the fused kernel took 39/29 µs at 16 rows and 54 µs (qkv) at 32, the dense path ~67 µs at
 # 16..128 rows; at 64 rows fused 71-84 µs against 66-69.
-DEQUANT_MIN_ROWS = 48
+DEQUANT_MIN_ROWS = 512
 
 
 # ------------------------------------------------------------------------------------- reference
@@ -207,6 +207,16 @@ def _gemv_rows(x_ptr, qw_ptr, k, k_hi, NP, p, p_mask):
 
 
 @jit
+def _gemv_rows_2d(x_ptr, qw_ptr, k, k_hi, NP, p, p_mask):
+    """As ``_gemv_rows`` with x as a column [BLOCK_R, 1]: loaded in the words' layout, so that
+    broadcasting it over the columns needs no exchange through shared memory."""
+    k_mask = (k < k_hi)[:, None]
+    x = tl.load(x_ptr + k[:, None], mask=k_mask, other=0.0)
+    q = tl.load(qw_ptr + k.to(tl.int64)[:, None] * NP + p[None, :], mask=k_mask & p_mask[None, :], other=0)
+    return q, x
+
+
+@jit
 def _gemv_accumulate(gacc, xsum, q, x, masks):
     """``gacc += x * q * 16**j`` (q read in place, see _codes) and ``xsum += x``, element-wise."""
     x = x.to(tl.float32)
@@ -277,53 +287,256 @@ def _gemv_kernel(
         tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=c_mask)
 
 
+# Two fp16 values in one int32 ("half2": the low 16 bits hold the first). On the GPU the
+# arithmetic on them is one PTX ``fma.rn.f16x2`` (HFMA2: two weights per instruction); Triton's
+# interpreter runs no inline assembly, so there the same rounding is emulated through fp32.
+_const = tl.constexpr if HAS_TRITON else (lambda v: v)  # jit code reads only constexpr globals
+F16X2_MAGIC = _const(0x64006400)  # 1024.0 twice: OR-ing a nibble into the mantissa gives 1024 + code
+F16X2_ONE = _const(0x3C003C00)  # 1.0
+F16X2_SIXTEENTH = _const(0x2C002C00)  # 1 / 16
+F16X2_MINUS_ONE = _const(0xBC00BC00 - 2**32)  # -1.0 (as a signed int32)
+F16X2_MINUS_SIXTEENTH = _const(0xAC00AC00 - 2**32)  # -1 / 16
+
+
 @jit
-def _plane(q, q_hi, z, z_hi, C: tl.constexpr, DT: tl.constexpr):
-    """Column C of every word of a [BLOCK_K, BLOCK_P] tile as ``(q - z) * 16**j`` in DT (exact:
-    at most 4 significant bits, below 65504), where column C is nibble ``j = C // 2`` of the
-    low (C even) or high (C odd) 16 bits: one AND-OR per weight reads it in place."""
-    J4: tl.constexpr = 4 * (C >> 1)
-    if C & 1:
-        d = ((q_hi & (0xF << J4)) | 0x4B000000).to(tl.float32, bitcast=True)
-        d -= ((z_hi & (0xF << J4)) | 0x4B000000).to(tl.float32, bitcast=True)[None, :]
+def _half(w, HI: tl.constexpr):
+    """Half ``HI`` (0: low, 1: high) of half2 words, as fp32."""
+    if HI:
+        w = w >> 16
+    return w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@jit
+def _half2(lo, hi):
+    """Two fp32 tensors rounded to fp16, packed as half2 words."""
+    lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return lo16 | (hi16 << 16)
+
+
+@jit
+def _hfma2(a, b, c, ASM: tl.constexpr):
+    """``a * b + c`` on half2 words, rounded once to fp16 (the interpreter: via fp32)."""
+    if ASM:
+        return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
     else:
-        d = ((q & (0xF << J4)) | 0x4B000000).to(tl.float32, bitcast=True)
-        d -= ((z & (0xF << J4)) | 0x4B000000).to(tl.float32, bitcast=True)[None, :]
-    return d.to(DT)
+        return _half2(_half(a, 0) * _half(b, 0) + _half(c, 0), _half(a, 1) * _half(b, 1) + _half(c, 1))
 
 
 @jit
-def _plane_scales(s_ptr, g, N, rp, p_mask, C: tl.constexpr):
-    """The scales of column C of each word, times ``16**-j`` (undoing _plane's in-place read)."""
-    J4: tl.constexpr = 4 * (C >> 1)
-    return tl.load(s_ptr + g * N + rp * 8 + C, mask=p_mask, other=0.0).to(tl.float32) * (1.0 / (1 << J4))
+def _nibble_planes(q):
+    """The 4 half2 planes of packed words: plane j holds columns 2j and 2j + 1 of each word (its
+    nibbles j and j + 4, bits 4j and 16 + 4j) as ``1024 + code`` (j even) or ``1024 + 16 * code``
+    (j odd), exact in fp16: one shift per word and one AND-OR (LOP3) per two weights."""
+    hi = q >> 8
+    return ((q & 0x000F000F) | F16X2_MAGIC, (q & 0x00F000F0) | F16X2_MAGIC,
+            (hi & 0x000F000F) | F16X2_MAGIC, (hi & 0x00F000F0) | F16X2_MAGIC)
 
 
 @jit
-def _plane_dot(a, q, q_hi, z, z_hi, s_ptr, g, N, rp, p_mask, acc, C: tl.constexpr, DOT_IN_F32: tl.constexpr):
-    """``acc + (a @ plane C) * scales``: the tensor cores multiply the exact small integers; the
-    group's scales are applied to the tile's fp32 product (all of a K tile lies in one group)."""
-    d = _plane(q, q_hi, z, z_hi, C, a.dtype)
-    if DOT_IN_F32:  # the interpreter's bf16 tl.dot is wrong; same operands, in fp32
-        prod = tl.dot(a.to(tl.float32), d.to(tl.float32))
-    else:
-        prod = tl.dot(a, d)
-    return acc + prod * _plane_scales(s_ptr, g, N, rp, p_mask, C)[None, :]
+def _neg_zeros(z, ASM: tl.constexpr):
+    """Per plane, ``-(1024 + z)`` (even planes) or ``-(64 + z)`` (odd: the code read as
+    ``1024 + 16 z``, times 1/16) as half2, so that ``_centered`` subtracts the zero exactly."""
+    z0, z1, z2, z3 = _nibble_planes(z)
+    zero = tl.zeros(z.shape, tl.int32)
+    m1 = tl.full(z.shape, F16X2_MINUS_ONE, tl.int32)
+    m16 = tl.full(z.shape, F16X2_MINUS_SIXTEENTH, tl.int32)
+    return _hfma2(z0, m1, zero, ASM), _hfma2(z1, m16, zero, ASM), _hfma2(z2, m1, zero, ASM), _hfma2(z3, m16, zero, ASM)
 
 
 @jit
-def _store_planes(ptr, rm, stride, rp, mask, a0, a1, a2, a3, a4, a5, a6, a7):
-    """Write the 8 column planes back to their interleaved columns ``8 * word + C``."""
-    o = ptr + rm.to(tl.int64)[:, None] * stride + rp[None, :] * 8
+def _centered(q, nz0, nz1, nz2, nz3, ASM: tl.constexpr):
+    """``q - z`` of packed words [R, P] (zeros [1, P]) as 4 half2 planes (see ``_nibble_planes``), exact: each is
+    one HFMA2 ``v * 1 - (1024 + z)`` or ``v / 16 - (64 + z)`` on ``_nibble_planes``' values."""
+    v0, v1, v2, v3 = _nibble_planes(q)
+    one = tl.full(q.shape, F16X2_ONE, tl.int32)
+    sixteenth = tl.full(q.shape, F16X2_SIXTEENTH, tl.int32)
+    return (_hfma2(v0, one, nz0, ASM), _hfma2(v1, sixteenth, nz1, ASM),
+            _hfma2(v2, one, nz2, ASM), _hfma2(v3, sixteenth, nz3, ASM))
+
+
+@jit
+def _gemv_f16_tile(a0, a1, a2, a3, q, x, nz0, nz1, nz2, nz3, ASM: tl.constexpr):
+    """Add one row tile's ``x * (q - z)`` to the fp16 chains ``a0..a3`` (half2 planes [R, P]):
+    per two weights one LOP3 and two HFMA2."""
+    xb = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    x2 = xb | (xb << 16)  # x[k] in both halves, [R, 1]
+    d0, d1, d2, d3 = _centered(q, nz0, nz1, nz2, nz3, ASM)
+    return _hfma2(x2, d0, a0, ASM), _hfma2(x2, d1, a1, ASM), _hfma2(x2, d2, a2, ASM), _hfma2(x2, d3, a3, ASM)
+
+
+@jit
+def _group_consts(qz_ptr, s_ptr, g, N, NP, p, p_mask, R: tl.constexpr, ASM: tl.constexpr):
+    """Group ``g``'s negated zero planes (``_neg_zeros``) and its 8 scales per word (column c of
+    word p, fp32), each broadcast to the [R, P] tiles: so the loop carries them in the tiles'
+    own layout, and any layout exchange happens here, once per group, not once per tile."""
+    nz0, nz1, nz2, nz3 = _neg_zeros(tl.load(qz_ptr + g * NP + p, mask=p_mask, other=0), ASM)
+    s = s_ptr + g * N + p * 8
+    return (_rows(nz0, R), _rows(nz1, R), _rows(nz2, R), _rows(nz3, R),
+            _rows(tl.load(s, mask=p_mask, other=0.0).to(tl.float32), R),
+            _rows(tl.load(s + 1, mask=p_mask, other=0.0).to(tl.float32), R),
+            _rows(tl.load(s + 2, mask=p_mask, other=0.0).to(tl.float32), R),
+            _rows(tl.load(s + 3, mask=p_mask, other=0.0).to(tl.float32), R),
+            _rows(tl.load(s + 4, mask=p_mask, other=0.0).to(tl.float32), R),
+            _rows(tl.load(s + 5, mask=p_mask, other=0.0).to(tl.float32), R),
+            _rows(tl.load(s + 6, mask=p_mask, other=0.0).to(tl.float32), R),
+            _rows(tl.load(s + 7, mask=p_mask, other=0.0).to(tl.float32), R))
+
+
+@jit
+def _rows(v, R: tl.constexpr):
+    """A vector [P] repeated as R rows [R, P]."""
+    return tl.broadcast_to(v[None, :], (R, v.shape[0]))
+
+
+@jit
+def _store8(ptr, p, mask, t0, t1, t2, t3, t4, t5, t6, t7):
+    """Write 8 per-word vectors [P] to their interleaved columns ``8 * p + c``."""
+    o = ptr + p * 8
     ty = ptr.dtype.element_ty
-    tl.store(o, a0.to(ty), mask=mask)
-    tl.store(o + 1, a1.to(ty), mask=mask)
-    tl.store(o + 2, a2.to(ty), mask=mask)
-    tl.store(o + 3, a3.to(ty), mask=mask)
-    tl.store(o + 4, a4.to(ty), mask=mask)
-    tl.store(o + 5, a5.to(ty), mask=mask)
-    tl.store(o + 6, a6.to(ty), mask=mask)
-    tl.store(o + 7, a7.to(ty), mask=mask)
+    tl.store(o, t0.to(ty), mask=mask)
+    tl.store(o + 1, t1.to(ty), mask=mask)
+    tl.store(o + 2, t2.to(ty), mask=mask)
+    tl.store(o + 3, t3.to(ty), mask=mask)
+    tl.store(o + 4, t4.to(ty), mask=mask)
+    tl.store(o + 5, t5.to(ty), mask=mask)
+    tl.store(o + 6, t6.to(ty), mask=mask)
+    tl.store(o + 7, t7.to(ty), mask=mask)
+
+
+@jit
+def _reduce_last(part_ptr, lock_ptr, b_ptr, out_ptr, tile, N, SPLITS, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Split-K without a second kernel: every program of column tile ``tile`` has written its fp32
+    partial row [N] (in ``part_ptr``, one row per split); the last to arrive adds them in split
+    order (deterministic), writes the output and re-arms the tile's counter for the next launch."""
+    tl.debug_barrier()  # all threads' partial stores precede the (release) atomic below
+    arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLITS - 1:
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_mask = cols < N
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for s in range(0, SPLITS):  # .cg: read from L2, where the other SMs' stores are
+            acc += tl.load(part_ptr + s * N + cols, mask=c_mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
+        tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@jit
+def _gemv_f16_kernel(
+    x_ptr, qw_ptr, qz_ptr, s_ptr, b_ptr, out_ptr, part_ptr, lock_ptr,
+    K, N, NP, K_SPLIT, SPLITS,
+    GROUP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, CHAIN: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
+):
+    # The fp16 GEMV. Grid and row steps as _gemv_kernel's (a step is 4 tiles of BLOCK_R rows and
+    # lies in one group). Per two weights: one AND-OR, one HFMA2 for q - z (exact), one HFMA2
+    # into an fp16 chain of x * (q - z); a chain holds CHAIN steps (4 * CHAIN rows a thread)
+    # before it is added, times the group's scales, into fp32: short chains keep the fp16
+    # rounding near the output's own (8 rows: ~4.5e-4 rms relative on randn x, against ~2e-4
+    # for rounding the output alone), and the conversion costs 2 instructions per 8 weights.
+    pid_n = tl.program_id(0)
+    p = pid_n * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_mask = p < NP
+    r = tl.arange(0, BLOCK_R)
+    pid_s = tl.program_id(1)
+    k_lo = pid_s * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    STEP: tl.constexpr = 4 * BLOCK_R
+    q0, x0 = _gemv_rows_2d(x_ptr, qw_ptr, k_lo + r, k_hi, NP, p, p_mask)
+    q1, x1 = _gemv_rows_2d(x_ptr, qw_ptr, k_lo + BLOCK_R + r, k_hi, NP, p, p_mask)
+    q2, x2 = _gemv_rows_2d(x_ptr, qw_ptr, k_lo + 2 * BLOCK_R + r, k_hi, NP, p, p_mask)
+    q3, x3 = _gemv_rows_2d(x_ptr, qw_ptr, k_lo + 3 * BLOCK_R + r, k_hi, NP, p, p_mask)
+    nz0, nz1, nz2, nz3, s0, s1, s2, s3, s4, s5, s6, s7 = _group_consts(
+        qz_ptr, s_ptr, k_lo // GROUP, N, NP, p, p_mask, BLOCK_R, ASM)
+    a0 = tl.zeros([BLOCK_R, BLOCK_P], tl.int32)  # half2 +0.0
+    a1 = tl.zeros([BLOCK_R, BLOCK_P], tl.int32)
+    a2 = tl.zeros([BLOCK_R, BLOCK_P], tl.int32)
+    a3 = tl.zeros([BLOCK_R, BLOCK_P], tl.int32)
+    o0 = tl.zeros([BLOCK_R, BLOCK_P], tl.float32)
+    o1 = tl.zeros([BLOCK_R, BLOCK_P], tl.float32)
+    o2 = tl.zeros([BLOCK_R, BLOCK_P], tl.float32)
+    o3 = tl.zeros([BLOCK_R, BLOCK_P], tl.float32)
+    o4 = tl.zeros([BLOCK_R, BLOCK_P], tl.float32)
+    o5 = tl.zeros([BLOCK_R, BLOCK_P], tl.float32)
+    o6 = tl.zeros([BLOCK_R, BLOCK_P], tl.float32)
+    o7 = tl.zeros([BLOCK_R, BLOCK_P], tl.float32)
+    for k0 in range(k_lo, k_hi, STEP):
+        c0, y0, c1, y1, c2, y2, c3, y3 = q0, x0, q1, x1, q2, x2, q3, x3
+        nxt = k0 + STEP
+        q0, x0 = _gemv_rows_2d(x_ptr, qw_ptr, nxt + r, k_hi, NP, p, p_mask)
+        q1, x1 = _gemv_rows_2d(x_ptr, qw_ptr, nxt + BLOCK_R + r, k_hi, NP, p, p_mask)
+        q2, x2 = _gemv_rows_2d(x_ptr, qw_ptr, nxt + 2 * BLOCK_R + r, k_hi, NP, p, p_mask)
+        q3, x3 = _gemv_rows_2d(x_ptr, qw_ptr, nxt + 3 * BLOCK_R + r, k_hi, NP, p, p_mask)
+        a0, a1, a2, a3 = _gemv_f16_tile(a0, a1, a2, a3, c0, y0, nz0, nz1, nz2, nz3, ASM)
+        a0, a1, a2, a3 = _gemv_f16_tile(a0, a1, a2, a3, c1, y1, nz0, nz1, nz2, nz3, ASM)
+        a0, a1, a2, a3 = _gemv_f16_tile(a0, a1, a2, a3, c2, y2, nz0, nz1, nz2, nz3, ASM)
+        a0, a1, a2, a3 = _gemv_f16_tile(a0, a1, a2, a3, c3, y3, nz0, nz1, nz2, nz3, ASM)
+        group_end = (nxt % GROUP == 0) | (nxt >= k_hi)
+        if group_end | ((nxt - k_lo) % (CHAIN * STEP) == 0):  # close the fp16 chains
+            o0 += _half(a0, 0) * s0
+            o1 += _half(a0, 1) * s1
+            o2 += _half(a1, 0) * s2
+            o3 += _half(a1, 1) * s3
+            o4 += _half(a2, 0) * s4
+            o5 += _half(a2, 1) * s5
+            o6 += _half(a3, 0) * s6
+            o7 += _half(a3, 1) * s7
+            a0 = tl.zeros([BLOCK_R, BLOCK_P], tl.int32)
+            a1 = tl.zeros([BLOCK_R, BLOCK_P], tl.int32)
+            a2 = tl.zeros([BLOCK_R, BLOCK_P], tl.int32)
+            a3 = tl.zeros([BLOCK_R, BLOCK_P], tl.int32)
+            if group_end & (nxt < k_hi):
+                nz0, nz1, nz2, nz3, s0, s1, s2, s3, s4, s5, s6, s7 = _group_consts(
+                    qz_ptr, s_ptr, nxt // GROUP, N, NP, p, p_mask, BLOCK_R, ASM)
+    t0, t1, t2, t3 = tl.sum(o0, axis=0), tl.sum(o1, axis=0), tl.sum(o2, axis=0), tl.sum(o3, axis=0)
+    t4, t5, t6, t7 = tl.sum(o4, axis=0), tl.sum(o5, axis=0), tl.sum(o6, axis=0), tl.sum(o7, axis=0)
+    if SPLIT:
+        _store8(part_ptr + pid_s * N, p, p_mask, t0, t1, t2, t3, t4, t5, t6, t7)
+        _reduce_last(part_ptr, lock_ptr, b_ptr, out_ptr, pid_n, N, SPLITS, 8 * BLOCK_P, HAS_BIAS)
+    else:
+        if HAS_BIAS:
+            bias = b_ptr + p * 8
+            t0 += tl.load(bias, mask=p_mask, other=0.0).to(tl.float32)
+            t1 += tl.load(bias + 1, mask=p_mask, other=0.0).to(tl.float32)
+            t2 += tl.load(bias + 2, mask=p_mask, other=0.0).to(tl.float32)
+            t3 += tl.load(bias + 3, mask=p_mask, other=0.0).to(tl.float32)
+            t4 += tl.load(bias + 4, mask=p_mask, other=0.0).to(tl.float32)
+            t5 += tl.load(bias + 5, mask=p_mask, other=0.0).to(tl.float32)
+            t6 += tl.load(bias + 6, mask=p_mask, other=0.0).to(tl.float32)
+            t7 += tl.load(bias + 7, mask=p_mask, other=0.0).to(tl.float32)
+        _store8(out_ptr, p, p_mask, t0, t1, t2, t3, t4, t5, t6, t7)
+
+
+@jit
+def _dequant_tile(q, z, s_ptr, g, N, rp, p_mask, DT: tl.constexpr, ASM: tl.constexpr):
+    """The weight tile [BK, 8 * BP] in natural column order and dtype DT from packed words
+    q [BK, BP] and zero words z [1, BP] of group g: (q - z) exact as half2 planes (one LOP3 and one
+    HFMA2 per two weights), then the scales: fp16 as one more HFMA2 (the half2 scales are
+    (col 2j, col 2j + 1) pairs, one int32 of scales viewed as int32), bf16 through fp32."""
+    nz0, nz1, nz2, nz3 = _neg_zeros(z, ASM)
+    d0, d1, d2, d3 = _centered(q, nz0, nz1, nz2, nz3, ASM)
+    if DT == tl.float16:
+        s = s_ptr + g * (N // 2) + rp[None, :] * 4  # int32 view: word 4p + j = scales of columns 8p + 2j, +1
+        pm = p_mask[None, :]
+        zero = tl.zeros(q.shape, tl.int32)
+        d0 = _hfma2(d0, tl.load(s, mask=pm, other=0), zero, ASM)
+        d1 = _hfma2(d1, tl.load(s + 1, mask=pm, other=0), zero, ASM)
+        d2 = _hfma2(d2, tl.load(s + 2, mask=pm, other=0), zero, ASM)
+        d3 = _hfma2(d3, tl.load(s + 3, mask=pm, other=0), zero, ASM)
+    # join: [BK, BP, 2, 2] whose (u, v) is plane 2u + v, then each half2 split into (lo, hi):
+    # [BK, BP, 2, 2, 2] flattens to column 8p + 2j + h.
+    planes = tl.join(tl.join(d0, d2), tl.join(d1, d3))
+    halves = tl.join(planes.to(tl.int16), (planes >> 16).to(tl.int16))
+    w = tl.reshape(halves, [q.shape[0], 8 * q.shape[1]]).to(tl.float16, bitcast=True)
+    if DT == tl.float16:
+        return w
+    else:
+        cols = rp[:, None] * 8 + tl.arange(0, 8)[None, :]
+        s = tl.load(s_ptr + g * N + cols, mask=p_mask[:, None], other=0.0).to(tl.float32)
+        return (w.to(tl.float32) * tl.reshape(s, [8 * q.shape[1]])[None, :]).to(DT)
 
 
 @jit
@@ -332,37 +545,27 @@ def _gemm_kernel(
     M, N, NP, K, K_SPLIT, stride_xm, stride_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_IN_F32: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     # Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits), output tiles in GROUP_M-row bands so
     # that programs running together share weight tiles in L2. A K tile lies in one group
-    # (BLOCK_K divides GROUP, or GROUP >= K), and K_SPLIT is a multiple of BLOCK_K.
-    #
-    # The weight tile is kept as 8 column planes (column C of each of BLOCK_N / 8 words), each
-    # with its own tl.dot and accumulator: unpacking a plane is one AND-OR per weight with
-    # constant masks and no register shuffling (interleaving the planes into natural column
-    # order costs more instructions than the unpacking itself), and the planes are stored to
-    # their interleaved columns once at the end. The tensor cores get (q - z) * 16**j exactly;
-    # the scales multiply each K tile's fp32 product instead of every weight.
+    # (BLOCK_K divides GROUP, or GROUP >= K), and K_SPLIT is a multiple of BLOCK_K. Each K tile
+    # of packed weights is dequantized in registers (``_dequant_tile``) and multiplied by one
+    # tl.dot accumulating in fp32.
     BLOCK_P: tl.constexpr = BLOCK_N // 8
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = rm < M
     rp = pid_n * BLOCK_P + tl.arange(0, BLOCK_P)
     p_mask = rp < NP
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
     pid_s = tl.program_id(1)
     k_lo = pid_s * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     kk = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
-    acc0 = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
-    acc1 = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
-    acc3 = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
-    acc4 = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
-    acc5 = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
-    acc6 = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
-    acc7 = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + kk
         k_mask = k < K
@@ -370,33 +573,21 @@ def _gemm_kernel(
         q = tl.load(qw_ptr + k.to(tl.int64)[:, None] * NP + rp[None, :],
                     mask=k_mask[:, None] & p_mask[None, :], other=0)
         g = k0 // GROUP
-        z = tl.load(qz_ptr + g * NP + rp, mask=p_mask, other=0)
-        q_hi = q >> 16
-        z_hi = z >> 16
-        acc0 = _plane_dot(a, q, q_hi, z, z_hi, s_ptr, g, N, rp, p_mask, acc0, 0, DOT_IN_F32)
-        acc1 = _plane_dot(a, q, q_hi, z, z_hi, s_ptr, g, N, rp, p_mask, acc1, 1, DOT_IN_F32)
-        acc2 = _plane_dot(a, q, q_hi, z, z_hi, s_ptr, g, N, rp, p_mask, acc2, 2, DOT_IN_F32)
-        acc3 = _plane_dot(a, q, q_hi, z, z_hi, s_ptr, g, N, rp, p_mask, acc3, 3, DOT_IN_F32)
-        acc4 = _plane_dot(a, q, q_hi, z, z_hi, s_ptr, g, N, rp, p_mask, acc4, 4, DOT_IN_F32)
-        acc5 = _plane_dot(a, q, q_hi, z, z_hi, s_ptr, g, N, rp, p_mask, acc5, 5, DOT_IN_F32)
-        acc6 = _plane_dot(a, q, q_hi, z, z_hi, s_ptr, g, N, rp, p_mask, acc6, 6, DOT_IN_F32)
-        acc7 = _plane_dot(a, q, q_hi, z, z_hi, s_ptr, g, N, rp, p_mask, acc7, 7, DOT_IN_F32)
-    mask = m_mask[:, None] & p_mask[None, :]
+        z = tl.load(qz_ptr + g * NP + rp[None, :], mask=p_mask[None, :], other=0)
+        w = _dequant_tile(q, z, s_ptr, g, N, rp, p_mask, a.dtype, ASM)
+        if DOT_IN_F32:  # the interpreter's bf16 tl.dot is wrong; same operands, in fp32
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
+        else:
+            acc = tl.dot(a, w, acc)
+    mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT:
         part = part_ptr + pid_s.to(tl.int64) * M * N
-        _store_planes(part, rm, N, rp, mask, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
+        tl.store(part + rm.to(tl.int64)[:, None] * N + rn[None, :], acc, mask=mask)
     else:
         if HAS_BIAS:
-            bias = b_ptr + rp * 8
-            acc0 += tl.load(bias, mask=p_mask, other=0.0).to(tl.float32)[None, :]
-            acc1 += tl.load(bias + 1, mask=p_mask, other=0.0).to(tl.float32)[None, :]
-            acc2 += tl.load(bias + 2, mask=p_mask, other=0.0).to(tl.float32)[None, :]
-            acc3 += tl.load(bias + 3, mask=p_mask, other=0.0).to(tl.float32)[None, :]
-            acc4 += tl.load(bias + 4, mask=p_mask, other=0.0).to(tl.float32)[None, :]
-            acc5 += tl.load(bias + 5, mask=p_mask, other=0.0).to(tl.float32)[None, :]
-            acc6 += tl.load(bias + 6, mask=p_mask, other=0.0).to(tl.float32)[None, :]
-            acc7 += tl.load(bias + 7, mask=p_mask, other=0.0).to(tl.float32)[None, :]
-        _store_planes(out_ptr, rm, stride_om, rp, mask, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
+            acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 @jit
@@ -450,6 +641,7 @@ class GemvConfig:
     block_r: int
     num_warps: int
     programs_per_sm: int = 16
+    chain: int = 2  # fp16 kernel: steps summed in fp16 before fp32 (see _gemv_f16_kernel)
 
 
 @dataclass(frozen=True)
@@ -488,9 +680,13 @@ def gemm_config(m: int, n: int, k: int) -> GemmConfig:
     layer takes the dense-weight path; if forced through this kernel, 64-row tiles (warp-group
     MMA) were the best measured.
     """
-    if m < max(DEQUANT_MIN_ROWS, 33):
-        return GemmConfig(16, 256, 128, num_warps=4, num_stages=3)
-    return GemmConfig(64, 128, 128, num_warps=4, num_stages=3)
+    if m <= 16:
+        return GemmConfig(16, 128, 64, num_warps=4, num_stages=3)
+    if m <= 32:
+        return GemmConfig(32, 128, 64, num_warps=4, num_stages=3)
+    if m <= 64:
+        return GemmConfig(64, 128, 64, num_warps=4, num_stages=3)
+    return GemmConfig(128, 128, 64, num_warps=8, num_stages=3)
 
 
 def tile_k(block_k: int, group_size: int, k: int) -> int:
@@ -514,6 +710,21 @@ def split_k(
         splits = min(cdiv(programs, tiles), units // min_units)
     k_split = cdiv(units, max(1, min(splits, units))) * unit
     return cdiv(k, k_split), k_split
+
+
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters, one per column tile, for ``_reduce_last`` (each launch leaves
+    them zero again). One buffer per device and stream: launches on one stream never overlap."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        buf = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
 
 
 def dequantize_awq_triton(
@@ -560,14 +771,22 @@ def w4a16_matmul_triton(
         return out.view(*x.shape[:-1], n)
     sms = sm_count(x.device)  # the interpreter: 1 (tests set splits themselves)
     b = bias if bias is not None else scales  # a placeholder pointer when there is no bias
+    asm = not TRITON_INTERPRETED
     if m == 1:
         cfg = gemv or gemv_config(n, k)
         step = 4 * cfg.block_r
         if group_size < k and group_size % step:  # a step must lie in one group: 16-row steps
-            cfg, step = GemvConfig(32, 4, 1, cfg.programs_per_sm), 16
+            cfg, step = replace(cfg, block_r=4), 16
         tiles = cdiv(n // PACK, cfg.block_p)
         s, k_split = split_k(tiles, k, step, cfg.programs_per_sm * sms, splits)
         part = torch.empty(s, 1, n, dtype=torch.float32, device=x.device) if s > 1 else out
+        if x.dtype == torch.float16:
+            _gemv_f16_kernel[(tiles, s)](
+                x2, qweight, qzeros, scales, b, out, part, _split_counters(x.device, tiles), k, n, n // PACK,
+                k_split, s, GROUP=group_size, BLOCK_P=cfg.block_p, BLOCK_R=cfg.block_r, CHAIN=cfg.chain,
+                SPLIT=s > 1, HAS_BIAS=bias is not None, ASM=asm, num_warps=cfg.num_warps,
+            )
+            return out.view(*x.shape[:-1], n)  # split or not, the kernel wrote the output
         _gemv_kernel[(tiles, s)](
             x2, qweight, qzeros, scales, b, out, part, k, n, n // PACK, k_split,
             GROUP=group_size, BLOCK_P=cfg.block_p, BLOCK_R=cfg.block_r,
@@ -575,16 +794,18 @@ def w4a16_matmul_triton(
         )
     else:
         cfg = gemm or gemm_config(m, n, k)
-        assert cfg.block_n >= 128 or TRITON_INTERPRETED, "tl.dot needs 16 words (128 columns) per plane"
+        assert cfg.block_n >= 64 or TRITON_INTERPRETED, "tl.dot tiles need at least 64 columns here"
         bk = tile_k(cfg.block_k, group_size, k)
         tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
         s, k_split = split_k(tiles, k, bk, cfg.programs_per_sm * sms, splits, min_units=4)
         part = torch.empty(s, m, n, dtype=torch.float32, device=x.device) if s > 1 else out
+        # fp16: the scales as int32 pairs (one half2 load per two columns, see _dequant_tile).
+        s_arg = scales.view(torch.int32) if x.dtype == torch.float16 else scales
         _gemm_kernel[(tiles, s)](
-            x2, qweight, qzeros, scales, b, out, part, m, n, n // PACK, k, k_split, x2.stride(0), out.stride(0),
+            x2, qweight, qzeros, s_arg, b, out, part, m, n, n // PACK, k, k_split, x2.stride(0), out.stride(0),
             GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
             SPLIT=s > 1, HAS_BIAS=bias is not None, DOT_IN_F32=TRITON_INTERPRETED and x.dtype == torch.bfloat16,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            ASM=asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if s > 1:
         block = 64
