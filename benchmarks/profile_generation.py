@@ -102,8 +102,9 @@ def main() -> None:
     ap.add_argument("-c", "--case", type=parse_case, action="append", help="IN:OUT token lengths (repeatable)")
     ap.add_argument("--max-batch-size", type=int, default=256)
     ap.add_argument("--cache-max-entry-count", type=cache_size, default=0.8)
-    ap.add_argument("--model-format", default=None, choices=[None, "hf", "awq"],
-                    help="awq: the decoder linears as 4-bit AWQ weights (random, group size 128)")
+    ap.add_argument("--model-format", default=None, choices=[None, "hf", "awq", "smooth_quant"],
+                    help="awq: the decoder linears as 4-bit AWQ weights (random, group size 128); "
+                         "smooth_quant: as W8A8 int8 weights (random) with per-token int8 activations")
     ap.add_argument("--name", default=None, help="results file name (default profile_generation_<model>)")
     ap.add_argument("--hf-baseline", action="store_true",
                     help="also run transformers generate on the batch-1 cases, into the same file")

@@ -11,7 +11,7 @@
 #   tree, alternating, in one call: a before/after comparison free of machine-to-machine spread.
 # STAGE "bench": this tree's Llama-2-7B grid and ShareGPT run.
 # STAGE "quant": the W4A16/W8A8 kernel tests and microbenchmarks, then Llama-2-7B fp16 and AWQ
-#   (random 4-bit weights) generation in the same call, fp16 first and last.
+#   (random 4-bit weights), W8A8 (random int8 weights) generation in the same call, fp16 first and last.
 set -u
 STAGE=${1:-bench}
 REPO=$PWD
@@ -64,4 +64,19 @@ if [ "$STAGE" = quant ]; then
   GEN="benchmarks.profile_generation --model llama2-7b -b 1 -b 64 -c 128:512 -c 128:128 -c 2048:1"
   timeout 200 python3 -m $GEN --name quant_fp16
   timeout 200 python3 -m $GEN --model-format awq --name quant_awq
+  timeout 200 python3 -m $GEN --model-format smooth_quant --name quant_w8a8
+  timeout 200 python3 -m $GEN --name quant_fp16_last
+fi
+
+# STAGE "w8a8": the W8A8 engine and kernel tests on the GPU, then Llama-2-7B generation in the formats
+#   of $FORMATS (default: fp16 smooth_quant), each a record file quant_<format>.
+if [ "$STAGE" = w8a8 ]; then
+  [ -n "${SKIP_TESTS:-}" ] || pytest_here 200 tests/unit/test_w8a8_engine.py tests/unit/test_kernels_w8a8.py
+  GEN="benchmarks.profile_generation --model llama2-7b -b 1 -b 64 -c 128:512 -c 128:128 -c 2048:1"
+  for fmt in ${FORMATS:-fp16 smooth_quant}; do
+    start=$(date +%s)
+    if [ "$fmt" = fp16 ]; then timeout 170 python3 -m $GEN --name quant_fp16${SUFFIX:-}
+    else timeout 170 python3 -m $GEN --model-format "$fmt" --name "quant_${fmt}${SUFFIX:-}"; fi
+    echo "$fmt: $(( $(date +%s) - start )) s"
+  done
 fi
