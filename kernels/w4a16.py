@@ -74,7 +74,7 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16)
 # write and read cost a fixed ~K * N * 4 bytes. On an H200 (Llama-2-7B qkv and down, group 128)
 # the fused kernel took 39/29 µs at 16 rows and 54 µs (qkv) at 32, the dense path ~67 µs at
 # 16..128 rows; at 64 rows fused 71-84 µs against 66-69.
-DEQUANT_MIN_ROWS = 512
+DEQUANT_MIN_ROWS = 128
 
 
 # ------------------------------------------------------------------------------------- reference
@@ -409,15 +409,20 @@ def _store8(ptr, p, mask, t0, t1, t2, t3, t4, t5, t6, t7):
 def _reduce_last(part_ptr, lock_ptr, b_ptr, out_ptr, tile, N, SPLITS, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Split-K without a second kernel: every program of column tile ``tile`` has written its fp32
     partial row [N] (in ``part_ptr``, one row per split); the last to arrive adds them in split
-    order (deterministic), writes the output and re-arms the tile's counter for the next launch."""
+    order (deterministic), writes the output and re-arms the tile's counter for the next launch.
+    The partials are read 8 splits per load: a loop of one load per split would wait out one L2
+    latency per split, in the one program that every column tile finishes with."""
     tl.debug_barrier()  # all threads' partial stores precede the (release) atomic below
     arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
     if arrived == SPLITS - 1:
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         c_mask = cols < N
         acc = tl.zeros([BLOCK_N], tl.float32)
-        for s in range(0, SPLITS):  # .cg: read from L2, where the other SMs' stores are
-            acc += tl.load(part_ptr + s * N + cols, mask=c_mask, other=0.0, cache_modifier=".cg")
+        for s0 in range(0, SPLITS, 8):  # .cg: read from L2, where the other SMs' stores are
+            s = s0 + tl.arange(0, 8)
+            part = tl.load(part_ptr + s[:, None] * N + cols[None, :], mask=(s < SPLITS)[:, None] & c_mask[None, :],
+                           other=0.0, cache_modifier=".cg")
+            acc += tl.sum(part, axis=0)
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
@@ -666,7 +671,7 @@ def gemv_config(n: int, k: int) -> GemvConfig:
     SM; the K splits aim at 12 programs per SM (12 and 16 measured within 10% of each other on
     an H200, 12 ahead on 3 of the 4 Llama-2-7B projections; 2- and 4-warp programs were slower).
     """
-    return GemvConfig(block_p=32, block_r=4, num_warps=1, programs_per_sm=12)
+    return GemvConfig(block_p=16, block_r=8, num_warps=1, programs_per_sm=12, chain=2)
 
 
 def gemm_config(m: int, n: int, k: int) -> GemmConfig:
@@ -681,12 +686,10 @@ def gemm_config(m: int, n: int, k: int) -> GemmConfig:
     MMA) were the best measured.
     """
     if m <= 16:
-        return GemmConfig(16, 128, 64, num_warps=4, num_stages=3)
+        return GemmConfig(16, 64, 128, num_warps=4, num_stages=3)
     if m <= 32:
-        return GemmConfig(32, 128, 64, num_warps=4, num_stages=3)
-    if m <= 64:
-        return GemmConfig(64, 128, 64, num_warps=4, num_stages=3)
-    return GemmConfig(128, 128, 64, num_warps=8, num_stages=3)
+        return GemmConfig(32, 64, 128, num_warps=4, num_stages=3)
+    return GemmConfig(64, 64, 128, num_warps=4, num_stages=4, programs_per_sm=1)
 
 
 def tile_k(block_k: int, group_size: int, k: int) -> int:
