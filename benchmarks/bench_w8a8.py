@@ -47,11 +47,17 @@ TARGET = 1.5  # int8 over fp16 at M >= 2048 (the tensor cores' int8 peak is ~2x 
 DEVICE = "cuda"
 
 
+GRAPHS = False  # --graphs: time calls replayed from a CUDA graph, as decode steps run (no launch cost)
+
+
 def time_us(fns: list[Callable[[], Any]], rounds: int) -> float:
-    """Median µs per call over ``rounds`` rounds of back-to-back calls cycling through ``fns``."""
+    """Median µs per call over ``rounds`` rounds of back-to-back calls cycling through ``fns``
+    (captured once into a CUDA graph and replayed when GRAPHS is set)."""
     for fn in fns:
         fn()
     torch.cuda.synchronize()
+    if GRAPHS:
+        return _graph_time_us(fns, rounds)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for i in range(5):
@@ -65,6 +71,23 @@ def time_us(fns: list[Callable[[], Any]], rounds: int) -> float:
         start.record()
         for i in range(reps):
             fns[i % len(fns)]()
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end) * 1e3 / reps)
+    return statistics.median(runs)
+
+
+def _graph_time_us(fns: list[Callable[[], Any]], rounds: int, reps: int = 64) -> float:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fns[i % len(fns)]()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    runs = []
+    for _ in range(rounds):
+        start.record()
+        graph.replay()
         end.record()
         end.synchronize()
         runs.append(start.elapsed_time(end) * 1e3 / reps)
@@ -218,11 +241,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"M in {QUICK_ROWS}, 3 rounds")
     parser.add_argument("--configs", action="store_true", help="also time every MATMUL_CONFIGS tile of each case")
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    parser.add_argument("--graphs", action="store_true",
+                        help="time graph replays (the kernels alone, as in decode) instead of eager launches")
+    parser.add_argument("--rows", type=int, nargs="*", default=None, help="row counts M (default: the grid)")
     parser.add_argument("--out", type=Path, help="write the JSON records here (default: benchmarks/results/<gpu>/)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     dtype = getattr(torch, args.dtype)
     rows, rounds = (QUICK_ROWS, 3) if args.quick else (ROWS, 7)
+    rows = tuple(args.rows) if args.rows else rows
+    global GRAPHS
+    GRAPHS = args.graphs
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  dtype {args.dtype}", flush=True)
     gemms = bench_gemms(rows, rounds, dtype, args.configs)
     norms = bench_norms(rows, rounds, dtype)

@@ -307,9 +307,12 @@ MATMUL_CONFIGS: dict[int, list[dict[str, int]]] = {
     # SMs, and deep K slices in 4-6 stages (12-24 KiB each) to keep enough bytes in flight per SM.
     16: [_config(16, 32, 256, 4, 5), _config(16, 64, 256, 4, 4), _config(16, 16, 512, 4, 4),
          _config(16, 64, 128, 4, 6), _config(16, 128, 128, 4, 4)],
-    # Small batches: still mostly weight-bound; 32-64 row tiles (wgmma from 64), 64-128 wide.
+    # Small batches: still mostly weight-bound; 32-64 row tiles (wgmma from 64), 64-128 wide, and
+    # 32 wide so that N = 4096 (o_proj, down_proj) makes 128 programs for the 132 SMs, not 64
+    # (measured under CUDA graphs at M = 64: 64-wide tiles left o_proj at 1.18x fp16).
     64: [_config(64, 64, 128, 4, 5), _config(64, 128, 128, 4, 4), _config(32, 64, 256, 4, 4),
-         _config(64, 64, 256, 4, 4), _config(32, 128, 128, 4, 4)],
+         _config(64, 64, 256, 4, 4), _config(32, 128, 128, 4, 4), _config(64, 32, 256, 4, 4),
+         _config(64, 32, 128, 4, 6)],
     # Medium batches: one warpgroup per 64 rows; 3-4 stages of 24-48 KiB.
     256: [_config(64, 128, 128, 4, 4), _config(128, 128, 128, 8, 4), _config(128, 128, 64, 8, 4),
           _config(64, 256, 128, 8, 3), _config(128, 256, 128, 8, 3)],
