@@ -13,6 +13,8 @@ the one rounding to the activation dtype.
 * :func:`quant_per_token`: ``x [..., K]`` -> ``(xq int8 [M, K], scale float32 [M, 1])``;
 * :func:`rms_norm_quant`: RMSNorm (optionally after the residual add, as ``add_rms_norm``) and the
   per-token quantization of its output in one pass: the normalized row lives only in registers;
+* :func:`silu_mul_quant`: the SwiGLU gate (``silu_and_mul``) and the per-token quantization of
+  its output in one pass, for the down projection's input;
 * :func:`int8_matmul`: the GEMM with the dequantizing epilogue. On CUDA it is a Triton kernel
   (``tl.dot`` on int8 tiles: ``mma.sync`` for small row tiles, ``wgmma`` on Hopper for 64+ rows);
   :func:`int8_matmul_int_mm` is the cuBLAS baseline (``torch._int_mm`` + a Triton epilogue), used
@@ -40,6 +42,7 @@ from ._triton import (
     triton,
     triton_takes,
 )
+from .activation import silu_and_mul_ref
 from .rms_norm import add_rms_norm_ref, as_rows, norm_inputs, rms_norm_ref
 
 try:  # CUDA's round-half-even instruction; the interpreter cannot run libdevice (see _round_half_even)
@@ -90,6 +93,11 @@ def rms_norm_quant_ref(
     normed, residual = add_rms_norm_ref(x, residual, weight, eps)
     xq, scale = quant_per_token_ref(normed)
     return xq, scale, residual
+
+
+def silu_mul_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant_per_token(silu_and_mul(x))``: the SwiGLU gate over ``x = cat(gate, up)``, quantized per row."""
+    return quant_per_token_ref(silu_and_mul_ref(x))
 
 
 def int8_mm_int32_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -193,6 +201,21 @@ def _rms_norm_quant_kernel(
     _quantize_row(y, cols, mask, q_ptr + row * stride_q, scale_ptr + row, USE_RINT)
 
 
+@jit
+def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, inter_size,
+                           USE_RINT: tl.constexpr, BLOCK: tl.constexpr):
+    # Grid: (rows,). kernels/activation.py's gate over a whole row, rounded to the input dtype as
+    # silu_and_mul returns it, then quantized in registers: the [M, I] activation is never stored.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < inter_size
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter_size + cols, mask=mask, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    y = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype).to(tl.float32)
+    _quantize_row(y, cols, mask, q_ptr + row * stride_q, scale_ptr + row, USE_RINT)
+
+
 def _row_warps(block: int) -> int:
     # As kernels/rms_norm.py: 8-32 elements per thread in flight keeps a row's loads wide without spilling.
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
@@ -238,6 +261,23 @@ def rms_norm_quant_triton(
     if residual is None:
         return xq, scale
     return xq, scale, res_out.view(x.shape)
+
+
+def silu_mul_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton launcher for :func:`silu_mul_quant_ref`: one read of the gate/up row, int8 codes out."""
+    assert x.dtype in FLOAT_DTYPES, f"unsupported dtype {x.dtype}"
+    assert x.shape[-1] % 2 == 0 and 0 < x.shape[-1] // 2 <= MAX_HIDDEN, f"bad gate/up width {x.shape[-1]}"
+    inter = x.shape[-1] // 2
+    x2 = as_rows(x)
+    xq = torch.empty(x2.shape[0], inter, dtype=torch.int8, device=x.device)
+    scale = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
+    if x2.shape[0]:
+        block = next_pow2(inter)
+        _silu_mul_quant_kernel[(x2.shape[0],)](
+            x2, xq, scale, x2.stride(0), xq.stride(0), inter,
+            USE_RINT=_USE_RINT, BLOCK=block, num_warps=_row_warps(block),
+        )
+    return xq, scale
 
 
 # ------------------------------------------------------------------------------------------- the GEMM
@@ -473,6 +513,18 @@ def quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if triton_takes("quant_per_token", (x,), _row_problem, x):
         return quant_per_token_triton(x)
     return quant_per_token_ref(x)
+
+
+def _gate_problem(x: torch.Tensor) -> str | None:
+    ok = x.dtype in FLOAT_DTYPES and x.shape[-1] % 2 == 0 and 0 < x.shape[-1] // 2 <= MAX_HIDDEN
+    return None if ok else f"{x.dtype} {tuple(x.shape)}"
+
+
+def silu_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq [M, I], scale [M, 1]) of ``silu_and_mul(x)`` in one pass: Triton on CUDA, else the reference."""
+    if triton_takes("silu_mul_quant", (x,), _gate_problem, x):
+        return silu_mul_quant_triton(x)
+    return silu_mul_quant_ref(x)
 
 
 def rms_norm_quant(

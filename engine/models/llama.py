@@ -43,8 +43,9 @@ def linear_method(config: ModelConfig):
     return config.quant.linear_method() if config.quant is not None else None
 
 
-def norm_quantizes_output(config: ModelConfig) -> bool:
-    """Whether the norms before q/k/v and gate/up hand their output over quantized (W8A8 linears read int8)."""
+def hands_over_int8(config: ModelConfig) -> bool:
+    """Whether the norms before q/k/v and gate/up, and the MLP's gate before down_proj, hand their
+    output over quantized (W8A8 linears read int8)."""
     return config.quant is not None and config.quant.takes_int8_input
 
 
@@ -84,7 +85,7 @@ class LlamaMLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias, method=linear_method(config))
         self.down_proj = ReplicatedLinear(inter, config.hidden_size, bias=bias, method=linear_method(config))
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(quantize_output=hands_over_int8(config))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]."""
@@ -100,7 +101,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias)
         self.mlp = LlamaMLP(config, mlp_bias)
-        quantize = norm_quantizes_output(config)
+        quantize = hands_over_int8(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize_output=quantize)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize_output=quantize)
 

@@ -32,7 +32,10 @@ from kernel_harness import (  # noqa: E402,F401 - fixtures are used by name
     assert_close, compiled_gpu, forced, gpu, interp, poisoned_empty, rel_err, run_interpreter_cases_in_child, seed,
 )
 from conveyor.kernels.rms_norm import add_rms_norm_ref, rms_norm_ref  # noqa: E402
+from conveyor.kernels.activation import silu_and_mul_ref  # noqa: E402
 from conveyor.kernels.w8a8 import (  # noqa: E402
+    silu_mul_quant,
+    silu_mul_quant_ref,
     MATMUL_CONFIGS,
     int8_matmul,
     int8_matmul_int_mm,
@@ -282,6 +285,24 @@ def test_rms_norm_quant(hidden: int, dtype: torch.dtype, residual: bool, seed: i
             assert_close(out[2], ref[2], 1e-2)
 
 
+@interp
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("inter", [96, 200])
+def test_silu_mul_quant(inter: int, dtype: torch.dtype, seed: int, forced: None) -> None:
+    """The fused gate + quantizer against silu_and_mul then quant_per_token (the gate's exp may round
+    differently from torch's: codes within one of the reference's)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = randn(6, 2 * inter + 5, gen=gen, dtype=dtype)[:, :2 * inter] * 3  # strided rows
+    x[0] = 0
+    out, ref = silu_mul_quant(x), silu_mul_quant_ref(x)
+    if dtype != torch.bfloat16:
+        assert_codes_close(out, ref, dtype)
+    else:  # the interpreter truncates bf16 roundings (see test_rms_norm_quant)
+        assert rel_err(dequant(*out), dequant(*ref)) < 3e-2
+    err = (dequant(*ref) - silu_and_mul_ref(x).double()).abs()
+    assert bool((err <= ref[1].double() * (0.5 + 1e-5)).all())
+
+
 # (M, N, K): the odd shapes (one row, 3, 17 > 16, 2048; N not a tile multiple; K not a multiple
 # of the K tile) at sizes the interpreter runs quickly.
 INTERP_MATMUL = [(1, 8, 200), (3, 56, 576), (17, 4104, 200), (2048, 8, 576), (17, 56, 576)]
@@ -442,6 +463,16 @@ def test_gpu_rms_norm_quant(dtype: torch.dtype, residual: bool, seed: int, poiso
         assert_codes_close(out, ref, dtype)
         if res is not None:
             torch.testing.assert_close(out[2], ref[2], rtol=0, atol=0)
+
+
+@gpu
+@compiled_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=GPU_IDS)
+def test_gpu_silu_mul_quant(dtype: torch.dtype, seed: int, poisoned_empty: None) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for rows, inter in ((2048, 11008), (3, 96)):
+        x = randn(rows, 2 * inter, gen=gen, dtype=dtype, device="cuda") * 3
+        assert_codes_close(silu_mul_quant(x), silu_mul_quant_ref(x), dtype)
 
 
 GPU_MATMUL = [(m, n, k) for m in (1, 3, 17, 2048) for n in (8, 56, 4104) for k in (576, 200)]
