@@ -21,38 +21,45 @@ column ``j``; ``dequantize_gemm`` is ``(iweight - izeros) * scales`` with the gr
 16-bit halves of the word, for CUDA kernels that convert two at a time.) AutoAWQ requires
 ``K % group_size == 0``; here a shorter last group is allowed too.
 
-Reading 4-bit codes without shifts or conversions. Column ``2j + h`` of a word is nibble ``j``
-of its half ``h`` (bits ``16h + 4j``), so with ``hi = word >> 16`` (one shift per word) every
-column is one AND-OR away from a float: ``bits(2**23 + c * 16**j) = 0x4B000000 | (half &
-0xF << 4j)``, exact since ``c * 16**j < 2**16``. Two such values subtract to ``(q - z) * 16**j``
-exactly, and ``16**-j`` is folded into the scale. This avoids both the slow int-to-float
-conversion instruction and per-column shifts; the kernels never reorder the packed data.
+Reading 4-bit codes without conversions. Column ``2j + h`` of a word is nibble ``j`` of its
+half ``h``, so one AND-OR (LOP3) of ``word`` or ``word >> 8`` with ``0x000F000F`` or
+``0x00F000F0`` and ``0x64006400`` gives two fp16 values ``1024 + c`` (or ``1024 + 16 c``) at
+once, the "magic number" read of the codes (FasterTransformer, LMDeploy). One fp16x2 fused
+multiply-add (PTX ``fma.rn.f16x2``, via ``tl.inline_asm_elementwise``) then makes ``q - z`` of
+both exactly (``v * 1 - (1024 + z)`` or ``v / 16 - (64 + z)``). fp16 activations use this path
+(the half2 kernels); bf16 ones the older fp32 form: with ``hi = word >> 16`` every column is
+``bits(2**23 + c * 16**j) = 0x4B000000 | (half & 0xF << 4j)``, and two such values subtract to
+``(q - z) * 16**j`` exactly, ``16**-j`` folded into the scale. Under Triton's interpreter (no
+inline assembly) the fp16x2 arithmetic is emulated through fp32 with the same roundings.
 
-* **M == 1** (batch-1 decode): a GEMV. A program takes 8 * BLOCK_P columns (16-byte loads, 32
-  columns a thread) and a range of rows; per group it accumulates ``x * q * 16**j`` in a
-  register tile (one fused multiply-add per weight, no reduction in the loop) and folds in the
-  zeros and scales once, when the group ends (``sum x (q - z) = sum x q - z sum x``). The
-  packed weights are read once, no dense weight is written, the next step's loads are issued
-  before this step's arithmetic. N tiles alone are too few for 132 SMs (4096 columns are 16
-  tiles of 256), so K is split as well and a second small kernel adds the per-split partial
-  sums in a fixed order (deterministic, unlike atomics).
-* **2 <= M < DEQUANT_MIN_ROWS** (batched decode): a tiled GEMM with ``tl.dot``; the weight tile
-  stays as 8 column planes (column C of each word), each with its own dot and accumulator,
-  which unpacks with constant masks and no register shuffling; the tensor cores multiply the
-  exact integers ``(q - z) * 16**j`` and the scales are applied to each K tile's fp32 product.
+* **M == 1** (batch-1 decode): a GEMV. A program takes 8 * BLOCK_P columns and a range of rows;
+  the next step's loads are issued before this step's arithmetic. fp16: per two weights one
+  LOP3 and two HFMA2 (``q - z``, then ``x * (q - z)`` into an fp16 chain of 8 rows a thread),
+  each chain added into fp32 times the group's scales (``_gemv_f16_kernel``). bf16: ``x * q *
+  16**j`` summed in fp32 and the zeros folded in per group (``sum x (q - z) = sum x q - z sum
+  x``, ``_gemv_kernel``). N tiles alone are too few for 132 SMs, so K is split as well; the
+  fp16 kernel adds the per-split partial sums in the last program of each column tile to
+  arrive (a counter per tile, no second launch), the bf16 one in a second small kernel; both
+  in a fixed order (deterministic, unlike atomics).
+* **2 <= M < DEQUANT_MIN_ROWS** (batched decode): a tiled GEMM; each K tile of packed weights
+  is dequantized in registers to x's dtype (fp16: ``q - z`` and the scale product both HFMA2,
+  the planes joined into natural column order) and fed to one ``tl.dot`` accumulating in fp32.
   Split over K too when the output tiles are fewer than the SMs.
 * **M >= DEQUANT_MIN_ROWS** (prefill, large batches): a Triton kernel writes the dense weight in
   x's dtype and cuBLAS multiplies, as AutoAWQ and vLLM do for large batches. A transient
   K * N * 2 bytes (180 MB for Llama-2-7B's gate_up) is allocated per call.
 
-Measured on one H200 (``benchmarks/bench_w4a16.py``, Llama-2-7B projections, group 128): at
-M = 1 the GEMV takes 10-30 µs per projection, 1.4-1.6x faster than fp16 cuBLAS but only ~35% of
-HBM bandwidth: it is bound by unpacking (~4.3 instructions per weight in the SASS, of which
-AND-OR, FADD, FFMA are the useful three), not by memory. The fused GEMM roughly matches fp16 at
-M = 16 and loses from ~48 rows on, where the dense-weight path takes over (~0.5x fp16 at 256
-rows, ~1x at 2048). A K tile never straddles two groups (``BLOCK_K`` and the GEMV's row step
-divide ``group_size``, or one group covers K). Launch choices are in ``gemv_config`` /
-``gemm_config`` / ``split_k``.
+Measured on one H200 (``benchmarks/bench_w4a16.py``, Llama-2-7B projections, group 128, fp16,
+commit 1c5f358 against the previous kernels in the same run): at M = 1 the GEMV takes 10-29 µs
+per projection (qkv 14.4 µs, was 17.9), 1.4-2.1x faster than fp16 cuBLAS but still only ~36-43%
+of HBM bandwidth. Its loop is ~3.5 SASS instructions per weight (HFMA2 ~1.1; the rest constant
+re-materialisation, register moves of the hand pipelining, addressing), and a program of one
+warp keeps only one step of loads in flight: latency and the split-K prologue/epilogue, not the
+unpacking alone, now bound it. The fused GEMM matches fp16 at M = 16 (0.94-1.0x) and reaches
+0.6-0.8x at M = 64 (was 0.4-0.5x); from 128 rows the dense-weight path (~0.5x fp16 at 128-256
+rows) is used. A K tile never straddles two groups (``BLOCK_K`` and the GEMV's row step divide
+``group_size``, or one group covers K). Launch choices are in ``gemv_config`` / ``gemm_config``
+/ ``split_k``.
 """
 
 # No ``from __future__ import annotations``: Triton reads ``tl.constexpr`` annotations as objects.
@@ -70,10 +77,10 @@ AWQ_NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)
 PACK = 8  # 4-bit values per int32
 TRITON_DTYPES = (torch.float16, torch.bfloat16)
 # From this many rows on, the Triton path writes the dense weight and lets cuBLAS multiply: the
-# fused kernel unpacks the weight once per 16-row tile, a cost that grows with M, while the dense
-# write and read cost a fixed ~K * N * 4 bytes. On an H200 (Llama-2-7B qkv and down, group 128)
-# the fused kernel took 39/29 µs at 16 rows and 54 µs (qkv) at 32, the dense path ~67 µs at
-# 16..128 rows; at 64 rows fused 71-84 µs against 66-69.
+# fused kernel dequantizes the weight once per 64-row tile, a cost that grows with M, while the
+# dense write and read cost a fixed ~K * N * 4 bytes. On an H200 (Llama-2-7B, group 128) the fused
+# kernel took 37-71 µs at 64 rows against the dense path's 67-120 µs, and 106-112 µs (qkv, down)
+# at 256 rows against 77.
 DEQUANT_MIN_ROWS = 128
 
 

@@ -11,13 +11,14 @@ against the fp32 reference, with every buffer a launcher allocates filled with N
 
 Tolerances. The reference dequantizes exactly in fp32 ((q - z) has 5 bits and s 11, so the
 product is exact) and multiplies in fp32; only the rounding of the output to x's dtype is
-shared. The M == 1 kernel and the fused M >= 2 kernel also work exactly up to fp32 sums (the
-tensor cores get the exact integers q - z; scales multiply the fp32 products), so they differ
-by summation order and output rounding: fp16 ~3e-4 rms, bf16 ~1e-3 (limit 1e-3 / 1e-2; the
-interpreter converts to bf16 by truncating, a bias of half an ulp: ~4e-3 measured). The
-dense-weight path of many rows rounds each weight to x's dtype for cuBLAS: at most 2**-11
-(fp16) / 2**-8 (bf16) relative per weight, independent across the K terms, so about that much
-rms in the output (~3e-4 / ~2.5e-3) on top; limits fp16 2e-3, bf16 1.5e-2.
+shared (fp16 ~2e-4 rms relative, bf16 ~1.5e-3). The bf16 M == 1 kernel works exactly up to fp32
+sums; the fp16 one sums x * (q - z) in fp16 chains of 8 rows before fp32, measured ~5e-4 rms
+on these randn inputs (~4.5e-4 in a numpy model of it); limits fp16 1e-3, bf16 1e-2 (the
+interpreter converts to bf16 by truncating, a bias of half an ulp: ~4e-3 measured). The fused
+M >= 2 kernel (fp16: (q - z) * s rounded to fp16 for the tensor cores) and the dense-weight
+path of many rows round each weight to x's dtype: at most 2**-11 (fp16) / 2**-8 (bf16) relative
+per weight, independent across the K terms, so about that much rms in the output (~3e-4 /
+~2.5e-3) on top; limits fp16 2e-3, bf16 1.5e-2.
 """
 
 import importlib
@@ -53,7 +54,7 @@ from conveyor.kernels.w4a16 import (  # noqa: E402
 
 w4a16_mod = importlib.import_module("conveyor.kernels.w4a16")
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
-GEMV_TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}  # exact unpacking: output rounding only
+GEMV_TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}  # see the module doc
 
 
 # --------------------------------------------------------------------------------------------- helpers
