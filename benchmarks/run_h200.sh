@@ -73,10 +73,13 @@ fi
 if [ "$STAGE" = w8a8 ]; then
   [ -n "${SKIP_TESTS:-}" ] || pytest_here 200 tests/unit/test_w8a8_engine.py tests/unit/test_kernels_w8a8.py
   GEN="benchmarks.profile_generation --model llama2-7b -b 1 -b 64 -c 128:512 -c 128:128 -c 2048:1"
+  declare -A seen=()
   for fmt in ${FORMATS:-fp16 smooth_quant}; do
     start=$(date +%s)
-    if [ "$fmt" = fp16 ]; then timeout 170 python3 -m $GEN --name quant_fp16${SUFFIX:-}
-    else timeout 170 python3 -m $GEN --model-format "$fmt" --name "quant_${fmt}${SUFFIX:-}"; fi
+    seen[$fmt]=$(( ${seen[$fmt]:-0} + 1 ))
+    name=quant_${fmt}${SUFFIX:-}; [ "${seen[$fmt]}" = 1 ] || name=${name}_${seen[$fmt]}  # repeats: _2, _3
+    if [ "$fmt" = fp16 ]; then timeout 170 python3 -m $GEN --name "$name"
+    else timeout 170 python3 -m $GEN --model-format "$fmt" --name "$name"; fi
     echo "$fmt: $(( $(date +%s) - start )) s"
   done
 fi

@@ -352,7 +352,7 @@ MATMUL_CONFIGS: dict[int, list[dict[str, int]]] = {
     # (measured under CUDA graphs at M = 64: 64-wide tiles left o_proj at 1.18x fp16).
     64: [_config(64, 64, 128, 4, 5), _config(64, 128, 128, 4, 4), _config(32, 64, 256, 4, 4),
          _config(64, 64, 256, 4, 4), _config(32, 128, 128, 4, 4), _config(64, 32, 256, 4, 4),
-         _config(64, 32, 128, 4, 6)],
+         _config(64, 32, 128, 4, 6), _config(64, 64, 256, 4, 5), _config(64, 32, 256, 4, 6)],
     # Medium batches: one warpgroup per 64 rows; 3-4 stages of 24-48 KiB.
     256: [_config(64, 128, 128, 4, 4), _config(128, 128, 128, 8, 4), _config(128, 128, 64, 8, 4),
           _config(64, 256, 128, 8, 3), _config(128, 256, 128, 8, 3)],
