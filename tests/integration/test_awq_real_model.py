@@ -1,4 +1,5 @@
-"""`conveyor lite auto_awq` end to end on SmolLM2-135M: the AutoAWQ "gemm" checkpoint it writes.
+"""`conveyor lite auto_awq` end to end on SmolLM2-135M: the AutoAWQ "gemm" checkpoint it writes,
+and that checkpoint loaded by ``pipeline``, ``conveyor serve api_server`` and ``conveyor chat``.
 
 Few, short calibration windows keep it to about a minute on two CPU cores; the quality of a
 full-size run is measured by ``python -m benchmarks.quant_quality``. Select with ``-m slow``
@@ -9,13 +10,17 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors import safe_open
 
 from conveyor.cli import main
+from server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +31,8 @@ LAYERS = 30
 SHAPES = {"self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (HIDDEN, KV), "self_attn.v_proj": (HIDDEN, KV),
           "self_attn.o_proj": (HIDDEN, HIDDEN), "mlp.gate_proj": (HIDDEN, INTER), "mlp.up_proj": (HIDDEN, INTER),
           "mlp.down_proj": (INTER, HIDDEN)}
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+ANSWER_TOKENS = 8  # a handful: the served and the terminal answers only have to match the pipeline's
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +42,24 @@ def awq_dir(smollm2_dir: Path, tmp_path_factory) -> Path:
                  "--calib-samples", "8", "--calib-seqlen", "128", "--log-level", "WARNING"])
     assert code == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def awq_greedy(awq_dir: Path):
+    """The in-process pipeline's greedy answer to MESSAGES: what the server and `conveyor chat` must say."""
+    from conveyor import EngineConfig, GenerationConfig, pipeline
+
+    config = EngineConfig(session_len=512, cache_max_entry_count=64, block_size=16)
+    with pipeline(str(awq_dir), backend_config=config) as pipe:
+        return pipe(MESSAGES, GenerationConfig(max_new_tokens=ANSWER_TOKENS, top_k=1))
+
+
+@pytest.fixture(scope="module")
+def awq_server(awq_dir: Path, tmp_path_factory):
+    srv = ServerProcess(awq_dir, "--cache-max-entry-count", "64", "--cache-block-seq-len", "16",
+                        "--session-len", "512", log_dir=tmp_path_factory.mktemp("awq-server"))
+    yield srv
+    assert srv.terminate() == 0, srv.log()
 
 
 def test_default_group_size_is_refused_naming_the_fix(smollm2_dir: Path, tmp_path: Path, capsys):
@@ -86,3 +111,27 @@ def test_engine_runs_the_checkpoint_as_its_dequantized_copy(awq_dir: Path, tmp_p
             losses.append(pipe.get_ppl(pipe.tokenizer.encode(text))[0])
     assert math.isfinite(losses[0]) and math.exp(losses[0]) < 200
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_api_server_serves_the_checkpoint_as_the_pipeline_does(awq_server: ServerProcess, awq_dir: Path, awq_greedy):
+    # /v1/models has no field for a weight format (ModelCard: id, root, parent, max_model_len...),
+    # so the AWQ-ness is checked where it shows: the answers are the quantized model's.
+    models = httpx.get(f"{awq_server.url}/v1/models", timeout=10).json()["data"]
+    assert [m["id"] for m in models] == [awq_dir.name]
+    body = httpx.post(f"{awq_server.url}/v1/chat/completions", timeout=120, json={
+        "model": awq_dir.name, "messages": MESSAGES, "temperature": 0, "max_tokens": ANSWER_TOKENS}).json()
+    choice = body["choices"][0]
+    assert choice["message"]["content"] == awq_greedy.text, awq_server.log()
+    assert choice["finish_reason"] == awq_greedy.finish_reason
+    assert body["usage"]["prompt_tokens"] == awq_greedy.input_token_len
+    assert body["usage"]["completion_tokens"] == awq_greedy.generate_token_len
+
+
+def test_terminal_chat_answers_a_piped_prompt(awq_dir: Path, awq_greedy):
+    done = subprocess.run(
+        [sys.executable, "-m", "conveyor.cli", "chat", str(awq_dir), "--max-new-tokens", str(ANSWER_TOKENS),
+         "--top-k", "1", "--session-len", "512", "--cache-max-entry-count", "0.01"],
+        input=MESSAGES[0]["content"] + "\n", capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip(), done.stderr
+    assert done.stdout.strip() == awq_greedy.text.strip()  # top_k=1: the pipeline's greedy answer
