@@ -143,3 +143,16 @@ def test_w8a8_on_the_gpu_matches_the_cpu(tmp_path) -> None:
     for loss, ref in zip(gpu.get_ppl(list(PROMPTS)), cpu.get_ppl(list(PROMPTS))):
         assert math.isclose(loss, ref, rel_tol=2e-2), (loss, ref)
     assert len(greedy(gpu, PROMPTS[1], 16)) == 16  # decode through the captured graphs
+
+
+def test_a_checkpoint_missing_a_scale_is_refused_by_name(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from conveyor.protocol.errors import UnsupportedModelError
+
+    w8a8_dir, _ = write_models(tmp_path)
+    tensors = load_file(str(w8a8_dir / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight_scale"]
+    save_file(tensors, str(w8a8_dir / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp\.down_proj\.weight_scale"):
+        engine(w8a8_dir)
