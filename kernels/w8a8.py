@@ -221,14 +221,19 @@ def _row_warps(block: int) -> int:
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
+def _int8_rows(rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty outputs of a row quantizer: codes int8 [rows, width] and scales float32 [rows, 1]."""
+    return (torch.empty(rows, width, dtype=torch.int8, device=device),
+            torch.empty(rows, 1, dtype=torch.float32, device=device))
+
+
 def quant_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher for :func:`quant_per_token_ref`."""
     k = x.shape[-1]
     assert x.dtype in FLOAT_DTYPES, f"unsupported dtype {x.dtype}"
     assert 0 < k <= MAX_HIDDEN, f"row length {k} not in 1..{MAX_HIDDEN}"
     x2 = as_rows(x)
-    xq = torch.empty(x2.shape, dtype=torch.int8, device=x.device)
-    scale = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
+    xq, scale = _int8_rows(x2.shape[0], k, x.device)
     if x2.shape[0]:
         block = next_pow2(k)
         _quant_kernel[(x2.shape[0],)](
@@ -245,8 +250,7 @@ def rms_norm_quant_triton(
     hidden = x.shape[-1]
     assert 0 < hidden <= MAX_HIDDEN, f"hidden size {hidden} not in 1..{MAX_HIDDEN}"
     x2, r2, w, res_out, normed_dtype = norm_inputs(x, residual, weight)
-    xq = torch.empty(x2.shape, dtype=torch.int8, device=x.device)
-    scale = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
+    xq, scale = _int8_rows(x2.shape[0], hidden, x.device)
     if x2.shape[0]:
         block = next_pow2(hidden)
         _rms_norm_quant_kernel[(x2.shape[0],)](
@@ -269,8 +273,7 @@ def silu_mul_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     assert x.shape[-1] % 2 == 0 and 0 < x.shape[-1] // 2 <= MAX_HIDDEN, f"bad gate/up width {x.shape[-1]}"
     inter = x.shape[-1] // 2
     x2 = as_rows(x)
-    xq = torch.empty(x2.shape[0], inter, dtype=torch.int8, device=x.device)
-    scale = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
+    xq, scale = _int8_rows(x2.shape[0], inter, x.device)
     if x2.shape[0]:
         block = next_pow2(inter)
         _silu_mul_quant_kernel[(x2.shape[0],)](

@@ -21,13 +21,12 @@ from .awq import LayerReport, awq_layer, keep_samples, quantize_linears
 from .awq_layout import pack_linear
 from .calibration import (
     LayerwiseRunner,
-    calibration_windows,
+    checked_model_dir,
     load_causal_lm,
+    model_windows,
     pick_device,
     pick_dtypes,
-    read_model_config,
     read_text,
-    tokenize_for_calibration,
 )
 from .checkpoint import atomic_directory, check_work_dir, quantization_config, quantized_state_dict, write_quantized_checkpoint
 from .config import AwqConfig, QuantizationError
@@ -57,10 +56,7 @@ def auto_awq(model_dir: str | Path, work_dir: str | Path, config: AwqConfig | No
     """
     config = config or AwqConfig()
     start = time.perf_counter()
-    model_dir = Path(model_dir).expanduser()
-    if not model_dir.is_dir():
-        raise QuantizationError(f"model {model_dir} is not a directory: pass a Hugging Face model directory")
-    hf_config = read_model_config(model_dir, "auto_awq")
+    model_dir, hf_config = checked_model_dir(model_dir, "auto_awq")
     config.check_model(hf_config)
     check_work_dir(work_dir)
     text = None
@@ -77,11 +73,7 @@ def auto_awq(model_dir: str | Path, work_dir: str | Path, config: AwqConfig | No
     packed: dict[str, dict[str, torch.Tensor]] = {}
     num_samples = 0
     if config.search_scale:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        windows = calibration_windows(tokenize_for_calibration(tokenizer, text), config.calib_samples,
-                                      config.calib_seqlen)
+        windows = model_windows(model_dir, text, config.calib_samples, config.calib_seqlen)
         num_samples = windows.shape[0]
         logger.info("AWQ calibration: %d windows of %d tokens; weights %s, compute %s", num_samples,
                     config.calib_seqlen, weights_dtype, compute_dtype)

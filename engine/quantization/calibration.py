@@ -231,6 +231,22 @@ def load_causal_lm(model_dir: str | Path, device: torch.device, dtype: torch.dty
     return model.eval().to(device)
 
 
+def checked_model_dir(model_dir: str | Path, tool: str) -> tuple[Path, dict]:
+    """``model_dir`` as a Path and its config.json, if it is an unquantized Llama-family model directory."""
+    model_dir = Path(model_dir).expanduser()
+    if not model_dir.is_dir():
+        raise QuantizationError(f"model {model_dir} is not a directory: pass a Hugging Face model directory")
+    return model_dir, read_model_config(model_dir, tool)
+
+
+def model_windows(model_dir: Path, text: str, num_samples: int, seqlen: int) -> torch.Tensor:
+    """``calibration_windows`` of ``text`` tokenized by the model's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return calibration_windows(tokenize_for_calibration(tokenizer, text), num_samples, seqlen)
+
+
 def read_model_config(model_dir: Path, tool: str) -> dict:
     """The config.json of an unquantized Llama-family model directory, or QuantizationError naming the fix."""
     config_path = model_dir / "config.json"

@@ -31,13 +31,12 @@ from tqdm import tqdm
 from ...kernels.w8a8 import quant_per_token_ref
 from .calibration import (
     LayerwiseRunner,
-    calibration_windows,
+    checked_model_dir,
     load_causal_lm,
+    model_windows,
     pick_device,
     pick_dtypes,
-    read_model_config,
     read_text,
-    tokenize_for_calibration,
 )
 from .checkpoint import (
     atomic_directory,
@@ -106,10 +105,7 @@ def smooth_quant(model_dir: str | Path, work_dir: str | Path, config: SmoothQuan
     """
     config = config or SmoothQuantConfig()
     start = time.perf_counter()
-    model_dir = Path(model_dir).expanduser()
-    if not model_dir.is_dir():
-        raise QuantizationError(f"model {model_dir} is not a directory: pass a Hugging Face model directory")
-    hf_config = read_model_config(model_dir, "smooth_quant")
+    model_dir, hf_config = checked_model_dir(model_dir, "smooth_quant")
     check_work_dir(work_dir)
     text = None
     if config.smooth:
@@ -123,11 +119,7 @@ def smooth_quant(model_dir: str | Path, work_dir: str | Path, config: SmoothQuan
     num_samples = 0
     runner = None
     if config.smooth:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        windows = calibration_windows(tokenize_for_calibration(tokenizer, text), config.calib_samples,
-                                      config.calib_seqlen)
+        windows = model_windows(model_dir, text, config.calib_samples, config.calib_seqlen)
         num_samples = windows.shape[0]
         logger.info("SmoothQuant calibration: %d windows of %d tokens, alpha %.2f", num_samples,
                     config.calib_seqlen, config.alpha)
