@@ -49,13 +49,28 @@ QUICK_SHAPES = ["qkv", "down"]
 QUICK_ROWS = [1, 16, 256]
 GROUP = 128
 GEMV_SWEEP = [GemvConfig(*c) for c in (  # block_p, block_r, num_warps, programs_per_sm, chain
-    (32, 4, 1, 12, 2), (32, 4, 1, 8, 2), (32, 4, 1, 16, 2), (32, 4, 1, 12, 1), (32, 4, 1, 12, 4),
-    (16, 8, 1, 12, 2), (16, 8, 1, 8, 1), (32, 8, 2, 6, 1), (64, 2, 1, 12, 4),
+    (16, 8, 1, 12, 2), (32, 4, 1, 12, 2), (16, 8, 1, 8, 2),
 )]
 GEMM_SWEEP = [GemmConfig(*c[:3], num_warps=c[3], num_stages=c[4]) for c in (
-    (16, 128, 64, 4, 3), (16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (16, 256, 64, 8, 3), (32, 128, 64, 4, 3),
-    (64, 128, 64, 4, 3), (64, 64, 128, 4, 4), (64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4),
+    (16, 64, 128, 4, 3), (16, 128, 64, 4, 3), (64, 64, 128, 4, 4), (64, 128, 64, 4, 3),
 )]
+# The swapped kernel (weight columns on the MMA's 64-row side): block_n, block_k, warps, stages;
+# block_m follows M (8 or 16 rows for M = 1, else the power of two >= M, 16..64).
+SWAP_SWEEP = ((64, 128, 4, 4), (128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3),
+              (256, 64, 8, 3), (64, 64, 4, 4))
+SWAP_SWEEP_M1 = ((64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 4, 3))
+
+
+def sweep_configs(m: int) -> list[GemvConfig | GemmConfig]:
+    """The candidate configurations for M rows (GEMV and swapped GEMM for M = 1)."""
+    def swap(bm: int, c: tuple[int, ...]) -> GemmConfig:
+        return GemmConfig(bm, c[0], c[1], num_warps=c[2], num_stages=c[3], swap=True)
+
+    if m == 1:
+        return [*GEMV_SWEEP, *(swap(bm, c) for bm in (8, 16) for c in SWAP_SWEEP_M1)]
+    bm = min(64, max(16, 1 << (m - 1).bit_length()))
+    return [*(c for c in GEMM_SWEEP if c.block_m >= min(m, 64) or c.block_m == 16),
+            *(swap(bm, c) for c in SWAP_SWEEP)]
 
 
 def layer_copies(k: int, n: int, copies: int) -> list[tuple[torch.Tensor, ...]]:
@@ -173,9 +188,9 @@ def main() -> None:
                          rel_err=err, config=repr(cfg), impl=args.impl)
             if args.sweep:
                 rec["sweep"] = sweep(m, k, n, xs, layers, ref, samples)
-                best = min(rec["sweep"], key=lambda r: r["us"] if r["us"] is not None else float("inf"))
-                print(f"{'':8s} {'':5s} best {best['config']} splits={best['splits']}: {best['us']:.1f} us",
-                      flush=True)
+                ranked = sorted((r for r in rec["sweep"] if r["us"] is not None), key=lambda r: r["us"])
+                for r in ranked[:3]:
+                    print(f"{'':8s} {m:5d} best {r['config']} splits={r['splits']}: {r['us']:.1f} us", flush=True)
             records.append(rec)
         layers = dense = []  # free this shape's copies before the next one's
         torch.cuda.empty_cache()
@@ -194,7 +209,7 @@ def sweep(m: int, k: int, n: int, xs: list[torch.Tensor], layers: list[tuple[tor
     results = []
 
     def run(cfg: GemvConfig | GemmConfig | None, splits: int | None, dequant: bool = False) -> None:
-        kw = {"gemv" if m == 1 else "gemm": cfg, "splits": splits, "dequant": dequant}
+        kw = {"gemv" if isinstance(cfg, GemvConfig) else "gemm": cfg, "splits": splits, "dequant": dequant}
         try:
             err = rel_err(IMPL.w4a16_matmul_triton(xs[0], *layers[0], GROUP, **kw), ref)
             us = graph_time_us([lambda i=i, layer=layer: IMPL.w4a16_matmul_triton(xs[i % 2], *layer, GROUP, **kw)
@@ -205,26 +220,32 @@ def sweep(m: int, k: int, n: int, xs: list[torch.Tensor], layers: list[tuple[tor
         name = "dequant+matmul" if dequant else repr(cfg)
         results.append({"config": name, "splits": splits, "us": us, "rel_err": err})
 
-    if m > 1:
-        run(None, None, dequant=True)
-    for cfg in GEMV_SWEEP if m == 1 else GEMM_SWEEP:
+    configs = sweep_configs(m)
+    for cfg in configs:
         run(cfg, None)
-    timed = [r for r in results if r["us"] is not None and r["config"] != "dequant+matmul"]
+    timed = [r for r in results if r["us"] is not None]
     if not timed:
         return results
-    best = min(timed, key=lambda r: r["us"])
-    cfg = next(c for c in (GEMV_SWEEP if m == 1 else GEMM_SWEEP) if repr(c) == best["config"])
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if m == 1:
-        unit = 4 * cfg.block_r
-        auto, _ = split_k(cdiv(n // 8, cfg.block_p), k, unit, cfg.programs_per_sm * sms)
-    else:
-        unit = tile_k(cfg.block_k, GROUP, k)
-        auto, _ = split_k(cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), k, unit, cfg.programs_per_sm * sms,
-                          min_units=4)
-    for splits in sorted({1, max(1, auto // 2), 2 * auto, 4 * auto} - {auto}):
-        if splits <= cdiv(k, unit):
-            run(cfg, splits)
+    # Other K splits for the fastest of each kind (GEMV, GEMM, swapped GEMM).
+    kinds: dict[str, dict] = {}
+    for r in timed:
+        cfg = next(c for c in configs if repr(c) == r["config"])
+        kind = "gemv" if isinstance(cfg, GemvConfig) else "swap" if cfg.swap else "gemm"
+        if kind not in kinds or r["us"] < kinds[kind]["us"]:
+            kinds[kind] = {"us": r["us"], "cfg": cfg}
+    for best in kinds.values():
+        cfg = best["cfg"]
+        if isinstance(cfg, GemvConfig):
+            unit = 4 * cfg.block_r
+            auto, _ = split_k(cdiv(n // 8, cfg.block_p), k, unit, cfg.programs_per_sm * sms)
+        else:
+            unit = tile_k(cfg.block_k, GROUP, k)
+            auto, _ = split_k(cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), k, unit, cfg.programs_per_sm * sms,
+                              min_units=4)
+        for splits in sorted({1, max(1, auto // 2), 2 * auto, 3 * auto, 4 * auto} - {auto}):
+            if splits <= cdiv(k, unit):
+                run(cfg, splits)
     return results
 
 

@@ -603,6 +603,57 @@ def _gemm_kernel(
 
 
 @jit
+def _gemm_swap_kernel(
+    x_ptr, qw_ptr, qz_ptr, s_ptr, b_ptr, out_ptr, part_ptr,
+    M, N, NP, K, K_SPLIT, stride_xm, stride_om,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_IN_F32: tl.constexpr, ASM: tl.constexpr,
+):
+    # _gemm_kernel with the operands swapped: out^T [BLOCK_N, BLOCK_M] = W^T @ x^T. The weight
+    # columns are the MMA's 64-row side and the few activation rows its narrow side (warp-group
+    # MMA takes 8..256 there), so 16 or 32 rows need no padding to 64, and the dequantized tile
+    # is operand A, which the warp-group MMA may read from registers (x^T, operand B, is what
+    # goes through shared memory). Grid: (cdiv(N, BLOCK_N), splits, cdiv(M, BLOCK_M)).
+    BLOCK_P: tl.constexpr = BLOCK_N // 8
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = rm < M
+    rp = pid_n * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_mask = rp < NP
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    k_lo = pid_s * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    kk = tl.arange(0, BLOCK_K)
+    x_cols = x_ptr + rm.to(tl.int64)[None, :] * stride_xm
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + kk
+        k_mask = k < K
+        a = tl.load(x_cols + k[:, None], mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+        q = tl.load(qw_ptr + k.to(tl.int64)[:, None] * NP + rp[None, :],
+                    mask=k_mask[:, None] & p_mask[None, :], other=0)
+        g = k0 // GROUP
+        z = tl.load(qz_ptr + g * NP + rp[None, :], mask=p_mask[None, :], other=0)
+        w = tl.trans(_dequant_tile(q, z, s_ptr, g, N, rp, p_mask, a.dtype, ASM))
+        if DOT_IN_F32:  # the interpreter's bf16 tl.dot is wrong; same operands, in fp32
+            acc += tl.dot(w.to(tl.float32), a.to(tl.float32))
+        else:
+            acc = tl.dot(w, a, acc)
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT:
+        part = part_ptr + pid_s.to(tl.int64) * M * N
+        tl.store(part + rm.to(tl.int64)[None, :] * N + rn[:, None], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@jit
 def _splitk_reduce_kernel(
     part_ptr, b_ptr, out_ptr, M, N, S, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr,
@@ -667,6 +718,7 @@ class GemmConfig:
     num_stages: int
     group_m: int = 8
     programs_per_sm: int = 2
+    swap: bool = False  # _gemm_swap_kernel (weight columns on the MMA's 64-row side)
 
 
 def gemv_config(n: int, k: int) -> GemvConfig:
@@ -675,28 +727,52 @@ def gemv_config(n: int, k: int) -> GemvConfig:
     One warp per program, 32 packed words (128-byte rows: whole cache lines, every DRAM sector
     fetched is used) of 4 rows a tile: 16-byte loads, 32 columns a thread, 8 such loads in
     flight per thread (this step's 4 tiles and the next). At ~96 registers about 20 warps fit an
-    SM; the K splits aim at 12 programs per SM (12 and 16 measured within 10% of each other on
-    an H200, 12 ahead on 3 of the 4 Llama-2-7B projections; 2- and 4-warp programs were slower).
+    SM; the K splits aim at about 10 programs per SM in whole groups (``gemv_splits``; 2- and
+    4-warp programs were slower on an H200).
     """
-    return GemvConfig(block_p=16, block_r=8, num_warps=1, programs_per_sm=12, chain=2)
+    return GemvConfig(block_p=16, block_r=8, num_warps=1, programs_per_sm=10, chain=2)
 
 
 def gemm_config(m: int, n: int, k: int) -> GemmConfig:
     """The M >= 2 tile for ``m`` rows of an [K, N] layer.
 
-    Below ``DEQUANT_MIN_ROWS`` rows the product is bound by reading and unpacking the weights:
-    16-row tiles (tl.dot's minimum; mma.sync on Hopper) even for 32 rows, since a weight tile
-    unpacked once per 16 rows costs less than the idle half of a 32-row MMA; 256 columns (32
-    words: 128-byte rows of packed weights, 8 column planes of 32) and 128-row K tiles at 3
-    stages (measured best on an H200 among 10 tiles, for 16 and 32 rows). From 64 rows on the
-    layer takes the dense-weight path; if forced through this kernel, 64-row tiles (warp-group
-    MMA) were the best measured.
+    Below ``DEQUANT_MIN_ROWS`` rows the product is bound by reading and unpacking the weights.
+    Measured on an H200 (Llama-2-7B projections, group 128, ``benchmarks/bench_w4a16.py`` with
+    explicit splits): up to 32 rows the swapped kernel (``_gemm_swap_kernel``: weight columns on
+    the warp-group MMA's 64-row side, the rows on its narrow side, no padding of 16 rows to 64)
+    beat the 16-row ``mma.sync`` tiles of ``_gemm_kernel`` by 5-25% (o_proj 15.1 -> 13.0 µs,
+    down 30.5 -> 22.9 at 16 rows), with 128-column tiles and about 3 programs per SM for the
+    narrow layers and 64-column tiles, one program per SM, for the wide ones at 32 rows. At 64
+    rows the swapped kernel won only for gate_up (71 -> 66 µs, 64-column tiles) and down (40 ->
+    37, 128 x 64 tiles, split K); qkv and o_proj keep ``_gemm_kernel``'s 64 x 64 tiles.
     """
     if m <= 16:
-        return GemmConfig(16, 64, 128, num_warps=4, num_stages=3)
+        return GemmConfig(16, 128, 128, num_warps=4, num_stages=3, programs_per_sm=3, swap=True)
     if m <= 32:
-        return GemmConfig(32, 64, 128, num_warps=4, num_stages=3)
+        if n >= 8192:
+            return GemmConfig(32, 64, 128, num_warps=4, num_stages=4, programs_per_sm=1, swap=True)
+        return GemmConfig(32, 128, 128, num_warps=4, num_stages=3, programs_per_sm=3, swap=True)
+    if n >= 16384:
+        return GemmConfig(64, 64, 128, num_warps=4, num_stages=4, programs_per_sm=1, swap=True)
+    if k >= 8192:
+        return GemmConfig(64, 128, 64, num_warps=4, num_stages=3, programs_per_sm=3, swap=True)
     return GemmConfig(64, 64, 128, num_warps=4, num_stages=4, programs_per_sm=1)
+
+
+def gemv_splits(tiles: int, k: int, group_size: int, step: int, programs: int) -> int | None:
+    """K splits of the M == 1 kernel: whole groups per split (a split that cuts a group reloads
+    its zeros and scales), as many as bring the programs nearest to ``programs``. ``None`` (let
+    ``split_k`` count rows) when there is one group or a step does not divide it.
+
+    On an H200 the best measured split of each Llama-2-7B projection was whole groups at ~8-12
+    programs per SM: qkv 2 groups (16 splits, 14.1 µs), o_proj 1 (32, 9.0), gate_up 4 (8, 22.4),
+    down 2 (43, 14.9); the previous row-count rule (12 programs per SM in 32-row steps) cut
+    groups and took 14.4, 10.2, 28.1 and 15.3 µs."""
+    if group_size >= k or group_size % step:
+        return None
+    groups = cdiv(k, group_size)
+    per_split = max(1, round(groups * tiles / programs))
+    return cdiv(groups, per_split)
 
 
 def tile_k(block_k: int, group_size: int, k: int) -> int:
@@ -782,12 +858,14 @@ def w4a16_matmul_triton(
     sms = sm_count(x.device)  # the interpreter: 1 (tests set splits themselves)
     b = bias if bias is not None else scales  # a placeholder pointer when there is no bias
     asm = not TRITON_INTERPRETED
-    if m == 1:
+    if m == 1 and gemm is None:
         cfg = gemv or gemv_config(n, k)
         step = 4 * cfg.block_r
         if group_size < k and group_size % step:  # a step must lie in one group: 16-row steps
             cfg, step = replace(cfg, block_r=4), 16
         tiles = cdiv(n // PACK, cfg.block_p)
+        if splits is None:
+            splits = gemv_splits(tiles, k, group_size, step, cfg.programs_per_sm * sms)
         s, k_split = split_k(tiles, k, step, cfg.programs_per_sm * sms, splits)
         part = torch.empty(s, 1, n, dtype=torch.float32, device=x.device) if s > 1 else out
         if x.dtype == torch.float16:
@@ -811,12 +889,21 @@ def w4a16_matmul_triton(
         part = torch.empty(s, m, n, dtype=torch.float32, device=x.device) if s > 1 else out
         # fp16: the scales as int32 pairs (one half2 load per two columns, see _dequant_tile).
         s_arg = scales.view(torch.int32) if x.dtype == torch.float16 else scales
-        _gemm_kernel[(tiles, s)](
-            x2, qweight, qzeros, s_arg, b, out, part, m, n, n // PACK, k, k_split, x2.stride(0), out.stride(0),
-            GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
-            SPLIT=s > 1, HAS_BIAS=bias is not None, DOT_IN_F32=TRITON_INTERPRETED and x.dtype == torch.bfloat16,
-            ASM=asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        dot_in_f32 = TRITON_INTERPRETED and x.dtype == torch.bfloat16
+        if cfg.swap:
+            _gemm_swap_kernel[(cdiv(n, cfg.block_n), s, cdiv(m, cfg.block_m))](
+                x2, qweight, qzeros, s_arg, b, out, part, m, n, n // PACK, k, k_split, x2.stride(0), out.stride(0),
+                GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
+                SPLIT=s > 1, HAS_BIAS=bias is not None, DOT_IN_F32=dot_in_f32,
+                ASM=asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+        else:
+            _gemm_kernel[(tiles, s)](
+                x2, qweight, qzeros, s_arg, b, out, part, m, n, n // PACK, k, k_split, x2.stride(0), out.stride(0),
+                GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
+                SPLIT=s > 1, HAS_BIAS=bias is not None, DOT_IN_F32=dot_in_f32,
+                ASM=asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
     if s > 1:
         block = 64
         _splitk_reduce_kernel[(m, cdiv(n, block))](

@@ -250,6 +250,20 @@ def test_gemm_tiles_and_splits(splits: int, seed: int, poisoned_empty: None) -> 
 
 
 @interp
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(("m", "splits"), [(1, 1), (3, 2), (40, 1), (40, 3)])
+def test_gemm_swapped_operands(m: int, splits: int, dtype: torch.dtype, seed: int, poisoned_empty: None) -> None:
+    """The swapped kernel (out^T = W^T x^T): one row, several M tiles, a partial N tile (264
+    columns in tiles of 64), a last group of 16 rows (K = 176), split K, bias, x rows strided."""
+    k, n, gs = 176, 264, 32
+    qw, qz, s, b, _, _ = awq_layer(k, n, gs, seed, bias=m % 2 == 1)
+    x = randn(m, k + 5, seed=seed, dtype=dtype)[:, :k]
+    cfg = GemmConfig(16, 64, 32, 4, 1, swap=True)
+    out = w4a16_matmul_triton(x, qw, qz, s, gs, b, gemm=cfg, splits=splits)
+    assert_close(out, w4a16_matmul_ref(x, qw, qz, s, gs, b), TOL[dtype])
+
+
+@interp
 @pytest.mark.parametrize("gs", [32, -1], ids=["g32", "one_group"])
 def test_dequant_path(gs: int, seed: int, poisoned_empty: None) -> None:
     """The dense-weight path of many rows: the Triton dequantization rounds (q - z) * s once, as
