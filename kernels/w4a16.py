@@ -44,22 +44,24 @@ inline assembly) the fp16x2 arithmetic is emulated through fp32 with the same ro
 * **2 <= M < DEQUANT_MIN_ROWS** (batched decode): a tiled GEMM; each K tile of packed weights
   is dequantized in registers to x's dtype (fp16: ``q - z`` and the scale product both HFMA2,
   the planes joined into natural column order) and fed to one ``tl.dot`` accumulating in fp32.
-  Split over K too when the output tiles are fewer than the SMs.
+  Split over K too when the output tiles are fewer than the SMs. Up to 32 rows (and for wide or
+  deep layers at 64) the operands are swapped (``_gemm_swap_kernel``, ``out^T = W^T x^T``): the
+  weight columns fill the warp-group MMA's 64-row side and the few rows its narrow side.
 * **M >= DEQUANT_MIN_ROWS** (prefill, large batches): a Triton kernel writes the dense weight in
   x's dtype and cuBLAS multiplies, as AutoAWQ and vLLM do for large batches. A transient
   K * N * 2 bytes (180 MB for Llama-2-7B's gate_up) is allocated per call.
 
 Measured on one H200 (``benchmarks/bench_w4a16.py``, Llama-2-7B projections, group 128, fp16,
-commit 1c5f358 against the previous kernels in the same run): at M = 1 the GEMV takes 10-29 µs
-per projection (qkv 14.4 µs, was 17.9), 1.4-2.1x faster than fp16 cuBLAS but still only ~36-43%
-of HBM bandwidth. Its loop is ~3.5 SASS instructions per weight (HFMA2 ~1.1; the rest constant
-re-materialisation, register moves of the hand pipelining, addressing), and a program of one
-warp keeps only one step of loads in flight: latency and the split-K prologue/epilogue, not the
-unpacking alone, now bound it. The fused GEMM matches fp16 at M = 16 (0.94-1.0x) and reaches
-0.6-0.8x at M = 64 (was 0.4-0.5x); from 128 rows the dense-weight path (~0.5x fp16 at 128-256
-rows) is used. A K tile never straddles two groups (``BLOCK_K`` and the GEMV's row step divide
-``group_size``, or one group covers K). Launch choices are in ``gemv_config`` / ``gemm_config``
-/ ``split_k``.
+commit bcd5b31 against e884025 in the same call; ``docs/benchmarks.md`` has the table): at M = 1
+the GEMV takes 8.9-23 µs per projection (qkv 14.7, o_proj 8.9, was 10.0, gate_up 23.1, was
+28.1, down 15.2), 1.6-2.0x fp16 cuBLAS but only ~40-50% of HBM bandwidth. Its loop is ~3.5
+SASS instructions per weight, and a one-warp program keeps one step of loads in flight. The
+fused GEMM matches or beats fp16 at 16 rows (0.9-1.25x) and at 32 rows reaches 0.9-1.1x.
+At 64 rows it reaches 0.6-0.8x: each K step's dequantized tile goes through shared memory
+into the MMA's operand, and the step's MMA is waited on before the next dequantization. From
+128 rows the dense-weight path (~0.5x fp16 at 128-256 rows) is used. A K tile never straddles
+two groups (``BLOCK_K`` and the GEMV's row step divide ``group_size``, or one group covers K).
+Launch choices are in ``gemv_config`` / ``gemv_splits`` / ``gemm_config`` / ``split_k``.
 """
 
 # No ``from __future__ import annotations``: Triton reads ``tl.constexpr`` annotations as objects.
