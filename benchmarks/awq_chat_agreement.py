@@ -45,11 +45,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def greedy_answers(model_dir: Path, prompts: list[str], max_new_tokens: int, device: str) -> tuple[list[dict], float]:
-    """Each prompt's greedy answer (text, token ids, finish reason) from ``model_dir``, and the seconds taken."""
+def greedy_answers(model_dir: Path, prompts: list[str], max_new_tokens: int, device: str,
+                   **engine: Any) -> tuple[list[dict], float]:
+    """Each prompt's greedy answer (text, token ids, finish reason) from ``model_dir``, and the
+    seconds taken (``engine``: more EngineConfig fields, e.g. ``quant_policy``)."""
     from conveyor import EngineConfig, GenerationConfig, pipeline
 
-    config = EngineConfig(session_len=512, cache_max_entry_count=64, block_size=16, device=device)
+    config = EngineConfig(session_len=512, cache_max_entry_count=64, block_size=16, device=device, **engine)
     gen = GenerationConfig(max_new_tokens=max_new_tokens, top_k=1)
     start = time.perf_counter()
     with pipeline(str(model_dir), backend_config=config) as pipe:

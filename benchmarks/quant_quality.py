@@ -35,14 +35,16 @@ def token_windows(token_ids: list[int], window: int, max_tokens: int | None) -> 
     return [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)]
 
 
-def perplexity(model_dir: str | Path, windows: list[list[int]], device: str, model_format: str | None = None) -> float:
-    """exp(token-weighted mean cross-entropy) of ``windows`` under the model at ``model_dir``."""
+def perplexity(model_dir: str | Path, windows: list[list[int]], device: str, model_format: str | None = None,
+               **engine: Any) -> float:
+    """exp(token-weighted mean cross-entropy) of ``windows`` under the model at ``model_dir``
+    (``engine``: more EngineConfig fields, e.g. ``quant_policy`` and ``max_prefill_token_num``)."""
     from conveyor import EngineConfig, pipeline
 
     window = len(windows[0])
     blocks = 2 * math.ceil(window / 64) + 2
     config = EngineConfig(session_len=window + 64, cache_max_entry_count=blocks, device=device,
-                          model_format=model_format)
+                          model_format=model_format, **engine)
     with pipeline(str(model_dir), backend_config=config) as pipe:
         losses = pipe.get_ppl(windows)
     nll = sum(loss * (len(w) - 1) for loss, w in zip(losses, windows))

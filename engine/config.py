@@ -9,7 +9,7 @@ from ..protocol.errors import EngineConfigError
 
 logger = logging.getLogger(__name__)
 
-_QUANT_POLICIES = (0, 4, 8)
+_QUANT_POLICIES = (0, 4, 8)  # kernels.kv_cache.QUANT_POLICIES (this module stays torch-free)
 _MODEL_FORMATS = (None, "hf", "llama", "gguf", "awq", "smooth_quant")
 _EVICTION_TYPES = ("recompute", "copy")
 _DEFAULT_PREFILL_TOKENS = 8192
@@ -116,8 +116,6 @@ class EngineConfig:
             raise EngineConfigError(f"prefill_interval={self.prefill_interval}: must be >= 1 (default 16)")
         if self.quant_policy not in _QUANT_POLICIES:
             raise EngineConfigError(f"quant_policy={self.quant_policy}: use 0 (none), 4 (int4 KV) or 8 (int8 KV)")
-        if self.quant_policy:
-            raise EngineConfigError("quantized KV cache (quant_policy 4/8) is not implemented yet; use quant_policy=0")
         self._check_model_format()
         if self.overlap_schedule not in (None, True, False):
             raise EngineConfigError(

@@ -40,6 +40,7 @@ from .layers import RMSNorm
 from .layers.attention import MixedBatchMetadata
 from .models import build_model
 from .sampler import DeviceSamples, Sampler
+from ..kernels.kv_cache import KVCacheLayout
 from ..protocol.sampling import SamplingParams
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
@@ -140,6 +141,10 @@ class ModelRunner:
         self.config = config
         self.device, self.dtype = device, dtype
         self.block_size = config.block_size
+        try:
+            self.kv_layout = KVCacheLayout(config.quant_policy, model_config.head_dim)
+        except ValueError as exc:
+            raise EngineConfigError(str(exc)) from exc
         self.max_model_len = config.session_len or model_config.max_position_embeddings
         # The rotary table must reach session_len when that is set past the model's own context.
         self.model = build_model(model_config, dtype=dtype, device=device,
@@ -154,14 +159,13 @@ class ModelRunner:
         self.step_hooks: list[StepHook] = []
         self.activation_bytes = self._profile_activations() if device.type == "cuda" else 0
         self.num_blocks = self._num_cache_blocks()
-        shape = (model_config.num_layers, self.num_blocks, self.block_size,
-                 model_config.num_kv_heads, model_config.head_dim)
+        lead = (model_config.num_layers, self.num_blocks, self.block_size, model_config.num_kv_heads)
         try:
             # Zeroed on the GPU (cheap there): padded graph rows read block 0, and stale NaN bit
             # patterns are better never met. The CPU keeps empty(): zeroing gigabytes costs seconds.
             alloc = torch.zeros if device.type == "cuda" else torch.empty
-            self.k_cache = alloc(shape, dtype=dtype, device=device)
-            self.v_cache = alloc(shape, dtype=dtype, device=device)
+            self.k_cache, self.k_scales = self.kv_layout.allocate(lead, dtype, device, alloc)
+            self.v_cache, self.v_scales = self.kv_layout.allocate(lead, dtype, device, alloc)
         except (RuntimeError, torch.OutOfMemoryError) as exc:
             raise EngineConfigError(
                 f"could not allocate a KV cache of {self.num_blocks} blocks ({exc}); "
@@ -169,7 +173,10 @@ class ModelRunner:
             ) from exc
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_cache, layer.v_cache = self.k_cache[i], self.v_cache[i]
-        logger.info("KV cache: %d blocks of %d tokens", self.num_blocks, self.block_size)
+            if self.k_scales is not None:
+                layer.k_scales, layer.v_scales = self.k_scales[i], self.v_scales[i]
+        logger.info("KV cache: %d blocks of %d tokens (%s)", self.num_blocks, self.block_size,
+                    f"int{config.quant_policy}" if config.quant_policy else str(dtype).removeprefix("torch."))
         self.use_cuda_graphs = device.type == "cuda" and os.environ.get(CUDA_GRAPHS_ENV, "1") != "0"
         self.decode_graphs: DecodeGraphs | None = None
         if self.use_cuda_graphs:
@@ -238,9 +245,10 @@ class ModelRunner:
         return used
 
     def _block_bytes(self) -> int:
+        """Bytes of one block over all layers, keys and values: a quantized cache's codes and
+        scales (``KVCacheLayout``), so a smaller cache buys proportionally more tokens."""
         mc = self.model_config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * self.kv_layout.bytes_per_head(self.dtype)
 
     def _num_cache_blocks(self) -> int:
         kind, value = self.config.cache_bytes_or_blocks()

@@ -45,6 +45,7 @@ from ._triton import (
     tl,
     triton_takes,
 )
+from .kv_cache import SCALE_DTYPE, cache_bits, dequantize_kv_ref
 
 
 def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -58,13 +59,18 @@ def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, length: int) -
 def paged_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, scale: float,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference: gather each sequence's keys, then causal SDPA with GQA.
 
     q: [T, H, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks];
-    cu_seqlens_q: [B+1]; seqlens_k: [B]. Returns [T, H, D].
+    cu_seqlens_q: [B+1]; seqlens_k: [B]. Returns [T, H, D]. A quantized cache (uint8 codes,
+    ``kv_cache.KVCacheLayout``) comes with its ``k_scales`` / ``v_scales`` and is read back
+    through ``dequantize_kv_ref``.
     """
     assert q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+    bits = cache_bits(k_cache, q.shape[-1])
+    assert (k_scales is not None) == (v_scales is not None) == bool(bits), "codes and scales go together"
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
     group = num_heads // num_kv_heads
@@ -77,6 +83,9 @@ def paged_attention_ref(
             continue
         k = gather_kv_ref(k_cache, block_tables[b], len_k)
         v = gather_kv_ref(v_cache, block_tables[b], len_k)
+        if bits:
+            k = dequantize_kv_ref(k, gather_kv_ref(k_scales, block_tables[b], len_k), bits)
+            v = dequantize_kv_ref(v, gather_kv_ref(v_scales, block_tables[b], len_k), bits)
         qb = q[qs:qe].transpose(0, 1)  # [H, Lq, D]
         kb = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, Lk, D]
         vb = v.transpose(0, 1).repeat_interleave(group, dim=0)
@@ -112,14 +121,15 @@ def _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 @jit
 def _kv_offsets(
     bt_row, n, n_mask, kv_head,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """Element offsets of one kv head's keys and values at key positions ``n``, read through the
-    sequence's block table row ``bt_row``. MASKED: positions where ``n_mask`` is false read block
-    0; without it every position must lie inside the sequence (no mask: the common, faster case).
-    The loads stay in the kernels, each where its value is first needed (the key before the dot,
-    the value after it), the order the loops were tuned with."""
+    """Element offsets of one kv head's keys, values and (quantized caches) scales at key
+    positions ``n``, read through the sequence's block table row ``bt_row``. MASKED: positions
+    where ``n_mask`` is false read block 0; without it every position must lie inside the
+    sequence (no mask: the common, faster case). The loads stay in the kernels, each where its
+    value is first needed (the key before the dot, the value after it), the order the loops
+    were tuned with."""
     if MASKED:
         block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     else:
@@ -127,40 +137,127 @@ def _kv_offsets(
     slot = n % BLOCK_SIZE
     k_off = block * stride_kb + slot * stride_ks + kv_head * stride_kh
     v_off = block * stride_vb + slot * stride_vs + kv_head * stride_vh
-    return k_off, v_off
+    s_off = block * stride_sb + slot * stride_ss + kv_head * stride_sh
+    return k_off, v_off, s_off
 
 
 @jit
-def _masked_tile_step(
-    q, k_ptr, v_ptr, bt_row, n, n_mask, visible, kv_head, d, m_i, l_i, acc, qk_scale,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _load_codes(ptr, off, d, mask, ROWS_ARE_KEYS: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+                BITS: tl.constexpr):
+    """A quantized cache's codes at element offsets ``off`` [N], as uint8 values [D, N] (keys,
+    for q @ k) or [N, D] (values): int8 one byte per dim; int4 dim ``d`` in byte ``d % (D / 2)``,
+    low nibble for the first half of the dims, high for the second (``kv_cache.py``)."""
+    if BITS == 4:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        byte = d % HALF
+        shift = (d // HALF * 4).to(tl.uint8)
+    else:
+        byte = d
+    if ROWS_ARE_KEYS:
+        if MASKED:
+            c = tl.load(ptr + off[None, :] + byte[:, None], mask=mask[None, :], other=0)
+        else:
+            c = tl.load(ptr + off[None, :] + byte[:, None])
+        if BITS == 4:
+            c = (c >> shift[:, None]) & 0xF
+    else:
+        if MASKED:
+            c = tl.load(ptr + off[:, None] + byte[None, :], mask=mask[:, None], other=0)
+        else:
+            c = tl.load(ptr + off[:, None] + byte[None, :])
+        if BITS == 4:
+            c = (c >> shift[None, :]) & 0xF
+    return c
+
+
+@jit
+def _scale_zero(ptr, s_off, mask, MASKED: tl.constexpr):
+    """The (scale, zero) pairs at offsets ``s_off`` [N], as two fp32 vectors (0 where masked)."""
+    if MASKED:
+        return (tl.load(ptr + s_off, mask=mask, other=0.0).to(tl.float32),
+                tl.load(ptr + s_off + 1, mask=mask, other=0.0).to(tl.float32))
+    return tl.load(ptr + s_off).to(tl.float32), tl.load(ptr + s_off + 1).to(tl.float32)
+
+
+@jit
+def _scores(q, k_ptr, ks_ptr, k_off, s_off, d, n_mask, qsum, qk_scale,
+            HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """log2-scaled scores q @ k [M, N] of the keys at offsets ``k_off``. A quantized cache's codes
+    enter the dot as they are (small integers, exact in fp16/bf16) and the per-key scale and zero
+    come after: ``q . (c * s + z) = s * (q . c) + z * sum(q)``, so no dequantized key is ever made."""
+    if BITS:
+        c = _load_codes(k_ptr, k_off, d, n_mask, True, HEAD_DIM, MASKED, BITS)
+        s = tl.dot(q, c.to(q.dtype), input_precision=DOT_PRECISION)
+        scale, zero = _scale_zero(ks_ptr, s_off, n_mask, MASKED)
+        s = s * scale[None, :] + qsum[:, None] * zero[None, :]
+    elif MASKED:
+        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=n_mask[None, :], other=0.0)  # [D, N]
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+    else:
+        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None])  # [D, N]
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+    return s * qk_scale
+
+
+@jit
+def _fold_values(s, v_ptr, vs_ptr, v_off, s_off, d, n_mask, m_i, l_i, acc, q_dtype: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Load the values at offsets ``v_off`` and fold scores ``s`` over them (``_fold_tile``). A
+    quantized cache's codes enter the dot as they are, the per-value scale folded into the
+    probabilities and the zero added as one row sum: ``p @ (c * s + z) = (p * s) @ c + sum(p * z)``."""
+    if BITS:
+        c = _load_codes(v_ptr, v_off, d, n_mask, False, HEAD_DIM, MASKED, BITS)
+        scale, zero = _scale_zero(vs_ptr, s_off, n_mask, MASKED)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pv = tl.dot((p * scale[None, :]).to(q_dtype), c.to(q_dtype), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv + tl.sum(p * zero[None, :], 1)[:, None]
+        return m_new, l_i, acc
+    elif MASKED:
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)  # [N, D]
+        return _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
+    else:
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :])  # [N, D]
+        return _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
+
+
+@jit
+def _tile_step(
+    q, qsum, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n_mask, visible, kv_head, d, m_i, l_i, acc, qk_scale,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, BITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """One key tile that may run past the sequence (``n_mask``) and is seen only where
-    ``visible``: load the keys, score, mask, load the values, fold into the running softmax."""
-    k_off, v_off = _kv_offsets(bt_row, n, n_mask, kv_head, stride_kb, stride_ks, stride_kh,
-                               stride_vb, stride_vs, stride_vh, BLOCK_SIZE, True)
-    k_t = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=n_mask[None, :], other=0.0)  # [D, N]
-    s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
-    s = tl.where(visible, s, float("-inf"))
-    v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)  # [N, D]
-    return _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
+    """One key tile: load the keys, score, mask (MASKED: the tile may run past the sequence,
+    ``n_mask``, and is seen only where ``visible``), load the values, fold into the running
+    softmax. ``qsum``: the rows' sums of q, for a quantized cache's zeros."""
+    k_off, v_off, s_off = _kv_offsets(bt_row, n, n_mask, kv_head, stride_kb, stride_ks, stride_kh,
+                                      stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+                                      BLOCK_SIZE, MASKED)
+    s = _scores(q, k_ptr, ks_ptr, k_off, s_off, d, n_mask, qsum, qk_scale, HEAD_DIM, MASKED, BITS, DOT_PRECISION)
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    return _fold_values(s, v_ptr, vs_ptr, v_off, s_off, d, n_mask, m_i, l_i, acc, q.dtype,
+                        HEAD_DIM, MASKED, BITS, DOT_PRECISION)
 
 
 @jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, seqlens_k_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_q_ptr, seqlens_k_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
+    stride_sb, stride_ss, stride_sh,
     stride_bt, stride_ot, stride_oh,
     stride_pob, stride_poh, stride_pop,
     stride_plb, stride_plh,
     qk_scale, min_part,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     part = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -181,6 +278,7 @@ def _decode_kernel(
     d = tl.arange(0, HEAD_DIM)
     # Padding rows (g >= GROUP) load zeros: their scores are finite and their results never stored.
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
+    qsum = tl.sum(q.to(tl.float32), 1)  # for a quantized cache's zeros (_scores)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -190,9 +288,10 @@ def _decode_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
         # The first tile always holds a valid key (start < seqlen), so m_i is finite from then on.
-        m_i, l_i, acc = _masked_tile_step(q, k_ptr, v_ptr, bt_row, n, n_mask, n_mask[None, :], kv_head, d,
-                                          m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
-                                          stride_vb, stride_vs, stride_vh, BLOCK_SIZE, DOT_PRECISION)
+        m_i, l_i, acc = _tile_step(q, qsum, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n_mask, n_mask[None, :],
+                                   kv_head, d, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
+                                   stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+                                   BLOCK_SIZE, HEAD_DIM, True, BITS, DOT_PRECISION)
 
     o = acc / l_i[:, None]
     # A sequence that one partition covers is final here: the merge kernel skips it.
@@ -250,14 +349,15 @@ def _decode_reduce_kernel(
 
 @jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, seqlens_k_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_q_ptr, seqlens_k_ptr, out_ptr,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
+    stride_sb, stride_ss, stride_sh,
     stride_bt, stride_ot, stride_oh,
     qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Later query tiles see more keys: hand them the lowest program ids so they start first.
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -278,6 +378,7 @@ def _prefill_kernel(
     rows = (q_start + m).to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=m_mask[:, None], other=0.0)
+    qsum = tl.sum(q.to(tl.float32), 1)  # for a quantized cache's zeros (_scores)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -290,12 +391,10 @@ def _prefill_kernel(
     full_end = tl.minimum((ctx + m_tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, kv_end)
     for n0 in range(0, full_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        k_off, v_off = _kv_offsets(bt_row, n, n, kv_head, stride_kb, stride_ks, stride_kh,  # no mask
-                                   stride_vb, stride_vs, stride_vh, BLOCK_SIZE, False)
-        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None])  # [D, N]
-        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :])  # [N, D]
-        m_i, l_i, acc = _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
+        m_i, l_i, acc = _tile_step(q, qsum, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n, n,  # no mask
+                                   kv_head, d, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
+                                   stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+                                   BLOCK_SIZE, HEAD_DIM, False, BITS, DOT_PRECISION)
     # The diagonal tiles: causal mask and the end of the sequence.
     for n0 in range(full_end, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -303,9 +402,10 @@ def _prefill_kernel(
         # Key 0 is visible to every row (pos >= 0), so each row's max is finite after the first tile
         # and fully masked later tiles contribute exp2(-inf) = 0, never NaN.
         visible = (n[None, :] <= pos[:, None]) & n_mask[None, :]
-        m_i, l_i, acc = _masked_tile_step(q, k_ptr, v_ptr, bt_row, n, n_mask, visible, kv_head, d,
-                                          m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
-                                          stride_vb, stride_vs, stride_vh, BLOCK_SIZE, DOT_PRECISION)
+        m_i, l_i, acc = _tile_step(q, qsum, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n_mask, visible,
+                                   kv_head, d, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
+                                   stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+                                   BLOCK_SIZE, HEAD_DIM, True, BITS, DOT_PRECISION)
 
     o = acc / l_i[:, None]
     dst = out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :]
@@ -342,15 +442,27 @@ def _decode_partition(device: torch.device, num_seqs: int, num_kv_heads: int, ma
 def _check_inputs(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> str | None:
     """Why the Triton kernels cannot take these inputs, or None when they can."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         return "q must be [T, H, D] and the caches [num_blocks, block_size, Hkv, D]"
-    if q.dtype not in FLOAT_DTYPES or not q.dtype == k_cache.dtype == v_cache.dtype:
-        return f"q/cache dtypes {q.dtype}/{k_cache.dtype}/{v_cache.dtype} must match and be fp16/bf16/fp32"
     head_dim = q.shape[-1]
-    if k_cache.shape[-1] != head_dim or not is_pow2(head_dim) or not 16 <= head_dim <= 256:
-        return f"head_dim {head_dim} must be a power of two in [16, 256] and match the cache"
+    if k_scales is not None:
+        if k_cache.dtype != torch.uint8 or v_cache.dtype != torch.uint8 or q.dtype not in FLOAT_DTYPES:
+            return f"a quantized cache holds uint8 codes, not {k_cache.dtype}; q must be fp16/bf16/fp32"
+        if k_cache.shape[-1] not in (head_dim, head_dim // 2):
+            return f"codes of width {k_cache.shape[-1]} do not hold head_dim {head_dim}"
+        if (v_scales is None or k_scales.shape != (*k_cache.shape[:3], 2) or v_scales.shape != k_scales.shape
+                or k_scales.stride() != v_scales.stride() or k_scales.stride(-1) != 1
+                or k_scales.dtype != SCALE_DTYPE or v_scales.dtype != SCALE_DTYPE):
+            return "scales must be fp16 [num_blocks, block_size, Hkv, 2], alike for k and v"
+    elif q.dtype not in FLOAT_DTYPES or not q.dtype == k_cache.dtype == v_cache.dtype:
+        return f"q/cache dtypes {q.dtype}/{k_cache.dtype}/{v_cache.dtype} must match and be fp16/bf16/fp32"
+    elif k_cache.shape[-1] != head_dim:
+        return f"cache head_dim {k_cache.shape[-1]} != q's {head_dim}"
+    if not is_pow2(head_dim) or not 16 <= head_dim <= 256:
+        return f"head_dim {head_dim} must be a power of two in [16, 256]"
     if q.shape[1] % k_cache.shape[2]:
         return f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} kv heads"
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -367,6 +479,8 @@ def paged_attention_triton(
     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, scale: float,
     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
     *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
     decode_partition: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -379,9 +493,10 @@ def paged_attention_triton(
     sizes the decode grid. Either is read from the device (a sync) when not given; a value given
     must be at least the true maximum. ``decode_partition``, ``block_m`` and ``block_n`` override
     the tile choices (tests use small ones to cross more tile and partition boundaries);
-    ``num_warps`` / ``num_stages`` the prefill kernel's launch (for tuning).
+    ``num_warps`` / ``num_stages`` the prefill kernel's launch (for tuning). A quantized cache
+    comes with ``k_scales`` / ``v_scales`` (``paged_attention_ref``).
     """
-    problem = _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k)
+    problem = _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, k_scales, v_scales)
     assert problem is None, problem
     devices = {t.device for t in (q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k)}
     assert len(devices) == 1, f"tensors on several devices: {devices}"
@@ -403,10 +518,14 @@ def paged_attention_triton(
     qk_scale = float(scale) * _LOG2E
     # fp32 inputs would default to TF32 tensor-core products on the GPU: keep them exact.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    bits = cache_bits(k_cache, head_dim) if k_scales is not None else 0
+    ks, vs = (k_scales, v_scales) if bits else (k_cache, v_cache)  # unused pointers when unquantized
+    s_strides = (k_scales.stride(0), k_scales.stride(1), k_scales.stride(2)) if bits else (0, 0, 0)
     common = (
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *s_strides,
         block_tables.stride(0), out.stride(0), out.stride(1),
     )
 
@@ -432,10 +551,10 @@ def paged_attention_triton(
         po_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2)) if split else (0, 0, 0)
         pl_strides = (part_lse.stride(0), part_lse.stride(1)) if split else (0, 0)
         _decode_kernel[(num_parts, num_kv_heads, num_seqs)](
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, out, part_out, part_lse,
+            q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, seqlens_k, out, part_out, part_lse,
             *common, *po_strides, *pl_strides, qk_scale, min_part,
             GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            BLOCK_N=bn, SPLIT=split, DOT_PRECISION=precision, num_warps=4,
+            BLOCK_N=bn, SPLIT=split, BITS=bits, DOT_PRECISION=precision, num_warps=4,
         )
         if split:
             _decode_reduce_kernel[(num_heads, num_seqs)](
@@ -448,9 +567,9 @@ def paged_attention_triton(
     bm = block_m or (64 if max_seqlen_q >= 64 else max(16, next_pow2(max_seqlen_q)))
     bn = block_n or (64 if head_dim <= 128 else 32)
     _prefill_kernel[(cdiv(max_seqlen_q, bm), num_heads, num_seqs)](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, out,
+        q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, seqlens_k, out,
         *common, qk_scale,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, BITS=bits,
         # Two stages measured best on an H100 (bf16, D=64 and 128) for 64x64 tiles and 4 warps.
         DOT_PRECISION=precision, num_warps=num_warps or (4 if bm <= 64 else 8), num_stages=num_stages or 2,
     )
@@ -462,18 +581,20 @@ def paged_attention(
     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, scale: float,
     *,
     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over the paged caches: Triton on CUDA, else the reference.
 
     Pass ``max_seqlen_q`` / ``max_seqlen_k`` (from ``AttentionMetadata``) when known: without them
     the Triton path reads the maxima from the device, a host sync per call. Values passed must be
     at least the true maxima (an upper bound such as the model's max length is fine, and is what a
-    CUDA-graph capture should pass so the launch grid stays fixed).
+    CUDA-graph capture should pass so the launch grid stays fixed). A quantized cache (uint8
+    codes) comes with ``k_scales`` / ``v_scales``; its keys and values are dequantized in registers.
     """
     if triton_takes("paged_attention", (q, k_cache, v_cache), _check_inputs,
-                    q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k):
+                    q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, k_scales, v_scales):
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale,
-            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, k_scales=k_scales, v_scales=v_scales,
         )
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, k_scales, v_scales)

@@ -1,17 +1,166 @@
-"""Writing new keys and values into the paged KV cache (where KV quantization will live).
+"""Writing new keys and values into the paged KV cache, quantized or not (``quant_policy``).
 
 Two entry points: ``store_kv`` writes already-rotated keys; ``rotate_and_store_kv`` applies the
 rotary embedding to q and k and writes k and v in the same kernel (one launch per layer fewer
 than rotary then store: at batch 1 each launch is latency, and a long prefill is launched kernel
 by kernel, so launches cost host time too). Its rotation is ``rotary.py``'s own.
+
+**Quantized caches** (LMDeploy's ``quant_policy`` 8 and 4: online, per token and per KV head,
+asymmetric, no calibration). Each head vector ``x[0..D)`` of a key or value is stored as codes
+``q = round((x - zero) / scale)`` in ``[0, 2**bits - 1]`` with ``zero = min(x)`` and ``scale =
+(max(x) - min(x)) / (2**bits - 1)``, both rounded to fp16 *before* the codes are computed (so the
+only error is the codes' rounding), and read back as ``q * scale + zero``:
+
+* int8 (``quant_policy=8``): codes uint8 ``[..., D]``, one byte per value;
+* int4 (``quant_policy=4``): codes uint8 ``[..., D // 2]``, byte ``j`` holds dims ``j`` (low
+  nibble) and ``j + D // 2`` (high nibble): the two halves the rotary kernel computes apart, and
+  two halves the attention kernels can read with one load and a shift;
+* beside them a ``[..., 2]`` fp16 tensor per cache: (scale, zero) of each token's head.
+
+**Keys are stored in a rotated basis** (QuaRot's observation): a few channels of a head's keys
+carry most of their magnitude, so a per-vector range set by them leaves few levels for the rest.
+Before quantization each key head is multiplied by an orthonormal ``B = key_basis(D)`` (a
+normalized Hadamard matrix), which spreads those channels over all dims; queries are multiplied
+by the same ``B`` in the same kernel (the rotary one), so ``(q B) . (k B) = q . k`` and the
+attention kernels need no change. Values are stored as they are: rotating them measured no gain
+(SmolLM2-135M, int4, 6k tokens: perplexity +13.7% plain, +5.3% keys rotated, +5.3% both).
+
+``KVCacheLayout`` is the one place that says which tensors a policy allocates and how many bytes
+a token costs; the attention kernels tell the policy from the cache tensors (``cache_bits``).
 """
 
 # No ``from __future__ import annotations``: Triton reads ``tl.constexpr`` annotations as objects.
 
+import functools
+import math
+from dataclasses import dataclass
+
 import torch
 
 from ._triton import FLOAT_DTYPES, next_pow2, tl, jit, triton_takes
-from .rotary import apply_rotary_ref, load_cos_sin, rotary_launch, rotary_problem, rotate_heads
+from .rotary import apply_rotary_ref, load_cos_sin, rotary_launch, rotary_problem, rotate_heads, rotated_halves
+
+QUANT_POLICIES = (0, 4, 8)
+"""LMDeploy's ``quant_policy`` values: 0 (the model's dtype), 4 (int4 KV) and 8 (int8 KV)."""
+SCALE_DTYPE = torch.float16  # of the (scale, zero) pairs
+_FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """What a cache of ``quant_policy`` stores per token and KV head of ``head_dim`` values."""
+
+    quant_policy: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.quant_policy not in QUANT_POLICIES:
+            raise ValueError(f"quant_policy={self.quant_policy}: use 0 (none), 4 (int4 KV) or 8 (int8 KV)")
+        if self.quant_policy and self.head_dim % 2:
+            raise ValueError(
+                f"quant_policy={self.quant_policy} needs an even head_dim (codes are laid out in two halves); "
+                f"this model has head_dim {self.head_dim}: use quant_policy=0")
+
+    @property
+    def bits(self) -> int:
+        """Bits per stored code: 8 or 4, and 0 for an unquantized cache."""
+        return self.quant_policy
+
+    @property
+    def code_dim(self) -> int:
+        """Last dimension of the code tensor: D, or D // 2 for int4 (two codes per byte)."""
+        return self.head_dim // 2 if self.quant_policy == 4 else self.head_dim
+
+    def code_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.uint8 if self.quant_policy else dtype
+
+    def bytes_per_head(self, dtype: torch.dtype) -> int:
+        """Bytes one token's key (or value) head takes: codes plus its (scale, zero) pair."""
+        codes = self.code_dim * torch.tensor([], dtype=self.code_dtype(dtype)).element_size()
+        return codes + (2 * SCALE_DTYPE.itemsize if self.quant_policy else 0)
+
+    def allocate(self, lead: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+                 alloc=torch.zeros) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One cache (keys or values) of shape ``lead + (code_dim,)`` and its scales
+        ``lead + (2,)`` (None when unquantized)."""
+        codes = alloc((*lead, self.code_dim), dtype=self.code_dtype(dtype), device=device)
+        scales = alloc((*lead, 2), dtype=SCALE_DTYPE, device=device) if self.quant_policy else None
+        return codes, scales
+
+
+def cache_bits(cache: torch.Tensor, head_dim: int) -> int:
+    """The bits of a cache's codes for heads of ``head_dim``: 0 (a float cache), 8 or 4."""
+    if cache.dtype != torch.uint8:
+        return 0
+    if cache.shape[-1] == head_dim:
+        return 8
+    if cache.shape[-1] * 2 == head_dim:
+        return 4
+    raise ValueError(f"uint8 cache with last dimension {cache.shape[-1]} for head_dim {head_dim}")
+
+
+@functools.lru_cache(maxsize=16)
+def _key_basis(head_dim: int, device: str, dtype: torch.dtype) -> torch.Tensor:
+    if head_dim & (head_dim - 1) == 0:  # Sylvester's Hadamard matrix
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < head_dim:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        basis = h / math.sqrt(head_dim)
+    else:  # no Hadamard matrix of this order: a fixed random orthonormal one does the same job
+        gen = torch.Generator().manual_seed(head_dim)
+        basis, _ = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float64))
+    return basis.to(device=device, dtype=dtype)
+
+
+def key_basis(head_dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The orthonormal [D, D] matrix a quantized cache stores keys in (``k @ B``), and queries
+    are multiplied by (the module doc): normalized Hadamard for a power-of-two D."""
+    return _key_basis(head_dim, str(device), dtype)
+
+
+def _basis_args(head_dim: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, float, str]:
+    """What the store kernels take for the key basis: ``B * sqrt(D)`` in fp32 (a Hadamard
+    matrix's entries are then +-1, exact in any dtype, so the product runs on x's own dtype
+    with no rounding of B), the ``1 / sqrt(D)`` applied after it, and the dot's precision."""
+    scaled = _scaled_key_basis(head_dim, str(device))
+    return scaled, 1.0 / math.sqrt(head_dim), "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.lru_cache(maxsize=16)
+def _scaled_key_basis(head_dim: int, device: str) -> torch.Tensor:
+    scaled = key_basis(head_dim, "cpu", torch.float64) * math.sqrt(head_dim)
+    return scaled.to(device=device, dtype=torch.float32).contiguous()  # row-major: the kernels index it so
+
+
+def to_key_basis(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] @ key_basis(D), computed in fp32, in x's dtype."""
+    return (x.to(torch.float32) @ key_basis(x.shape[-1], x.device)).to(x.dtype)
+
+
+def quantize_kv_ref(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-vector asymmetric quantization of x [..., D] (the module doc): codes uint8 [..., D]
+    (int8) or [..., D // 2] (int4, halves in the low and high nibbles) and (scale, zero) fp16 [..., 2]."""
+    assert bits in (4, 8) and x.shape[-1] % 2 == 0
+    xf = x.to(torch.float32)
+    lo = xf.amin(-1).clamp(-_FP16_MAX, _FP16_MAX)
+    hi = xf.amax(-1).clamp(-_FP16_MAX, _FP16_MAX)
+    qmax = (1 << bits) - 1
+    scale = ((hi - lo) / qmax).to(SCALE_DTYPE).to(torch.float32)
+    zero = lo.to(SCALE_DTYPE).to(torch.float32)
+    div = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.floor((xf - zero[..., None]) / div[..., None] + 0.5).clamp(0, qmax).to(torch.uint8)
+    if bits == 4:
+        half = x.shape[-1] // 2
+        codes = codes[..., :half] | (codes[..., half:] << 4)
+    return codes, torch.stack([scale, zero], dim=-1).to(SCALE_DTYPE)
+
+
+def dequantize_kv_ref(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """float32 [..., D] from ``quantize_kv_ref``'s codes and scales."""
+    if bits == 4:
+        codes = torch.cat([codes & 0xF, codes >> 4], dim=-1)
+    s = scales.to(torch.float32)
+    return codes.to(torch.float32) * s[..., 0:1] + s[..., 1:2]
 
 
 def store_kv_ref(
@@ -20,18 +169,30 @@ def store_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
-    """Scatter k, v [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at flat slots [T].
+    """Scatter k, v [T, Hkv, D] into caches [num_blocks, block_size, Hkv, code_dim] at flat slots [T].
 
     A slot is ``block_id * block_size + offset``; a negative slot means "do not store" (padding).
+    With ``k_scales`` / ``v_scales`` ([num_blocks, block_size, Hkv, 2]) the caches hold codes
+    (``KVCacheLayout``) and the vectors are quantized (``quantize_kv_ref``) on the way in, keys
+    in the key basis (``to_key_basis``: the caller multiplies its queries alike).
     """
     assert k.shape == v.shape and k.shape[0] == slot_mapping.shape[0]
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    flat_k[slots] = k[keep].to(k_cache.dtype)
-    flat_v[slots] = v[keep].to(v_cache.dtype)
+    bits = cache_bits(k_cache, k.shape[-1])
+    assert (k_scales is not None) == (v_scales is not None) == bool(bits), "codes and scales go together"
+    for x, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
+        flat = cache.view(-1, *cache.shape[2:])
+        if bits:
+            x = x[keep]
+            codes, sz = quantize_kv_ref(to_key_basis(x.float()) if scales is k_scales else x, bits)
+            flat[slots] = codes
+            scales.view(-1, *scales.shape[2:])[slots] = sz
+        else:
+            flat[slots] = x[keep].to(cache.dtype)
 
 
 @jit
@@ -44,160 +205,297 @@ def _cache_slot(slot_ptr, t, num_kv_heads, BLOCK_SIZE: tl.constexpr):
 
 
 @jit
+def _quantize_store(x1, x2, mask, dst_ptr, sz_ptr, stride_dst_h, stride_sz_h, d,
+                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BITS: tl.constexpr):
+    """Quantize heads given as halves x1, x2 [BLOCK_H, BLOCK_HALF] (dims ``d`` and ``HALF + d``,
+    valid where ``mask``) as ``quantize_kv_ref`` does, and store codes at ``dst_ptr`` and (scale,
+    zero) at ``sz_ptr`` (the token's first head; heads ``stride_*_h`` apart)."""
+    h = tl.arange(0, BLOCK_H)
+    h_mask = tl.max(mask.to(tl.int32), 1) > 0  # heads with any valid dim: the heads to store
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    lo = tl.minimum(tl.min(tl.where(mask, a, float("inf")), 1), tl.min(tl.where(mask, b, float("inf")), 1))
+    hi = tl.maximum(tl.max(tl.where(mask, a, float("-inf")), 1), tl.max(tl.where(mask, b, float("-inf")), 1))
+    lo = tl.where(h_mask, tl.minimum(tl.maximum(lo, -65504.0), 65504.0), 0.0)
+    hi = tl.where(h_mask, tl.minimum(tl.maximum(hi, -65504.0), 65504.0), 0.0)
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    scale = ((hi - lo) / QMAX).to(tl.float16)
+    zero = lo.to(tl.float16)
+    s = scale.to(tl.float32)
+    z = zero.to(tl.float32)
+    div = tl.where(s > 0, s, 1.0)
+    q1 = tl.minimum(tl.maximum(tl.floor((a - z[:, None]) / div[:, None] + 0.5), 0.0), QMAX).to(tl.uint8)
+    q2 = tl.minimum(tl.maximum(tl.floor((b - z[:, None]) / div[:, None] + 0.5), 0.0), QMAX).to(tl.uint8)
+    dst = dst_ptr + h[:, None] * stride_dst_h + d[None, :]
+    if BITS == 8:
+        tl.store(dst, q1, mask=mask)
+        tl.store(dst + HALF, q2, mask=mask)
+    else:
+        tl.store(dst, q1 | (q2 << 4), mask=mask)
+    sz = sz_ptr + h * stride_sz_h
+    tl.store(sz, scale, mask=h_mask)
+    tl.store(sz + 1, zero, mask=h_mask)
+
+
+@jit
+def _in_key_basis(x1, x2, b_ptr, scale, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """Heads given as halves x1, x2 [BLOCK_H >= 16, BLOCK_HALF] (zero past HALF) times the key
+    basis (``b_ptr``: ``B * sqrt(D)``, [D, D] row-major; ``scale`` = 1 / sqrt(D)): the halves of
+    ``x @ B``, fp32. Four quadrant products on the tensor cores."""
+    r = tl.arange(0, BLOCK_HALF)
+    m = (r[:, None] < HALF) & (r[None, :] < HALF)
+    b = b_ptr + r[:, None] * HEAD_DIM + r[None, :]
+    ty = x1.dtype
+    b11 = tl.load(b, mask=m, other=0.0).to(ty)
+    b12 = tl.load(b + HALF, mask=m, other=0.0).to(ty)
+    b21 = tl.load(b + HALF * HEAD_DIM, mask=m, other=0.0).to(ty)
+    b22 = tl.load(b + HALF * HEAD_DIM + HALF, mask=m, other=0.0).to(ty)
+    y1 = tl.dot(x1, b11, input_precision=DOT_PRECISION) + tl.dot(x2, b21, input_precision=DOT_PRECISION)
+    y2 = tl.dot(x1, b12, input_precision=DOT_PRECISION) + tl.dot(x2, b22, input_precision=DOT_PRECISION)
+    return y1 * scale, y2 * scale
+
+
+@jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, b_ptr, b_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kc_blk, stride_kc_slot, stride_kc_h,
     stride_vc_blk, stride_vc_slot, stride_vc_h,
+    stride_s_blk, stride_s_slot, stride_s_h,
     num_kv_heads,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # Grid: (T,); one program copies all kv heads of one token (a few KiB: enough per program).
+    # Grid: (T,); one program copies (or quantizes) all kv heads of one token (a few KiB: enough
+    # per program).
     t = tl.program_id(0).to(tl.int64)
     blk, off, heads = _cache_slot(slot_ptr, t, num_kv_heads, BLOCK_SIZE)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < heads) & (d < HEAD_DIM)
-    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
-    kc = kc_ptr + blk * stride_kc_blk + off * stride_kc_slot + h * stride_kc_h + d
-    vc = vc_ptr + blk * stride_vc_blk + off * stride_vc_slot + h * stride_vc_h + d
-    tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
+    kc = kc_ptr + blk * stride_kc_blk + off * stride_kc_slot
+    vc = vc_ptr + blk * stride_vc_blk + off * stride_vc_slot
+    if BITS:
+        # Halves of the head (BLOCK_D covers HEAD_DIM // 2 here), as the quantizer takes them;
+        # keys in the key basis (the module doc).
+        HALF: tl.constexpr = HEAD_DIM // 2
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)
+        mask = (h < heads) & (d[None, :] < HALF)
+        ks = k_ptr + t * stride_kt + h * stride_kh + d[None, :]
+        vs = v_ptr + t * stride_vt + h * stride_vh + d[None, :]
+        sz = blk * stride_s_blk + off * stride_s_slot
+        k1, k2 = _in_key_basis(tl.load(ks, mask=mask, other=0.0), tl.load(ks + HALF, mask=mask, other=0.0),
+                               b_ptr, b_scale, HEAD_DIM, HALF, BLOCK_D, DOT_PRECISION)
+        _quantize_store(k1, k2, mask, kc, ks_ptr + sz, stride_kc_h, stride_s_h, d, HALF, BLOCK_H, BITS)
+        _quantize_store(tl.load(vs, mask=mask, other=0.0), tl.load(vs + HALF, mask=mask, other=0.0), mask,
+                        vc, vs_ptr + sz, stride_vc_h, stride_s_h, d, HALF, BLOCK_H, BITS)
+    else:
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < heads) & (d < HEAD_DIM)
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
+        tl.store(kc + h * stride_kc_h + d, k.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc + h * stride_vc_h + d, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-def _cache_problem(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+def _cache_problem(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+) -> str | None:
     """Why the cache kernels cannot store k and v into these caches, or None when they can."""
+    quantized = k_scales is not None
+    cache_ok = (all(t.dtype == torch.uint8 for t in (k_cache, v_cache)) if quantized
+                else all(t.dtype in FLOAT_DTYPES for t in (k_cache, v_cache)))
     supported = (
-        k.dim() == 3 and k_cache.dim() == 4 and all(t.dtype in FLOAT_DTYPES for t in (k, v, k_cache, v_cache))
+        k.dim() == 3 and k_cache.dim() == 4 and k.dtype in FLOAT_DTYPES and v.dtype in FLOAT_DTYPES and cache_ok
         and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+        and (not quantized or (k_scales.stride(-1) == 1 and k_scales.stride() == v_scales.stride()))
     )
     return None if supported else f"cache {tuple(k_cache.shape)} {k_cache.dtype}"
 
 
 def _check_cache_store(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The launchers' checks on what is stored where; returns k and v with a unit stride along head_dim."""
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The launchers' checks on what is stored where; returns k and v with a unit stride along
+    head_dim, and the cache's bits (0: unquantized)."""
     assert k.dim() == 3 and k.shape == v.shape and k.shape[0] == slot_mapping.shape[0], "k, v: [T, Hkv, D]"
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "caches: [num_blocks, block_size, Hkv, D]"
-    assert k_cache.shape[2:] == k.shape[1:], f"cache heads/dim {tuple(k_cache.shape[2:])} != k {tuple(k.shape[1:])}"
     assert k.dtype in FLOAT_DTYPES and v.dtype in FLOAT_DTYPES, f"unsupported dtypes {k.dtype}, {v.dtype}"
-    assert k_cache.dtype in FLOAT_DTYPES and v_cache.dtype in FLOAT_DTYPES, "unsupported cache dtype"
+    bits = cache_bits(k_cache, k.shape[-1])
+    layout = KVCacheLayout(bits, k.shape[-1])
+    assert k_cache.shape[2:] == (k.shape[1], layout.code_dim), \
+        f"cache heads/dim {tuple(k_cache.shape[2:])} do not hold k {tuple(k.shape[1:])}"
+    if bits:
+        assert k_scales is not None and v_scales is not None, "a quantized cache needs its scales"
+        assert k_scales.shape == v_scales.shape == (*k_cache.shape[:3], 2), "scales: [num_blocks, block_size, Hkv, 2]"
+        assert k_scales.dtype == v_scales.dtype == SCALE_DTYPE and k_scales.stride() == v_scales.stride()
+        assert k_scales.stride(-1) == 1, "scales need a unit stride along their last dimension"
+    else:
+        assert k_scales is None and v_scales is None, "scales given for an unquantized cache"
+        assert k_cache.dtype in FLOAT_DTYPES and v_cache.dtype in FLOAT_DTYPES, "unsupported cache dtype"
     assert not slot_mapping.dtype.is_floating_point, "slot_mapping must be integers"
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "caches need a unit stride along head_dim"
-    return k if k.stride(-1) == 1 else k.contiguous(), v if v.stride(-1) == 1 else v.contiguous()
+    return k if k.stride(-1) == 1 else k.contiguous(), v if v.stride(-1) == 1 else v.contiguous(), bits
+
+
+def _scale_args(k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> tuple:
+    """The scale pointers and strides a kernel takes (the caches and zeros when unquantized)."""
+    if k_scales is None:
+        return k_cache, k_cache, (0, 0, 0)
+    return k_scales, v_scales, (k_scales.stride(0), k_scales.stride(1), k_scales.stride(2))
 
 
 def store_kv_triton(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> None:
     """Triton launcher for :func:`store_kv_ref`; k/v may be strided views (e.g. of a fused qkv)."""
     devices = {t.device for t in (k, v, k_cache, v_cache, slot_mapping)}
     assert len(devices) == 1, f"tensors on several devices: {devices}"
-    k, v = _check_cache_store(k, v, k_cache, v_cache, slot_mapping)
+    k, v, bits = _check_cache_store(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
+    ks, vs, s_strides = _scale_args(k_cache, k_scales, v_scales)
+    basis, b_scale, precision = _basis_args(head_dim, k.device, k.dtype) if bits else (k, 1.0, "ieee")
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, ks, vs, slot_mapping, basis, b_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        num_kv_heads,
+        *s_strides, num_kv_heads,
+        # A quantized store multiplies keys by the basis with tl.dot: at least 16 rows and columns.
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-        BLOCK_H=next_pow2(num_kv_heads), BLOCK_D=next_pow2(head_dim), num_warps=4,
+        BLOCK_H=max(16, next_pow2(num_kv_heads)) if bits else next_pow2(num_kv_heads),
+        BLOCK_D=max(16, next_pow2(head_dim // 2)) if bits else next_pow2(head_dim),
+        BITS=bits, DOT_PRECISION=precision, num_warps=4,
     )
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> None:
-    """Scatter k, v [T, Hkv, D] into the paged caches at ``slot_mapping`` [T] (negative: skip).
+    """Scatter k, v [T, Hkv, D] into the paged caches at ``slot_mapping`` [T] (negative: skip),
+    quantized when the caches hold codes (with ``k_scales`` / ``v_scales``, the module doc).
 
     Triton on CUDA, else the reference.
     """
-    if triton_takes("store_kv", (k, v, k_cache, v_cache), _cache_problem, k, v, k_cache, v_cache):
-        store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    args = (k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+    if triton_takes("store_kv", (k, v, k_cache, v_cache), _cache_problem, k, v, k_cache, v_cache, k_scales, v_scales):
+        store_kv_triton(*args)
     else:
-        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+        store_kv_ref(*args)
 
 
 def rotate_and_store_kv_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q [T, H, D] and k [T, Hkv, D] (``apply_rotary_ref``), store rotated k and v at
-    ``slot_mapping`` (``store_kv_ref``); returns the rotated q. The inputs are left untouched."""
+    ``slot_mapping`` (``store_kv_ref``); returns the rotated q, for a quantized cache in the key
+    basis (``to_key_basis``). The inputs are left untouched."""
     q_rot, k_rot = apply_rotary_ref(q, k, positions, cos_sin_cache)
-    store_kv_ref(k_rot, v, k_cache, v_cache, slot_mapping)
-    return q_rot
+    store_kv_ref(k_rot, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+    return q_rot if k_scales is None else to_key_basis(q_rot)
 
 
 @jit
 def _rotate_and_store_kv_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, slot_ptr, q_out_ptr, kc_ptr, vc_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, slot_ptr, q_out_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, b_ptr, b_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_qot, stride_qoh, stride_cs,
     stride_kc_blk, stride_kc_slot, stride_kc_h,
     stride_vc_blk, stride_vc_slot, stride_vc_h,
+    stride_s_blk, stride_s_slot, stride_s_h,
     num_q_heads, num_kv_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Grid: (T,); one program handles every head of one token: cos/sin are read once, and the
-    # rotated key goes straight to its cache slot (rotate_heads rounds it to k's dtype first).
+    # rotated key goes straight to its cache slot (rounded to k's dtype first), quantized there
+    # for a quantized cache (in the key basis, as q is then): the key is never written in 16 bits.
     t = tl.program_id(0).to(tl.int64)
     d, d_mask, cos, sin = load_cos_sin(pos_ptr, cs_ptr, t, stride_cs, HALF, BLOCK_HALF)
-    rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh, num_q_heads,
-                 d, d_mask, cos, sin, HALF, BLOCK_HQ)
+    if BITS:
+        HEAD_DIM: tl.constexpr = 2 * HALF
+        q1, q2, qmask = rotated_halves(q_ptr + t * stride_qt, stride_qh, num_q_heads, d, d_mask, cos, sin,
+                                       HALF, BLOCK_HQ)
+        q1, q2 = _in_key_basis(q1, q2, b_ptr, b_scale, HEAD_DIM, HALF, BLOCK_HALF, DOT_PRECISION)
+        qo = q_out_ptr + t * stride_qot + tl.arange(0, BLOCK_HQ)[:, None] * stride_qoh + d[None, :]
+        tl.store(qo, q1.to(q_out_ptr.dtype.element_ty), mask=qmask)
+        tl.store(qo + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=qmask)
+    else:
+        rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh, num_q_heads,
+                     d, d_mask, cos, sin, HALF, BLOCK_HQ)
 
     blk, off, heads = _cache_slot(slot_ptr, t, num_kv_heads, BLOCK_SIZE)
-    rotate_heads(k_ptr + t * stride_kt, kc_ptr + blk * stride_kc_blk + off * stride_kc_slot, stride_kh, stride_kc_h,
-                 heads, d, d_mask, cos, sin, HALF, BLOCK_HK)
+    kc = kc_ptr + blk * stride_kc_blk + off * stride_kc_slot
+    vc = vc_ptr + blk * stride_vc_blk + off * stride_vc_slot
     hk = tl.arange(0, BLOCK_HK)
     mask = (hk[:, None] < heads) & d_mask[None, :]
     vsrc = v_ptr + t * stride_vt + hk[:, None] * stride_vh + d[None, :]
-    vc = vc_ptr + blk * stride_vc_blk + off * stride_vc_slot + hk[:, None] * stride_vc_h + d[None, :]
-    tl.store(vc, tl.load(vsrc, mask=mask, other=0.0).to(vc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc + HALF, tl.load(vsrc + HALF, mask=mask, other=0.0).to(vc_ptr.dtype.element_ty), mask=mask)
+    if BITS:
+        sz = blk * stride_s_blk + off * stride_s_slot
+        k1, k2, kmask = rotated_halves(k_ptr + t * stride_kt, stride_kh, heads, d, d_mask, cos, sin, HALF, BLOCK_HK)
+        k1, k2 = _in_key_basis(k1, k2, b_ptr, b_scale, HEAD_DIM, HALF, BLOCK_HALF, DOT_PRECISION)
+        _quantize_store(k1, k2, kmask, kc, ks_ptr + sz, stride_kc_h, stride_s_h, d, HALF, BLOCK_HK, BITS)
+        _quantize_store(tl.load(vsrc, mask=mask, other=0.0), tl.load(vsrc + HALF, mask=mask, other=0.0), mask,
+                        vc, vs_ptr + sz, stride_vc_h, stride_s_h, d, HALF, BLOCK_HK, BITS)
+    else:
+        rotate_heads(k_ptr + t * stride_kt, kc, stride_kh, stride_kc_h, heads, d, d_mask, cos, sin, HALF, BLOCK_HK)
+        vdst = vc + hk[:, None] * stride_vc_h + d[None, :]
+        tl.store(vdst, tl.load(vsrc, mask=mask, other=0.0).to(vc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vdst + HALF, tl.load(vsrc + HALF, mask=mask, other=0.0).to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def rotate_and_store_kv_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton launcher for :func:`rotate_and_store_kv_ref`; q/k/v may be strided views of a fused qkv."""
     q, k, cs, constexprs, num_warps = rotary_launch(q, k, positions, cos_sin_cache)
-    k, v = _check_cache_store(k, v, k_cache, v_cache, slot_mapping)
+    k, v, bits = _check_cache_store(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ks, vs, s_strides = _scale_args(k_cache, k_scales, v_scales)
+    basis, b_scale, precision = _basis_args(q.shape[-1], q.device, q.dtype) if bits else (q, 1.0, "ieee")
+    if bits:  # the basis products are tl.dot: at least 16 rows (heads) and columns
+        half, block_half, block_hq, block_hk = constexprs
+        constexprs = (half, max(16, block_half), max(16, block_hq), max(16, block_hk))
     if q.shape[0]:
         _rotate_and_store_kv_kernel[(q.shape[0],)](
-            q, k, v, positions, cs, slot_mapping, q_out, k_cache, v_cache,
+            q, k, v, positions, cs, slot_mapping, q_out, k_cache, v_cache, ks, vs, basis, b_scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             q_out.stride(0), q_out.stride(1), cs.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            q.shape[1], k.shape[1], *constexprs, BLOCK_SIZE=k_cache.shape[1], num_warps=num_warps,
+            *s_strides, q.shape[1], k.shape[1], *constexprs, BLOCK_SIZE=k_cache.shape[1], BITS=bits,
+            DOT_PRECISION=precision, num_warps=num_warps,
         )
     return q_out
 
 
 def _rotate_and_store_problem(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None,
 ) -> str | None:
-    return rotary_problem(q, k, cos_sin_cache) or _cache_problem(k, v, k_cache, v_cache)
+    return rotary_problem(q, k, cos_sin_cache) or _cache_problem(k, v, k_cache, v_cache, k_scales, v_scales)
 
 
 def rotate_and_store_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q and k by ``positions``, write rotated k and v into the paged caches at
-    ``slot_mapping`` (negative: skip); returns the rotated q. Triton on CUDA, else the reference."""
-    args = (q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    ``slot_mapping`` (negative: skip), quantized when the caches hold codes; returns the rotated
+    q (for a quantized cache, in the key basis: ``to_key_basis``). Triton on CUDA, else the reference."""
+    args = (q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scales, v_scales)
     if triton_takes("rotate_and_store_kv", (q, k, v, k_cache, v_cache), _rotate_and_store_problem,
-                    q, k, v, cos_sin_cache, k_cache, v_cache):
+                    q, k, v, cos_sin_cache, k_cache, v_cache, k_scales, v_scales):
         return rotate_and_store_kv_triton(*args)
     return rotate_and_store_kv_ref(*args)

@@ -46,24 +46,37 @@ def load_cos_sin(pos_ptr, cs_ptr, t, stride_cs, HALF: tl.constexpr, BLOCK_HALF: 
 
 
 @jit
+def rotated_halves(
+    src_ptr, stride_src_h, num_heads, d, d_mask, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Heads ``[0, num_heads)`` of one token (from ``src_ptr``, its first head; heads
+    ``stride_src_h`` apart) rotated with ``load_cos_sin``'s d, cos, sin: the two halves
+    [BLOCK_H, BLOCK_HALF] (dims ``d`` and ``HALF + d``) in the source's dtype, and their mask."""
+    h = tl.arange(0, BLOCK_H)
+    mask = (h[:, None] < num_heads) & d_mask[None, :]
+    src = src_ptr + h[:, None] * stride_src_h + d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    # out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin: the reference's x*cos + rotate_half(x)*sin,
+    # rounded to the source's dtype as the reference's result is.
+    ty = src_ptr.dtype.element_ty
+    return (x1 * cos - x2 * sin).to(ty), (x2 * cos + x1 * sin).to(ty), mask
+
+
+@jit
 def rotate_heads(
     src_ptr, dst_ptr, stride_src_h, stride_dst_h, num_heads, d, d_mask, cos, sin,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """Rotate heads ``[0, num_heads)`` of one token: from ``src_ptr`` (its first head; heads
     ``stride_src_h`` apart) into ``dst_ptr`` (likewise), with ``load_cos_sin``'s d, cos, sin."""
-    h = tl.arange(0, BLOCK_H)
-    mask = (h[:, None] < num_heads) & d_mask[None, :]
-    src = src_ptr + h[:, None] * stride_src_h + d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    dst = dst_ptr + h[:, None] * stride_dst_h + d[None, :]
-    # out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin: the reference's x*cos + rotate_half(x)*sin.
+    r1, r2, mask = rotated_halves(src_ptr, stride_src_h, num_heads, d, d_mask, cos, sin, HALF, BLOCK_H)
+    dst = dst_ptr + tl.arange(0, BLOCK_H)[:, None] * stride_dst_h + d[None, :]
     # Rounded to the source's dtype first, as rotary then a store into dst would (a no-op cast
     # when the two dtypes agree): a cache of another dtype still gets the two kernels' bits.
     out_ty = dst_ptr.dtype.element_ty
-    tl.store(dst, (x1 * cos - x2 * sin).to(src_ptr.dtype.element_ty).to(out_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(src_ptr.dtype.element_ty).to(out_ty), mask=mask)
+    tl.store(dst, r1.to(out_ty), mask=mask)
+    tl.store(dst + HALF, r2.to(out_ty), mask=mask)
 
 
 @jit

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..attention_metadata import AttentionMetadata, get_attention_metadata
 from ...kernels import apply_rotary, paged_attention, store_kv
-from ...kernels.kv_cache import rotate_and_store_kv
+from ...kernels.kv_cache import rotate_and_store_kv, to_key_basis
 
 
 @dataclass
@@ -32,7 +32,9 @@ class Attention(nn.Module):
 
     ``k_cache`` / ``v_cache`` (``[num_blocks, block_size, Hkv, D]``) are assigned by the model
     runner after it sizes the cache. Before that (e.g. a memory-profiling forward) they are
-    ``None`` and a prefill-only forward attends over this step's own keys/values.
+    ``None`` and a prefill-only forward attends over this step's own keys/values. A quantized
+    cache (``quant_policy`` 8 or 4) holds uint8 codes there and its (scale, zero) pairs in
+    ``k_scales`` / ``v_scales`` (``kernels/kv_cache.py``); they stay ``None`` otherwise.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None) -> None:
@@ -45,6 +47,8 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor | None = None, cos_sin_cache: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,9 +65,11 @@ class Attention(nn.Module):
         else:
             if rotate:
                 q = rotate_and_store_kv(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache,
-                                        meta.slot_mapping)
+                                        meta.slot_mapping, self.k_scales, self.v_scales)
             else:
-                store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+                store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scales, self.v_scales)
+                if self.k_scales is not None:  # the cache holds keys in the key basis: queries alike
+                    q = to_key_basis(q)
             if isinstance(meta, MixedBatchMetadata) and meta.decode is not None and meta.prefill is not None:
                 n = meta.num_decode_tokens
                 out = torch.cat([self._attend(q[:n], meta.decode), self._attend(q[n:], meta.prefill)])
@@ -77,6 +83,7 @@ class Attention(nn.Module):
         return paged_attention(
             q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seqlens_k, self.scale,
             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+            k_scales=self.k_scales, v_scales=self.v_scales,
         )
 
     def _attend_without_cache(

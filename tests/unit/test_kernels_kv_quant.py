@@ -1,0 +1,335 @@
+"""The quantized KV cache (quant_policy 8 and 4): the quantizer, the quantizing cache writes and the
+attention kernels that read codes, each against its torch reference on fresh random inputs.
+
+Interpreter cases run on the CPU in CI (as in ``test_kernels.py``); GPU cases at model sizes.
+Outside the sequences the caches' scales are NaN, so a kernel that reads a slot it should not
+fails; one channel 100x the rest stands for the outliers real keys carry.
+"""
+
+import os
+import sys
+
+import torch
+
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kernel_harness import (  # noqa: E402,F401 - fixtures are used by name
+    assert_close, compiled_gpu, forced, gpu, interp, poisoned_empty, run_interpreter_cases_in_child, seed,
+)
+from conveyor.kernels._triton import TRITON_INTERPRETED  # noqa: E402
+from conveyor.kernels.attention import paged_attention, paged_attention_ref, paged_attention_triton  # noqa: E402
+from conveyor.kernels.kv_cache import (  # noqa: E402
+    KVCacheLayout,
+    dequantize_kv_ref,
+    key_basis,
+    quantize_kv_ref,
+    rotate_and_store_kv,
+    rotate_and_store_kv_ref,
+    store_kv,
+    store_kv_ref,
+    to_key_basis,
+)
+from conveyor.kernels.rotary import apply_rotary  # noqa: E402
+from test_kernels import paged_batch, randn  # noqa: E402
+
+GPU_TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
+
+
+def quantized(cache: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float cache [..., D] as codes and scales; slots holding NaN get NaN scales (poison)."""
+    nan = torch.isnan(cache).any(-1)
+    codes, scales = quantize_kv_ref(torch.nan_to_num(cache), bits)
+    scales[nan] = float("nan")
+    return codes, scales
+
+
+def quantized_batch(q_lens, k_lens, h, hkv, d, block_size, seed, bits, dtype=torch.float32, device="cpu",
+                    outlier=True):
+    """``paged_batch`` with its caches quantized; with ``outlier``, one key channel and one value
+    channel are 100x the rest."""
+    q, kc, vc, bt, cu, sk = paged_batch(q_lens, k_lens, h, hkv, d, block_size, seed)
+    if outlier:
+        kc[..., 3] *= 100
+        vc[..., d - 5] *= 100
+    kq, ks = quantized(kc, bits)
+    vq, vs = quantized(vc, bits)
+    to = lambda t: t.to(device)  # noqa: E731
+    return q.to(device, dtype), to(kq), to(vq), to(ks), to(vs), to(bt), to(cu), to(sk)
+
+
+def check_quantized_attention(q_lens, k_lens, h, hkv, d, block_size, seed, bits, tol, dtype=torch.float32,
+                              device="cpu", **tiles):
+    q, kq, vq, ks, vs, bt, cu, sk = quantized_batch(q_lens, k_lens, h, hkv, d, block_size, seed, bits, dtype, device)
+    scale = d**-0.5
+    out = paged_attention_triton(q, kq, vq, bt, cu, sk, scale, max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
+                                 k_scales=ks, v_scales=vs, **tiles)
+    ref = paged_attention_ref(q.float(), kq, vq, bt, cu, sk, scale, ks, vs).to(dtype)
+    assert_close(out, ref, tol)
+
+
+# ----------------------------------------------------------------------------------------- the format
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_round_trip_within_half_a_step(bits: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = randn(50, 3, 64, gen=gen)
+    x[..., 7] *= 100  # an outlier channel widens the range of every vector
+    x[0, 0] = 1.5  # a constant vector: scale 0, read back exactly (1.5 is an fp16 value)
+    codes, scales = quantize_kv_ref(x, bits)
+    layout = KVCacheLayout(bits, 64)
+    assert codes.dtype == torch.uint8 and codes.shape == (50, 3, layout.code_dim)
+    assert scales.dtype == torch.float16 and scales.shape == (50, 3, 2)
+    back = dequantize_kv_ref(codes, scales, bits)
+    step = scales[..., 0:1].float()
+    # Half a step of rounding, plus the zero's own rounding to fp16 (a few ulp of min(x)).
+    bound = 0.5 * step * (1 + 1e-3) + x.abs().amax(-1, keepdim=True) * 2**-10
+    assert ((back - x).abs() <= bound).all()
+    assert torch.equal(back[0, 0], x[0, 0])
+
+
+def test_int4_codes_pack_the_two_halves() -> None:
+    """Byte j holds dim j in its low nibble and dim j + D/2 in its high one."""
+    x = torch.tensor([[0.0, 1, 2, 3, 15, 14, 13, 12]])  # range 15: codes equal the values
+    codes, scales = quantize_kv_ref(x, 4)
+    assert codes.tolist() == [[0 | 15 << 4, 1 | 14 << 4, 2 | 13 << 4, 3 | 12 << 4]]
+    assert scales.float().tolist() == [[1.0, 0.0]]
+
+
+@pytest.mark.parametrize("d", [64, 128, 96])
+def test_key_basis_keeps_dot_products(d: int, seed: int) -> None:
+    """Orthonormal (Hadamard for a power of two): (q B) . (k B) = q . k, and an outlier channel
+    is spread over every dim."""
+    basis = key_basis(d, dtype=torch.float64)
+    torch.testing.assert_close(basis @ basis.T, torch.eye(d, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(seed)
+    q, k = randn(5, d, gen=gen).double(), randn(7, d, gen=gen).double()
+    k[:, 2] *= 100
+    torch.testing.assert_close((q @ basis) @ (k @ basis).T, q @ k.T)
+    assert (to_key_basis(k.float()).abs().amax(-1) < 0.5 * k.abs().amax(-1)).all()
+
+
+@interp
+@pytest.mark.parametrize("bits,tol", [(8, 0.02), (4, 0.25)])
+def test_quantized_cache_attends_like_the_float_one(bits: int, tol: float, seed: int, forced: None) -> None:
+    """End to end through the kernels (queries and keys in the key basis): close to attention
+    over the unquantized cache, within what the bits allow."""
+    from test_kernels import _rotate_and_store_case
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, positions, cos_sin, _, _ = _rotate_and_store_case(40, 8, 2, 64, 16, gen)
+    k = k.clone()
+    k[:, :, 9] *= 20  # an outlier channel
+    slots = torch.arange(40)
+    (kq, ks), (vq, vs) = _caches(bits, 3, 16, 2, 64, 2)
+    kf, vf = torch.zeros(3, 16, 2, 64), torch.zeros(3, 16, 2, 64)
+    tables, cu, lens = torch.tensor([[0, 1, 2]], dtype=torch.int32), torch.tensor([0, 40], dtype=torch.int32), \
+        torch.tensor([40], dtype=torch.int32)
+    q_quant = rotate_and_store_kv(q, k, v, positions, cos_sin, kq, vq, slots, ks, vs)
+    out = paged_attention(q_quant, kq, vq, tables, cu, lens, 0.125, k_scales=ks, v_scales=vs)
+    q_float = rotate_and_store_kv(q, k, v, positions, cos_sin, kf, vf, slots)
+    assert_close(out, paged_attention(q_float, kf, vf, tables, cu, lens, 0.125), tol)
+
+
+def test_layout_sizes_and_refusals() -> None:
+    fp16, int8, int4 = (KVCacheLayout(p, 128) for p in (0, 8, 4))
+    assert fp16.bytes_per_head(torch.float16) == 256
+    assert int8.bytes_per_head(torch.float16) == 128 + 4  # codes + fp16 (scale, zero)
+    assert int4.bytes_per_head(torch.float16) == 64 + 4
+    assert 256 / int4.bytes_per_head(torch.float16) > 3.7
+    k, s = int4.allocate((2, 16, 8), torch.float16, "cpu")
+    assert k.shape == (2, 16, 8, 64) and k.dtype == torch.uint8 and s.shape == (2, 16, 8, 2)
+    assert fp16.allocate((2, 16, 8), torch.bfloat16, "cpu")[1] is None
+    with pytest.raises(ValueError, match="even head_dim"):
+        KVCacheLayout(4, 63)
+    with pytest.raises(ValueError, match="quant_policy=2"):
+        KVCacheLayout(2, 64)
+
+
+# ------------------------------------------------------------------------------- interpreter: stores
+
+
+def _caches(bits: int, blocks: int, block_size: int, hkv: int, d: int, n: int, device: str = "cpu") -> list:
+    """``n`` (codes, scales) pairs, codes 0xAB and scales NaN where nothing was written."""
+    layout = KVCacheLayout(bits, d)
+    out = []
+    for _ in range(n):
+        codes, scales = layout.allocate((blocks, block_size, hkv), torch.float32, device)
+        out.append((codes.fill_(0xAB), scales.fill_(float("nan"))))
+    return out
+
+
+def assert_same_codes(a: tuple, b: tuple, bits: int = 8, exact: bool = True) -> None:
+    """Codes and scales equal (scales NaN alike). ``exact=False`` (keys go through a basis product
+    whose sums are ordered differently from torch's, and GPU division may round differently): a
+    code may sit one off where its value lay on a rounding boundary (at most 2 or 0.1% of them)."""
+    torch.testing.assert_close(a[1], b[1], rtol=0 if exact else 1e-3, atol=0, equal_nan=True)
+    if exact:
+        assert torch.equal(a[0], b[0])
+    else:
+        unpack = (lambda c: torch.cat([c & 0xF, c >> 4], -1)) if bits == 4 else (lambda c: c)  # noqa: E731
+        diff = (unpack(a[0]).int() - unpack(b[0]).int()).abs()
+        assert diff.max() <= 1
+        assert (diff > 0).sum() <= max(2, 1e-3 * diff.numel())
+
+
+@interp
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("hkv,d,block_size", [(3, 64, 16), (1, 128, 1), (8, 64, 4)])
+def test_quantized_store_kv(bits: int, hkv: int, d: int, block_size: int, seed: int, forced: None) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    t = 7
+    kv = randn(t, 2 * hkv * d + 5, gen=gen)  # strided views, like slices of a fused qkv
+    kv[:, 1] *= 100
+    k, v = kv[:, : hkv * d].view(t, hkv, d), kv[:, hkv * d : 2 * hkv * d].view(t, hkv, d)
+    blocks = -(-t // block_size) + 2
+    slots = torch.randperm(blocks * block_size, generator=gen)[:t]
+    slots[[1, 4]] = -1
+    (kc, ks), (vc, vs), (kr, ksr), (vr, vsr) = _caches(bits, blocks, block_size, hkv, d, 4)
+    store_kv(k, v, kc, vc, slots, ks, vs)
+    store_kv_ref(k, v, kr, vr, slots, ksr, vsr)
+    assert_same_codes((kc, ks), (kr, ksr), bits, exact=False)  # keys: through the basis product
+    assert_same_codes((vc, vs), (vr, vsr))
+    assert (kc.view(-1, hkv, kc.shape[-1])[slots[slots >= 0]] != 0xAB).any()
+
+
+@interp
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("h,hkv,d,block_size", [(9, 3, 64, 16), (4, 4, 128, 1), (8, 1, 64, 16)])
+def test_quantized_rotate_and_store_kv(bits: int, h: int, hkv: int, d: int, block_size: int, seed: int,
+                                       forced: None) -> None:
+    """The fused kernel equals its reference, and stores what rotary then the quantizing store do."""
+    from test_kernels import _rotate_and_store_case
+
+    q, k, v, positions, cos_sin, slots, _ = _rotate_and_store_case(7, h, hkv, d, block_size,
+                                                                  torch.Generator().manual_seed(seed))
+    blocks = -(-7 // block_size) + 3
+    c = _caches(bits, blocks, block_size, hkv, d, 6)
+    out_q = rotate_and_store_kv(q, k, v, positions, cos_sin, c[0][0], c[1][0], slots, c[0][1], c[1][1])
+    ref_q = rotate_and_store_kv_ref(q, k, v, positions, cos_sin, c[2][0], c[3][0], slots, c[2][1], c[3][1])
+    assert_close(out_q, ref_q, 1e-5)
+    assert_same_codes(c[0], c[2], bits, exact=False)
+    assert_same_codes(c[1], c[3])
+    rot_q, rot_k = apply_rotary(q, k, positions, cos_sin)
+    assert_close(out_q, to_key_basis(rot_q), 1e-5)  # queries come back in the key basis
+    store_kv(rot_k, v, c[4][0], c[5][0], slots, c[4][1], c[5][1])
+    assert_same_codes(c[0], c[4], bits, exact=False)
+
+
+# ---------------------------------------------------------------------------- interpreter: attention
+
+# (q_lens, k_lens, H, Hkv, D, block_size, tile overrides): GQA 1 / 3 / 4 / 8, D 64 and 128,
+# sequences ending on, before and after block boundaries, split decode, prefill over a prefix.
+QUANT_CASES = {
+    "decode_g3_d64_boundaries": ([1] * 4, [16, 15, 17, 1], 9, 3, 64, 16, {}),
+    "decode_g4_d128_split": ([1] * 3, [33, 64, 65], 8, 2, 128, 16, dict(decode_partition=32, block_n=16)),
+    "decode_g8_batch1_split": ([1], [100], 8, 1, 64, 32, dict(decode_partition=32, block_n=16)),
+    "decode_g1": ([1] * 2, [63, 129], 4, 4, 64, 64, dict(decode_partition=64, block_n=32)),
+    "prefill_g3": ([16, 17, 15], [16, 17, 15], 9, 3, 64, 16, dict(block_m=16, block_n=16)),
+    "prefill_over_prefix_g4_d128": ([5, 32, 1], [37, 64, 20], 8, 2, 128, 16, dict(block_m=16, block_n=16)),
+    "prefill_g8_chunk": ([40], [100], 8, 1, 64, 32, {}),
+    "prefill_g1_bs64": ([3, 64], [130, 64], 4, 4, 64, 64, dict(block_m=32, block_n=32)),
+}
+
+
+@interp
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("case", QUANT_CASES.values(), ids=QUANT_CASES.keys())
+def test_quantized_attention(case: tuple, bits: int, seed: int, poisoned_empty: None) -> None:
+    q_lens, k_lens, h, hkv, d, bs, tiles = case
+    # fp32: the kernel computes s * (q . c) + z * sum(q), the reference q . (c * s + z).
+    check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 1e-4, **tiles)
+
+
+@interp
+def test_quantized_attention_fp16(seed: int, poisoned_empty: None) -> None:
+    for q_lens in ([1, 1], [6, 1]):
+        check_quantized_attention(q_lens, [40, 3], 8, 2, 64, 16, seed, 8, 5e-3, dtype=torch.float16)
+
+
+@interp
+def test_quantized_dispatcher_and_refusals(seed: int, forced: None) -> None:
+    q, kq, vq, ks, vs, bt, cu, sk = quantized_batch([3, 1], [20, 7], 4, 2, 64, 16, seed, 8)
+    ref = paged_attention_ref(q, kq, vq, bt, cu, sk, 0.1, ks, vs)
+    assert_close(paged_attention(q, kq, vq, bt, cu, sk, 0.1, k_scales=ks, v_scales=vs), ref, 1e-4)
+    with pytest.raises(ValueError, match="scales must be fp16"):
+        paged_attention(q, kq, vq, bt, cu, sk, 0.1, k_scales=ks.float(), v_scales=vs.float())
+
+
+def test_reference_reads_the_dequantized_cache(seed: int) -> None:
+    """On the CPU path the reference is what runs: it must attend over exactly the values that
+    ``dequantize_kv_ref`` gives back."""
+    q, kq, vq, ks, vs, bt, cu, sk = quantized_batch([1, 4], [30, 12], 4, 2, 64, 8, seed, 4, outlier=False)
+    kd = dequantize_kv_ref(kq, torch.nan_to_num(ks), 4)
+    vd = dequantize_kv_ref(vq, torch.nan_to_num(vs), 4)
+    assert_close(paged_attention_ref(q, kq, vq, bt, cu, sk, 0.125, ks, vs),
+                 paged_attention_ref(q, kd, vd, bt, cu, sk, 0.125), 1e-6)
+
+
+@pytest.mark.skipif(TRITON_INTERPRETED, reason="the interpreter cases run in this process")
+def test_interpreter_cases_in_child() -> None:
+    """Run this file's interpreter cases in a child process that imports triton interpreted."""
+    run_interpreter_cases_in_child(__file__)
+
+
+# -------------------------------------------------------------------------------------------------- GPU
+
+GPU_QUANT = {  # (q_lens, k_lens, H, Hkv, D, block_size)
+    "decode_batch1_4k_g3_d64": ([1], [4096], 9, 3, 64, 16),
+    "decode_batch256_g4_d128": ([1] * 256, None, 32, 8, 128, 64),
+    "decode_long_mixed_g8": ([1] * 4, [17000, 4096, 511, 8193], 16, 2, 128, 64),
+    "prefill_2k_g4_d128": ([2048], [2048], 32, 8, 128, 64),
+    "chunked_over_prefix": ([512, 1000, 1, 33], [3000, 1000, 700, 4129], 32, 8, 128, 64),
+    "prefill_g1_d64": ([300], [700], 8, 8, 64, 16),
+}
+
+
+@gpu
+@compiled_gpu
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", GPU_QUANT.values(), ids=GPU_QUANT.keys())
+def test_gpu_quantized_attention(case: tuple, dtype: torch.dtype, bits: int, seed: int, poisoned_empty: None) -> None:
+    q_lens, k_lens, h, hkv, d, bs = case
+    if k_lens is None:
+        k_lens = torch.randint(1, 2049, (len(q_lens),), generator=torch.Generator().manual_seed(seed)).tolist()
+    check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, GPU_TOL[dtype], dtype, "cuda")
+
+
+@gpu
+@compiled_gpu
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_quantized_stores(dtype: torch.dtype, bits: int, seed: int, poisoned_empty: None) -> None:
+    """Both quantizing writes at model sizes against the CPU reference (codes within one step)."""
+    from test_kernels import _rotate_and_store_case
+
+    gen = torch.Generator().manual_seed(seed)
+    t, h, hkv, d, bs = 2048, 32, 8, 128, 16
+    q, k, v, positions, cos_sin, slots, _ = _rotate_and_store_case(t, h, hkv, d, bs, gen, dtype, "cuda")
+    k[:, :, 5] *= 100
+    blocks = -(-t // bs) + 3
+    gpu_c = _caches(bits, blocks, bs, hkv, d, 2, "cuda")
+    cpu_c = _caches(bits, blocks, bs, hkv, d, 2)
+    out_q = rotate_and_store_kv(q, k, v, positions, cos_sin, gpu_c[0][0], gpu_c[1][0], slots, gpu_c[0][1], gpu_c[1][1])
+    ref_q = rotate_and_store_kv_ref(q.cpu().float(), k.cpu().float(), v.cpu().float(), positions.cpu(), cos_sin.cpu(),
+                                    cpu_c[0][0], cpu_c[1][0], slots.cpu(), cpu_c[0][1], cpu_c[1][1])
+    assert_close(out_q.float().cpu(), ref_q, GPU_TOL[dtype])
+    # The rotation itself rounds to the model's dtype on the GPU: compare the values they read back.
+    for (gc, gs), (cc, cs) in zip(gpu_c, cpu_c):
+        written = slots.cpu()[slots.cpu() >= 0]
+        g = dequantize_kv_ref(gc.cpu().view(-1, hkv, gc.shape[-1])[written], gs.cpu().view(-1, hkv, 2)[written], bits)
+        c = dequantize_kv_ref(cc.view(-1, hkv, cc.shape[-1])[written], cs.view(-1, hkv, 2)[written], bits)
+        step = cs.view(-1, hkv, 2)[written][..., 0:1].float()
+        assert ((g - c).abs() <= 1.01 * step + 0.02 * c.abs()).float().mean() > 0.999
+    a = _caches(bits, blocks, bs, hkv, d, 2, "cuda")
+    b = _caches(bits, blocks, bs, hkv, d, 2)
+    store_kv(k, v, a[0][0], a[1][0], slots, a[0][1], a[1][1])
+    store_kv_ref(k.cpu(), v.cpu(), b[0][0], b[1][0], slots.cpu(), b[0][1], b[1][1])
+    for x, y in zip(a, b):
+        assert_same_codes((x[0].cpu(), x[1].cpu()), y, bits, exact=False)
