@@ -75,12 +75,13 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=None, help="first N requests (default: all)")
     ap.add_argument("--max-batch-size", type=int, default=256)
     ap.add_argument("--cache-max-entry-count", type=cache_size, default=0.8)
+    ap.add_argument("--quant-policy", type=int, default=0, choices=[0, 4, 8], help="KV cache: 0 (16-bit), 8 or 4 bits")
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
 
     work = load_workload(args.dataset, args.num_prompts)
     engine = dummy_engine(args.model, args.dtype, max_batch_size=args.max_batch_size,
-                          cache_max_entry_count=args.cache_max_entry_count)
+                          cache_max_entry_count=args.cache_max_entry_count, quant_policy=args.quant_policy)
     vocab = engine.model_config.vocab_size
     print(f"engine ready: {engine.runner.num_blocks} KV blocks of {engine.config.block_size}", flush=True)
     warm_up(engine, vocab)
@@ -135,12 +136,13 @@ def main() -> None:
         "gpu_busy": busy / wall if busy is not None else None, "gpu_busy_s": busy,
         "preemptions": preempted[0], "graph_steps": timer.graph_steps, "eager_steps": timer.eager_steps,
         "kv_blocks": engine.runner.num_blocks, "block_size": engine.config.block_size,
+        "kv_tokens": engine.runner.num_blocks * engine.config.block_size,
         "peak_mem_gb": torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else None,
     }
     for k, v in result.items():
         print(f"{k:>14}: {v:.3f}" if isinstance(v, float) else f"{k:>14}: {v}")
     rec = record(engine="conveyor", model=args.model, precision=args.dtype, benchmark="profile_throughput",
-                 batch=args.max_batch_size, dataset=args.dataset.name, **result)
+                 batch=args.max_batch_size, quant_policy=args.quant_policy, dataset=args.dataset.name, **result)
     path = save([rec], args.name or f"profile_throughput_{args.model}")
     print(f"saved {path}")
 

@@ -83,3 +83,23 @@ if [ "$STAGE" = w8a8 ]; then
     echo "$fmt: $(( $(date +%s) - start )) s"
   done
 fi
+
+# STAGE "kvq": the quantized KV cache (issue 12). Unless SKIP_TESTS: its GPU kernel tests and the
+#   attention/cache kernel tests. Then, for each POLICY:MAX_BATCH_SIZE of $KVQ_TPUT (default
+#   "0:256 8:256 4:256"), the ShareGPT-shaped workload ($KVQ_PROMPTS prompts, default all 3000),
+#   each a record file kvq_sharegpt_p<policy>_b<mbs>; and, unless SKIP_GEN, generation (batch 1
+#   128/512, batch 64 128/512) for each policy of $KVQ_GEN (default "0 8 4"), kvq_gen_p<policy>.
+if [ "$STAGE" = kvq ]; then
+  [ -n "${SKIP_TESTS:-}" ] || pytest_here 300 tests/unit/test_kernels_kv_quant.py tests/unit/test_kernels.py
+  if [ -z "${SKIP_GEN:-}" ]; then
+    for p in ${KVQ_GEN:-0 8 4}; do
+      timeout 150 python3 -m benchmarks.profile_generation --model llama2-7b -b 1 -b 64 -c 128:512 \
+        --quant-policy "$p" --name "kvq_gen_p$p"
+    done
+  fi
+  for case in ${KVQ_TPUT:-0:256 8:256 4:256}; do
+    p=${case%%:*}; b=${case##*:}
+    timeout 330 python3 -m benchmarks.profile_throughput --model llama2-7b ${KVQ_PROMPTS:+--num-prompts $KVQ_PROMPTS} \
+      --quant-policy "$p" --max-batch-size "$b" --name "kvq_sharegpt_p${p}_b${b}"
+  done
+fi
