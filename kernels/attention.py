@@ -180,6 +180,48 @@ def _scale_zero(ptr, s_off, mask, MASKED: tl.constexpr):
 
 
 @jit
+def _codes_as(c, dtype: tl.constexpr):
+    """uint8 codes as ``dtype`` values, exactly. fp16: the magic-number read (``c | 0x6400`` is the
+    fp16 ``1024 + c``), two integer ops and one subtraction instead of a slow int-to-float
+    conversion per value; others: a plain conversion."""
+    if dtype == tl.float16:
+        return (c.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    return c.to(dtype)
+
+
+@jit
+def _quant_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n_mask, kv_head, d,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+                BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
+    """Everything one key tile of a quantized cache brings: key codes [D, N], value codes [N, D]
+    and their scales and zeros [N] (0 past ``n_mask``). Issued a tile ahead by the decode kernel."""
+    k_off, v_off, s_off = _kv_offsets(bt_row, n, n_mask, kv_head, stride_kb, stride_ks, stride_kh,
+                                      stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+                                      BLOCK_SIZE, True)
+    kc = _load_codes(k_ptr, k_off, d, n_mask, True, HEAD_DIM, True, BITS)
+    ksc, kz = _scale_zero(ks_ptr, s_off, n_mask, True)
+    vc = _load_codes(v_ptr, v_off, d, n_mask, False, HEAD_DIM, True, BITS)
+    vsc, vz = _scale_zero(vs_ptr, s_off, n_mask, True)
+    return kc, ksc, kz, vc, vsc, vz
+
+
+@jit
+def _quant_fold(q, qsum, kc, ksc, kz, vc, vsc, vz, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One loaded tile of a quantized cache (``_quant_tile``) folded into the running softmax:
+    as ``_scores`` then ``_fold_values`` compute it."""
+    s = tl.dot(q, _codes_as(kc, q.dtype), input_precision=DOT_PRECISION)
+    s = (s * ksc[None, :] + qsum[:, None] * kz[None, :]) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    pv = tl.dot((p * vsc[None, :]).to(q.dtype), _codes_as(vc, q.dtype), input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + pv + tl.sum(p * vz[None, :], 1)[:, None]
+    return m_new, l_i, acc
+
+
+@jit
 def _scores(q, k_ptr, ks_ptr, k_off, s_off, d, n_mask, qsum, qk_scale,
             HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """log2-scaled scores q @ k [M, N] of the keys at offsets ``k_off``. A quantized cache's codes
@@ -187,7 +229,7 @@ def _scores(q, k_ptr, ks_ptr, k_off, s_off, d, n_mask, qsum, qk_scale,
     come after: ``q . (c * s + z) = s * (q . c) + z * sum(q)``, so no dequantized key is ever made."""
     if BITS:
         c = _load_codes(k_ptr, k_off, d, n_mask, True, HEAD_DIM, MASKED, BITS)
-        s = tl.dot(q, c.to(q.dtype), input_precision=DOT_PRECISION)
+        s = tl.dot(q, _codes_as(c, q.dtype), input_precision=DOT_PRECISION)
         scale, zero = _scale_zero(ks_ptr, s_off, n_mask, MASKED)
         s = s * scale[None, :] + qsum[:, None] * zero[None, :]
     elif MASKED:
@@ -212,7 +254,7 @@ def _fold_values(s, v_ptr, vs_ptr, v_off, s_off, d, n_mask, m_i, l_i, acc, q_dty
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        pv = tl.dot((p * scale[None, :]).to(q_dtype), c.to(q_dtype), input_precision=DOT_PRECISION)
+        pv = tl.dot((p * scale[None, :]).to(q_dtype), _codes_as(c, q_dtype), input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv + tl.sum(p * zero[None, :], 1)[:, None]
         return m_new, l_i, acc
     elif MASKED:
@@ -284,14 +326,35 @@ def _decode_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
+    if BITS:
+        # A quantized cache: each tile's loads are issued one tile ahead, by hand. (Triton's
+        # pipeliner prefetches the 16-bit cache's keys and values, which feed tl.dot as loaded;
+        # codes pass through a conversion first, and unprefetched, every tile waited out four
+        # memory latencies: 2x slower than the 16-bit cache whatever the bits.)
+        n = start + tl.arange(0, BLOCK_N)
         n_mask = n < end
-        # The first tile always holds a valid key (start < seqlen), so m_i is finite from then on.
-        m_i, l_i, acc = _tile_step(q, qsum, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n_mask, n_mask[None, :],
-                                   kv_head, d, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
-                                   stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-                                   BLOCK_SIZE, HEAD_DIM, True, BITS, DOT_PRECISION)
+        kc, ksc, kz, vc, vsc, vz = _quant_tile(
+            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n_mask, kv_head, d, stride_kb, stride_ks, stride_kh,
+            stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh, BLOCK_SIZE, HEAD_DIM, BITS)
+        for n0 in range(start, end, BLOCK_N):
+            n_next = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
+            next_mask = n_next < end  # all false after the last tile: nothing is read then
+            kc2, ksc2, kz2, vc2, vsc2, vz2 = _quant_tile(
+                k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n_next, next_mask, kv_head, d, stride_kb, stride_ks,
+                stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh, BLOCK_SIZE, HEAD_DIM,
+                BITS)
+            m_i, l_i, acc = _quant_fold(q, qsum, kc, ksc, kz, vc, vsc, vz, n_mask[None, :], m_i, l_i, acc,
+                                        qk_scale, DOT_PRECISION)
+            kc, ksc, kz, vc, vsc, vz, n_mask = kc2, ksc2, kz2, vc2, vsc2, vz2, next_mask
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = n < end
+            # The first tile always holds a valid key (start < seqlen), so m_i is finite from then on.
+            m_i, l_i, acc = _tile_step(q, qsum, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n_mask, n_mask[None, :],
+                                       kv_head, d, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
+                                       stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+                                       BLOCK_SIZE, HEAD_DIM, True, BITS, DOT_PRECISION)
 
     o = acc / l_i[:, None]
     # A sequence that one partition covers is final here: the merge kernel skips it.

@@ -37,7 +37,8 @@ from conveyor.kernels.kv_cache import (  # noqa: E402
 from conveyor.kernels.rotary import apply_rotary  # noqa: E402
 from test_kernels import paged_batch, randn  # noqa: E402
 
-GPU_TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
+# bf16: the probabilities times the value scales are rounded to bf16 for the dot (the reference keeps fp32).
+GPU_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
 def quantized(cache: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
