@@ -210,3 +210,13 @@ def test_local_paths_are_used_as_they_are(fake_hub, tmp_path):
     calls, _ = fake_hub
     assert weight_loader.resolve_model_path(tmp_path, "v1.0", download_dir=str(tmp_path / "hub")) == tmp_path
     assert calls == []
+
+
+def test_quant_policy_values() -> None:
+    """LMDeploy's KV cache policies are accepted; anything else names the three that exist."""
+    from conveyor.kernels.kv_cache import QUANT_POLICIES
+
+    for policy in QUANT_POLICIES:
+        assert EngineConfig(quant_policy=policy).quant_policy == policy
+    with pytest.raises(EngineConfigError, match=r"use 0 \(none\), 4 \(int4 KV\) or 8 \(int8 KV\)"):
+        EngineConfig(quant_policy=2)
