@@ -12,27 +12,11 @@ scales of a block contiguous). Prints µs and the effective read bandwidth of th
 from __future__ import annotations
 
 import argparse
-import statistics
-
 import torch
 
-from benchmarks.common import record, save
+from benchmarks.common import eager_time_us, record, save
 from conveyor.kernels.attention import paged_attention
 from conveyor.kernels.kv_cache import KVCacheLayout, rotate_and_store_kv
-
-
-def timed(fn, reps: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -69,7 +53,7 @@ def main() -> None:
                 kc.normal_(), vc.normal_()
             attn = lambda: paged_attention(q, kc, vc, tables, cu, lens, d**-0.5, max_seqlen_q=1,  # noqa: E731
                                            max_seqlen_k=4096, k_scales=ks, v_scales=vs)
-            us = timed(attn)
+            us = eager_time_us(attn, 50)
             kv_bytes = 2 * b * ctx * hkv * layout.bytes_per_head(dt)
             qkv = torch.randn(b, (h + 2 * hkv) * d, device=dev, dtype=dt)
             qq, kk, vv = qkv.split([h * d, hkv * d, hkv * d], -1)
@@ -78,7 +62,7 @@ def main() -> None:
             cs = torch.randn(8192, d, device=dev, dtype=torch.float32)
             slots = (tables[:, -1].long() * bs + (ctx % bs))
             store = lambda: rotate_and_store_kv(qq, kk, vv, pos, cs, kc, vc, slots, ks, vs)  # noqa: E731
-            store_us = timed(store)
+            store_us = eager_time_us(store, 50)
             label = f"p{policy}" + ("_headmajor" if head_major else "")
             print(f"{label:>14}: attention {us:8.1f} us ({kv_bytes / us / 1e3:7.0f} GB/s of KV), "
                   f"rotate+store {store_us:6.1f} us", flush=True)

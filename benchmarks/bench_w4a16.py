@@ -37,7 +37,7 @@ import torch
 
 import importlib
 
-from benchmarks.common import record, save
+from benchmarks.common import eager_time_us, record, save
 from conveyor.kernels._triton import cdiv
 from conveyor.kernels.w4a16 import GemmConfig, GemvConfig, dequantize_awq_ref, split_k, tile_k
 
@@ -84,21 +84,6 @@ def layer_copies(k: int, n: int, copies: int) -> list[tuple[torch.Tensor, ...]]:
         s = torch.rand(groups, n, device="cuda").mul_(0.002).add_(0.001).half()
         out.append((qw, qz, s))
     return out
-
-
-def eager_time_us(call: Callable[[], object], samples: int) -> float:
-    """Median µs of single eager calls (for the slow, multi-kernel reference path)."""
-    call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def graph_time_us(calls: list[Callable[[], object]], samples: int) -> float:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import statistics
 import os
 import random
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +107,21 @@ def dummy_engine(shape: str, dtype: str = "float16", **config: Any):
 
     model_dir = write_model_dir(shape, Path(tempfile.gettempdir()) / f"conveyor-dummy-{shape}")
     return LLMEngine(model_dir, EngineConfig(dtype=dtype, load_format="dummy", **config))
+
+
+def eager_time_us(call: Callable[[], object], samples: int) -> float:
+    """Median µs of single eager calls (for the slow, multi-kernel reference path)."""
+    call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
 
 
 class StepTimer:
