@@ -142,11 +142,11 @@ def _kv_offsets(
 
 
 @jit
-def _load_codes(ptr, off, d, mask, ROWS_ARE_KEYS: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
-    """A quantized cache's codes at element offsets ``off`` [N] (0 where not ``mask``), as uint8
-    values [D, N] (keys, for q @ k) or [N, D] (values): int8 one byte per dim; int4 dim ``d`` in
-    byte ``d % (D / 2)``, low nibble for the first half of the dims, high for the second
-    (``kv_cache.py``)."""
+def _load_codes(ptr, off, d, mask, ROWS_ARE_KEYS: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+                BITS: tl.constexpr):
+    """A quantized cache's codes at element offsets ``off`` [N], as uint8 values [D, N] (keys,
+    for q @ k) or [N, D] (values): int8 one byte per dim; int4 dim ``d`` in byte ``d % (D / 2)``,
+    low nibble for the first half of the dims, high for the second (``kv_cache.py``)."""
     if BITS == 4:
         HALF: tl.constexpr = HEAD_DIM // 2
         byte = d % HALF
@@ -154,21 +154,29 @@ def _load_codes(ptr, off, d, mask, ROWS_ARE_KEYS: tl.constexpr, HEAD_DIM: tl.con
     else:
         byte = d
     if ROWS_ARE_KEYS:
-        c = tl.load(ptr + off[None, :] + byte[:, None], mask=mask[None, :], other=0)
+        if MASKED:
+            c = tl.load(ptr + off[None, :] + byte[:, None], mask=mask[None, :], other=0)
+        else:
+            c = tl.load(ptr + off[None, :] + byte[:, None])
         if BITS == 4:
             c = (c >> shift[:, None]) & 0xF
     else:
-        c = tl.load(ptr + off[:, None] + byte[None, :], mask=mask[:, None], other=0)
+        if MASKED:
+            c = tl.load(ptr + off[:, None] + byte[None, :], mask=mask[:, None], other=0)
+        else:
+            c = tl.load(ptr + off[:, None] + byte[None, :])
         if BITS == 4:
             c = (c >> shift[None, :]) & 0xF
     return c
 
 
 @jit
-def _scale_zero(ptr, s_off, mask):
+def _scale_zero(ptr, s_off, mask, MASKED: tl.constexpr):
     """The (scale, zero) pairs at offsets ``s_off`` [N], as two fp32 vectors (0 where masked)."""
-    return (tl.load(ptr + s_off, mask=mask, other=0.0).to(tl.float32),
-            tl.load(ptr + s_off + 1, mask=mask, other=0.0).to(tl.float32))
+    if MASKED:
+        return (tl.load(ptr + s_off, mask=mask, other=0.0).to(tl.float32),
+                tl.load(ptr + s_off + 1, mask=mask, other=0.0).to(tl.float32))
+    return tl.load(ptr + s_off).to(tl.float32), tl.load(ptr + s_off + 1).to(tl.float32)
 
 
 @jit
@@ -190,19 +198,17 @@ def _quant_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n_mask, kv_head, d,
     k_off, v_off, s_off = _kv_offsets(bt_row, n, n_mask, kv_head, stride_kb, stride_ks, stride_kh,
                                       stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
                                       BLOCK_SIZE, True)
-    kc = _load_codes(k_ptr, k_off, d, n_mask, True, HEAD_DIM, BITS)
-    ksc, kz = _scale_zero(ks_ptr, s_off, n_mask)
-    vc = _load_codes(v_ptr, v_off, d, n_mask, False, HEAD_DIM, BITS)
-    vsc, vz = _scale_zero(vs_ptr, s_off, n_mask)
+    kc = _load_codes(k_ptr, k_off, d, n_mask, True, HEAD_DIM, True, BITS)
+    ksc, kz = _scale_zero(ks_ptr, s_off, n_mask, True)
+    vc = _load_codes(v_ptr, v_off, d, n_mask, False, HEAD_DIM, True, BITS)
+    vsc, vz = _scale_zero(vs_ptr, s_off, n_mask, True)
     return kc, ksc, kz, vc, vsc, vz
 
 
 @jit
 def _quant_fold(q, qsum, kc, ksc, kz, vc, vsc, vz, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
-    """One loaded tile of a quantized cache (``_quant_tile``) folded into the running softmax. The
-    codes enter the dots as they are (small integers, exact in fp16/bf16); the per-key scale and
-    zero come after: ``q . (c * s + z) = s * (q . c) + z * sum(q)`` and ``p @ (c * s + z) =
-    (p * s) @ c + sum(p * z)``, so no dequantized key or value is ever made."""
+    """One loaded tile of a quantized cache (``_quant_tile``) folded into the running softmax:
+    as ``_scores`` then ``_fold_values`` compute it."""
     s = tl.dot(q, _codes_as(kc, q.dtype), input_precision=DOT_PRECISION)
     s = (s * ksc[None, :] + qsum[:, None] * kz[None, :]) * qk_scale
     s = tl.where(visible, s, float("-inf"))
@@ -216,6 +222,50 @@ def _quant_fold(q, qsum, kc, ksc, kz, vc, vsc, vz, visible, m_i, l_i, acc, qk_sc
 
 
 @jit
+def _scores(q, k_ptr, ks_ptr, k_off, s_off, d, n_mask, qsum, qk_scale,
+            HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """log2-scaled scores q @ k [M, N] of the keys at offsets ``k_off``. A quantized cache's codes
+    enter the dot as they are (small integers, exact in fp16/bf16) and the per-key scale and zero
+    come after: ``q . (c * s + z) = s * (q . c) + z * sum(q)``, so no dequantized key is ever made."""
+    if BITS:
+        c = _load_codes(k_ptr, k_off, d, n_mask, True, HEAD_DIM, MASKED, BITS)
+        s = tl.dot(q, _codes_as(c, q.dtype), input_precision=DOT_PRECISION)
+        scale, zero = _scale_zero(ks_ptr, s_off, n_mask, MASKED)
+        s = s * scale[None, :] + qsum[:, None] * zero[None, :]
+    elif MASKED:
+        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=n_mask[None, :], other=0.0)  # [D, N]
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+    else:
+        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None])  # [D, N]
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+    return s * qk_scale
+
+
+@jit
+def _fold_values(s, v_ptr, vs_ptr, v_off, s_off, d, n_mask, m_i, l_i, acc, q_dtype: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Load the values at offsets ``v_off`` and fold scores ``s`` over them (``_fold_tile``). A
+    quantized cache's codes enter the dot as they are, the per-value scale folded into the
+    probabilities and the zero added as one row sum: ``p @ (c * s + z) = (p * s) @ c + sum(p * z)``."""
+    if BITS:
+        c = _load_codes(v_ptr, v_off, d, n_mask, False, HEAD_DIM, MASKED, BITS)
+        scale, zero = _scale_zero(vs_ptr, s_off, n_mask, MASKED)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pv = tl.dot((p * scale[None, :]).to(q_dtype), _codes_as(c, q_dtype), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv + tl.sum(p * zero[None, :], 1)[:, None]
+        return m_new, l_i, acc
+    elif MASKED:
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)  # [N, D]
+        return _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
+    else:
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :])  # [N, D]
+        return _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
+
+
+@jit
 def _tile_step(
     q, qsum, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n_mask, visible, kv_head, d, m_i, l_i, acc, qk_scale,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
@@ -224,29 +274,15 @@ def _tile_step(
 ):
     """One key tile: load the keys, score, mask (MASKED: the tile may run past the sequence,
     ``n_mask``, and is seen only where ``visible``), load the values, fold into the running
-    softmax. A quantized cache's tile goes through ``_quant_tile`` and ``_quant_fold`` (``qsum``:
-    the rows' sums of q, for its zeros)."""
-    if BITS:
-        if not MASKED:  # every position inside the sequence and visible
-            n_mask = n >= 0
-            visible = n_mask[None, :]
-        kc, ksc, kz, vc, vsc, vz = _quant_tile(
-            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n_mask, kv_head, d, stride_kb, stride_ks, stride_kh,
-            stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh, BLOCK_SIZE, HEAD_DIM, BITS)
-        return _quant_fold(q, qsum, kc, ksc, kz, vc, vsc, vz, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION)
-    k_off, v_off, _ = _kv_offsets(bt_row, n, n_mask, kv_head, stride_kb, stride_ks, stride_kh,
-                                  stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-                                  BLOCK_SIZE, MASKED)
+    softmax. ``qsum``: the rows' sums of q, for a quantized cache's zeros."""
+    k_off, v_off, s_off = _kv_offsets(bt_row, n, n_mask, kv_head, stride_kb, stride_ks, stride_kh,
+                                      stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+                                      BLOCK_SIZE, MASKED)
+    s = _scores(q, k_ptr, ks_ptr, k_off, s_off, d, n_mask, qsum, qk_scale, HEAD_DIM, MASKED, BITS, DOT_PRECISION)
     if MASKED:
-        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=n_mask[None, :], other=0.0)  # [D, N]
-        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(visible, s, float("-inf"))
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)  # [N, D]
-    else:
-        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None])  # [D, N]
-        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :])  # [N, D]
-    return _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
+    return _fold_values(s, v_ptr, vs_ptr, v_off, s_off, d, n_mask, m_i, l_i, acc, q.dtype,
+                        HEAD_DIM, MASKED, BITS, DOT_PRECISION)
 
 
 @jit
@@ -284,7 +320,7 @@ def _decode_kernel(
     d = tl.arange(0, HEAD_DIM)
     # Padding rows (g >= GROUP) load zeros: their scores are finite and their results never stored.
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
-    qsum = tl.sum(q.to(tl.float32), 1)  # for a quantized cache's zeros (_quant_fold)
+    qsum = tl.sum(q.to(tl.float32), 1)  # for a quantized cache's zeros (_scores)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -405,7 +441,7 @@ def _prefill_kernel(
     rows = (q_start + m).to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=m_mask[:, None], other=0.0)
-    qsum = tl.sum(q.to(tl.float32), 1)  # for a quantized cache's zeros (_quant_fold)
+    qsum = tl.sum(q.to(tl.float32), 1)  # for a quantized cache's zeros (_scores)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
