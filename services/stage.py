@@ -27,7 +27,9 @@ def announce_ready(ctx: zmq.Context, launcher_address: str | None, stage: Stage,
     """Tell the launcher this stage accepts traffic (no launcher: nothing to do)."""
     if not launcher_address:
         return
-    sock = open_socket(ctx, zmq.PUSH, connect=launcher_address, linger_ms=2000, curve=curve)
+    # A READY dropped at close leaves a restarted stage unannounced for good; on a starved 2-core
+    # machine the connection can take seconds, so wait long (the launcher is there: it started us).
+    sock = open_socket(ctx, zmq.PUSH, connect=launcher_address, linger_ms=30_000, curve=curve)
     Codec(LauncherIn).send(sock, Ready(stage, os.getpid(), info))
     sock.close()
 

@@ -48,11 +48,14 @@ def _metric_stat(url: str, stat: str) -> float:
     return _metric(url, f'conveyor_stage_stat{{stat="{stat}"}}')
 
 
-def _wait_until(predicate, what: str, timeout: float = 30.0) -> None:
-    """Poll ``predicate`` (every 50 ms) until it holds; fail after ``timeout`` seconds."""
+def _wait_until(predicate, what: str, timeout: float = 30.0, srv: ServerProcess | None = None) -> None:
+    """Poll ``predicate`` (every 50 ms) until it holds; fail after ``timeout`` seconds, with the
+    server's log in the message when ``srv`` is given (a CI failure is otherwise undiagnosable)."""
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if time.monotonic() >= deadline:
+            log = srv.log()[-6000:] if srv is not None else ""
+            raise AssertionError(f"timed out waiting for {what}" + (f"; the server's log ends:\n{log}" if log else ""))
         time.sleep(0.05)
 
 
@@ -206,7 +209,7 @@ def test_a_stage_that_keeps_dying_makes_the_launcher_exit_1(smollm2_dir, tmp_pat
     srv = _start(smollm2_dir, tmp_path, "--max-restarts", "1")
     first = srv.stage_pids("tokenizer")[0]
     os.kill(first, signal.SIGKILL)
-    _wait_until(lambda: len(srv.stage_pids("tokenizer")) == 2, "the tokenizer to restart", timeout=60)
+    _wait_until(lambda: len(srv.stage_pids("tokenizer")) == 2, "the tokenizer to restart", timeout=60, srv=srv)
     os.kill(srv.stage_pids("tokenizer")[1], signal.SIGKILL)
     assert srv.proc.wait(60) == 1  # an outer supervisor (systemd, compose restart:) takes over
     srv.terminate()
