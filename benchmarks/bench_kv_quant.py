@@ -1,22 +1,124 @@
 """The quantized KV cache's kernels against the 16-bit cache's, on Llama-2-7B decode shapes.
 
     python -m benchmarks.bench_kv_quant [--batch 64] [--context 512]
+    python -m benchmarks.bench_kv_quant --variants 'a=52,64,4' 'b=52,128,4,2' [--before] [--check]
 
 Times (CUDA events, median of many launches) the decode attention kernel over a cache of
 ``--batch`` sequences of ``--context`` tokens, and the fused rotary + cache write of one decode
 step, for quant_policy 0 / 8 / 4; for the quantized caches with the scales laid out
 token-major ([blocks, block_size, heads, 2], as allocated before) and head-major (each head's
 scales of a block contiguous). Prints µs and the effective read bandwidth of the attention.
+
+``--variants`` times launch variants of the quantized decode kernel instead, each
+``label=tune,block_n,num_warps,num_stages,maxnreg`` (``paged_attention_triton``'s keywords; a
+missing or 0 field keeps the default; tune is the kernel's TUNE bits), timed back to back (the
+kernel's own time) and one call at a time (``eager``, as the policy rows). ``--before`` adds the
+kernel of an older checkout copied to ``kernels/_attention_before.py`` (not committed), ``--check``
+compares each variant's output with the torch reference on the first sequences, and
+``--profile LABEL[,LABEL]`` only launches those variants twice each (for ncu).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+
 import torch
 
 from benchmarks.common import eager_time_us, record, save
-from conveyor.kernels.attention import paged_attention
+from conveyor.kernels.attention import paged_attention, paged_attention_ref, paged_attention_triton
 from conveyor.kernels.kv_cache import KVCacheLayout, rotate_and_store_kv
+
+_VARIANT_KEYS = ("tune", "block_n", "num_warps", "num_stages", "maxnreg")
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, int]]:
+    """``label=tune,block_n,...`` -> (label, the keywords it sets); ``label=before`` -> the old kernel."""
+    label, _, fields = spec.partition("=")
+    if fields == "before":
+        return label, {"before": 1}
+    values = [int(v) if v else 0 for v in fields.split(",")]
+    return label, {k: v for k, v in zip(_VARIANT_KEYS, values) if v or k == "tune"}
+
+
+def back_to_back_us(call, calls: int = 20, repeats: int = 5) -> float:
+    """Median over ``repeats`` of the mean µs of ``calls`` launches queued back to back: the kernels'
+    own time, with the host's launch work overlapped (``eager_time_us`` adds it to each call)."""
+    call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def make_cache(policy: int, blocks: int, bs: int, hkv: int, d: int, dt: torch.dtype, head_major: bool = False):
+    """Random codes (or values) and scales for one cache: zeros in [-1, 0), scales 0.01."""
+    layout = KVCacheLayout(policy, d)
+    out = []
+    for _ in range(2):
+        c, s = layout.allocate((blocks, bs, hkv), dt, "cuda")
+        if head_major and s is not None:  # same shape, each head's block of scales contiguous
+            s = torch.zeros(blocks, hkv, bs, 2, device="cuda", dtype=s.dtype).transpose(1, 2)
+        if policy:
+            c.random_(0, 256)
+            s[..., 0].fill_(0.01)
+            s[..., 1].uniform_(-1, 0)
+        else:
+            c.normal_()
+        out += [c, s]
+    return out  # kc, ks, vc, vs
+
+
+def run_variants(args: argparse.Namespace, q, tables, cu, lens, blocks: int) -> list[dict]:
+    b, ctx, hkv, d, bs = args.batch, args.context, args.kv_heads, args.head_dim, args.block_size
+    variants = [parse_variant(v) for v in args.variants]
+    if args.before:
+        variants.insert(0, ("before", {"before": 1}))
+    before = importlib.import_module("conveyor.kernels._attention_before") if any(
+        "before" in kw for _, kw in variants) else None
+    records = []
+    for policy in args.policies:
+        kc, ks, vc, vs = make_cache(policy, blocks, bs, hkv, d, q.dtype)
+        kv_bytes = 2 * b * ctx * hkv * KVCacheLayout(policy, d).bytes_per_head(q.dtype)
+        ref = None
+        if args.check:
+            n = 4
+            ref = paged_attention_ref(q[:n].float(), kc, vc, tables[:n], cu[: n + 1], lens[:n], d**-0.5,
+                                      ks, vs).to(q.dtype)
+        for label, kw in variants:
+            if args.profile and label not in args.profile.split(","):
+                continue
+            if "before" in kw:
+                def attn():
+                    return before.paged_attention_triton(q, kc, vc, tables, cu, lens, d**-0.5, max_seqlen_q=1,
+                                                         max_seqlen_k=4096, k_scales=ks, v_scales=vs)
+            else:
+                def attn(kw=kw):
+                    return paged_attention_triton(q, kc, vc, tables, cu, lens, d**-0.5, max_seqlen_q=1,
+                                                  max_seqlen_k=4096, k_scales=ks, v_scales=vs, **kw)
+            if args.profile:
+                for _ in range(2):
+                    attn()
+                torch.cuda.synchronize()
+                continue
+            err = None
+            if ref is not None:
+                err = (attn()[:4].float() - ref.float()).abs().max().item()
+            us = back_to_back_us(attn)
+            eager = eager_time_us(attn, 20)
+            print(f"p{policy} {label:>12}: attention {us:8.1f} us ({kv_bytes / us / 1e3:7.0f} GB/s of KV), "
+                  f"eager {eager:8.1f} us" + (f", max err {err:.2e}" if err is not None else ""), flush=True)
+            records.append(record(engine="conveyor", benchmark="bench_kv_quant", model="llama2-7b-layer",
+                                  batch=b, input_len=ctx, quant_policy=policy, layout=label, attention_us=us,
+                                  eager_us=eager, kv_gb_s=kv_bytes / us / 1e3, variant=kw, max_err=err))
+    return records
 
 
 def main() -> None:
@@ -27,6 +129,11 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--variants", nargs="*", default=[])
+    ap.add_argument("--policies", type=int, nargs="*", default=[8, 4])
+    ap.add_argument("--before", action="store_true")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--profile", default="")
     ap.add_argument("--name", default="bench_kv_quant")
     args = ap.parse_args()
     dev, dt = "cuda", torch.float16
@@ -37,20 +144,16 @@ def main() -> None:
     cu = torch.arange(b + 1, device=dev, dtype=torch.int32)
     lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
     q = torch.randn(b, h, d, device=dev, dtype=dt)
+    if args.variants or args.before or args.profile:
+        records = run_variants(args, q, tables, cu, lens, blocks)
+        if not args.profile:
+            print(f"saved {save(records, args.name)}")
+        return
     records = []
     for policy in (0, 8, 4):
         for head_major in ((False,) if policy == 0 else (False, True)):
             layout = KVCacheLayout(policy, d)
-            kc, ks = layout.allocate((blocks, bs, hkv), dt, dev)
-            vc, vs = layout.allocate((blocks, bs, hkv), dt, dev)
-            if head_major and ks is not None:  # same shape, each head's block of scales contiguous
-                ks = torch.zeros(blocks, hkv, bs, 2, device=dev, dtype=ks.dtype).transpose(1, 2)
-                vs = torch.zeros(blocks, hkv, bs, 2, device=dev, dtype=vs.dtype).transpose(1, 2)
-            if policy:
-                kc.random_(0, 256), vc.random_(0, 256)
-                ks[..., 0].fill_(0.01), vs[..., 0].fill_(0.01)
-            else:
-                kc.normal_(), vc.normal_()
+            kc, ks, vc, vs = make_cache(policy, blocks, bs, hkv, d, dt, head_major)
             attn = lambda: paged_attention(q, kc, vc, tables, cu, lens, d**-0.5, max_seqlen_q=1,  # noqa: E731
                                            max_seqlen_k=4096, k_scales=ks, v_scales=vs)
             us = eager_time_us(attn, 50)

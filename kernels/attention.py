@@ -38,6 +38,8 @@ import torch.nn.functional as F
 
 from ._triton import (
     FLOAT_DTYPES,
+    HAS_TRITON,
+    TRITON_INTERPRETED,
     cdiv,
     is_pow2,
     jit,
@@ -105,6 +107,8 @@ DECODE_PARTITION = 512  # used under the interpreter (no GPU to fill)
 _MIN_DECODE_PARTITION = 128
 _MAX_DECODE_PARTITION = 1024
 _LOG2E = 1.4426950408889634
+_DECODE_TUNE = 52  # TUNE bits of the quantized decode kernel (below)
+_DECODE_MAXNREG = 128  # registers a thread of the quantized decode kernel may use
 
 
 @jit
@@ -189,36 +193,245 @@ def _codes_as(c, dtype: tl.constexpr):
     return c.to(dtype)
 
 
-@jit
-def _quant_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n_mask, kv_head, d,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-                BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
-    """Everything one key tile of a quantized cache brings: key codes [D, N], value codes [N, D]
-    and their scales and zeros [N] (0 past ``n_mask``). Issued a tile ahead by the decode kernel."""
-    k_off, v_off, s_off = _kv_offsets(bt_row, n, n_mask, kv_head, stride_kb, stride_ks, stride_kh,
-                                      stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-                                      BLOCK_SIZE, True)
-    kc = _load_codes(k_ptr, k_off, d, n_mask, True, HEAD_DIM, True, BITS)
-    ksc, kz = _scale_zero(ks_ptr, s_off, n_mask, True)
-    vc = _load_codes(v_ptr, v_off, d, n_mask, False, HEAD_DIM, True, BITS)
-    vsc, vz = _scale_zero(vs_ptr, s_off, n_mask, True)
-    return kc, ksc, kz, vc, vsc, vz
+_asm = tl.constexpr if HAS_TRITON else str  # jitted code reads only constexpr globals
+
+# Codes to 16-bit floats on the GPU, four codes (one 32-bit word) per asm block, by the magic
+# number trick: a byte placed under the fp16 exponent of 1024 (0x64) reads as 1024 + c, one byte
+# permute per two codes. The *_BIASED forms stop there (the kernel subtracts 1024 x the dot's
+# other operand's sum once instead); the others subtract 1024 with one packed instruction. Not
+# runnable under the interpreter: the launcher passes FAST=False there, and the portable twin
+# (_codes_as) runs instead.
+_U8_TO_F16_BIASED = _asm("""{
+.reg .b32 k;
+mov.b32 k, 0x64646464;
+prmt.b32 $0, $2, k, 0x4140;
+prmt.b32 $1, $2, k, 0x4342;
+}""")
+_U8_TO_F16 = _asm("""{
+.reg .b32 k, m;
+mov.b32 k, 0x64646464;
+mov.b32 m, 0x64006400;
+prmt.b32 $0, $2, k, 0x4140;
+prmt.b32 $1, $2, k, 0x4342;
+sub.f16x2 $0, $0, m;
+sub.f16x2 $1, $1, m;
+}""")
+# bf16 has too few mantissa bits for a byte under one exponent: 2**23 + c in fp32, then packed.
+_U8_TO_BF16 = _asm("""{
+.reg .b32 k, f0, f1, f2, f3;
+mov.b32 k, 0x4B000000;
+prmt.b32 f0, $2, k, 0x7440;
+prmt.b32 f1, $2, k, 0x7441;
+prmt.b32 f2, $2, k, 0x7442;
+prmt.b32 f3, $2, k, 0x7443;
+sub.f32 f0, f0, 0f4B000000;
+sub.f32 f1, f1, 0f4B000000;
+sub.f32 f2, f2, 0f4B000000;
+sub.f32 f3, f3, 0f4B000000;
+cvt.rn.bf16x2.f32 $0, f1, f0;
+cvt.rn.bf16x2.f32 $1, f3, f2;
+}""")
+# int4: $0,$1 the low nibbles, $2,$3 the high ones; each byte's two nibbles spread into the two
+# halves of a word first. fp16: the low nibble under 0x6400 is 1024 + n; the high one, masked in
+# place, 1024 + 16 n, which one fma brings to 1024 + n (biased) or n.
+_U4_TO_F16_BIASED = _asm("""{
+.reg .b32 z, t0, t1, k, s, o;
+mov.b32 z, 0;
+mov.b32 k, 0x64006400;
+mov.b32 s, 0x2C002C00;
+mov.b32 o, 0x63806380;
+prmt.b32 t0, $4, z, 0x4140;
+prmt.b32 t1, $4, z, 0x4342;
+lop3.b32 $0, t0, 0x000F000F, k, 0xEA;
+lop3.b32 $1, t1, 0x000F000F, k, 0xEA;
+lop3.b32 $2, t0, 0x00F000F0, k, 0xEA;
+lop3.b32 $3, t1, 0x00F000F0, k, 0xEA;
+fma.rn.f16x2 $2, $2, s, o;
+fma.rn.f16x2 $3, $3, s, o;
+}""")
+_U4_TO_F16 = _asm("""{
+.reg .b32 z, t0, t1, k, s, o;
+mov.b32 z, 0;
+mov.b32 k, 0x64006400;
+mov.b32 s, 0x2C002C00;
+mov.b32 o, 0xD400D400;
+prmt.b32 t0, $4, z, 0x4140;
+prmt.b32 t1, $4, z, 0x4342;
+lop3.b32 $0, t0, 0x000F000F, k, 0xEA;
+lop3.b32 $1, t1, 0x000F000F, k, 0xEA;
+lop3.b32 $2, t0, 0x00F000F0, k, 0xEA;
+lop3.b32 $3, t1, 0x00F000F0, k, 0xEA;
+sub.f16x2 $0, $0, k;
+sub.f16x2 $1, $1, k;
+fma.rn.f16x2 $2, $2, s, o;
+fma.rn.f16x2 $3, $3, s, o;
+}""")
+# bf16: 128 + n under 0x4300 (exact for n < 128), the high nibbles shifted down first.
+_U4_TO_BF16 = _asm("""{
+.reg .b32 z, t0, t1, u0, u1, k, one, o;
+mov.b32 z, 0;
+mov.b32 k, 0x43004300;
+mov.b32 one, 0x3F803F80;
+mov.b32 o, 0xC300C300;
+prmt.b32 t0, $4, z, 0x4140;
+prmt.b32 t1, $4, z, 0x4342;
+shr.b32 u0, t0, 4;
+shr.b32 u1, t1, 4;
+lop3.b32 $0, t0, 0x000F000F, k, 0xEA;
+lop3.b32 $1, t1, 0x000F000F, k, 0xEA;
+lop3.b32 $2, u0, 0x000F000F, k, 0xEA;
+lop3.b32 $3, u1, 0x000F000F, k, 0xEA;
+fma.rn.bf16x2 $0, $0, one, o;
+fma.rn.bf16x2 $1, $1, one, o;
+fma.rn.bf16x2 $2, $2, one, o;
+fma.rn.bf16x2 $3, $3, one, o;
+}""")
+# Bits of the decode kernel's TUNE (variants measured on the H200, bench_kv_quant --variants).
+TUNE_K_HOIST = 1  # key codes: Triton may move their conversion after the shared-memory round trip
+TUNE_V_HOIST = 2  # value codes: likewise
+TUNE_FOLD = 4  # fp16: codes read as 1024 + c, the 1024 folded into the softmax terms
+TUNE_SCALE_AHEAD = 8  # each tile's scales loaded one tile ahead
+TUNE_PAIR = 16  # (scale, zero) read as one 32-bit word
+TUNE_LAZY = 32  # row sums kept per key column, summed once at the end
 
 
 @jit
-def _quant_fold(q, qsum, kc, ksc, kz, vc, vsc, vz, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
-    """One loaded tile of a quantized cache (``_quant_tile``) folded into the running softmax:
-    as ``_scores`` then ``_fold_values`` compute it."""
-    s = tl.dot(q, _codes_as(kc, q.dtype), input_precision=DOT_PRECISION)
-    s = (s * ksc[None, :] + qsum[:, None] * kz[None, :]) * qk_scale
-    s = tl.where(visible, s, float("-inf"))
+def _u8_as(c, dtype: tl.constexpr, FAST: tl.constexpr, PURE: tl.constexpr, BIASED: tl.constexpr):
+    """uint8 codes as ``dtype`` values, exactly (FAST: the asm above, for fp16 / bf16; BIASED: fp16
+    1024 + c). PURE lets Triton hoist the layout conversion to the dot operand above it."""
+    if FAST:
+        if BIASED:
+            return tl.inline_asm_elementwise(_U8_TO_F16_BIASED, "=r,=r,r", [c], dtype=tl.float16, is_pure=PURE,
+                                             pack=4)
+        elif dtype == tl.float16:
+            return tl.inline_asm_elementwise(_U8_TO_F16, "=r,=r,r", [c], dtype=tl.float16, is_pure=PURE, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_U8_TO_BF16, "=r,=r,r", [c], dtype=tl.bfloat16, is_pure=PURE, pack=4)
+    elif BIASED:
+        return _codes_as(c, dtype) + 1024.0
+    else:
+        return _codes_as(c, dtype)
+
+
+@jit
+def _u4_as(c, dtype: tl.constexpr, FAST: tl.constexpr, PURE: tl.constexpr, BIASED: tl.constexpr):
+    """Bytes of two int4 codes as (low nibbles, high nibbles) in ``dtype``, exactly (as ``_u8_as``)."""
+    if FAST:
+        if BIASED:
+            return tl.inline_asm_elementwise(_U4_TO_F16_BIASED, "=r,=r,=r,=r,r", [c],
+                                             dtype=(tl.float16, tl.float16), is_pure=PURE, pack=4)
+        elif dtype == tl.float16:
+            return tl.inline_asm_elementwise(_U4_TO_F16, "=r,=r,=r,=r,r", [c], dtype=(tl.float16, tl.float16),
+                                             is_pure=PURE, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_U4_TO_BF16, "=r,=r,=r,=r,r", [c], dtype=(tl.bfloat16, tl.bfloat16),
+                                             is_pure=PURE, pack=4)
+    elif BIASED:
+        return _codes_as(c & 0xF, dtype) + 1024.0, _codes_as(c >> 4, dtype) + 1024.0
+    else:
+        return _codes_as(c & 0xF, dtype), _codes_as(c >> 4, dtype)
+
+
+@jit
+def _code_halves(ptrs, mask, HALF: tl.constexpr, BITS: tl.constexpr, dtype: tl.constexpr, MASKED: tl.constexpr,
+                 FAST: tl.constexpr, PURE: tl.constexpr, BIASED: tl.constexpr):
+    """The codes of dims [0, HALF) and [HALF, 2 HALF) of the rows ``ptrs`` point into, as two
+    ``dtype`` tensors (``_u8_as``). int8: two loads, HALF bytes apart; int4: one load, whose low
+    and high nibbles are those halves (``kv_cache.py``'s layout)."""
+    if MASKED:
+        c = tl.load(ptrs, mask=mask, other=0)
+    else:
+        c = tl.load(ptrs)
+    if BITS == 4:
+        return _u4_as(c, dtype, FAST, PURE, BIASED)
+    else:
+        if MASKED:
+            c2 = tl.load(ptrs + HALF, mask=mask, other=0)
+        else:
+            c2 = tl.load(ptrs + HALF)
+        return _u8_as(c, dtype, FAST, PURE, BIASED), _u8_as(c2, dtype, FAST, PURE, BIASED)
+
+
+@jit
+def _scale_zero_rows(rows, mask, MASKED: tl.constexpr, PAIR: tl.constexpr):
+    """The (scale, zero) pairs ``rows`` point at, as two fp32 vectors (0 where masked). PAIR: one
+    32-bit load per pair (the pair is 4-byte aligned: the launcher checks)."""
+    if PAIR:
+        w_ptrs = rows.to(tl.pointer_type(tl.uint32), bitcast=True)
+        if MASKED:
+            w = tl.load(w_ptrs, mask=mask, other=0)
+        else:
+            w = tl.load(w_ptrs)
+        scale = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        zero = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        return scale, zero
+    else:
+        return _scale_zero(rows, 0, mask, MASKED)
+
+
+@jit
+def _decode_quant_tile(
+    q_lo, q_hi, qsum, k_lo, k_hi, v_lo, v_hi, ksc, kz, vsc, vz, n_mask, m_i, l_i, acc_lo, acc_hi, z_acc,
+    BIASED: tl.constexpr, LAZY: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One key tile of a quantized cache (codes as loaded by ``_code_halves``, scales and zeros
+    [N]) folded into the running softmax. The codes enter the dots as they are (small integers,
+    exact in fp16/bf16), split in two halves of the head dim (an int4 byte holds one dim of each),
+    and the per-key scale and zero come after: ``q . (c s + z) = s (q . c) + z sum(q)`` and
+    ``p @ (c s + z) = (p s) @ c + sum(p z)``, so no dequantized key or value is ever made.
+    ``z_acc`` gathers the values' zero terms, added to every dim at the end. LAZY: ``l_i`` and
+    ``z_acc`` are [M, N] (one partial sum per key column, summed over the columns once, after
+    the last tile: two cross-warp reductions a tile fewer); else [M].
+    ``ksc`` comes times the log2 softmax scale, and ``qsum`` is sum(q) times it too; BIASED (codes
+    read as 1024 + c) it is the pair (that, -1024 sum(q)): ``s q.(c + 1024) - 1024 s sum(q)``."""
+    dt: tl.constexpr = q_lo.dtype
+    s = tl.dot(q_lo, k_lo, input_precision=DOT_PRECISION)
+    s = tl.dot(q_hi, k_hi, s, input_precision=DOT_PRECISION)
+    if BIASED:
+        qs, qb = qsum
+        s = (s + qb[:, None]) * ksc[None, :] + qs[:, None] * kz[None, :]
+    else:
+        s = s * ksc[None, :] + qsum[:, None] * kz[None, :]
+    if MASKED:
+        s = tl.where(n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    pv = tl.dot((p * vsc[None, :]).to(q.dtype), _codes_as(vc, q.dtype), input_precision=DOT_PRECISION)
-    acc = acc * alpha[:, None] + pv + tl.sum(p * vz[None, :], 1)[:, None]
-    return m_new, l_i, acc
+    ps = (p * vsc[None, :]).to(dt)
+    z = p * vz[None, :]
+    if BIASED:  # p @ (c + 1024) carries 1024 sum(p s) on every dim: taken back with the zeros
+        z = z - 1024.0 * ps.to(tl.float32)
+    if LAZY:
+        l_i = l_i * alpha[:, None] + p
+        z_acc = z_acc * alpha[:, None] + z
+    else:
+        l_i = l_i * alpha + tl.sum(p, 1)
+        z_acc = z_acc * alpha + tl.sum(z, 1)
+    acc_lo = tl.dot(ps, v_lo, acc_lo * alpha[:, None], input_precision=DOT_PRECISION)
+    acc_hi = tl.dot(ps, v_hi, acc_hi * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc_lo, acc_hi, z_acc
+
+
+@jit
+def _decode_quant_rows(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n0, tok, n_mask, kv_head,
+                       stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                       stride_sb, stride_ss, stride_sh,
+                       BLOCK_SIZE: tl.constexpr, IN_BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """Pointers to the rows of key positions ``n0 + tok`` (codes of k and v, their scales) for one
+    kv head. IN_BLOCK: the tile lies inside one cache block, whose number is read once (a scalar)
+    and the rows sit at fixed offsets from its start; else each position reads its own block."""
+    if IN_BLOCK:
+        block = tl.load(bt_row + n0 // BLOCK_SIZE).to(tl.int64)
+        slot = n0 % BLOCK_SIZE
+        k_rows = (k_ptr + (block * stride_kb + slot * stride_ks + kv_head * stride_kh)) + tok * stride_ks
+        v_rows = (v_ptr + (block * stride_vb + slot * stride_vs + kv_head * stride_vh)) + tok * stride_vs
+        s_off = block * stride_sb + slot * stride_ss + kv_head * stride_sh
+        return k_rows, v_rows, (ks_ptr + s_off) + tok * stride_ss, (vs_ptr + s_off) + tok * stride_ss
+    else:
+        k_off, v_off, s_off = _kv_offsets(bt_row, n0 + tok, n_mask, kv_head, stride_kb, stride_ks, stride_kh,
+                                          stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+                                          BLOCK_SIZE, MASKED)
+        return k_ptr + k_off, v_ptr + v_off, ks_ptr + s_off, vs_ptr + s_off
 
 
 @jit
@@ -286,6 +499,117 @@ def _tile_step(
 
 
 @jit
+def _decode_quant(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, row, heads, g_mask, kv_head, start, end,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_sb, stride_ss, stride_sh, qk_scale,
+    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BITS: tl.constexpr, FAST: tl.constexpr, TUNE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The decode kernel's walk over keys ``[start, end)`` of a quantized cache: returns (m, l,
+    acc of the low half of the dims, acc of the high half, the values' zero terms). Whole tiles
+    go unmasked and the last, partial one masked; a tile inside one cache block (block size a
+    multiple of BLOCK_N) reads the block table once."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    IN_BLOCK: tl.constexpr = BLOCK_SIZE % BLOCK_N == 0
+    K_PURE: tl.constexpr = (TUNE & 1) != 0
+    V_PURE: tl.constexpr = (TUNE & 2) != 0
+    BIASED: tl.constexpr = (TUNE & 4) != 0
+    AHEAD: tl.constexpr = (TUNE & 8) != 0 and IN_BLOCK
+    PAIR: tl.constexpr = (TUNE & 16) != 0
+    LAZY: tl.constexpr = (TUNE & 32) != 0
+    j = tl.arange(0, HALF)
+    tok = tl.arange(0, BLOCK_N)
+    q_rows = q_ptr + row * stride_qt + heads[:, None] * stride_qh
+    # Padding rows (g >= GROUP) load zeros: their scores are finite and their results never stored.
+    q_lo = tl.load(q_rows + j[None, :], mask=g_mask[:, None], other=0.0)
+    q_hi = tl.load(q_rows + HALF + j[None, :], mask=g_mask[:, None], other=0.0)
+    dt: tl.constexpr = q_lo.dtype
+    q_total = tl.sum(q_lo.to(tl.float32), 1) + tl.sum(q_hi.to(tl.float32), 1)
+    if BIASED:
+        qsum = (q_total * qk_scale, -1024.0 * q_total)
+    else:
+        qsum = q_total * qk_scale  # for the keys' zeros
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    if LAZY:
+        l_i = tl.zeros([GROUP_PAD, BLOCK_N], tl.float32)
+        z_acc = tl.zeros([GROUP_PAD, BLOCK_N], tl.float32)
+    else:
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        z_acc = tl.zeros([GROUP_PAD], tl.float32)
+    acc_lo = tl.zeros([GROUP_PAD, HALF], tl.float32)
+    acc_hi = tl.zeros([GROUP_PAD, HALF], tl.float32)
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    if AHEAD:
+        _, _, ks_rows, vs_rows = _decode_quant_rows(
+            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start, tok, tok, kv_head, stride_kb, stride_ks, stride_kh,
+            stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh, BLOCK_SIZE, IN_BLOCK, False)
+        ksc, kz = _scale_zero_rows(ks_rows, tok, False, PAIR)
+        vsc, vz = _scale_zero_rows(vs_rows, tok, False, PAIR)
+    for n0 in range(start, full_end, BLOCK_N):
+        k_rows, v_rows, ks_rows, vs_rows = _decode_quant_rows(
+            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n0, tok, tok, kv_head, stride_kb, stride_ks, stride_kh,
+            stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh, BLOCK_SIZE, IN_BLOCK, False)
+        k_lo, k_hi = _code_halves(k_rows[None, :] + j[:, None], tok, HALF, BITS, dt, False, FAST, K_PURE, BIASED)
+        v_lo, v_hi = _code_halves(v_rows[:, None] + j[None, :], tok, HALF, BITS, dt, False, FAST, V_PURE, BIASED)
+        if AHEAD:
+            # The next whole tile's scales (the last tile's again at the end: no mask needed).
+            _, _, ks_next, vs_next = _decode_quant_rows(
+                k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, tl.minimum(n0 + BLOCK_N, full_end - BLOCK_N), tok, tok,
+                kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
+                stride_sh, BLOCK_SIZE, IN_BLOCK, False)
+            ksc_n, kz_n = _scale_zero_rows(ks_next, tok, False, PAIR)
+            vsc_n, vz_n = _scale_zero_rows(vs_next, tok, False, PAIR)
+        else:
+            ksc, kz = _scale_zero_rows(ks_rows, tok, False, PAIR)
+            vsc, vz = _scale_zero_rows(vs_rows, tok, False, PAIR)
+        m_i, l_i, acc_lo, acc_hi, z_acc = _decode_quant_tile(
+            q_lo, q_hi, qsum, k_lo, k_hi, v_lo, v_hi, ksc * qk_scale, kz, vsc, vz, tok, m_i, l_i, acc_lo, acc_hi,
+            z_acc, BIASED, LAZY, False, DOT_PRECISION)
+        if AHEAD:
+            ksc, kz, vsc, vz = ksc_n, kz_n, vsc_n, vz_n
+    if full_end < end:
+        # The first key of a partition is inside the sequence, so m_i is finite after any tile.
+        n_mask = full_end + tok < end
+        k_rows, v_rows, ks_rows, vs_rows = _decode_quant_rows(
+            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, full_end, tok, n_mask, kv_head, stride_kb, stride_ks, stride_kh,
+            stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh, BLOCK_SIZE, IN_BLOCK, True)
+        k_lo, k_hi = _code_halves(k_rows[None, :] + j[:, None], n_mask[None, :], HALF, BITS, dt, True, FAST,
+                                  K_PURE, BIASED)
+        v_lo, v_hi = _code_halves(v_rows[:, None] + j[None, :], n_mask[:, None], HALF, BITS, dt, True, FAST,
+                                  V_PURE, BIASED)
+        ksc, kz = _scale_zero_rows(ks_rows, n_mask, True, PAIR)
+        vsc, vz = _scale_zero_rows(vs_rows, n_mask, True, PAIR)
+        m_i, l_i, acc_lo, acc_hi, z_acc = _decode_quant_tile(
+            q_lo, q_hi, qsum, k_lo, k_hi, v_lo, v_hi, ksc * qk_scale, kz, vsc, vz, n_mask, m_i, l_i, acc_lo,
+            acc_hi, z_acc, BIASED, LAZY, True, DOT_PRECISION)
+    if LAZY:
+        l_i = tl.sum(l_i, 1)
+        z_acc = tl.sum(z_acc, 1)
+    return m_i, l_i, acc_lo, acc_hi, z_acc
+
+
+@jit
+def _decode_store(o, m_i, l_i, cols, out_ptr, part_out_ptr, part_lse_ptr, row, seq, part, heads, g_mask,
+                  stride_ot, stride_oh, stride_pob, stride_poh, stride_pop, stride_plb, stride_plh,
+                  SPLIT: tl.constexpr, part_len, seqlen, WITH_LSE: tl.constexpr):
+    """Write normalized output columns ``cols`` of this program's heads: to the output, or, when
+    the sequence is split over several partitions, to the partial results with (WITH_LSE) the
+    log2-sum-exp the merge kernel weighs them by. (A sequence that one partition covers is final
+    here: the merge kernel skips it.)"""
+    if SPLIT and part_len < seqlen:
+        po = part_out_ptr + seq * stride_pob + heads[:, None] * stride_poh + part * stride_pop + cols[None, :]
+        tl.store(po, o, mask=g_mask[:, None])
+        if WITH_LSE:
+            pl = part_lse_ptr + seq * stride_plb + heads * stride_plh + part
+            tl.store(pl, m_i + tl.log2(l_i), mask=g_mask)
+    else:
+        dst = out_ptr + row * stride_ot + heads[:, None] * stride_oh + cols[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+@jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_q_ptr, seqlens_k_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -299,7 +623,8 @@ def _decode_kernel(
     qk_scale, min_part,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr, TUNE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     part = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -317,36 +642,29 @@ def _decode_kernel(
     g = tl.arange(0, GROUP_PAD)
     g_mask = g < GROUP
     heads = kv_head * GROUP + g
-    d = tl.arange(0, HEAD_DIM)
-    # Padding rows (g >= GROUP) load zeros: their scores are finite and their results never stored.
-    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
-    qsum = tl.sum(q.to(tl.float32), 1)  # for a quantized cache's zeros (_scores)
-
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     if BITS:
-        # A quantized cache: each tile's loads are issued one tile ahead, by hand. (Triton's
-        # pipeliner prefetches the 16-bit cache's keys and values, which feed tl.dot as loaded;
-        # codes pass through a conversion first, and unprefetched, every tile waited out four
-        # memory latencies: 2x slower than the 16-bit cache whatever the bits.)
-        n = start + tl.arange(0, BLOCK_N)
-        n_mask = n < end
-        kc, ksc, kz, vc, vsc, vz = _quant_tile(
-            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n_mask, kv_head, d, stride_kb, stride_ks, stride_kh,
-            stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh, BLOCK_SIZE, HEAD_DIM, BITS)
-        for n0 in range(start, end, BLOCK_N):
-            n_next = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
-            next_mask = n_next < end  # all false after the last tile: nothing is read then
-            kc2, ksc2, kz2, vc2, vsc2, vz2 = _quant_tile(
-                k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n_next, next_mask, kv_head, d, stride_kb, stride_ks,
-                stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh, BLOCK_SIZE, HEAD_DIM,
-                BITS)
-            m_i, l_i, acc = _quant_fold(q, qsum, kc, ksc, kz, vc, vsc, vz, n_mask[None, :], m_i, l_i, acc,
-                                        qk_scale, DOT_PRECISION)
-            kc, ksc, kz, vc, vsc, vz, n_mask = kc2, ksc2, kz2, vc2, vsc2, vz2, next_mask
+        m_i, l_i, acc_lo, acc_hi, z_acc = _decode_quant(
+            q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, row, heads, g_mask, kv_head, start, end,
+            stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            stride_sb, stride_ss, stride_sh, qk_scale,
+            GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BITS, FAST, TUNE, DOT_PRECISION)
+        j = tl.arange(0, HEAD_DIM // 2)
+        _decode_store((acc_lo + z_acc[:, None]) / l_i[:, None], m_i, l_i, j, out_ptr, part_out_ptr, part_lse_ptr,
+                      row, seq, part, heads, g_mask, stride_ot, stride_oh, stride_pob, stride_poh, stride_pop,
+                      stride_plb, stride_plh, SPLIT, part_len, seqlen, True)
+        _decode_store((acc_hi + z_acc[:, None]) / l_i[:, None], m_i, l_i, HEAD_DIM // 2 + j, out_ptr, part_out_ptr,
+                      part_lse_ptr, row, seq, part, heads, g_mask, stride_ot, stride_oh, stride_pob, stride_poh,
+                      stride_pop, stride_plb, stride_plh, SPLIT, part_len, seqlen, False)
     else:
+        d = tl.arange(0, HEAD_DIM)
+        # Padding rows (g >= GROUP) load zeros: their scores are finite and their results never stored.
+        q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None],
+                    other=0.0)
+        qsum = tl.sum(q.to(tl.float32), 1)  # unused by the 16-bit cache's _tile_step
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             n_mask = n < end
@@ -355,18 +673,9 @@ def _decode_kernel(
                                        kv_head, d, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
                                        stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
                                        BLOCK_SIZE, HEAD_DIM, True, BITS, DOT_PRECISION)
-
-    o = acc / l_i[:, None]
-    # A sequence that one partition covers is final here: the merge kernel skips it.
-    if SPLIT and part_len < seqlen:
-        # Partial result normalized by its own sum, plus its log2-sum-exp for the merge.
-        po = part_out_ptr + seq * stride_pob + heads[:, None] * stride_poh + part * stride_pop + d[None, :]
-        tl.store(po, o, mask=g_mask[:, None])
-        pl = part_lse_ptr + seq * stride_plb + heads * stride_plh + part
-        tl.store(pl, m_i + tl.log2(l_i), mask=g_mask)
-    else:
-        dst = out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :]
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        _decode_store(acc / l_i[:, None], m_i, l_i, d, out_ptr, part_out_ptr, part_lse_ptr, row, seq, part, heads,
+                      g_mask, stride_ot, stride_oh, stride_pob, stride_poh, stride_pop, stride_plb, stride_plh,
+                      SPLIT, part_len, seqlen, True)
 
 
 @jit
@@ -502,6 +811,11 @@ def _decode_partition(device: torch.device, num_seqs: int, num_kv_heads: int, ma
     return min(max(partition, _MIN_DECODE_PARTITION), _MAX_DECODE_PARTITION)
 
 
+def _fast_codes(q: torch.Tensor) -> bool:
+    """Whether the decode kernel may convert codes with inline PTX: compiled (not interpreted) fp16/bf16."""
+    return not TRITON_INTERPRETED and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
 def _check_inputs(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor,
@@ -549,6 +863,9 @@ def paged_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    fast_codes: bool | None = None,
+    tune: int | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Triton launcher for :func:`paged_attention_ref` (same arguments and result).
 
@@ -556,8 +873,10 @@ def paged_attention_triton(
     sizes the decode grid. Either is read from the device (a sync) when not given; a value given
     must be at least the true maximum. ``decode_partition``, ``block_m`` and ``block_n`` override
     the tile choices (tests use small ones to cross more tile and partition boundaries);
-    ``num_warps`` / ``num_stages`` the prefill kernel's launch (for tuning). A quantized cache
-    comes with ``k_scales`` / ``v_scales`` (``paged_attention_ref``).
+    ``num_warps`` / ``num_stages`` the launch of whichever kernel runs (for tuning). A quantized
+    cache comes with ``k_scales`` / ``v_scales`` (``paged_attention_ref``); the decode kernel turns
+    its codes into fp16/bf16 with inline PTX unless ``fast_codes=False`` (or the interpreter runs,
+    or q is fp32), which selects the portable conversion (both are tested).
     """
     problem = _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, k_scales, v_scales)
     assert problem is None, problem
@@ -613,11 +932,24 @@ def paged_attention_triton(
             part_out = part_lse = out  # unused (SPLIT=False); any valid pointer will do
         po_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2)) if split else (0, 0, 0)
         pl_strides = (part_lse.stride(0), part_lse.stride(1)) if split else (0, 0)
+        fast = bool(bits) and (_fast_codes(q) if fast_codes is None else fast_codes)
+        assert not (fast and (TRITON_INTERPRETED or q.dtype == torch.float32)), "fast_codes: compiled fp16/bf16 only"
+        tn = _DECODE_TUNE if tune is None else tune
+        if q.dtype != torch.float16:
+            tn &= ~TUNE_FOLD  # the biased codes (1024 + c) are an fp16 trick
+        if tn & TUNE_PAIR and not (fast and k_scales.data_ptr() % 4 == 0 and all(st % 2 == 0 for st in s_strides)):
+            tn &= ~TUNE_PAIR  # a (scale, zero) pair must be one aligned 32-bit word
+        extra = {"num_stages": num_stages} if num_stages else {}
+        if maxnreg or bits:
+            # H200, batch 256 x 1k keys: ~170 registers left 3 programs an SM (int4: 2); capped at
+            # 128 (spills outside the loop only), 4 fit: int8 1202 -> 1071 us, int4 1315 -> 967 us.
+            extra["maxnreg"] = maxnreg or _DECODE_MAXNREG
         _decode_kernel[(num_parts, num_kv_heads, num_seqs)](
             q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, seqlens_k, out, part_out, part_lse,
             *common, *po_strides, *pl_strides, qk_scale, min_part,
             GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            BLOCK_N=bn, SPLIT=split, BITS=bits, DOT_PRECISION=precision, num_warps=4,
+            BLOCK_N=bn, SPLIT=split, BITS=bits, FAST=fast, TUNE=tn if bits else 0, DOT_PRECISION=precision,
+            num_warps=num_warps or 4, **extra,
         )
         if split:
             _decode_reduce_kernel[(num_heads, num_seqs)](

@@ -22,7 +22,14 @@ from kernel_harness import (  # noqa: E402,F401 - fixtures are used by name
     assert_close, compiled_gpu, forced, gpu, interp, poisoned_empty, run_interpreter_cases_in_child, seed,
 )
 from conveyor.kernels._triton import TRITON_INTERPRETED  # noqa: E402
-from conveyor.kernels.attention import paged_attention, paged_attention_ref, paged_attention_triton  # noqa: E402
+from conveyor.kernels.attention import (  # noqa: E402
+    TUNE_FOLD,
+    TUNE_LAZY,
+    TUNE_SCALE_AHEAD,
+    paged_attention,
+    paged_attention_ref,
+    paged_attention_triton,
+)
 from conveyor.kernels.kv_cache import (  # noqa: E402
     KVCacheLayout,
     dequantize_kv_ref,
@@ -247,6 +254,29 @@ def test_quantized_attention(case: tuple, bits: int, seed: int, poisoned_empty: 
     check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 1e-4, **tiles)
 
 
+# Decode cases whose sequences end inside, on and past tiles: whole tiles inside one cache block
+# (block 64, tiles of 32: the block table read once a tile) and tiles spanning blocks (block 16).
+DECODE_TAILS = {
+    "in_block": ([1] * 5, [1, 31, 32, 33, 95], 4, 4, 64, 64, dict(decode_partition=64, block_n=32)),
+    "in_block_one_partition": ([1] * 3, [7, 64, 130], 4, 2, 64, 64, {}),
+    "across_blocks": ([1] * 3, [17, 48, 70], 8, 2, 128, 16, dict(decode_partition=32, block_n=32)),
+}
+
+
+@interp
+@pytest.mark.parametrize("tune", [0, TUNE_LAZY | TUNE_SCALE_AHEAD, TUNE_FOLD | TUNE_LAZY | TUNE_SCALE_AHEAD],
+                         ids=["plain", "lazy_ahead", "fold_lazy_ahead"])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("case", DECODE_TAILS.values(), ids=DECODE_TAILS.keys())
+def test_quantized_decode_variants(case: tuple, bits: int, tune: int, seed: int, poisoned_empty: None) -> None:
+    """The decode kernel's tuning variants (its TUNE bits) compute the same attention; the fold of
+    the biased codes (1024 + c) is an fp16 one, so fp16 runs too."""
+    q_lens, k_lens, h, hkv, d, bs, tiles = case
+    check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 1e-4, tune=tune, **tiles)
+    check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 5e-3, dtype=torch.float16, tune=tune,
+                              **tiles)
+
+
 @interp
 def test_quantized_attention_fp16(seed: int, poisoned_empty: None) -> None:
     for q_lens in ([1, 1], [6, 1]):
@@ -300,6 +330,22 @@ def test_gpu_quantized_attention(case: tuple, dtype: torch.dtype, bits: int, see
     if k_lens is None:
         k_lens = torch.randint(1, 2049, (len(q_lens),), generator=torch.Generator().manual_seed(seed)).tolist()
     check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, GPU_TOL[dtype], dtype, "cuda")
+
+
+@gpu
+@compiled_gpu
+@pytest.mark.parametrize("fast,tune", [(False, None), (True, 0), (True, 63)], ids=["portable", "asm_plain", "asm_all"])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_quantized_decode_paths(dtype: torch.dtype, bits: int, fast: bool, tune: int | None, seed: int,
+                                    poisoned_empty: None) -> None:
+    """Both code conversions (inline PTX, and the portable one the interpreter runs) and the
+    tuning variants, on sequences ending inside and past whole tiles, some split in partitions."""
+    k_lens = [1, 63, 64, 65, 700, 2049]
+    check_quantized_attention([1] * len(k_lens), k_lens, 16, 4, 128, 64, seed, bits, GPU_TOL[dtype], dtype, "cuda",
+                              fast_codes=fast, tune=tune)
+    check_quantized_attention([1] * len(k_lens), k_lens, 16, 16, 128, 16, seed, bits, GPU_TOL[dtype], dtype, "cuda",
+                              fast_codes=fast, tune=tune, decode_partition=256)
 
 
 @gpu
