@@ -25,7 +25,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
     model = args.model or str(fetch())
     config = EngineConfig(session_len=args.session_len, cache_max_entry_count=args.cache_max_entry_count,
-                          enable_prefix_caching=True, device=args.device, quant_policy=args.quant_policy)
+                          enable_prefix_caching=True, device=args.device, quant_policy=args.quant_policy,
+                          tp=args.tp)
     template = ChatTemplateConfig(model_name=args.chat_template) if args.chat_template else None
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, top_k=args.top_k, top_p=args.top_p,
                            temperature=args.temperature)
@@ -200,7 +201,7 @@ def _server_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--quant-policy", type=int, default=0, help="KV cache: 0 (16-bit), 8 (int8) or 4 (int4)")
     s.add_argument("--chat-template", default=None, help="a built-in template name (see conveyor list)")
     s.add_argument("--model-format", default=None)
-    s.add_argument("--tp", type=int, default=1)
+    s.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs (processes) the model is split over")
     s.add_argument("--dtype", default="auto")
     s.add_argument("--device", default="auto")
     s.add_argument("--log-level", default="INFO")
@@ -275,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_chat.add_argument("--top-p", type=float, default=0.8)
     p_chat.add_argument("--device", default="auto")
     p_chat.add_argument("--quant-policy", type=int, default=0, help="KV cache: 0 (16-bit), 8 (int8) or 4 (int4)")
+    p_chat.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs (processes) the model is split over")
     p_chat.set_defaults(func=_cmd_chat)
     _add_serve(sub)
     add_lite_parser(sub)

@@ -204,6 +204,7 @@ class Pipeline:
             return
         self._stack.close()
         self._stack = None
+        self.engine.close()  # tensor parallel: stops the other ranks
         self.engine = None
         import gc
 

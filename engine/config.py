@@ -100,8 +100,6 @@ class EngineConfig:
             self.max_prefill_token_num = self.num_tokens_per_iter
         if self.tp < 1:
             raise EngineConfigError(f"tp={self.tp}: must be >= 1 (number of GPUs for tensor parallel)")
-        if self.tp > 1:
-            raise EngineConfigError(f"tp={self.tp}: tensor parallel is not implemented yet; use tp=1")
         if self.max_batch_size < 1:
             raise EngineConfigError(f"max_batch_size={self.max_batch_size}: must be >= 1")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -113,11 +113,11 @@ class DecodeGraphs:
             len(s.block_table) <= self.max_blocks and s.num_computed_tokens < self.max_seqlen_k for s in seqs
         )
 
-    def stage(self, seqs: Seq[Sequence], tokens: Seq[int]) -> int:
-        """Write the host-side inputs of one decode step (``tokens[i]`` at position
-        ``num_computed_tokens`` of ``seqs[i]``); returns the padded batch size. No device work
-        happens here."""
-        n = len(seqs)
+    def stage(self, tokens: Seq[int], positions: Seq[int], block_tables: Seq[Seq[int]]) -> int:
+        """Write the host-side inputs of one decode step (row ``i``: ``tokens[i]`` at position
+        ``positions[i]`` of the sequence whose block table is ``block_tables[i]``); returns the
+        padded batch size. No device work happens here."""
+        n = len(tokens)
         bs = self.padded_size(n)
         assert bs is not None, "stage() needs a batch that can_run() accepted"
         if self._copied is not None:
@@ -125,9 +125,7 @@ class DecodeGraphs:
         ids, pos, slots, lens = self._np
         tables, block = self._np_tables, self.block_size
         ids[:n] = tokens
-        for i, seq in enumerate(seqs):
-            p = seq.num_computed_tokens
-            table = seq.block_table
+        for i, (p, table) in enumerate(zip(positions, block_tables)):
             pos[i] = p
             slots[i] = table[p // block] * block + p % block
             lens[i] = p + 1

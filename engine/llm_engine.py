@@ -32,12 +32,14 @@ from ..protocol.messages import EngineStats, Finish
 from ..protocol.sampling import SamplingParams, validate
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .model_config import parse_dtype
+from .distributed import check_tp_shapes, close_tp, init_tp
+from .model_config import ModelConfig, parse_dtype
 from .quant_format import resolve_quant_format
 from .model_runner import LaunchedStep, ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 from .weight_loader import load_model_config, resolve_model_path
+from ..protocol.errors import EngineConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +63,20 @@ class StepOutput:
         return self.finish_reason is not None
 
 
-def _pick_device(name: str) -> torch.device:
+def _pick_device(name: str, rank: int = 0, tp: int = 1) -> torch.device:
+    """The device of tensor-parallel rank ``rank``: ``cuda:<rank>`` of the visible GPUs (pick
+    them with CUDA_VISIBLE_DEVICES), or the CPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type != "cuda" or (tp == 1 and device.index is not None):
+        return device
+    if tp > 1 and device.index is not None:
+        raise EngineConfigError(f"device={name!r} names one GPU but tp={tp}: use device='cuda' (rank r takes "
+                                "cuda:r) and choose the GPUs with CUDA_VISIBLE_DEVICES")
+    if tp > torch.cuda.device_count():
+        raise EngineConfigError(f"tp={tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
+    return torch.device("cuda", rank)
 
 
 def _pick_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -75,18 +87,43 @@ def _pick_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> to
     return torch.bfloat16 if model_dtype == torch.float32 else model_dtype
 
 
+def resolve_engine_inputs(model_path: str | Path, config: EngineConfig, rank: int = 0
+                          ) -> tuple[Path, ModelConfig, torch.device, torch.dtype]:
+    """(model directory, model config with its weight format, device, dtype) of one rank."""
+    path = resolve_model_path(model_path, config.revision, download_dir=config.download_dir)
+    model_config = load_model_config(path)
+    model_config.quant = resolve_quant_format(model_config, config.model_format,
+                                              dummy_weights=config.load_format == "dummy")
+    check_tp_shapes(model_config.num_heads, model_config.num_kv_heads, model_config.head_dim,
+                    model_config.intermediate_size, config.tp,
+                    model_config.quant.group_size if model_config.quant and model_config.quant.method == "awq" else None)
+    device = _pick_device(config.device, rank, config.tp)
+    return path, model_config, device, _pick_dtype(config.dtype, model_config.dtype, device)
+
+
+TP_INIT_ENV = "CONVEYOR_TP_INIT"  # "1": join a process group even at tp=1 (tests the collectives' path)
+
+
 class LLMEngine:
-    """Continuous-batching engine over a paged KV cache (implements ``engine.interface.Engine``)."""
+    """Continuous-batching engine over a paged KV cache (implements ``engine.interface.Engine``).
+
+    With ``tp > 1`` it is tensor-parallel rank 0: it starts ranks 1..tp-1 (``TPWorkers``) and
+    leads them step by step; ``close()`` stops them."""
 
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
-        self.model_path = resolve_model_path(model_path, config.revision, download_dir=config.download_dir)
-        self.model_config = load_model_config(self.model_path)
-        self.model_config.quant = resolve_quant_format(self.model_config, config.model_format,
-                                                       dummy_weights=config.load_format == "dummy")
-        self.device = _pick_device(config.device)
-        self.dtype = _pick_dtype(config.dtype, self.model_config.dtype, self.device)
-        self.runner = ModelRunner(self.model_path, self.model_config, config, self.device, self.dtype)
+        self.model_path, self.model_config, self.device, self.dtype = resolve_engine_inputs(model_path, config)
+        self.tp_workers = None
+        if config.tp > 1 or os.environ.get(TP_INIT_ENV) == "1":
+            self._start_tensor_parallel()
+        try:
+            self.runner = ModelRunner(self.model_path, self.model_config, config, self.device, self.dtype)
+            if self.tp_workers is not None:
+                self.tp_workers.wait_ready()
+                self.runner.workers = self.tp_workers
+        except BaseException:
+            self.close()
+            raise
         self.session_len = config.session_len or self.model_config.max_position_embeddings
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size,
@@ -100,6 +137,25 @@ class LLMEngine:
         self._seed_source = random.Random()
         self._request_ids = itertools.count()
         self.generated_tokens = 0
+
+    def _start_tensor_parallel(self) -> None:
+        from .tp_workers import TPWorkers, free_port
+
+        if self.config.tp > 1:
+            self.tp_workers = TPWorkers(self.model_path, self.config)
+        init_method = self.tp_workers.init_method if self.tp_workers else f"tcp://127.0.0.1:{free_port()}"
+        try:
+            init_tp(0, self.config.tp, init_method, self.device)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks and leave the process group (nothing to do at tp=1)."""
+        if self.tp_workers is not None:
+            self.tp_workers.close()
+            self.tp_workers = None
+        close_tp()
 
     @property
     def has_work(self) -> bool:

@@ -18,6 +18,14 @@ On CUDA:
 * the KV cache is sized after a profiling forward of ``max_prefill_token_num`` tokens:
   ``cache_max_entry_count`` (a fraction) applies to the memory still free after the weights
   *and* that forward's peak activations (LMDeploy's meaning).
+
+Tensor parallel: every rank holds a runner over its shard of the model (and cache). Rank 0's
+``launch`` first turns the scheduled step into a ``StepPlan`` (host lists only), hands it to
+the other ranks (``workers``, ``engine/tp_workers.py``), then executes it; the others
+``follow`` the same plans. All ranks thus run the same kernels and meet in the same
+collectives; rank 0 alone samples and broadcasts the sampled ids, which the next step's pending
+inputs read on every rank. The cache holds this rank's kv heads, and ``num_blocks`` is the
+smallest rank's budget.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from torch import nn
 from .attention_metadata import AttentionMetadata, set_attention_metadata
 from .config import EngineConfig
 from .cuda_graph import DecodeGraphs
+from .distributed import kv_head_range, tp_group
 from ..protocol.errors import EngineConfigError
 from .model_config import ModelConfig
 from .layers import RMSNorm
@@ -42,6 +51,7 @@ from .models import build_model
 from .sampler import DeviceSamples, Sampler
 from ..kernels.kv_cache import KVCacheLayout
 from ..protocol.sampling import SamplingParams
+from ..protocol.tp import StepKind, StepPlan
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 from .weight_loader import load_model
@@ -78,21 +88,6 @@ class StepHook(Protocol):
 
     def end(self) -> None:
         """Called after a step's last device work (sampling) is queued."""
-
-
-@dataclass
-class _FlatBatch:
-    """Host lists of one flattened batch (sequences' new tokens back to back)."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    cu_seqlens_q: list[int]
-    seqlens_k: list[int]
-    block_tables: list[list[int]]
-    num_new: list[int]
-    # (input row, row of the previous step's sampled ids) for each input still on the device
-    pending: list[tuple[int, int]]
 
 
 def _available_memory(device: torch.device) -> int:
@@ -141,6 +136,9 @@ class ModelRunner:
         self.config = config
         self.device, self.dtype = device, dtype
         self.block_size = config.block_size
+        self.tp = tp_group()
+        self.num_kv_heads = kv_head_range(model_config.num_kv_heads, self.tp.rank, self.tp.size)[1]  # this rank's
+        self.workers = None  # rank 0 under tensor parallel: the other ranks (engine/tp_workers.py)
         try:
             self.kv_layout = KVCacheLayout(config.quant_policy, model_config.head_dim)
         except ValueError as exc:
@@ -159,7 +157,7 @@ class ModelRunner:
         self.step_hooks: list[StepHook] = []
         self.activation_bytes = self._profile_activations() if device.type == "cuda" else 0
         self.num_blocks = self._num_cache_blocks()
-        lead = (model_config.num_layers, self.num_blocks, self.block_size, model_config.num_kv_heads)
+        lead = (model_config.num_layers, self.num_blocks, self.block_size, self.num_kv_heads)
         try:
             # Zeroed on the GPU (cheap there): padded graph rows read block 0, and stale NaN bit
             # patterns are better never met. The CPU keeps empty(): zeroing gigabytes costs seconds.
@@ -248,9 +246,14 @@ class ModelRunner:
         """Bytes of one block over all layers, keys and values: a quantized cache's codes and
         scales (``KVCacheLayout``), so a smaller cache buys proportionally more tokens."""
         mc = self.model_config
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * self.kv_layout.bytes_per_head(self.dtype)
+        return 2 * mc.num_layers * self.block_size * self.num_kv_heads * self.kv_layout.bytes_per_head(self.dtype)
 
     def _num_cache_blocks(self) -> int:
+        """This rank's budget, or under tensor parallel the smallest rank's (every rank must
+        hold every block)."""
+        return self.tp.min(self._cache_budget(), self.device)
+
+    def _cache_budget(self) -> int:
         kind, value = self.config.cache_bytes_or_blocks()
         if kind == "blocks":
             return int(value)
@@ -266,8 +269,9 @@ class ModelRunner:
         return blocks
 
     @staticmethod
-    def _flatten(seqs: list[tuple[Sequence, int]], block_size: int, prev: LaunchedStep | None) -> _FlatBatch:
-        """Lay (sequence, number of new tokens) pairs back to back as host lists."""
+    def _flatten(seqs: list[tuple[Sequence, int]], block_size: int, prev: LaunchedStep | None,
+                 kind: StepKind = StepKind.FORWARD) -> StepPlan:
+        """Lay (sequence, number of new tokens) pairs back to back as a plan's host lists."""
         bs = block_size
         ids, positions, slots, cu_q, lens_k, pending = [], [], [], [0], [], []
         for seq, n in seqs:
@@ -285,7 +289,8 @@ class ModelRunner:
             lens_k.append(start + n)
         width = max(len(seq.block_table) for seq, _ in seqs)
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in seqs]
-        return _FlatBatch(ids, positions, slots, cu_q, lens_k, tables, [n for _, n in seqs], pending)
+        return StepPlan(kind, input_ids=ids, positions=positions, block_tables=tables, slots=slots,
+                        cu_seqlens_q=cu_q, seqlens_k=lens_k, num_new=[n for _, n in seqs], pending=pending)
 
     @staticmethod
     def _decode_tokens(seqs: list[Sequence], prev: LaunchedStep | None) -> tuple[list[int], list[tuple[int, int]]]:
@@ -301,7 +306,7 @@ class ModelRunner:
                 tokens.append(0)
         return tokens, pending
 
-    def _attention_metadata(self, flat: _FlatBatch) -> AttentionMetadata:
+    def _attention_metadata(self, flat: StepPlan) -> AttentionMetadata:
         """Attention metadata of a flattened batch. When the leading sequences bring one token
         each and later ones more (``launch`` orders a mixed batch so), it is a
         ``MixedBatchMetadata``: the decode rows then take the decode kernel."""
@@ -332,22 +337,21 @@ class ModelRunner:
         )
         return MixedBatchMetadata(**fields, num_decode_tokens=nd, decode=decode, prefill=prefill)
 
-    def _inputs(self, seqs: list[tuple[Sequence, int]], prev: LaunchedStep | None = None
+    def _inputs(self, plan: StepPlan, prev_ids: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Device input ids, positions and attention metadata of a flattened batch."""
-        flat = self._flatten(seqs, self.block_size, prev)
-        meta = self._attention_metadata(flat)
-        ids = self._to_device(flat.input_ids, torch.int64)
-        self._gather_pending(ids, flat.pending, prev)
-        return ids, self._to_device(flat.positions, torch.int64), meta
+        meta = self._attention_metadata(plan)
+        ids = self._to_device(plan.input_ids, torch.int64)
+        self._gather_pending(ids, plan.pending, prev_ids)
+        return ids, self._to_device(plan.positions, torch.int64), meta
 
-    def _gather_pending(self, ids: torch.Tensor, pending: list[tuple[int, int]], prev: LaunchedStep | None) -> None:
-        """Write, on the device, each input still pending from ``prev``'s sampled ids
-        (``pending``: (input row, sampled row) pairs)."""
+    def _gather_pending(self, ids: torch.Tensor, pending: list[tuple[int, int]], prev_ids: torch.Tensor | None) -> None:
+        """Write, on the device, each input still pending from the previous step's sampled ids
+        ``prev_ids`` (``pending``: (input row, sampled row) pairs)."""
         if not pending:
             return
         dst, src = zip(*pending)
-        ids[self._to_device(list(dst), torch.int64)] = prev.samples.token_ids[self._to_device(list(src), torch.int64)]
+        ids[self._to_device(list(dst), torch.int64)] = prev_ids[self._to_device(list(src), torch.int64)]
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A host list as a device tensor; on CUDA through pinned memory without a sync (the
@@ -365,8 +369,8 @@ class ModelRunner:
             hook.end()
 
     @torch.inference_mode()
-    def _forward(self, seqs: list[tuple[Sequence, int]], prev: LaunchedStep | None = None) -> torch.Tensor:
-        ids, pos, meta = self._inputs(seqs, prev)
+    def _forward(self, plan: StepPlan, prev_ids: torch.Tensor | None = None) -> torch.Tensor:
+        ids, pos, meta = self._inputs(plan, prev_ids)
         set_attention_metadata(meta)
         try:
             return self.model(ids, pos)
@@ -383,35 +387,68 @@ class ModelRunner:
         seqs = [item.seq for item in out.scheduled]
         return seqs if graphs.can_run(seqs) else None
 
+    def _plan(self, out: SchedulerOutput, prev: LaunchedStep | None) -> tuple[StepPlan, list[Sequence]]:
+        """The step as a plan (host lists: what every rank needs to run it), and the sequences
+        that sample, in the order of the plan's logit rows."""
+        graph_seqs = self._graph_batch(out)
+        if graph_seqs is not None:
+            tokens, pending = self._decode_tokens(graph_seqs, prev)
+            rows = [i for i, item in enumerate(out.scheduled) if item.samples]
+            plan = StepPlan(StepKind.GRAPH, input_ids=tokens, positions=[s.num_computed_tokens for s in graph_seqs],
+                            block_tables=[s.block_table for s in graph_seqs], pending=pending, logit_rows=rows)
+            sampling = [out.scheduled[i].seq for i in rows]
+        else:
+            # Single-token sequences first, so that attention can split the batch (see _attention_metadata).
+            items = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
+            plan = self._flatten([(s.seq, s.num_new_tokens) for s in items], self.block_size, prev)
+            end = 0
+            sampling = []
+            for item in items:
+                end += item.num_new_tokens
+                if item.samples:
+                    plan.logit_rows.append(end - 1)
+                    sampling.append(item.seq)
+        plan.num_sampled = len(sampling)
+        return plan, sampling
+
+    def _execute(self, plan: StepPlan, prev_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """Run a FORWARD or GRAPH plan on this rank; the logits of its ``logit_rows`` (None when
+        it has none)."""
+        rows = plan.logit_rows
+        if plan.kind == StepKind.GRAPH:
+            graphs = self.decode_graphs
+            n = len(plan.input_ids)
+            bs = graphs.stage(plan.input_ids, plan.positions, plan.block_tables)
+            all_logits = graphs.run(bs, n, fill=lambda ids: self._gather_pending(ids, plan.pending, prev_ids))
+            if not rows:
+                return None
+            return all_logits if len(rows) == n else all_logits[self._to_device(rows, torch.int64)]
+        hidden = self._forward(plan, prev_ids)
+        return self.model.compute_logits(hidden[self._to_device(rows, torch.int64)]) if rows else None
+
+    def _send(self, plan: StepPlan) -> None:
+        """Hand a plan to the other ranks (tensor parallel rank 0), before running it here."""
+        if self.workers is not None:
+            self.workers.send(plan)
+
+    def _share_samples(self, token_ids: torch.Tensor | None, count: int) -> torch.Tensor | None:
+        """Rank 0's sampled ids on every rank (a broadcast queued on the device, no sync): the
+        next step's pending inputs read them. Returns them (allocated here off rank 0)."""
+        if not self.tp.active or not count:
+            return token_ids
+        if token_ids is None:
+            token_ids = torch.empty(count, dtype=torch.int64, device=self.device)
+        return self.tp.broadcast(token_ids, src=0)
+
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
         """Queue one step (forward and sampling) on the device without waiting for it.
 
         ``prev`` is the step before, whose sampled ids this step's pending inputs read."""
-        graph_seqs = self._graph_batch(out)
-        self._begin_step(graph=graph_seqs is not None)
-        if graph_seqs is not None:
-            graphs = self.decode_graphs
-            tokens, pending = self._decode_tokens(graph_seqs, prev)
-            bs = graphs.stage(graph_seqs, tokens)
-            all_logits = graphs.run(bs, len(graph_seqs), fill=lambda ids: self._gather_pending(ids, pending, prev))
-            rows = [i for i, item in enumerate(out.scheduled) if item.samples]
-            sampling = [out.scheduled[i].seq for i in rows]
-            if sampling:
-                logits = all_logits if len(rows) == len(graph_seqs) else all_logits[self._to_device(rows, torch.int64)]
-        else:
-            # Single-token sequences first, so that attention can split the batch (see _attention_metadata).
-            items = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
-            hidden = self._forward([(s.seq, s.num_new_tokens) for s in items], prev)
-            rows, sampling = [], []
-            end = 0
-            for item in items:
-                end += item.num_new_tokens
-                if item.samples:
-                    rows.append(end - 1)
-                    sampling.append(item.seq)
-            if sampling:
-                logits = self.model.compute_logits(hidden[self._to_device(rows, torch.int64)])
+        plan, sampling = self._plan(out, prev)
+        self._begin_step(graph=plan.kind == StepKind.GRAPH)
+        self._send(plan)
+        logits = self._execute(plan, prev.samples.token_ids if prev is not None and prev.samples else None)
         if not sampling:
             self._end_step()
             return LaunchedStep([], None)
@@ -422,22 +459,42 @@ class ModelRunner:
             [s.num_output_tokens for s in sampling],
             [s.sampling_seed for s in sampling],
         )
+        self._share_samples(samples.token_ids, len(sampling))
         self._end_step()
         samples.start_copy()
         return LaunchedStep(sampling, samples)
 
     @torch.inference_mode()
+    def follow(self, plan: StepPlan, prev_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """Run rank 0's plan on this rank (tensor-parallel ranks 1..tp-1); returns the ids the
+        step sampled (broadcast by rank 0), which the next plan's pending inputs read."""
+        if plan.kind == StepKind.SCORE:
+            for _ in self._chunk_logits(self._forward(plan), len(plan.logit_rows)):
+                pass  # the LM head's all-gather needs every rank; only rank 0 scores
+            return prev_ids
+        self._execute(plan, prev_ids)
+        return self._share_samples(None, plan.num_sampled) if plan.num_sampled else prev_ids
+
+    def _chunk_logits(self, hidden: torch.Tensor, rows: int):
+        """The logits of ``hidden``'s first ``rows`` rows, ``_LOGIT_ROWS_PER_CHUNK`` at a time:
+        yields (first row, logits)."""
+        for lo in range(0, rows, _LOGIT_ROWS_PER_CHUNK):
+            hi = min(lo + _LOGIT_ROWS_PER_CHUNK, rows)
+            yield lo, self.model.compute_logits(hidden[lo:hi])
+
+    @torch.inference_mode()
     def score_chunk(self, seq: Sequence, n: int) -> torch.Tensor:
         """Forward ``n`` more tokens of ``seq`` (blocks already allocated); returns the summed
         negative log-likelihood of each next token inside the chunk and the one after it."""
-        hidden = self._forward([(seq, n)])
         start = seq.num_computed_tokens
         targets = seq.token_ids[start + 1 : start + n + 1]
+        plan = self._flatten([(seq, n)], self.block_size, None, StepKind.SCORE)
+        plan.logit_rows = list(range(len(targets)))
+        self._send(plan)
+        hidden = self._forward(plan)
         total = torch.zeros((), dtype=torch.float64)
-        for lo in range(0, len(targets), _LOGIT_ROWS_PER_CHUNK):
-            hi = min(lo + _LOGIT_ROWS_PER_CHUNK, len(targets))
-            logits = self.model.compute_logits(hidden[lo:hi])
-            tgt = torch.tensor(targets[lo:hi], device=logits.device)
+        for lo, logits in self._chunk_logits(hidden, len(targets)):
+            tgt = torch.tensor(targets[lo : lo + logits.shape[0]], device=logits.device)
             nll = torch.nn.functional.cross_entropy(logits.float(), tgt, reduction="sum")
             total += nll.double().cpu()
         return total

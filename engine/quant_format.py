@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..protocol.errors import EngineConfigError
+from .weight_loader import materialize
 
 AWQ_GROUP_SIZES = (32, 64, 128)
 # InternLM2's checkpoints fuse q/k/v head by head (wqkv), which a quantized tensor cannot be split by.
@@ -79,7 +80,7 @@ class QuantFormat:
         weight zero points. A non-zero one (asymmetric weights) is refused."""
         if self.method != "w8a8" or not name.endswith(_ZERO_POINT_SUFFIX):
             return False
-        if torch.count_nonzero(tensor):
+        if torch.count_nonzero(materialize(tensor)):
             raise EngineConfigError(f"{name} has non-zero zero points (asymmetric int8 weights); only symmetric "
                                     "W8A8 weights run here: re-quantize with `conveyor lite smooth_quant`")
         return True

@@ -129,12 +129,42 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     )
 
 
-def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+class LazyTensor:
+    """A safetensors tensor not read yet: its ``shape``, and reads of a slice along one dim
+    (``narrow``), so that a tensor-parallel rank reads only its part of each weight. Valid while
+    the iteration that yielded it is on that tensor (the file stays open until then)."""
+
+    def __init__(self, handle, name: str) -> None:
+        self._slice = handle.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """The slice ``[start, start + length)`` of dim ``dim``, read from the file."""
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def materialize(self) -> torch.Tensor:
+        """The whole tensor."""
+        return self._slice[:]
+
+
+def materialize(x: torch.Tensor | LazyTensor) -> torch.Tensor:
+    """``x`` as a tensor (a LazyTensor is read whole)."""
+    return x.materialize() if isinstance(x, LazyTensor) else x
+
+
+def narrow(x: torch.Tensor | LazyTensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """Part of a checkpoint tensor along ``dim``; a LazyTensor reads only that part."""
+    return x.narrow(dim, start, length)
+
+
+def _iter_safetensors(path: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt", device="cpu") as f:
         for name in f.keys():
-            yield name, f.get_tensor(name)
+            yield name, (LazyTensor(f, name) if lazy else f.get_tensor(name))
 
 
 def _iter_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -161,8 +191,9 @@ def _iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     yield from hf_model.state_dict().items()
 
 
-def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, CPU tensor) for every weight of a model directory or ``.gguf`` file."""
+def iter_checkpoint(path: str | Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+    """Yield (Hugging Face name, CPU tensor) for every weight of a model directory or ``.gguf`` file;
+    with ``lazy``, safetensors tensors come as ``LazyTensor`` (read when and where they are used)."""
     path = Path(path)
     if is_gguf(path):
         yield from _iter_gguf(path)
@@ -170,12 +201,13 @@ def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in checkpoint_files(path):
         logger.debug("reading %s", file)
         if file.suffix == ".safetensors":
-            yield from _iter_safetensors(file)
+            yield from _iter_safetensors(file, lazy)
         else:
             yield from _iter_bin(file)
 
 
 def load_model(model: nn.Module, path: str | Path) -> nn.Module:
-    """Stream the checkpoint at ``path`` into ``model`` via its ``load_weights``."""
-    model.load_weights(iter_checkpoint(path))
+    """Stream the checkpoint at ``path`` into ``model`` via its ``load_weights`` (lazily: a
+    tensor-parallel rank's layers read only their slices)."""
+    model.load_weights(iter_checkpoint(path, lazy=True))
     return model

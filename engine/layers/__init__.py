@@ -9,6 +9,7 @@ from .linear import (
     MergedLinear,
     QKVLinear,
     ReplicatedLinear,
+    RowParallelLinear,
     UnquantizedLinearMethod,
 )
 from .norm import RMSNorm
@@ -16,6 +17,6 @@ from .rotary import RotaryEmbedding, get_rope
 
 __all__ = [
     "Attention", "LMHead", "LinearBase", "LinearMethod", "MergedLinear", "QKVLinear", "RMSNorm",
-    "ReplicatedLinear", "RotaryEmbedding", "SiluAndMul", "UnquantizedLinearMethod", "VocabEmbedding",
+    "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear", "SiluAndMul", "UnquantizedLinearMethod", "VocabEmbedding",
     "get_rope",
 ]

@@ -35,14 +35,15 @@ class AWQLinearMethod:
         groups = -(-input_size // group)
         packed = output_size // AWQ_PACK_FACTOR
 
-        def param(*shape: int, dtype: torch.dtype | None = None, packed_cols: bool) -> nn.Parameter:
+        def param(*shape: int, dtype: torch.dtype | None = None, packed_cols: bool, rows_per: int) -> nn.Parameter:
             p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
             p.output_dim, p.pack_factor = 1, AWQ_PACK_FACTOR if packed_cols else 1
+            p.input_dim, p.input_group = 0, rows_per  # a row per input, or per group of inputs
             return p
 
-        layer.qweight = param(input_size, packed, dtype=torch.int32, packed_cols=True)
-        layer.qzeros = param(groups, packed, dtype=torch.int32, packed_cols=True)
-        layer.scales = param(groups, output_size, packed_cols=False)  # the model's dtype
+        layer.qweight = param(input_size, packed, dtype=torch.int32, packed_cols=True, rows_per=1)
+        layer.qzeros = param(groups, packed, dtype=torch.int32, packed_cols=True, rows_per=group)
+        layer.scales = param(groups, output_size, packed_cols=False, rows_per=group)  # the model's dtype
         layer.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         layer.dense_cpu = None  # the CPU path's dequantized weight, made on first use
 

@@ -1,4 +1,11 @@
-"""Token embedding and the LM head (which may share the embedding's weight)."""
+"""Token embedding and the LM head (which may share the embedding's weight), split by vocabulary
+over the tensor-parallel ranks.
+
+Each rank keeps ``ceil(vocab / tp)`` rows (the last rank's tail past the vocabulary is zeros). The
+embedding looks up the ids that fall in its rows, zeros the others and all-reduces; the LM head
+computes its rows' logits and all-gathers them, so every rank holds the whole ``[N, vocab]``.
+With one rank both are the plain lookup and product.
+"""
 
 from __future__ import annotations
 
@@ -7,34 +14,63 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.gemv import linear
+from ..distributed import tp_group
+from ..weight_loader import narrow
 
 
 class VocabEmbedding(nn.Module):
-    """Token id -> hidden vector lookup table ``[vocab, hidden]``."""
+    """Token id -> hidden vector lookup table ``[vocab, hidden]`` (this rank's rows of it)."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
+        tp = tp_group()
         self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.rows = -(-vocab_size // tp.size)  # per rank
+        self.start = tp.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
+        self.weight.weight_loader = self.weight_loader
+
+    @torch.no_grad()
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """Copy this rank's rows of a ``[vocab, hidden]`` checkpoint tensor (zeros past the vocabulary)."""
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} is not fused; got shard {shard_id!r}")
+        if tuple(loaded.shape) != (self.vocab_size, param.shape[1]):
+            raise ValueError(f"checkpoint tensor for the vocabulary has shape {tuple(loaded.shape)}, expected "
+                             f"{(self.vocab_size, param.shape[1])}")
+        n = max(min(self.rows, self.vocab_size - self.start), 0)
+        param.data[n:].zero_()
+        param.data[:n].copy_(narrow(loaded, 0, self.start, n))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]."""
-        return F.embedding(input_ids, self.weight)
+        tp = tp_group()
+        if not tp.active:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        mine = (local >= 0) & (local < self.rows)
+        out = F.embedding(torch.where(mine, local, 0), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return tp.all_reduce(out)
 
 
-class LMHead(nn.Module):
+class LMHead(VocabEmbedding):
     """Hidden -> vocabulary logits, run only on the rows the caller selects (e.g. each sequence's last).
 
     With ``tie_to`` the head reuses that embedding's Parameter, so it is loaded once and appears
-    once in ``named_parameters()`` (under the embedding's name).
+    once in ``named_parameters()`` (under the embedding's name). Its rows are split as the
+    embedding's.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, tie_to: VocabEmbedding | None = None) -> None:
-        super().__init__()
-        self.vocab_size = vocab_size
+        super().__init__(vocab_size, hidden_size)
         self.tied = tie_to is not None
-        self.weight = tie_to.weight if tie_to is not None else nn.Parameter(torch.empty(vocab_size, hidden_size))
+        if tie_to is not None:
+            self.weight = tie_to.weight
 
     def forward(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (samplers want full-precision logits)."""
-        return linear(hidden_rows, self.weight).float()
+        tp = tp_group()
+        logits = linear(hidden_rows, self.weight)
+        if tp.active:
+            logits = tp.all_gather(logits)[:, : self.vocab_size]
+        return logits.float()

@@ -1,16 +1,18 @@
 """Linear layers, including the fused QKV and gate/up projections the models use.
 
-Two seams are kept on purpose:
+Two seams:
 
 * **Weight format** goes through a ``LinearMethod`` (``create_weights`` + ``apply``): dense
-  here, W4A16 in ``awq_linear.py``; ``engine/quant_format.py`` picks one from the checkpoint.
-  A parameter whose output dimension is not dim 0 says so in ``output_dim``, and one that packs
-  several outputs per element says how many in ``pack_factor`` (AWQ's ``qweight`` is [in, out/8]):
-  fused shards are placed by those.
-* **Tensor parallelism** will change only *which slice* of a checkpoint tensor a rank keeps
-  (``weight_loader``) and add a collective in ``forward``: column-parallel layers (QKV, gate/up)
-  shard ``dim 0``, row-parallel ones (o_proj, down_proj) shard ``dim 1`` and all-reduce. Every
-  layer here is replicated (TP size 1) today.
+  here, W4A16 in ``awq_linear.py``, W8A8 in ``w8a8_linear.py``; ``engine/quant_format.py`` picks
+  one from the checkpoint. A parameter says which of its dims runs along the outputs
+  (``output_dim``, default 0) and along the inputs (``input_dim``; none: not split by inputs),
+  how many outputs one element packs (``pack_factor``: AWQ's ``qweight`` is [in, out/8]) and how
+  many inputs one row covers (``input_group``: AWQ's group scales). Shards are cut by those.
+* **Tensor parallelism** (``engine/distributed.py``): the column-parallel layers (the fused
+  QKV and gate/up, ``MergedLinear``) keep each rank's part of every output shard, the
+  row-parallel ones (o_proj, down_proj, ``RowParallelLinear``) each rank's part of the inputs
+  and sum their partial outputs with one all-reduce. Each rank reads only its slice of a
+  checkpoint tensor (``weight_loader.narrow``). With one rank both are plain linear layers.
 
 Every parameter carries a ``weight_loader(param, tensor, shard_id=None)`` attribute; fused layers
 also carry ``shard_ids`` so a model's ``load_weights`` can check that each shard was loaded.
@@ -25,6 +27,8 @@ import torch
 from torch import nn
 
 from ...kernels.gemv import linear
+from ..distributed import kv_head_range, shard_range, tp_group
+from ..weight_loader import materialize, narrow
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +51,7 @@ class UnquantizedLinearMethod:
     def create_weights(self, layer: LinearBase, input_size: int, output_size: int, bias: bool) -> None:
         """Register ``weight`` and optional ``bias``."""
         layer.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        layer.weight.input_dim = 1
         layer.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
@@ -54,14 +59,15 @@ class UnquantizedLinearMethod:
         return linear(x, layer.weight, layer.bias)
 
 
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+def _copy_checked(dst: torch.Tensor, src, what: str) -> None:
+    src = materialize(src)
     if dst.shape != src.shape:
         raise ValueError(f"checkpoint tensor for {what} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
     dst.copy_(src)
 
 
 class LinearBase(nn.Module):
-    """``y = x W^T + b`` with pluggable weight format; replicated across ranks."""
+    """``y = x W^T + b`` with pluggable weight format; the same on every rank."""
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool = False, method: LinearMethod | None = None
@@ -87,22 +93,73 @@ class LinearBase(nn.Module):
 
 
 class ReplicatedLinear(LinearBase):
-    """A plain linear layer (the place row-parallel sharding of o_proj/down_proj will go)."""
+    """A plain linear layer, whole on every rank."""
+
+
+class RowParallelLinear(LinearBase):
+    """A linear layer whose inputs are split over the ranks (o_proj, down_proj): each rank
+    multiplies its part of the input by its rows of the weight, and one all-reduce sums the
+    parts. The bias is added once: rank 0 keeps it, the others hold zeros."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, method: LinearMethod | None = None
+    ) -> None:
+        tp = tp_group()
+        self.full_input_size = input_size
+        self.input_start, local = shard_range(input_size, tp.rank, tp.size, f"{type(self).__name__} inputs")
+        super().__init__(local, output_size, bias, method)
+
+    @torch.no_grad()
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None = None) -> None:
+        """Copy this rank's input slice of a checkpoint tensor into ``param``."""
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} is not fused; got shard {shard_id!r}")
+        what = type(self).__name__
+        dim = getattr(param, "input_dim", None)
+        if param is self.bias and tp_group().rank != 0:
+            if tuple(loaded.shape) != tuple(param.shape):
+                raise ValueError(f"checkpoint bias for {what} has shape {tuple(loaded.shape)}, expected "
+                                 f"{tuple(param.shape)}")
+            param.data.zero_()  # the all-reduce adds rank 0's bias once
+        elif dim is None or tp_group().size == 1:
+            _copy_checked(param.data, loaded, what)
+        else:
+            group = getattr(param, "input_group", 1)
+            if self.input_start % group or self.input_size % group:
+                raise ValueError(f"{what}: a rank's {self.input_size} inputs do not fall on whole groups of {group}")
+            full = -(-self.full_input_size // group)
+            if loaded.shape[dim] != full:
+                raise ValueError(f"checkpoint tensor for {what} has {loaded.shape[dim]} input rows along dim {dim}, "
+                                 f"expected {full}")
+            _copy_checked(param.data, narrow(loaded, dim, self.input_start // group, param.shape[dim]), what)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., in / tp] -> [..., out], summed over the ranks."""
+        return tp_group().all_reduce(self.method.apply(self, x))
 
 
 class MergedLinear(LinearBase):
-    """Several projections of the same input stacked along the output dim (e.g. gate/up).
+    """Several projections of the same input stacked along the output dim (e.g. gate/up), and
+    split by outputs over the ranks: each rank keeps its part of every projection.
 
-    Shard ``i`` of ``output_sizes`` is loaded from its own checkpoint tensor.
+    Shard ``i`` of ``output_sizes`` (whole-model sizes) is loaded from its own checkpoint tensor.
     """
 
     def __init__(
         self, input_size: int, output_sizes: list[int], bias: bool = False, method: LinearMethod | None = None
     ) -> None:
-        self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(output_sizes), bias, method)
+        tp = tp_group()
+        self.full_output_sizes = list(output_sizes)
+        # (start in the checkpoint tensor, length) of this rank's part of each projection.
+        self.parts = [self.rank_part(i, size, tp.rank, tp.size) for i, size in enumerate(output_sizes)]
+        self.output_sizes = [n for _, n in self.parts]
+        super().__init__(input_size, sum(self.output_sizes), bias, method)
         for param in self.parameters(recurse=False):
             param.shard_ids = self.shard_ids()
+
+    def rank_part(self, index: int, size: int, rank: int, tp_size: int) -> tuple[int, int]:
+        """(start, length) of rank ``rank``'s outputs of projection ``index`` (an equal split)."""
+        return shard_range(size, rank, tp_size, f"{type(self).__name__} shard {index} outputs")
 
     def shard_ids(self) -> tuple[ShardId, ...]:
         """The ids ``weight_loader`` accepts, in output order."""
@@ -116,23 +173,37 @@ class MergedLinear(LinearBase):
 
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None = None) -> None:
-        """Copy one projection's tensor into its rows of the fused ``param``."""
+        """Copy this rank's part of one projection's tensor (or of an already-fused one, when
+        ``shard_id`` is None) into its place in the fused ``param``."""
         if shard_id is None:
-            # An already-fused checkpoint tensor.
-            _copy_checked(param.data, loaded, type(self).__name__)
+            offset = 0
+            for i in range(len(self.output_sizes)):
+                self._load_part(param, loaded, i, offset, whole=sum(self.full_output_sizes))
+                offset += self.full_output_sizes[i]
             return
-        idx = self._shard_index(shard_id)
+        i = self._shard_index(shard_id)
+        self._load_part(param, loaded, i, 0, whole=self.full_output_sizes[i])
+
+    def _load_part(self, param: nn.Parameter, loaded, index: int, offset: int, whole: int) -> None:
+        """Rows ``offset + parts[index]`` of ``loaded`` (``whole`` outputs along the output dim)
+        into projection ``index``'s place in ``param``."""
+        what = f"{type(self).__name__}[{self.shard_ids()[index]}]"
         dim, pack = getattr(param, "output_dim", 0), getattr(param, "pack_factor", 1)
-        start, size = sum(self.output_sizes[:idx]), self.output_sizes[idx]
-        if start % pack or size % pack:
-            raise ValueError(f"{type(self).__name__}[{shard_id}]: {size} outputs at {start} do not fall on "
-                             f"whole packed elements of {pack}")
-        _copy_checked(param.data.narrow(dim, start // pack, size // pack), loaded,
-                      f"{type(self).__name__}[{shard_id}]")
+        src, size = self.parts[index]
+        dst = sum(self.output_sizes[:index])
+        if (offset + src) % pack or size % pack or dst % pack:
+            raise ValueError(f"{what}: {size} outputs at {offset + src} do not fall on whole packed elements of {pack}")
+        if loaded.shape[dim] != whole // pack:
+            raise ValueError(f"checkpoint tensor for {what} has {loaded.shape[dim]} outputs along dim {dim}, "
+                             f"expected {whole // pack}")
+        _copy_checked(param.data.narrow(dim, dst // pack, size // pack),
+                      narrow(loaded, dim, (offset + src) // pack, size // pack), what)
 
 
 class QKVLinear(MergedLinear):
-    """Fused query/key/value projection; shards ``"q"``, ``"k"``, ``"v"``."""
+    """Fused query/key/value projection; shards ``"q"``, ``"k"``, ``"v"``. Split over the ranks
+    by heads: each keeps ``num_heads / tp`` query heads and its kv heads (``kv_head_range``:
+    an equal part, or one head shared by several ranks when tp exceeds the kv heads)."""
 
     def __init__(
         self,
@@ -144,10 +215,19 @@ class QKVLinear(MergedLinear):
         method: LinearMethod | None = None,
     ) -> None:
         self.head_dim = head_dim
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
+        tp = tp_group()
+        self.num_heads = shard_range(num_heads, tp.rank, tp.size, "num_attention_heads")[1]
+        self.num_kv_heads = kv_head_range(num_kv_heads, tp.rank, tp.size)[1]
+        self._kv_heads_total = num_kv_heads
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         super().__init__(hidden_size, sizes, bias, method)
+
+    def rank_part(self, index: int, size: int, rank: int, tp_size: int) -> tuple[int, int]:
+        """Query heads split evenly; key and value heads as ``kv_head_range`` says."""
+        if index == 0:
+            return super().rank_part(index, size, rank, tp_size)
+        first, count = kv_head_range(self._kv_heads_total, rank, tp_size)
+        return first * self.head_dim, count * self.head_dim
 
     def shard_ids(self) -> tuple[ShardId, ...]:
         """``("q", "k", "v")``."""

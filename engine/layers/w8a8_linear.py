@@ -42,6 +42,7 @@ class W8A8LinearMethod:
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
         """Register ``weight`` (int8), ``weight_scale`` (float32 [out, 1]) and optional ``bias``."""
         layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=torch.int8), requires_grad=False)
+        layer.weight.input_dim = 1
         layer.weight_scale = nn.Parameter(torch.empty(output_size, 1, dtype=torch.float32), requires_grad=False)
         layer.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         layer.float_weight_cpu = None  # the CPU path's float32 copy of the codes, made on first use

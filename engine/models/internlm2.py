@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from ..model_config import ModelConfig
+from ..weight_loader import materialize
 from .llama import LlamaForCausalLM, WeightTarget
 
 # InternLM2 name fragment -> (our name fragment, shard id or None).
@@ -55,7 +56,7 @@ class InternLM2ForCausalLM(LlamaForCausalLM):
         if ".attention.wqkv." in name:
             target = name.replace(".attention.wqkv.", ".self_attn.qkv_proj.")
             cfg = self.config
-            q, k, v = unpack_wqkv(tensor, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = unpack_wqkv(materialize(tensor), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             yield from ((target, "q", q), (target, "k", k), (target, "v", v))
             return
         for old, new, shard in _RENAMES:

@@ -19,8 +19,8 @@ from ..layers import (
     LMHead,
     MergedLinear,
     QKVLinear,
-    ReplicatedLinear,
     RMSNorm,
+    RowParallelLinear,
     RotaryEmbedding,
     SiluAndMul,
     VocabEmbedding,
@@ -28,6 +28,7 @@ from ..layers import (
 )
 from ..layers.linear import ShardId
 from ..model_config import ModelConfig
+from ..weight_loader import materialize
 
 logger = logging.getLogger(__name__)
 
@@ -50,19 +51,20 @@ def hands_over_int8(config: ModelConfig) -> bool:
 
 
 class LlamaAttention(nn.Module):
-    """Fused QKV projection, RoPE, paged attention, output projection."""
+    """Fused QKV projection, RoPE, paged attention, output projection; under tensor parallel,
+    this rank's heads (``QKVLinear`` picks them) and its part of o_proj's inputs."""
 
     def __init__(
         self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool
     ) -> None:
         super().__init__()
         h, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, d
-        self.q_size, self.kv_size = h * d, hkv * d
         self.qkv_proj = QKVLinear(config.hidden_size, d, h, hkv, bias=qkv_bias, method=linear_method(config))
-        self.o_proj = ReplicatedLinear(h * d, config.hidden_size, bias=o_bias, method=linear_method(config))
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.o_proj = RowParallelLinear(h * d, config.hidden_size, bias=o_bias, method=linear_method(config))
         self.rotary_emb = rotary
-        self.attn = Attention(h, hkv, d)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]."""
@@ -84,7 +86,7 @@ class LlamaMLP(nn.Module):
             raise UnsupportedModelError(f"MLP activation {act!r} is not supported (only silu)")
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias, method=linear_method(config))
-        self.down_proj = ReplicatedLinear(inter, config.hidden_size, bias=bias, method=linear_method(config))
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, method=linear_method(config))
         self.act = SiluAndMul(quantize_output=hands_over_int8(config))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
                             f"checkpoint tensor {ckpt_name} has shape {tuple(piece.shape)}, "
                             f"expected {tuple(param.shape)} for {name}"
                         )
-                    param.data.copy_(piece)
+                    param.data.copy_(materialize(piece))
                 loaded.add((name, shard))
         if not self.lm_head.tied and not saw_lm_head and ("model.embed_tokens.weight", None) in loaded:
             logger.info("checkpoint has no lm_head.weight: using the input embedding (tied)")

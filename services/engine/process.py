@@ -4,6 +4,8 @@ and serves it."""
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 from collections.abc import Callable
 
 import zmq
@@ -13,6 +15,17 @@ from ...engine.interface import Engine
 from ...protocol import Addresses
 from ..stage import set_process_title, setup_logging, stop_on_sigterm
 from .service import EngineService
+
+logger = logging.getLogger(__name__)
+
+
+def _exit_stage(why: str) -> None:
+    """A tensor-parallel rank failed: this process exits, so that the launcher fails the requests in
+    flight (error chunk, then [DONE]), answers 503 meanwhile, and restarts the engine stage. (The
+    engine thread may be stuck in a collective with the dead rank: only an exit frees it.)"""
+    logger.error("engine stage exiting: tensor-parallel %s", why)
+    logging.shutdown()
+    os._exit(1)
 
 
 def load_engine_factory(spec: str) -> Callable[[str, EngineConfig], Engine]:
@@ -35,5 +48,13 @@ def run_engine_process(name: str, addresses: Addresses, model_path: str, config:
         from ...engine.llm_engine import LLMEngine
 
         engine = LLMEngine(model_path, config)
+    workers = getattr(engine, "tp_workers", None)
+    if workers is not None:
+        workers.on_failure = _exit_stage
     info = {"session_len": engine.session_len, "num_blocks": engine.stats().num_blocks}
-    EngineService(engine, zmq.Context(), addresses).serve(stop, launcher, info)
+    try:
+        EngineService(engine, zmq.Context(), addresses).serve(stop, launcher, info)
+    finally:
+        close = getattr(engine, "close", None)  # the Engine protocol does not require it
+        if close is not None:
+            close()

@@ -1,0 +1,250 @@
+"""Tensor parallel, rank 0's side and the other ranks' process: start them, send each step's
+plan, watch them.
+
+Rank 0 is the engine (it schedules and samples); ranks 1..tp-1 are processes this module starts
+(``multiprocessing`` spawn), each owning one device (``cuda:<rank>`` of the visible ones, or the
+CPU) and a runner over its shard of the model. Per step rank 0 sends each rank one
+``StepPlan`` (msgpack over a ZeroMQ ipc socket: ~tens of µs, never pickle) and then runs the same
+plan itself; the ranks meet in the step's collectives (``engine/distributed.py``).
+
+Failure. Every rank sends a heartbeat each ``HEARTBEAT_S`` from a thread of its own, so a rank
+that is alive but busy keeps beating. Rank 0's watchdog thread calls it failed when its process
+exits, when it reports an error, or when its beats stop for ``hang_timeout`` seconds (a frozen
+process). It then kills every rank (a collective that waits on a dead peer never returns: with
+the peers gone, gloo's raises) and calls ``on_failure``: the engine process exits there, so the
+launcher fails the requests in flight and restarts the stage; in-process (the pipeline) the next
+step raises. A rank whose parent (rank 0) dies exits by itself: no process outlives the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+
+from ..protocol.codec import Codec
+from ..protocol.errors import EngineConfigError
+from ..protocol.tp import HEARTBEAT_S, RankIn, RankOut, RankStatus, StepKind, StepPlan
+from .config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+HANG_TIMEOUT_ENV = "CONVEYOR_TP_HANG_S"
+DEFAULT_HANG_TIMEOUT_S = 30.0  # a rank whose heartbeat thread is silent this long is frozen
+READY_TIMEOUT_S = 1800.0  # loading a large checkpoint and capturing graphs takes minutes
+
+
+class TPWorkerError(RuntimeError):
+    """A tensor-parallel rank died, froze or failed; the engine cannot go on."""
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for the process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TPWorkers:
+    """Ranks 1..tp-1 of one engine: started at construction; ``close()`` stops them all."""
+
+    def __init__(self, model_path: str | Path, config: EngineConfig, on_failure: Callable[[str], None] | None = None,
+                 log_level: str | None = None) -> None:
+        self.size = config.tp
+        self.failure: str | None = None
+        self.on_failure = on_failure
+        self.hang_timeout = float(os.environ.get(HANG_TIMEOUT_ENV, DEFAULT_HANG_TIMEOUT_S))
+        self.init_method = f"tcp://127.0.0.1:{free_port()}"
+        self._dir = tempfile.mkdtemp(prefix="conveyor-tp-")
+        self._ctx = zmq.Context()
+        self._codec = Codec(RankIn)
+        self._status = self._ctx.socket(zmq.PULL)
+        self._status.bind(f"ipc://{self._dir}/status")
+        self._plans: list[zmq.Socket] = []
+        self.procs: list[mp.Process] = []
+        self._ready: set[int] = set()
+        self._beats: dict[int, float] = {}
+        self._closing = False
+        level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        spawn = mp.get_context("spawn")
+        for rank in range(1, self.size):
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)  # plans are never dropped; a dead rank is the watchdog's
+            address = f"ipc://{self._dir}/plan-{rank}"
+            sock.bind(address)
+            self._plans.append(sock)
+            proc = spawn.Process(target=run_tp_rank, name=f"conveyor-tp-rank-{rank}", daemon=True,
+                                 args=(rank, self.size, self.init_method, address, f"ipc://{self._dir}/status",
+                                       str(model_path), config, level))
+            proc.start()
+            self.procs.append(proc)
+            self._beats[rank] = time.monotonic()
+            logger.info("started tensor-parallel rank %d (pid %d)", rank, proc.pid)
+        self._watch_stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    # ---- the hot path ----------------------------------------------------------------------------
+    def send(self, plan: StepPlan) -> None:
+        """Hand one step's plan to every other rank (encoded once)."""
+        if self.failure is not None:
+            raise TPWorkerError(f"tensor parallel stopped: {self.failure}")
+        frame = self._codec.encode(plan)
+        for sock in self._plans:
+            sock.send(frame, copy=False)
+
+    # ---- watching ---------------------------------------------------------------------------------
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Block until every rank has built its model and cache (raises if one fails first)."""
+        deadline = time.monotonic() + timeout
+        while len(self._ready) < self.size - 1:
+            if self.failure is not None:
+                raise TPWorkerError(f"tensor parallel failed while starting: {self.failure}")
+            if time.monotonic() > deadline:
+                raise TPWorkerError(f"tensor-parallel ranks not ready after {timeout:.0f}s")
+            time.sleep(0.05)
+
+    def _watch(self) -> None:
+        codec = Codec(RankOut)
+        while not self._watch_stop.wait(0.1):
+            while self._status.poll(0):
+                try:
+                    msg = codec.recv(self._status)
+                except Exception:  # noqa: BLE001 - a garbled frame is no news
+                    continue
+                self._beats[msg.rank] = time.monotonic()
+                if msg.state == "ready":
+                    self._ready.add(msg.rank)
+                    logger.info("tensor-parallel rank %d ready (pid %d)", msg.rank, msg.pid)
+                elif msg.state == "failed":
+                    self._fail(f"rank {msg.rank} failed: {msg.error}")
+            if self._closing or self.failure is not None:
+                continue
+            now = time.monotonic()
+            for rank, proc in enumerate(self.procs, start=1):
+                if not proc.is_alive():
+                    self._fail(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+                    break
+                if now - self._beats[rank] > self.hang_timeout:
+                    self._fail(f"rank {rank} (pid {proc.pid}) sent no heartbeat for {now - self._beats[rank]:.0f}s")
+                    break
+
+    def _fail(self, why: str) -> None:
+        if self.failure is not None or self._closing:
+            return
+        self.failure = why
+        logger.error("tensor parallel: %s; stopping every rank", why)
+        self._kill_all()
+        if self.on_failure is not None:
+            self.on_failure(why)
+
+    def _kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(5)
+
+    # ---- stopping ---------------------------------------------------------------------------------
+    def close(self, timeout: float = 10.0) -> None:
+        """Tell every rank to stop, wait for them (killing what is left), release the sockets."""
+        if self._closing:
+            return
+        self._closing = True
+        if self.failure is None:
+            stop = self._codec.encode(StepPlan(StepKind.STOP))
+            for sock in self._plans:
+                sock.send(stop, copy=False)
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            proc.join(max(deadline - time.monotonic(), 0.1))
+        self._kill_all()
+        self._watch_stop.set()
+        self._watchdog.join(1)
+        for sock in [*self._plans, self._status]:
+            sock.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+# ---- the other ranks' process ----------------------------------------------------------------------
+
+def _heartbeat(ctx: zmq.Context, address: str, rank: int, stop: threading.Event) -> None:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    codec = Codec(RankOut)
+    beat = RankStatus(rank, "alive", os.getpid())
+    try:
+        while not stop.wait(HEARTBEAT_S):
+            try:
+                codec.send(sock, beat, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+    finally:
+        sock.close()
+
+
+def _exit_with_parent() -> None:
+    """Exit this process as soon as rank 0's process is gone (even mid-collective)."""
+    parent = mp.parent_process()
+    if parent is not None:
+        parent.join()
+    os._exit(1)
+
+
+def run_tp_rank(rank: int, size: int, init_method: str, plan_address: str, status_address: str,
+                model_path: str, config: EngineConfig, log_level: str = "INFO") -> None:
+    """Entry point of tensor-parallel rank ``rank`` (1..size-1): build the shard, then follow plans."""
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(process)d rank{rank} %(name)s %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 decides
+    threading.Thread(target=_exit_with_parent, name="tp-parent", daemon=True).start()
+    ctx = zmq.Context()
+    stop = threading.Event()
+    threading.Thread(target=_heartbeat, args=(ctx, status_address, rank, stop), name="tp-heartbeat",
+                     daemon=True).start()
+    status = ctx.socket(zmq.PUSH)
+    status.setsockopt(zmq.LINGER, 2000)
+    status.connect(status_address)
+    plans = ctx.socket(zmq.PULL)
+    plans.connect(plan_address)
+    out_codec, in_codec = Codec(RankOut), Codec(RankIn)
+    code = 0
+    try:
+        from .distributed import close_tp, init_tp
+        from .llm_engine import resolve_engine_inputs
+        from .model_runner import ModelRunner
+
+        path, model_config, device, dtype = resolve_engine_inputs(model_path, config, rank)
+        init_tp(rank, size, init_method, device)
+        runner = ModelRunner(path, model_config, config, device, dtype)
+        out_codec.send(status, RankStatus(rank, "ready", os.getpid()))
+        prev_ids = None
+        while True:
+            plan = in_codec.recv(plans)
+            if plan.kind == StepKind.STOP:
+                break
+            prev_ids = runner.follow(plan, prev_ids)
+        close_tp()
+    except Exception as exc:  # noqa: BLE001 - report to rank 0, then exit
+        logger.exception("tensor-parallel rank %d failed", rank)
+        error = f"{type(exc).__name__}: {exc}" if isinstance(exc, EngineConfigError) else traceback.format_exc(limit=3)
+        out_codec.send(status, RankStatus(rank, "failed", os.getpid(), error))
+        code = 1
+    finally:
+        stop.set()
+        status.close()
+        plans.close(linger=0)
+    os._exit(code)  # skip interpreter teardown (CUDA/NCCL objects at exit can hang)

@@ -1,0 +1,60 @@
+"""What the tensor-parallel rank 0 (the engine) tells the other ranks, and what they tell it.
+
+Rank 0 schedules; each step it sends every other rank one ``StepPlan``: the flattened batch as
+host lists, everything a rank needs to run the same forward on its shard of the model. The
+ranks' only answer on the hot path is taking part in the step's collectives; ``RankStatus``
+(ready, alive, failed) goes back on a separate socket that rank 0's watchdog reads.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import msgspec
+
+_TAG = dict(tag_field="t", array_like=True, omit_defaults=True)
+
+
+class StepKind(IntEnum):
+    """What a plan asks a rank to do."""
+
+    FORWARD = 0  # an eager forward of a flattened batch, then the logits of some rows
+    GRAPH = 1  # a decode step replayed from the captured CUDA graph of its padded size
+    SCORE = 2  # a forward, then the logits of every row in chunks (get_ppl)
+    STOP = 3  # leave the loop and exit
+
+
+class StepPlan(msgspec.Struct, tag=1, **_TAG):
+    """One step's inputs. ``pending``: (input row, row of the previous step's sampled ids) for
+    each input token still on the device; ``logit_rows``: the rows whose logits are computed;
+    ``num_sampled``: how many ids rank 0 broadcasts after sampling (the next step's pending
+    inputs read them). FORWARD/SCORE use every field; GRAPH only ``input_ids``, ``positions``,
+    ``block_tables``, ``pending``, ``logit_rows`` and ``num_sampled``."""
+
+    kind: StepKind
+    input_ids: list[int] = []
+    positions: list[int] = []
+    block_tables: list[list[int]] = []
+    slots: list[int] = []
+    cu_seqlens_q: list[int] = []
+    seqlens_k: list[int] = []
+    num_new: list[int] = []
+    pending: list[tuple[int, int]] = []
+    logit_rows: list[int] = []
+    num_sampled: int = 0
+
+
+class RankStatus(msgspec.Struct, tag=2, **_TAG):
+    """A rank's news for rank 0: ``state`` "ready" (its model and cache are built: ``num_blocks``
+    is its budget), "alive" (a heartbeat, sent every ``HEARTBEAT_S``) or "failed" (``error``)."""
+
+    rank: int
+    state: str
+    pid: int = 0
+    error: str = ""
+
+
+HEARTBEAT_S = 0.5
+
+RankIn = StepPlan
+RankOut = RankStatus

@@ -1,0 +1,153 @@
+"""Tensor parallel on the CPU (gloo): tiny random Llamas at tp=2 and tp=4 against tp=1.
+
+Each tp>1 engine starts real rank processes (engine/tp_workers.py) that load their slices of the
+checkpoint and meet rank 0 in the collectives, so these tests run the whole path CI can run:
+sharded loading (dense, AWQ, W8A8), vocab-parallel embedding and LM head, row-parallel
+all-reduces, kv heads split and replicated, the per-step plans, and the failure watchdog.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from conveyor.engine.tp_workers import TPWorkerError
+from conveyor.protocol import EngineConfigError
+from conveyor.protocol.sampling import SamplingParams
+
+from test_awq_engine import AWQ_CONFIG, GROUP as AWQ_GROUP, rtn_awq, write_models as write_awq_models
+from test_w8a8_engine import write_models as write_w8a8_models
+from tiny_llama import engine, random_tensors, write_checkpoint
+
+PROMPTS = [[1, 5, 9, 17, 33, 2], [7] * 11, list(range(40, 75)), [100, 3]]
+
+
+def _trace(eng, prompts=PROMPTS, n=10, k=5, **params):
+    """Greedy tokens and each token's top-k logprobs, per request, all prompts batched."""
+    for i, p in enumerate(prompts):
+        eng.add_request(p, SamplingParams(max_new_tokens=n, temperature=0.0, logprobs=k, **params), request_id=f"r{i}")
+    tokens, top = {}, {}
+    while eng.has_work:
+        for o in eng.step():
+            if o.token is not None:
+                tokens.setdefault(o.request_id, []).append(o.token)
+                top.setdefault(o.request_id, []).append(dict(o.top_logprobs))
+    return tokens, top
+
+
+def _same(a, b, atol=2e-4) -> None:
+    """Identical greedy tokens, and the top-k logprobs of each step equal within fp32 tolerance."""
+    (tok_a, top_a), (tok_b, top_b) = a, b
+    assert tok_a == tok_b
+    for rid in top_a:
+        for step_a, step_b in zip(top_a[rid], top_b[rid]):
+            for tid in step_a.keys() & step_b.keys():
+                assert step_a[tid] == pytest.approx(step_b[tid], abs=atol)
+            assert len(step_a.keys() & step_b.keys()) >= len(step_a) - 1  # a near tie may swap the last
+
+
+def _run(path, tp, **kw):
+    eng = engine(path, tp=tp, **kw)
+    try:
+        return _trace(eng), eng.get_ppl([list(range(3, 60))])[0]
+    finally:
+        eng.close()
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    common, linears = random_tensors(torch.Generator().manual_seed(3))
+    tensors = dict(common)
+    tensors.update({f"{name}.weight": w for name, w in linears.items()})
+    return write_checkpoint(tmp_path_factory.mktemp("tp") / "dense", tensors)
+
+
+@pytest.mark.parametrize("tp", [2, 4])  # 4 > num_key_value_heads (2): each kv head on two ranks
+def test_tp_matches_tp1_logits_and_tokens(dense_dir, tp) -> None:
+    (ref, ref_ppl), (got, got_ppl) = _run(dense_dir, 1), _run(dense_dir, tp)
+    _same(ref, got)
+    assert got_ppl == pytest.approx(ref_ppl, rel=1e-5)
+
+
+def test_tp_with_prefix_cache_sessions_and_an_int8_cache(dense_dir) -> None:
+    def turns(tp):
+        eng = engine(dense_dir, tp=tp, enable_prefix_caching=True, quant_policy=8)
+        out = []
+        try:
+            for turn in ([5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15]):  # the second turn reads the first's cache
+                eng.add_request(turn, SamplingParams(max_new_tokens=6, temperature=0.0), session_id=1)
+                while eng.has_work:
+                    out += [o.token for o in eng.step() if o.token is not None]
+            out.append(_trace(eng, [PROMPTS[2], PROMPTS[2][:30]], n=4)[0])  # a prefix hit
+        finally:
+            eng.close()
+        return out
+
+    assert turns(2) == turns(1)
+
+
+def _awq_models(root, inter=128):
+    """An AWQ checkpoint whose MLP is ``inter`` wide, and the dense one of its dequantized weights."""
+    gen = torch.Generator().manual_seed(5)
+    common, linears = random_tensors(gen)
+    for i in range(2):
+        linears[f"model.layers.{i}.mlp.gate_proj"] = torch.randn(inter, 64, generator=gen) * 0.2
+        linears[f"model.layers.{i}.mlp.up_proj"] = torch.randn(inter, 64, generator=gen) * 0.2
+        linears[f"model.layers.{i}.mlp.down_proj"] = torch.randn(64, inter, generator=gen) * 0.2
+    awq, dense = dict(common), dict(common)
+    for prefix, weight in linears.items():
+        qweight, qzeros, scales, w = rtn_awq(weight, AWQ_GROUP)
+        awq.update({f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales})
+        dense[f"{prefix}.weight"] = w
+    return (write_checkpoint(root / "awq", awq, torch_dtype="float16", quantization_config=AWQ_CONFIG,
+                             intermediate_size=inter),
+            write_checkpoint(root / "dense", dense, intermediate_size=inter))
+
+
+def test_tp_on_an_awq_checkpoint(tmp_path) -> None:
+    awq_dir, dense_dir = _awq_models(tmp_path)
+    (ref, ref_ppl), (got, got_ppl) = _run(dense_dir, 1), _run(awq_dir, 2)  # the packed shards, dequantized
+    _same(ref, got)
+    assert got_ppl == pytest.approx(ref_ppl, rel=1e-4)
+
+
+def test_an_awq_split_off_group_boundaries_is_refused(tmp_path) -> None:
+    path, _ = write_awq_models(tmp_path)  # down_proj: 96 inputs / 2 ranks = 48, not whole groups of 32
+    with pytest.raises(EngineConfigError, match="group"):
+        engine(path, tp=2)
+
+
+def test_tp_on_a_w8a8_checkpoint(tmp_path) -> None:
+    path, _ = write_w8a8_models(tmp_path)
+    (ref, _), (got, _) = _run(path, 1), _run(path, 2)
+    # Each rank quantizes its own part of o_proj's and down_proj's inputs per token (with its
+    # own scale): not one rank's rounding, so the logprobs agree loosely.
+    _same(ref, got, atol=0.1)
+
+
+def test_a_model_the_ranks_cannot_split_is_refused_before_anything_starts(dense_dir) -> None:
+    with pytest.raises(EngineConfigError, match="num_attention_heads|tp=3"):
+        engine(dense_dir, tp=3)
+
+
+def test_a_frozen_rank_is_found_and_every_rank_stopped(dense_dir, monkeypatch) -> None:
+    monkeypatch.setenv("CONVEYOR_TP_HANG_S", "2")
+    eng = engine(dense_dir, tp=2)
+    try:
+        workers = eng.tp_workers
+        pid = workers.procs[0].pid
+        os.kill(pid, signal.SIGSTOP)  # alive but frozen: its heartbeat stops
+        deadline = time.monotonic() + 20
+        while workers.failure is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert workers.failure is not None and "heartbeat" in workers.failure
+        assert not any(p.is_alive() for p in workers.procs)  # killed, stopped or not
+        eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
+        with pytest.raises(TPWorkerError, match="heartbeat"):
+            eng.step()
+    finally:
+        eng.close()
