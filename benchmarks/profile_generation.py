@@ -103,6 +103,7 @@ def main() -> None:
     ap.add_argument("--max-batch-size", type=int, default=256)
     ap.add_argument("--cache-max-entry-count", type=cache_size, default=0.8)
     ap.add_argument("--quant-policy", type=int, default=0, choices=[0, 4, 8], help="KV cache: 0 (16-bit), 8 or 4 bits")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs the model is split over")
     ap.add_argument("--model-format", default=None, choices=[None, "hf", "awq", "smooth_quant"],
                     help="awq: the decoder linears as 4-bit AWQ weights (random, group size 128); "
                          "smooth_quant: as W8A8 int8 weights (random) with per-token int8 activations")
@@ -117,7 +118,7 @@ def main() -> None:
     t = time.perf_counter()
     engine = dummy_engine(args.model, args.dtype, max_batch_size=args.max_batch_size,
                           cache_max_entry_count=args.cache_max_entry_count, model_format=args.model_format,
-                          quant_policy=args.quant_policy)
+                          quant_policy=args.quant_policy, tp=args.tp)
     graphs = engine.runner.decode_graphs
     print(f"engine ready in {time.perf_counter() - t:.1f}s: {engine.runner.num_blocks} KV blocks of "
           f"{engine.config.block_size}, activations {engine.runner.activation_bytes / 2**30:.2f} GiB, "
@@ -135,10 +136,11 @@ def main() -> None:
             records.append(record(
                 engine="conveyor", model=args.model, precision=args.dtype, benchmark="profile_generation",
                 batch=batch, input_len=input_len, output_len=output_len, model_format=args.model_format or "hf",
-                quant_policy=args.quant_policy, kv_blocks=engine.runner.num_blocks,
+                quant_policy=args.quant_policy, tp=args.tp, kv_blocks=engine.runner.num_blocks,
                 kv_tokens=engine.runner.num_blocks * engine.config.block_size, cuda_graphs=bool(graphs and engine.runner.use_cuda_graphs), **r,
             ))
     path = save(records + baseline, args.name or f"profile_generation_{args.model}")
+    engine.close()  # tensor parallel: stops the other ranks
     print(f"saved {path}")
 
 

@@ -76,12 +76,13 @@ def main() -> None:
     ap.add_argument("--max-batch-size", type=int, default=256)
     ap.add_argument("--cache-max-entry-count", type=cache_size, default=0.8)
     ap.add_argument("--quant-policy", type=int, default=0, choices=[0, 4, 8], help="KV cache: 0 (16-bit), 8 or 4 bits")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs the model is split over")
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
 
     work = load_workload(args.dataset, args.num_prompts)
     engine = dummy_engine(args.model, args.dtype, max_batch_size=args.max_batch_size,
-                          cache_max_entry_count=args.cache_max_entry_count, quant_policy=args.quant_policy)
+                          cache_max_entry_count=args.cache_max_entry_count, quant_policy=args.quant_policy, tp=args.tp)
     vocab = engine.model_config.vocab_size
     print(f"engine ready: {engine.runner.num_blocks} KV blocks of {engine.config.block_size}", flush=True)
     warm_up(engine, vocab)
@@ -142,8 +143,9 @@ def main() -> None:
     for k, v in result.items():
         print(f"{k:>14}: {v:.3f}" if isinstance(v, float) else f"{k:>14}: {v}")
     rec = record(engine="conveyor", model=args.model, precision=args.dtype, benchmark="profile_throughput",
-                 batch=args.max_batch_size, quant_policy=args.quant_policy, dataset=args.dataset.name, **result)
+                 batch=args.max_batch_size, quant_policy=args.quant_policy, tp=args.tp, dataset=args.dataset.name, **result)
     path = save([rec], args.name or f"profile_throughput_{args.model}")
+    engine.close()  # tensor parallel: stops the other ranks
     print(f"saved {path}")
 
 

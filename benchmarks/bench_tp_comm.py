@@ -1,0 +1,180 @@
+"""Tensor parallel's communication costs: the all-reduce at decode sizes, and the step plan.
+
+    python -m benchmarks.bench_tp_comm [--world N] [--hidden 4096]
+
+* All-reduce (GPU, one process per GPU, ``--world`` of them, default all visible): the latency of
+  one all-reduce of ``[batch, hidden]`` fp16 for decode batches 1..256, through
+  ``torch.distributed`` (NCCL) eagerly and replayed inside a CUDA graph (100 captured back to
+  back, the way the decode graphs hold them), and through cupy's NCCL bindings eagerly. The
+  engine uses ``torch.distributed``: it is what the CUDA graphs capture with no glue.
+* Step plan (CPU): what rank 0 pays per step to hand a decode plan of ``batch`` sequences to
+  another rank: msgpack encode + ZeroMQ ipc send + receive + decode, measured as half a
+  ping-pong round trip between two processes.
+
+Prints a table and saves one record per case (``bench_tp_comm_w<world>``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+BATCHES = (1, 8, 32, 64, 128, 256)
+
+
+def _time_us(fn, iters: int) -> float:
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
+
+
+def _allreduce_rank(rank: int, world: int, port: int, hidden: int, queue) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, device_id=dev)
+    rows = []
+    try:
+        from cupy.cuda import nccl
+
+        uid = nccl.get_unique_id() if rank == 0 else None
+        box = [uid]
+        dist.broadcast_object_list(box, src=0)
+        comm = nccl.NcclCommunicator(world, box[0], rank)
+    except Exception as exc:  # noqa: BLE001 - cupy's NCCL is optional here
+        comm = None
+        if rank == 0:
+            print(f"cupy NCCL unavailable: {exc}")
+    for batch in BATCHES:
+        x = torch.randn(batch, hidden, dtype=torch.float16, device=dev)
+        for _ in range(20):
+            dist.all_reduce(x)
+        eager = _time_us(lambda: dist.all_reduce(x), 200)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            dist.all_reduce(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            for _ in range(100):
+                dist.all_reduce(x)
+        graph.replay()
+        in_graph = _time_us(graph.replay, 10) / 100
+        cupy_us = None
+        if comm is not None:
+            s = torch.cuda.current_stream().cuda_stream
+
+            def cupy_allreduce():
+                comm.allReduce(x.data_ptr(), x.data_ptr(), x.numel(), nccl.NCCL_FLOAT16, nccl.NCCL_SUM, s)
+
+            for _ in range(20):
+                cupy_allreduce()
+            cupy_us = _time_us(cupy_allreduce, 200)
+        rows.append(dict(batch=batch, bytes=x.numel() * 2, torch_eager_us=eager, torch_graph_us=in_graph,
+                         cupy_eager_us=cupy_us))
+    if rank == 0:
+        queue.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _plan_echo(address: str) -> None:
+    import zmq
+
+    from conveyor.protocol.codec import Codec
+    from conveyor.protocol.tp import RankIn
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.connect(address)
+    codec = Codec(RankIn)
+    while True:
+        plan = codec.recv(sock)
+        sock.send(b"")
+        if plan.kind == 3:
+            break
+
+
+def plan_cost_us(batch: int, iters: int = 2000) -> float:
+    """Half a round trip: encode a decode plan of ``batch`` sequences, send it over ipc, the other
+    process decodes it and answers with an empty frame."""
+    import zmq
+
+    from conveyor.protocol.codec import Codec
+    from conveyor.protocol.tp import RankIn, StepKind, StepPlan
+
+    path = tempfile.mkdtemp(prefix="conveyor-plan-")
+    address = f"ipc://{path}/plan"
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.bind(address)
+    echo = mp.get_context("spawn").Process(target=_plan_echo, args=(address,), daemon=True)
+    echo.start()
+    codec = Codec(RankIn)
+    tables = [list(range(i * 40, i * 40 + 16)) for i in range(batch)]  # ~1k-token contexts, 64-token blocks
+    plan = StepPlan(StepKind.GRAPH, input_ids=list(range(batch)), positions=[1000 + i for i in range(batch)],
+                    block_tables=tables, pending=[(i, i) for i in range(batch)], logit_rows=list(range(batch)),
+                    num_sampled=batch)
+    times = []
+    for i in range(iters):
+        t = time.perf_counter()
+        codec.send(sock, plan)
+        sock.recv()
+        times.append(time.perf_counter() - t)
+    codec.send(sock, StepPlan(StepKind.STOP))
+    sock.recv()
+    echo.join(5)
+    sock.close(linger=0)
+    ctx.term()
+    return statistics.median(times[iters // 10:]) * 1e6 / 2
+
+
+def main() -> None:
+    from benchmarks.common import record, save
+    from conveyor.engine.tp_workers import free_port
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=None, help="GPUs (default: all visible; 0: skip the all-reduce)")
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--name", default=None)
+    args = ap.parse_args()
+    world = args.world if args.world is not None else torch.cuda.device_count()
+    records = []
+    for batch in BATCHES:
+        us = plan_cost_us(batch)
+        print(f"step plan, batch {batch:4d}: {us:7.1f} us (encode + ipc + decode, one way)")
+        records.append(record(benchmark="tp_step_plan", batch=batch, latency_us=us, tp=world or 1))
+    if world:
+        queue = mp.get_context("spawn").SimpleQueue()
+        port = free_port()
+        procs = [mp.get_context("spawn").Process(target=_allreduce_rank, args=(r, world, port, args.hidden, queue))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        rows = queue.get()
+        for p in procs:
+            p.join(120)
+        print(f"all-reduce over {world} GPU(s), [batch, {args.hidden}] fp16: torch eager / torch in a CUDA graph / cupy eager (us)")
+        for row in rows:
+            print(f"  batch {row['batch']:4d} ({row['bytes'] / 1024:7.1f} KiB): {row['torch_eager_us']:7.1f} "
+                  f"{row['torch_graph_us']:7.1f} {row['cupy_eager_us'] if row['cupy_eager_us'] is None else round(row['cupy_eager_us'], 1)}")
+            records.append(record(benchmark="tp_allreduce", tp=world, model_format="hf", **row))
+    save(records, args.name or f"bench_tp_comm_w{world}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # the device notes: leave NVLink multicast off
+    main()
