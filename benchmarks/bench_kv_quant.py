@@ -11,7 +11,8 @@ scales of a block contiguous). Prints µs and the effective read bandwidth of th
 
 ``--variants`` times launch variants of the quantized decode kernel instead, each
 ``label=tune,block_n,num_warps,num_stages,maxnreg`` (``paged_attention_triton``'s keywords; a
-missing or 0 field keeps the default; tune is the kernel's TUNE bits), timed back to back (the
+missing or 0 field keeps the default, ``label=`` is the default launch; tune is the kernel's TUNE
+bits), timed back to back (the
 kernel's own time) and one call at a time (``eager``, as the policy rows). ``--before`` adds the
 kernel of an older checkout copied to ``kernels/_attention_before.py`` (not committed), ``--check``
 compares each variant's output with the torch reference on the first sequences, and
@@ -37,8 +38,9 @@ def parse_variant(spec: str) -> tuple[str, dict[str, int]]:
     label, _, fields = spec.partition("=")
     if fields == "before":
         return label, {"before": 1}
-    values = [int(v) if v else 0 for v in fields.split(",")]
-    return label, {k: v for k, v in zip(_VARIANT_KEYS, values) if v or k == "tune"}
+    values = fields.split(",") if fields else []
+    # An empty field keeps the launcher's default; so does 0, except for tune (0: no TUNE bit).
+    return label, {k: int(v) for k, v in zip(_VARIANT_KEYS, values) if v and (int(v) or k == "tune")}
 
 
 def back_to_back_us(call, calls: int = 20, repeats: int = 5) -> float:

@@ -107,8 +107,14 @@ DECODE_PARTITION = 512  # used under the interpreter (no GPU to fill)
 _MIN_DECODE_PARTITION = 128
 _MAX_DECODE_PARTITION = 1024
 _LOG2E = 1.4426950408889634
-_DECODE_TUNE = 52  # TUNE bits of the quantized decode kernel (below)
-_DECODE_MAXNREG = 128  # registers a thread of the quantized decode kernel may use
+# The quantized decode kernel's TUNE bits (below) and register cap, chosen on an H200 (Llama-2-7B
+# layer shapes, batch 256 x 1k keys, bench_kv_quant --variants, kernel time; int8 / int4 us):
+# the codes converted in registers by PTX, everything else as before: 1210 / 1129; capped at 128
+# registers (4 programs an SM instead of 3, or 2 for int4; the spills stay out of the loop):
+# 1005 / 864; the key codes' conversion after the shared-memory round trip (only the values are
+# staged as fp16 for the transposed operand), which needs that cap: 816 / 747.
+_DECODE_TUNE = 53
+_DECODE_MAXNREG = 128
 
 
 @jit
@@ -286,12 +292,13 @@ fma.rn.bf16x2 $1, $1, one, o;
 fma.rn.bf16x2 $2, $2, one, o;
 fma.rn.bf16x2 $3, $3, one, o;
 }""")
-# Bits of the decode kernel's TUNE (variants measured on the H200, bench_kv_quant --variants).
-TUNE_K_HOIST = 1  # key codes: Triton may move their conversion after the shared-memory round trip
-TUNE_V_HOIST = 2  # value codes: likewise
+# Bits of the quantized decode kernel's TUNE: variants it can be compiled in, all computing the
+# same attention (tested), timed with bench_kv_quant --variants; _DECODE_TUNE is the chosen set.
+TUNE_K_HOIST = 1  # key codes (PTX): Triton may convert them after their shared-memory round trip
+TUNE_V_HOIST = 2  # value codes: likewise (slow: the value operand is transposed, read bytewise)
 TUNE_FOLD = 4  # fp16: codes read as 1024 + c, the 1024 folded into the softmax terms
-TUNE_SCALE_AHEAD = 8  # each tile's scales loaded one tile ahead
-TUNE_PAIR = 16  # (scale, zero) read as one 32-bit word
+TUNE_SCALE_AHEAD = 8  # each tile's scales loaded one tile ahead by hand
+TUNE_PAIR = 16  # (scale, zero) read as one 32-bit word (PTX; Triton then pipelines those loads)
 TUNE_LAZY = 32  # row sums kept per key column, summed once at the end
 
 
@@ -941,8 +948,6 @@ def paged_attention_triton(
             tn &= ~TUNE_PAIR  # a (scale, zero) pair must be one aligned 32-bit word
         extra = {"num_stages": num_stages} if num_stages else {}
         if maxnreg or bits:
-            # H200, batch 256 x 1k keys: ~170 registers left 3 programs an SM (int4: 2); capped at
-            # 128 (spills outside the loop only), 4 fit: int8 1202 -> 1071 us, int4 1315 -> 967 us.
             extra["maxnreg"] = maxnreg or _DECODE_MAXNREG
         _decode_kernel[(num_parts, num_kv_heads, num_seqs)](
             q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, seqlens_k, out, part_out, part_lse,
