@@ -103,3 +103,32 @@ if [ "$STAGE" = kvq ]; then
       --quant-policy "$p" --max-batch-size "$b" --name "kvq_sharegpt_p${p}_b${b}"
   done
 fi
+
+# STAGE "tp BEFORE_DIR": tensor parallel (issue 13) on the GPUs of this machine. Unless SKIP_TESTS:
+#   the tensor-parallel tests (on one GPU: the NCCL path at world size 1 inside the decode graphs).
+#   bench_tp_comm (all-reduce at decode sizes over every visible GPU, and the step plan's cost).
+#   Then tp=1 generation (batch 1 and 64, 128/512) of the tree in BEFORE_DIR (the commit before
+#   tensor parallel), of this tree, and of this tree with CONVEYOR_TP_INIT=1 (a world-size-1 NCCL
+#   group: every collective runs), alternating, names tp1_{before,after,nccl1}[2]. With TP_SIZES
+#   (e.g. "2"): the same generation at those tp sizes, tp<N>_gen.
+if [ "$STAGE" = tp ]; then
+  [ -n "${SKIP_TESTS:-}" ] || pytest_here 200 tests/unit/test_tensor_parallel.py
+  timeout 150 python3 -m benchmarks.bench_tp_comm
+  GEN="benchmarks.profile_generation --model llama2-7b -b 1 -b 64 -c 128:512"
+  if [ -n "${2:-}" ]; then
+    BEFORE=$(cd "$2" && pwd)
+    rm -rf /tmp/pkg_before && mkdir -p /tmp/pkg_before/conveyor && cp -r "$BEFORE"/conveyor/* /tmp/pkg_before/conveyor/
+    for d in engine kernels protocol services; do ln -sfn "$BEFORE/$d" "/tmp/pkg_before/conveyor/$d"; done
+    ln -sfn "$BEFORE/benchmarks" /tmp/pkg_before/benchmarks
+    before() { (cd /tmp/pkg_before && CONVEYOR_COMMIT=${BEFORE_COMMIT:-before} PYTHONPATH=/tmp/pkg_before:/tmp/site \
+                 timeout 150 python3 -m $GEN --name "$1"); }
+    before tp1_before
+    timeout 150 python3 -m $GEN --name tp1_after
+    CONVEYOR_TP_INIT=1 timeout 150 python3 -m $GEN --name tp1_nccl1
+    timeout 150 python3 -m $GEN --name tp1_after2
+    before tp1_before2
+  fi
+  for n in ${TP_SIZES:-}; do
+    timeout 300 python3 -m $GEN --tp "$n" --name "tp${n}_gen"
+  done
+fi

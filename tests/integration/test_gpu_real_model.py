@@ -172,22 +172,3 @@ def test_mixed_batch_split_matches_one_kernel() -> None:
             set_attention_metadata(None)
     torch.testing.assert_close(outs[0], outs[1], atol=2e-3, rtol=2e-3)
 
-
-@pytest.mark.gpu
-def test_the_nccl_path_at_world_size_1_runs_inside_the_decode_graphs(gpu_engine, prompt_ids, monkeypatch) -> None:
-    """Tensor parallel's collectives (NCCL all-reduces in every layer, the LM head's all-gather,
-    the sampled ids' broadcast) captured in the CUDA graphs and replayed: the same tokens as
-    the engine without a process group."""
-    import torch.distributed as dist
-
-    from conveyor.engine.distributed import tp_group
-
-    monkeypatch.setenv("CONVEYOR_TP_INIT", "1")
-    engine = LLMEngine(gpu_engine.model_path, gpu_engine.config)
-    try:
-        assert tp_group().active and dist.get_backend() == "nccl"
-        assert engine.runner.decode_graphs is not None and engine.runner.decode_graphs.captured
-        assert generate(engine, prompt_ids) == generate(gpu_engine, prompt_ids)
-    finally:
-        engine.close()
-    assert not tp_group().active

@@ -151,3 +151,40 @@ def test_a_frozen_rank_is_found_and_every_rank_stopped(dense_dir, monkeypatch) -
             eng.step()
     finally:
         eng.close()
+
+
+@pytest.mark.gpu
+def test_the_nccl_path_at_world_size_1_runs_inside_the_decode_graphs(dense_dir, monkeypatch) -> None:
+    """Tensor parallel's collectives (an NCCL all-reduce in every row-parallel layer and the
+    embedding, the LM head's all-gather, the sampled ids' broadcast) captured in the decode CUDA
+    graphs and replayed: the same tokens and logprobs as the engine without a process group."""
+    import torch.distributed as dist
+
+    from conveyor.engine.config import EngineConfig
+    from conveyor.engine.distributed import tp_group
+    from conveyor.engine.llm_engine import LLMEngine
+
+    def gpu_engine():
+        return LLMEngine(dense_dir, EngineConfig(device="cuda", dtype="float16", cache_max_entry_count=64,
+                                                 block_size=16, max_batch_size=8))
+
+    plain = gpu_engine()
+    try:
+        assert not tp_group().active and plain.runner.decode_graphs.captured
+        ref = _trace(plain)
+    finally:
+        plain.close()
+    monkeypatch.setenv("CONVEYOR_TP_INIT", "1")
+    eng = gpu_engine()
+    try:
+        assert tp_group().active and dist.get_backend() == "nccl"
+        assert eng.runner.decode_graphs.captured and eng.runner.use_cuda_graphs
+        replays = []
+        eng.runner.step_hooks.append(type("Hook", (), {"begin": lambda self, graph: replays.append(graph),
+                                                        "end": lambda self: None})())
+        got = _trace(eng)
+        assert sum(replays) > 0  # decode steps replayed the graphs
+    finally:
+        eng.close()
+    assert not tp_group().active
+    _same(ref, got, atol=1e-3)
