@@ -74,7 +74,7 @@ class TPWorkers:
         self._plans: list[zmq.Socket] = []
         self.procs: list[mp.Process] = []
         self._ready: set[int] = set()
-        self._beats: dict[int, float] = {}
+        self._beats: dict[int, float] = {}  # last heartbeat per rank (none yet: still importing)
         self._closing = False
         level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         spawn = mp.get_context("spawn")
@@ -90,7 +90,6 @@ class TPWorkers:
                                        str(model_path), config, level))
             proc.start()
             self.procs.append(proc)
-            self._beats[rank] = time.monotonic()
             logger.info("started tensor-parallel rank %d (pid %d)", rank, proc.pid)
         self._watch_stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
@@ -137,8 +136,10 @@ class TPWorkers:
                 if not proc.is_alive():
                     self._fail(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
                     break
-                if now - self._beats[rank] > self.hang_timeout:
-                    self._fail(f"rank {rank} (pid {proc.pid}) sent no heartbeat for {now - self._beats[rank]:.0f}s")
+                # Silence counts only after a first beat: starting (imports, CUDA) takes seconds.
+                last = self._beats.get(rank)
+                if last is not None and now - last > self.hang_timeout:
+                    self._fail(f"rank {rank} (pid {proc.pid}) sent no heartbeat for {now - last:.0f}s")
                     break
 
     def _fail(self, why: str) -> None:

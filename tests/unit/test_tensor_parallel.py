@@ -134,11 +134,11 @@ def test_a_model_the_ranks_cannot_split_is_refused_before_anything_starts(dense_
         engine(dense_dir, tp=3)
 
 
-def test_a_frozen_rank_is_found_and_every_rank_stopped(dense_dir, monkeypatch) -> None:
-    monkeypatch.setenv("CONVEYOR_TP_HANG_S", "2")
+def test_a_frozen_rank_is_found_and_every_rank_stopped(dense_dir) -> None:
     eng = engine(dense_dir, tp=2)
     try:
         workers = eng.tp_workers
+        workers.hang_timeout = 2.0  # (CONVEYOR_TP_HANG_S; 30 s by default)
         pid = workers.procs[0].pid
         os.kill(pid, signal.SIGSTOP)  # alive but frozen: its heartbeat stops
         deadline = time.monotonic() + 20
