@@ -39,6 +39,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0,
         "max_position_embeddings": 8192, "bos_token_id": 128000, "eos_token_id": 128001,
     },
+    # meta-llama/Llama-2-70b-hf: 138 GB of fp16 weights, more than one H200 holds (tensor parallel)
+    "llama2-70b": {
+        **_LLAMA_COMMON,
+        "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "intermediate_size": 28672, "vocab_size": 32000, "rope_theta": 10000.0,
+        "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2,
+    },
     # A toy of the same family, for smoke-testing the benchmarks on a CPU.
     "tiny": {
         **_LLAMA_COMMON,
