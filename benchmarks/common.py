@@ -55,9 +55,11 @@ def record(**fields: Any) -> dict[str, Any]:
 
 
 def results_subdir() -> str:
-    """results/<this>: the GPU's short name (h200, h100, ...) or "cpu"."""
+    """results/<this>: the GPU's short name (h200, h100, ...), with xN on a machine of N GPUs, or "cpu"."""
     name = gpu_name().lower()
-    return next((g for g in ("h200", "h100", "a100") if g in name), "cpu" if name == "cpu" else "other")
+    kind = next((g for g in ("h200", "h100", "a100") if g in name), "cpu" if name == "cpu" else "other")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return f"{kind}x{count}" if count > 1 else kind  # a 2-GPU machine's runs: h200x2
 
 
 def save(records: list[dict[str, Any]], name: str, subdir: str | None = None) -> Path:

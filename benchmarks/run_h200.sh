@@ -9,6 +9,7 @@
 # STAGE "ab BEFORE_DIR": batch-1 decode and the ShareGPT-shaped workload for the tree in
 #   BEFORE_DIR (an older commit, run the way that commit's own run_h100.sh ran it) and for this
 #   tree, alternating, in one call: a before/after comparison free of machine-to-machine spread.
+# STAGE "tp BEFORE_DIR" / "tp2": tensor parallel (see their blocks below).
 # STAGE "bench": this tree's Llama-2-7B grid and ShareGPT run.
 # STAGE "quant": the W4A16/W8A8 kernel tests and microbenchmarks, then Llama-2-7B fp16 and AWQ
 #   (random 4-bit weights), W8A8 (random int8 weights) generation in the same call, fp16 first and last.
@@ -131,4 +132,29 @@ if [ "$STAGE" = tp ]; then
   for n in ${TP_SIZES:-}; do
     timeout 300 python3 -m $GEN --tp "$n" --name "tp${n}_gen"
   done
+fi
+
+# STAGE "tp2": issue 15 on a machine of two GPUs (kind nvidia-h200-x2); records land in
+#   benchmarks/results/h200x2/. Correctness (a Llama-2-7B-shape checkpoint cut to 4 layers,
+#   tp=2 against tp=1 on the same weights), the tensor-parallel tests, the all-reduce across
+#   both GPUs, then Llama-2-7B generation at tp=1 and tp=2 alternating (batch 1 128/512, batch
+#   64 128/128), the ShareGPT-shaped workload at tp=2, and Llama-2-70B (does not fit one GPU) at
+#   tp=2. Each part can be skipped: SKIP_CHECK, SKIP_TESTS, SKIP_GEN, SKIP_SHAREGPT, SKIP_70B.
+if [ "$STAGE" = tp2 ]; then
+  export NCCL_NVLS_ENABLE=0  # the device notes: NVLink multicast stays off
+  [ -n "${SKIP_CHECK:-}" ] || timeout 300 python3 -m benchmarks.tp_correctness --model llama2-7b --layers 4 --tp 2
+  [ -n "${SKIP_TESTS:-}" ] || pytest_here 200 tests/unit/test_tensor_parallel.py
+  timeout 150 python3 -m benchmarks.bench_tp_comm --world 2
+  if [ -z "${SKIP_GEN:-}" ]; then
+    G1="benchmarks.profile_generation --model llama2-7b -b 1 -c 128:512"
+    G64="benchmarks.profile_generation --model llama2-7b -b 64 -c 128:128"
+    for tp in 1 2 2 1; do
+      n=$([ -f "$BENCH_OUT/tp${tp}_b1.json" ] && echo 2 || echo "")
+      timeout 200 python3 -m $G1 --tp $tp --name "tp${tp}_b1${n}"
+      timeout 200 python3 -m $G64 --tp $tp --name "tp${tp}_b64${n}"
+    done
+  fi
+  [ -n "${SKIP_SHAREGPT:-}" ] || timeout 400 python3 -m benchmarks.profile_throughput --model llama2-7b --tp 2 --name tp2_sharegpt
+  [ -n "${SKIP_70B:-}" ] || timeout 580 python3 -m benchmarks.profile_generation --model llama2-70b --tp 2 \
+    -b 1 -b 64 -c 128:512 -c 128:128 --name tp2_llama2_70b
 fi
