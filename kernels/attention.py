@@ -883,7 +883,8 @@ def paged_attention_triton(
     ``num_warps`` / ``num_stages`` the launch of whichever kernel runs (for tuning). A quantized
     cache comes with ``k_scales`` / ``v_scales`` (``paged_attention_ref``); the decode kernel turns
     its codes into fp16/bf16 with inline PTX unless ``fast_codes=False`` (or the interpreter runs,
-    or q is fp32), which selects the portable conversion (both are tested).
+    or q is fp32), which selects the portable conversion (both are tested). ``tune`` (TUNE_* bits)
+    and ``maxnreg`` override the quantized decode kernel's variant and register cap (for tuning).
     """
     problem = _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, k_scales, v_scales)
     assert problem is None, problem
