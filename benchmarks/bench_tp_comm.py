@@ -9,7 +9,9 @@
   engine uses ``torch.distributed``: it is what the CUDA graphs capture with no glue.
 * Step plan (CPU): what rank 0 pays per step to hand a decode plan of ``batch`` sequences to
   another rank: msgpack encode + ZeroMQ ipc send + receive + decode, measured as half a
-  ping-pong round trip between two processes.
+  ping-pong round trip between two processes; against the same bytes sent by a gloo broadcast
+  (length, then payload: two collectives). An NCCL broadcast is not a candidate: the rank would
+  have to copy the plan back to the host, a sync that stalls it until its GPU drains.
 
 Prints a table and saves one record per case (``bench_tp_comm_w<world>``).
 """
@@ -142,6 +144,54 @@ def plan_cost_us(batch: int, iters: int = 2000) -> float:
     return statistics.median(times[iters // 10:]) * 1e6 / 2
 
 
+def _gloo_echo(rank: int, port: int, rounds: int) -> None:
+    import torch.distributed as dist
+
+    from conveyor.protocol.codec import Codec
+    from conveyor.protocol.tp import RankIn
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    codec = Codec(RankIn)
+    size = torch.zeros(1, dtype=torch.int64)
+    for _ in range(rounds):
+        dist.broadcast(size, 0)
+        payload = torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(payload, 0)
+        codec.decode(payload.numpy().tobytes())
+        dist.broadcast(size, 1)  # the answer, as the ipc ping-pong's empty frame
+    dist.destroy_process_group()
+
+
+def gloo_plan_cost_us(batch: int, iters: int = 1000) -> float:
+    """The same plan as ``plan_cost_us`` sent by gloo broadcasts (size, payload), half a round trip."""
+    import torch.distributed as dist
+
+    from conveyor.engine.tp_workers import free_port
+    from conveyor.protocol.codec import Codec
+    from conveyor.protocol.tp import RankIn, StepKind, StepPlan
+
+    port = free_port()
+    peer = mp.get_context("spawn").Process(target=_gloo_echo, args=(1, port, iters), daemon=True)
+    peer.start()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+    codec = Codec(RankIn)
+    tables = [list(range(i * 40, i * 40 + 16)) for i in range(batch)]
+    plan = StepPlan(StepKind.GRAPH, input_ids=list(range(batch)), positions=[1000 + i for i in range(batch)],
+                    block_tables=tables, pending=[(i, i) for i in range(batch)], logit_rows=list(range(batch)),
+                    num_sampled=batch)
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        data = torch.frombuffer(bytearray(codec.encode(plan)), dtype=torch.uint8)
+        dist.broadcast(torch.tensor([data.numel()], dtype=torch.int64), 0)
+        dist.broadcast(data, 0)
+        dist.broadcast(torch.zeros(1, dtype=torch.int64), 1)
+        times.append(time.perf_counter() - t)
+    dist.destroy_process_group()
+    peer.join(10)
+    return statistics.median(times[iters // 10:]) * 1e6 / 2
+
+
 def main() -> None:
     from benchmarks.common import record, save
     from conveyor.engine.tp_workers import free_port
@@ -154,9 +204,11 @@ def main() -> None:
     world = args.world if args.world is not None else torch.cuda.device_count()
     records = []
     for batch in BATCHES:
-        us = plan_cost_us(batch)
-        print(f"step plan, batch {batch:4d}: {us:7.1f} us (encode + ipc + decode, one way)")
-        records.append(record(benchmark="tp_step_plan", batch=batch, latency_us=us, tp=world or 1))
+        us, gloo_us = plan_cost_us(batch), gloo_plan_cost_us(batch)
+        print(f"step plan, batch {batch:4d}: ZeroMQ ipc {us:7.1f} us, gloo broadcast {gloo_us:7.1f} us "
+              "(encode + send + decode, one way)")
+        records.append(record(benchmark="tp_step_plan", batch=batch, latency_us=us, gloo_latency_us=gloo_us,
+                              tp=world or 1))
     if world:
         queue = mp.get_context("spawn").SimpleQueue()
         port = free_port()
