@@ -1,4 +1,11 @@
-"""The ``conveyor`` command line: ``list``, ``chat`` (in-process), ``serve api_server`` and ``serve api_client``."""
+"""The ``conveyor`` command line: ``list``, ``check_env``, ``chat`` (in-process), ``serve api_server``,
+``serve api_client``, ``lite``.
+
+LMDeploy's commands run after changing the program name: every ``--long-option`` is accepted in
+both spellings (``--server-port`` / ``--server_port``, as LMDeploy's docs use both), ``--backend
+turbomind|pytorch`` is accepted (conveyor has one engine, which both names select), and ``chat``
+takes the engine flags ``serve api_server`` takes.
+"""
 
 from __future__ import annotations
 
@@ -11,22 +18,57 @@ from conveyor.services.tokenizer.chat_template import list_chat_templates
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    """Print the built-in chat template names, one per line."""
+    """Print the built-in chat template names, then the model families (architectures) the engine runs."""
+    from conveyor.engine.models import SUPPORTED_ARCHITECTURES
+
+    print("chat templates:")
     for name in list_chat_templates():
-        print(name)
+        print(f"  {name}")
+    print("model families (config.json architectures):")
+    for name in sorted(SUPPORTED_ARCHITECTURES):
+        print(f"  {name}")
+    return 0
+
+
+def _cmd_check_env(args: argparse.Namespace) -> int:
+    """Print what conveyor runs on: Python, platform, the packages it needs, the GPUs and NCCL."""
+    import importlib.metadata as md
+    import platform
+
+    def version(pkg: str) -> str:
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return "not installed"
+
+    rows = [("python", sys.version.split()[0]), ("platform", platform.platform()),
+            ("conveyor", version("conveyor"))]
+    rows += [(pkg, version(pkg)) for pkg in ("torch", "triton", "transformers", "safetensors", "pyzmq", "msgspec",
+                                              "fastapi", "uvicorn", "uvloop", "cupy-cuda12x", "gguf")]
+    import torch
+
+    cuda = torch.cuda.is_available()
+    rows.append(("CUDA", f"{torch.version.cuda} ({torch.cuda.device_count()} GPU(s))" if cuda else "not available"))
+    for i in range(torch.cuda.device_count() if cuda else 0):
+        props = torch.cuda.get_device_properties(i)
+        rows.append((f"GPU {i}", f"{props.name}, {props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}"))
+    nccl = torch.cuda.nccl.version() if cuda and torch.distributed.is_nccl_available() else None
+    rows.append(("NCCL", ".".join(map(str, nccl)) if nccl else "not available (tensor parallel runs gloo on the CPU)"))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
     return 0
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
     """Multi-turn chat in the terminal; the session's history stays in the engine's KV cache."""
-    from conveyor import EngineConfig, GenerationConfig, pipeline
+    from conveyor import GenerationConfig, pipeline
     from conveyor.default_model import fetch
     from conveyor.services.tokenizer.chat_template import ChatTemplateConfig
 
     model = args.model or str(fetch())
-    config = EngineConfig(session_len=args.session_len, cache_max_entry_count=args.cache_max_entry_count,
-                          enable_prefix_caching=True, device=args.device, quant_policy=args.quant_policy,
-                          tp=args.tp)
+    config = _engine_config(args)
+    config.enable_prefix_caching = True  # a session's turns reuse its cached history
     template = ChatTemplateConfig(model_name=args.chat_template) if args.chat_template else None
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, top_k=args.top_k, top_p=args.top_p,
                            temperature=args.temperature)
@@ -180,6 +222,28 @@ def _cmd_api_client(args: argparse.Namespace) -> int:
                          request_output_len=args.request_output_len)
 
 
+def _engine_options(s: argparse.ArgumentParser, cache_default: float = 0.8) -> None:
+    """The engine's flags (``_engine_config``), shared by ``serve api_server``, ``serve stage`` and ``chat``."""
+    e = s.add_argument_group("engine")
+    e.add_argument("--backend", choices=["turbomind", "pytorch"], default=None,
+                   help="accepted for LMDeploy's commands: conveyor has one engine, which both names select")
+    e.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs (processes) the model is split over")
+    e.add_argument("--session-len", type=int, default=None)
+    e.add_argument("--max-batch-size", type=int, default=128)
+    e.add_argument("--cache-max-entry-count", type=float, default=cache_default,
+                   help="KV cache: fraction of free memory (<=1) or number of blocks (>1)")
+    e.add_argument("--cache-block-seq-len", type=int, default=64)
+    e.add_argument("--enable-prefix-caching", action="store_true")
+    e.add_argument("--max-prefill-token-num", type=int, default=8192)
+    e.add_argument("--quant-policy", type=int, default=0, help="KV cache: 0 (16-bit), 8 (int8) or 4 (int4)")
+    e.add_argument("--model-format", default=None)
+    e.add_argument("--dtype", default="auto")
+    e.add_argument("--device", default="auto")
+    e.add_argument("--session-idle-timeout", type=float, default=600.0,
+                   help="seconds an interactive session may sit idle before its KV cache is freed "
+                        "(its history is kept and recomputed on the next turn; 0: never)")
+
+
 def _server_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("model", nargs="?", default=None,
                    help="model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
@@ -191,24 +255,13 @@ def _server_options(s: argparse.ArgumentParser) -> None:
                    help=f"a file of accepted API keys, one a line (also ${API_KEYS_ENV}, comma-separated): "
                         "unlike --api-keys, not visible in ps")
     s.add_argument("--model-name", default=None, help="the name /v1/models reports (default: the folder name)")
-    s.add_argument("--session-len", type=int, default=None)
-    s.add_argument("--max-batch-size", type=int, default=128)
-    s.add_argument("--cache-max-entry-count", type=float, default=0.8,
-                   help="KV cache: fraction of free memory (<=1) or number of blocks (>1)")
-    s.add_argument("--cache-block-seq-len", type=int, default=64)
-    s.add_argument("--enable-prefix-caching", action="store_true")
-    s.add_argument("--max-prefill-token-num", type=int, default=8192)
-    s.add_argument("--quant-policy", type=int, default=0, help="KV cache: 0 (16-bit), 8 (int8) or 4 (int4)")
     s.add_argument("--chat-template", default=None, help="a built-in template name (see conveyor list)")
-    s.add_argument("--model-format", default=None)
-    s.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs (processes) the model is split over")
-    s.add_argument("--dtype", default="auto")
-    s.add_argument("--device", default="auto")
     s.add_argument("--log-level", default="INFO")
     s.add_argument("--max-restarts", type=int, default=5,
                    help="restarts of one stage within a minute; one more and the server exits 1 (for systemd/compose)")
     s.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds requests in flight may run before the server stops (new ones get 503)")
+    _engine_options(s)
     lim = s.add_argument_group("limits", "what one client may ask of the server (README: Limits)")
     lim.add_argument("--max-prompt-chars", type=int, default=None,
                      help="characters of a request's prompts, checked before tokenizing (default: 32 x session_len)")
@@ -225,9 +278,6 @@ def _server_options(s: argparse.ArgumentParser) -> None:
                      help="seconds a client may take to send its request body before it gets 408")
     lim.add_argument("--max-connections", type=int, default=4096,
                      help="open connections and requests; past it new requests get 503")
-    s.add_argument("--session-idle-timeout", type=float, default=600.0,
-                   help="seconds an interactive session may sit idle before its KV cache is freed "
-                        "(its history is kept and recomputed on the next turn; 0: never)")
     s.add_argument("--engine-factory", default=None, metavar="MODULE:CALLABLE",
                    help="build the engine with this callable (model path, EngineConfig) instead of the GPU "
                         "engine; e.g. benchmarks.fake_engine:build, a model-free engine for stack tests")
@@ -262,30 +312,44 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser; each subcommand sets ``func`` to its handler (args -> exit code)."""
     parser = argparse.ArgumentParser(prog="conveyor", description="Serve large language models.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    p_list = sub.add_parser("list", help="list the built-in chat template names")
+    p_list = sub.add_parser("list", help="list the built-in chat templates and the model families")
     p_list.set_defaults(func=_cmd_list)
+    p_env = sub.add_parser("check_env", help="print the environment: Python, packages, GPUs, NCCL")
+    p_env.set_defaults(func=_cmd_check_env)
     p_chat = sub.add_parser("chat", help="chat with a model in the terminal (in-process engine)")
     p_chat.add_argument("model", nargs="?", default=None,
                         help="model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
-    p_chat.add_argument("--session-len", type=int, default=None)
-    p_chat.add_argument("--cache-max-entry-count", type=float, default=0.2)
     p_chat.add_argument("--chat-template", default=None, help="a built-in template name (see conveyor list)")
     p_chat.add_argument("--max-new-tokens", type=int, default=512)
     p_chat.add_argument("--temperature", type=float, default=0.8)
     p_chat.add_argument("--top-k", type=int, default=40)
     p_chat.add_argument("--top-p", type=float, default=0.8)
-    p_chat.add_argument("--device", default="auto")
-    p_chat.add_argument("--quant-policy", type=int, default=0, help="KV cache: 0 (16-bit), 8 (int8) or 4 (int4)")
-    p_chat.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs (processes) the model is split over")
+    _engine_options(p_chat, cache_default=0.2)
     p_chat.set_defaults(func=_cmd_chat)
     _add_serve(sub)
     add_lite_parser(sub)
     return parser
 
 
+def hyphenate_options(argv: Sequence[str]) -> list[str]:
+    """``--server_port 8000`` / ``--server_port=8000`` -> ``--server-port ...``: LMDeploy's docs
+    spell options both ways; every option here is hyphenated. Values are left alone, and so is
+    everything after a bare ``--``."""
+    out, rest = [], False
+    for arg in argv:
+        if not rest and arg.startswith("--") and len(arg) > 2:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        rest = rest or arg == "--"
+        out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``conveyor`` console script; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(hyphenate_options(sys.argv[1:] if argv is None else argv))
+    if getattr(args, "backend", None):
+        print(f"conveyor: --backend {args.backend}: conveyor has one engine, which serves both", file=sys.stderr)
     return args.func(args)
 
 

@@ -178,7 +178,10 @@ def test_cli_list(capsys: pytest.CaptureFixture[str]) -> None:
     from conveyor.cli import main
 
     assert main(["list"]) == 0
-    assert capsys.readouterr().out.split() == list_chat_templates()
+    out = capsys.readouterr().out.splitlines()
+    families = out.index("model families (config.json architectures):")
+    assert out[0] == "chat templates:" and [line.strip() for line in out[1:families]] == list_chat_templates()
+    assert "LlamaForCausalLM" in [line.strip() for line in out[families + 1:]]
 
 
 class _FakeBosTokenizer:

@@ -1,0 +1,53 @@
+"""The command line takes LMDeploy's commands after the program name changes."""
+
+from __future__ import annotations
+
+import pytest
+
+from conveyor.cli import _engine_config, build_parser, hyphenate_options, main
+
+
+def _parse(*argv: str):
+    return build_parser().parse_args(hyphenate_options(list(argv)))
+
+
+def test_options_in_both_spellings() -> None:
+    a = _parse("serve", "api_server", "m", "--server_port", "8000", "--cache_max_entry_count=0.5",
+               "--enable_prefix_caching", "--server-name", "127.0.0.1", "--tp", "2")
+    assert (a.server_port, a.cache_max_entry_count, a.enable_prefix_caching, a.server_name, a.tp) == \
+        (8000, 0.5, True, "127.0.0.1", 2)
+    # values and everything after a bare -- stay as written
+    assert hyphenate_options(["--chat_template", "my_template", "--", "--keep_me"]) == \
+        ["--chat-template", "my_template", "--", "--keep_me"]
+
+
+def test_backend_is_accepted_and_said_to_select_the_one_engine(capsys) -> None:
+    assert _parse("serve", "api_server", "m", "--backend", "turbomind").backend == "turbomind"
+    assert _parse("chat", "m", "--backend", "pytorch").backend == "pytorch"
+    with pytest.raises(SystemExit):
+        _parse("chat", "m", "--backend", "vllm")
+    assert "not-an-option" not in capsys.readouterr().err
+
+
+def test_chat_takes_the_engine_flags_api_server_takes() -> None:
+    engine_flags = {"--tp", "--session-len", "--max-batch-size", "--cache-max-entry-count", "--cache-block-seq-len",
+                    "--enable-prefix-caching", "--max-prefill-token-num", "--quant-policy", "--model-format",
+                    "--dtype", "--device", "--session-idle-timeout", "--backend"}
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices
+    serve = next(a for a in sub["serve"]._actions if a.dest == "serve_command").choices["api_server"]
+
+    def flags(p):
+        return {o for a in p._actions for o in a.option_strings}
+
+    assert engine_flags <= flags(sub["chat"]) and engine_flags <= flags(serve)
+    cfg = _engine_config(_parse("chat", "m", "--quant-policy", "8", "--max-batch-size", "4", "--session-len", "100",
+                                "--cache-max-entry-count", "16"))
+    assert (cfg.quant_policy, cfg.max_batch_size, cfg.session_len, cfg.cache_max_entry_count) == (8, 4, 100, 16)
+
+
+def test_check_env_prints_the_packages_and_devices(capsys) -> None:
+    assert main(["check_env"]) == 0
+    out = capsys.readouterr().out
+    for key in ("python", "torch", "transformers", "pyzmq", "msgspec", "CUDA", "NCCL"):
+        assert any(line.startswith(key) for line in out.splitlines()), key
