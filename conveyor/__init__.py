@@ -12,6 +12,7 @@ from conveyor.errors import (
 )
 from conveyor.messages import GenerationConfig, Response
 from conveyor.pipeline import Pipeline, Session, pipeline
+from conveyor.serving import client, serve
 from conveyor.services.tokenizer.chat_template import ChatTemplateConfig
 
 __version__ = "0.1.0"
@@ -20,5 +21,5 @@ __all__ = [
     "ChatTemplateConfig", "ConveyorError", "EngineConfig", "EngineConfigError", "EngineDiedError",
     "GenerationConfig", "InvalidRequestError", "Pipeline", "PromptTooLongError",
     "PytorchEngineConfig", "Response", "Session", "TurbomindEngineConfig",
-    "UnknownChatTemplateError", "UnsupportedModelError", "pipeline",
+    "UnknownChatTemplateError", "UnsupportedModelError", "client", "pipeline", "serve",
 ]

@@ -111,6 +111,19 @@ class APIClient:
                        skip_special_tokens=skip_special_tokens, **kwargs)
         yield from self._post("/v1/chat/interactive", payload, stream, sse=False)
 
+    def chat(self, prompt: str | list[dict], session_id: int, request_output_len: int = 512, stream: bool = False,
+             top_p: float = 0.8, top_k: int = 40, temperature: float = 0.8, repetition_penalty: float = 1.0,
+             ignore_eos: bool = False) -> Iterator[tuple[str, int, str | None]]:
+        """One turn of session ``session_id`` (LMDeploy's ``APIClient.chat``): yields (text, tokens,
+        finish_reason), the text in pieces when ``stream``; the server keeps the history."""
+        if session_id == -1:
+            raise ValueError("chat() needs a session id of your own (not -1): it keeps the history under it")
+        for out in self.chat_interactive_v1(prompt, session_id=session_id, interactive_mode=True, stream=stream,
+                                            request_output_len=request_output_len, top_p=top_p, top_k=top_k,
+                                            temperature=temperature, repetition_penalty=repetition_penalty,
+                                            ignore_eos=ignore_eos):
+            yield out.get("text", ""), out.get("tokens", 0), out.get("finish_reason")
+
     def end_session(self, session_id: int) -> None:
         """Free a session's history on the server."""
         for _ in self.chat_interactive_v1("", session_id=session_id, interactive_mode=False, end=True):

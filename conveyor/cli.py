@@ -64,12 +64,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     """Multi-turn chat in the terminal; the session's history stays in the engine's KV cache."""
     from conveyor import GenerationConfig, pipeline
     from conveyor.default_model import fetch
-    from conveyor.services.tokenizer.chat_template import ChatTemplateConfig
+    from conveyor.services.tokenizer.chat_template import template_config
 
     model = args.model or str(fetch())
     config = _engine_config(args)
     config.enable_prefix_caching = True  # a session's turns reuse its cached history
-    template = ChatTemplateConfig(model_name=args.chat_template) if args.chat_template else None
+    template = template_config(args.chat_template)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, top_k=args.top_k, top_p=args.top_p,
                            temperature=args.temperature)
     interactive = sys.stdin.isatty()
@@ -115,6 +115,14 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
     from conveyor.default_model import fetch
     from conveyor.services.launcher import ServerArgs, serve
 
+    from conveyor.errors import ConveyorError
+    from conveyor.services.tokenizer.chat_template import template_config
+
+    try:  # a bad template is reported now, not by a tokenizer stage that keeps restarting
+        template_config(args.chat_template)
+    except ConveyorError as exc:
+        print(f"conveyor: {exc}", file=sys.stderr)
+        return 2
     model = args.model or str(fetch())
     engine = _engine_config(args)
     return serve(ServerArgs(
@@ -255,7 +263,8 @@ def _server_options(s: argparse.ArgumentParser) -> None:
                    help=f"a file of accepted API keys, one a line (also ${API_KEYS_ENV}, comma-separated): "
                         "unlike --api-keys, not visible in ps")
     s.add_argument("--model-name", default=None, help="the name /v1/models reports (default: the folder name)")
-    s.add_argument("--chat-template", default=None, help="a built-in template name (see conveyor list)")
+    s.add_argument("--chat-template", default=None, help="a built-in template name (see conveyor list) or a JSON file of "
+                        "ChatTemplateConfig fields")
     s.add_argument("--log-level", default="INFO")
     s.add_argument("--max-restarts", type=int, default=5,
                    help="restarts of one stage within a minute; one more and the server exits 1 (for systemd/compose)")
@@ -319,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_chat = sub.add_parser("chat", help="chat with a model in the terminal (in-process engine)")
     p_chat.add_argument("model", nargs="?", default=None,
                         help="model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
-    p_chat.add_argument("--chat-template", default=None, help="a built-in template name (see conveyor list)")
+    p_chat.add_argument("--chat-template", default=None, help="a built-in template name (see conveyor list) or a JSON file of "
+                        "ChatTemplateConfig fields")
     p_chat.add_argument("--max-new-tokens", type=int, default=512)
     p_chat.add_argument("--temperature", type=float, default=0.8)
     p_chat.add_argument("--top-k", type=int, default=40)

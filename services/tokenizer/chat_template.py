@@ -396,6 +396,37 @@ class ChatTemplateConfig:
         return cls(**data)
 
 
+def template_config(spec: str | None) -> ChatTemplateConfig | None:
+    """``--chat-template``'s value: a built-in name (``conveyor list``) or a JSON file of
+    ChatTemplateConfig fields (LMDeploy's ``--chat-template path.json``); None for none. A bad
+    value raises ``UnknownChatTemplateError`` naming what would do."""
+    if not spec:
+        return None
+    if spec.endswith(".json") or Path(spec).is_file():
+        try:
+            config = ChatTemplateConfig.from_json(spec)
+        except (ValueError, OSError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
+            raise UnknownChatTemplateError(f"chat template file {spec!r}: {exc}") from exc
+    else:
+        try:
+            config = ChatTemplateConfig(model_name=spec)
+        except ValueError as exc:
+            raise UnknownChatTemplateError(str(exc)) from exc
+    config.to_template()  # an unknown name or missing fields fail here, before any stage starts
+    return config
+
+
+def template_for_model_name(name: str) -> ChatTemplateConfig | None:
+    """The built-in template a model name asks for (LMDeploy's ``pipeline(path, 'internlm2-chat-7b')``):
+    the template of that name, else the one whose family the name matches; None when neither."""
+    if name in CHAT_TEMPLATES:
+        return ChatTemplateConfig(model_name=name)
+    for registered, cls in CHAT_TEMPLATES.items():
+        if cls is not Base and cls.match(name):
+            return ChatTemplateConfig(model_name=registered)
+    return None
+
+
 def get_chat_template(model_path: str, chat_template_config: ChatTemplateConfig | None = None,
                       tokenizer: Any = None) -> ChatTemplate:
     """Pick the template: the config's, else the tokenizer's own Jinja one, else by model path, else base."""

@@ -17,7 +17,7 @@ from ...engine.weight_loader import load_model_config
 from ...protocol import Addresses, Codec, ConveyorError, EngineIn, ErrorOut, Ping, Stage, TokenizerIn, error_code
 from ..stage import (SEND_TIMEOUT_MS, ReplySockets, announce_ready, internal_error, open_socket, set_process_title,
                      setup_logging, stop_on_sigterm)
-from .chat_template import ChatTemplateConfig
+from .chat_template import template_config
 from .preprocess import Preprocessor
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,6 @@ def run_tokenizer_process(name: str, addresses: Addresses, model_path: str, sess
     setup_logging(log_level)
     set_process_title(f"conveyor: {name}")
     stop = stop_on_sigterm()
-    template = ChatTemplateConfig(model_name=chat_template) if chat_template else None
+    template = template_config(chat_template)
     eos = load_model_config(model_path).eos_token_ids
     serve_tokenizer(zmq.Context(), addresses, Preprocessor(model_path, session_len, template, eos), stop, launcher)
