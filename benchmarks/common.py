@@ -91,16 +91,6 @@ def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(length)]
 
 
-def cache_size(text: str) -> float | int | str:
-    """An argparse type for cache_max_entry_count: '0.8' (fraction), '2000' (blocks), '4GiB'."""
-    if text.isdigit():
-        return int(text)
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
 def dummy_engine(shape: str, dtype: str = "float16", **config: Any):
     """An LLMEngine of a published shape with seeded random weights built on the device."""
     from benchmarks.dummy_model import write_model_dir

@@ -32,7 +32,8 @@ from statistics import mean
 
 import torch
 
-from benchmarks.common import cache_size, dummy_engine, percentile, random_prompt, record, save
+from conveyor.engine.config import parse_cache_size
+from benchmarks.common import dummy_engine, percentile, random_prompt, record, save
 from conveyor.protocol.sampling import SamplingParams
 
 DEFAULT_BATCHES = (1, 16, 32, 64)
@@ -101,7 +102,7 @@ def main() -> None:
     ap.add_argument("-b", "--batch", type=int, action="append", help="batch sizes (repeatable)")
     ap.add_argument("-c", "--case", type=parse_case, action="append", help="IN:OUT token lengths (repeatable)")
     ap.add_argument("--max-batch-size", type=int, default=256)
-    ap.add_argument("--cache-max-entry-count", type=cache_size, default=0.8)
+    ap.add_argument("--cache-max-entry-count", type=parse_cache_size, default=0.8)
     ap.add_argument("--quant-policy", type=int, default=0, choices=[0, 4, 8], help="KV cache: 0 (16-bit), 8 or 4 bits")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs the model is split over")
     ap.add_argument("--model-format", default=None, choices=[None, "hf", "awq", "smooth_quant"],

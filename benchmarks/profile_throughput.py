@@ -26,7 +26,8 @@ from statistics import mean
 
 import torch
 
-from benchmarks.common import StepTimer, cache_size, drain, dummy_engine, percentile, random_prompt, record, save
+from conveyor.engine.config import parse_cache_size
+from benchmarks.common import StepTimer, drain, dummy_engine, percentile, random_prompt, record, save
 from conveyor.protocol.sampling import SamplingParams
 
 DATA = Path(__file__).resolve().parent / "data" / "sharegpt_shape_3000.jsonl"
@@ -74,7 +75,7 @@ def main() -> None:
     ap.add_argument("--dataset", type=Path, default=DATA)
     ap.add_argument("--num-prompts", type=int, default=None, help="first N requests (default: all)")
     ap.add_argument("--max-batch-size", type=int, default=256)
-    ap.add_argument("--cache-max-entry-count", type=cache_size, default=0.8)
+    ap.add_argument("--cache-max-entry-count", type=parse_cache_size, default=0.8)
     ap.add_argument("--quant-policy", type=int, default=0, choices=[0, 4, 8], help="KV cache: 0 (16-bit), 8 or 4 bits")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs the model is split over")
     ap.add_argument("--name", default=None)

@@ -13,6 +13,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from conveyor.engine.config import parse_cache_size
 from conveyor.lite import add_lite_parser
 from conveyor.services.tokenizer.chat_template import list_chat_templates
 
@@ -160,9 +161,8 @@ def _api_keys(args: argparse.Namespace) -> list[str] | None:
 def _engine_config(args: argparse.Namespace):
     from conveyor.engine.config import EngineConfig
 
-    cache = args.cache_max_entry_count
     return EngineConfig(tp=args.tp, session_len=args.session_len, max_batch_size=args.max_batch_size,
-                        cache_max_entry_count=int(cache) if cache > 1 and cache.is_integer() else cache,
+                        cache_max_entry_count=args.cache_max_entry_count,
                         quant_policy=args.quant_policy, model_format=args.model_format,
                         enable_prefix_caching=args.enable_prefix_caching, block_size=args.cache_block_seq_len,
                         max_prefill_token_num=args.max_prefill_token_num, dtype=args.dtype, device=args.device,
@@ -238,8 +238,9 @@ def _engine_options(s: argparse.ArgumentParser, cache_default: float = 0.8) -> N
     e.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs (processes) the model is split over")
     e.add_argument("--session-len", type=int, default=None)
     e.add_argument("--max-batch-size", type=int, default=128)
-    e.add_argument("--cache-max-entry-count", type=float, default=cache_default,
-                   help="KV cache: fraction of free memory (<=1) or number of blocks (>1)")
+    e.add_argument("--cache-max-entry-count", type=parse_cache_size, default=cache_default,
+                   help="KV cache: a fraction of the free memory (0.8), a number of blocks (an integer: 2000) "
+                        "or a size (4GiB)")
     e.add_argument("--cache-block-seq-len", type=int, default=64)
     e.add_argument("--enable-prefix-caching", action="store_true")
     e.add_argument("--max-prefill-token-num", type=int, default=8192)

@@ -237,6 +237,19 @@ class EngineConfig:
         return "bytes", float(value) * 2**30
 
 
+def parse_cache_size(text: str) -> float | int | str:
+    """``--cache-max-entry-count``'s value, as every command reads it (``EngineConfig``'s meaning):
+    an integer is a number of blocks ('2000'), a decimal a fraction of free memory ('0.8') or,
+    above 1, GiB ('2.5'), and a size names its unit ('4GiB')."""
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 # LMDeploy users import these names; they are the same config here.
 TurbomindEngineConfig = EngineConfig
 PytorchEngineConfig = EngineConfig

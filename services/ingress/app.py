@@ -340,6 +340,13 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
         app.add_middleware(ApiKeyGuard, api_keys=list(api_keys))
     app.add_middleware(RequestCounter, metrics=ing.metrics)  # outermost: counts 401s and 413s too
 
+    @app.get("/", include_in_schema=False)
+    async def root() -> Response:
+        """A browser that opens the server's address lands on the API's docs."""
+        from fastapi.responses import RedirectResponse
+
+        return RedirectResponse("/docs")
+
     @app.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
         """200 while the engine answers and the server is not draining; 503 otherwise."""

@@ -51,3 +51,14 @@ def test_check_env_prints_the_packages_and_devices(capsys) -> None:
     out = capsys.readouterr().out
     for key in ("python", "torch", "transformers", "pyzmq", "msgspec", "CUDA", "NCCL"):
         assert any(line.startswith(key) for line in out.splitlines()), key
+
+
+@pytest.mark.parametrize("text, kind, value", [("2000", "blocks", 2000), ("1", "blocks", 1), ("0.8", "fraction", 0.8),
+                                               ("1.0", "fraction", 1.0), ("4GiB", "bytes", 4 * 2**30)])
+def test_cache_max_entry_count_means_the_same_on_every_command(text, kind, value) -> None:
+    from conveyor.engine.config import parse_cache_size
+
+    for argv in (["serve", "api_server", "m"], ["chat", "m"]):
+        cfg = _engine_config(_parse(*argv, "--cache-max-entry-count", text))
+        assert cfg.cache_bytes_or_blocks() == (kind, value)
+    assert _parse("chat", "m", "--cache-max-entry-count", text).cache_max_entry_count == parse_cache_size(text)

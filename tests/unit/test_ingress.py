@@ -734,3 +734,10 @@ async def test_official_openai_client(app) -> None:
                                                  temperature=5)
         with pytest.raises(openai.NotFoundError):
             await client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+
+
+async def test_the_root_leads_to_the_docs(app) -> None:
+    async with http(app) as c:
+        r = await c.get("/")
+        assert r.status_code in (302, 307) and r.headers["location"] == "/docs"
+        assert (await c.get("/docs")).status_code == 200
