@@ -76,6 +76,7 @@ class TPWorkers:
         self._ready: set[int] = set()
         self._beats: dict[int, float] = {}  # last heartbeat per rank (none yet: still importing)
         self._closing = False
+        self._failing = False
         level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         spawn = mp.get_context("spawn")
         for rank in range(1, self.size):
@@ -129,7 +130,7 @@ class TPWorkers:
                     logger.info("tensor-parallel rank %d ready (pid %d)", msg.rank, msg.pid)
                 elif msg.state == "failed":
                     self._fail(f"rank {msg.rank} failed: {msg.error}")
-            if self._closing or self.failure is not None:
+            if self._closing or self._failing:
                 continue
             now = time.monotonic()
             for rank, proc in enumerate(self.procs, start=1):
@@ -143,11 +144,12 @@ class TPWorkers:
                     break
 
     def _fail(self, why: str) -> None:
-        if self.failure is not None or self._closing:
+        if self._failing or self._closing:
             return
-        self.failure = why
+        self._failing = True
         logger.error("tensor parallel: %s; stopping every rank", why)
         self._kill_all()
+        self.failure = why  # set once every rank is gone: whoever reads it finds none left
         if self.on_failure is not None:
             self.on_failure(why)
 
