@@ -14,9 +14,9 @@ from conveyor.engine.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.weight_loader import load_model_config, resolve_model_path
 from conveyor.messages import GenerationConfig, Response
-from conveyor.protocol import GenerateReq, InvalidRequestError, rebuild_error
+from conveyor.protocol import EngineConfigError, GenerateReq, InvalidRequestError, rebuild_error
 from conveyor.services.local_stack import EngineDiedError, LocalStack, RequestError, RequestOutput
-from conveyor.services.tokenizer.chat_template import ChatTemplateConfig, template_for_model_name
+from conveyor.services.tokenizer.chat_template import ChatTemplateConfig, UnknownChatTemplateError, template_for_model_name
 from conveyor.services.tokenizer.preprocess import Preprocessor, Prompt
 
 logger = logging.getLogger(__name__)
@@ -223,33 +223,35 @@ class Pipeline:
 
 def pipeline(model_path: str | Path, *args: Any, backend_config: EngineConfig | None = None,
              chat_template_config: ChatTemplateConfig | None = None, log_level: str = "WARNING",
-             model_name: str | None = None, **kwargs: Any) -> Pipeline:
+             model_name: str | None = None, tp: int | None = None) -> Pipeline:
     """Load a model (HF directory, .gguf file or hub id) and return a ready Pipeline.
 
     Positional arguments follow LMDeploy's two signatures: ``(backend_config, chat_template_config,
     log_level)``, or, when the first is a string, the older ``(model_name, backend_config,
     chat_template_config, log_level)``. A model name (``pipeline(path, 'internlm2-chat-7b')`` or
     ``model_name=``) picks the built-in chat template of that name or family, unless
-    ``chat_template_config`` is given."""
-    names = ["backend_config", "chat_template_config", "log_level"]
-    if args and isinstance(args[0], str):
-        names.insert(0, "model_name")
+    ``chat_template_config`` is given. ``tp`` is ``backend_config.tp``'s shorthand."""
+    names = (["model_name"] if args and isinstance(args[0], str) else []) + [
+        "backend_config", "chat_template_config", "log_level"]
     if len(args) > len(names):
         raise TypeError(f"pipeline() takes at most {len(names) + 1} positional arguments")
-    given = dict(backend_config=backend_config, chat_template_config=chat_template_config, log_level=log_level,
-                 model_name=model_name)
-    for name, value in zip(names, args):
-        if given[name] not in (None, "WARNING") and name != "log_level":
-            raise TypeError(f"pipeline() got multiple values for {name}")
-        given[name] = value
-    backend_config, chat_template_config = given["backend_config"], given["chat_template_config"]
-    log_level, model_name = given["log_level"], given["model_name"]
-    logging.getLogger("conveyor").setLevel(log_level.upper())
+    given = dict(zip(names, args))
+    for name, value in (("model_name", model_name), ("backend_config", backend_config),
+                        ("chat_template_config", chat_template_config)):
+        if name in given and value is not None:
+            raise TypeError(f"pipeline() got {name} both by position and by keyword")
+    model_name = given.get("model_name", model_name)
+    backend_config = given.get("backend_config", backend_config)
+    chat_template_config = given.get("chat_template_config", chat_template_config)
+    logging.getLogger("conveyor").setLevel(given.get("log_level", log_level).upper())
     if model_name and chat_template_config is None:
         chat_template_config = template_for_model_name(model_name)
         if chat_template_config is None:
-            logger.warning("model name %r matches no built-in chat template (conveyor list): using the "
-                           "model's own template", model_name)
-    if kwargs.get("tp") and backend_config is None:
-        backend_config = EngineConfig(tp=kwargs["tp"])
+            raise UnknownChatTemplateError(
+                f"model name {model_name!r} names no built-in chat template or family (conveyor list); "
+                "leave it out to use the model's own template, or pass chat_template_config")
+    if tp is not None:
+        if backend_config is not None and backend_config.tp not in (1, tp):
+            raise EngineConfigError(f"tp={tp} and backend_config.tp={backend_config.tp}: give one")
+        backend_config = replace(backend_config or EngineConfig(), tp=tp)
     return Pipeline(model_path, backend_config, chat_template_config)

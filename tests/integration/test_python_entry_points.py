@@ -48,6 +48,19 @@ def test_pipeline_takes_a_model_name_second(smollm2_dir) -> None:
         assert pipe("Hi", GenerationConfig(max_new_tokens=2)).text is not None
 
 
+def test_pipeline_refuses_what_it_would_otherwise_ignore(smollm2_dir) -> None:
+    from conveyor import EngineConfigError, UnknownChatTemplateError
+
+    with pytest.raises(UnknownChatTemplateError, match="no-such-family"):
+        pipeline(str(smollm2_dir), "no-such-family")
+    with pytest.raises(EngineConfigError, match="give one"):
+        pipeline(str(smollm2_dir), EngineConfig(tp=2), tp=3)
+    with pytest.raises(TypeError):
+        pipeline(str(smollm2_dir), cache_max_entry_count=8)  # an engine field belongs in backend_config
+    with pytest.raises(TypeError, match="both"):
+        pipeline(str(smollm2_dir), EngineConfig(), backend_config=EngineConfig())
+
+
 def test_a_chat_template_file_on_the_command_line(smollm2_dir, tmp_path) -> None:
     from conveyor.cli import main
 
