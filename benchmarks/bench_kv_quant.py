@@ -26,7 +26,7 @@ import importlib
 
 import torch
 
-from benchmarks.common import eager_time_us, record, save
+from benchmarks.common import cuda_time_us, record, save
 from conveyor.kernels.attention import paged_attention, paged_attention_ref, paged_attention_triton
 from conveyor.kernels.kv_cache import KVCacheLayout, rotate_and_store_kv
 
@@ -41,23 +41,6 @@ def parse_variant(spec: str) -> tuple[str, dict[str, int]]:
     values = fields.split(",") if fields else []
     # An empty field keeps the launcher's default; so does 0, except for tune (0: no TUNE bit).
     return label, {k: int(v) for k, v in zip(_VARIANT_KEYS, values) if v and (int(v) or k == "tune")}
-
-
-def back_to_back_us(call, calls: int = 20, repeats: int = 5) -> float:
-    """Median over ``repeats`` of the mean µs of ``calls`` launches queued back to back: the kernels'
-    own time, with the host's launch work overlapped (``eager_time_us`` adds it to each call)."""
-    call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def make_cache(policy: int, blocks: int, bs: int, hkv: int, d: int, dt: torch.dtype, head_major: bool = False):
@@ -113,8 +96,8 @@ def run_variants(args: argparse.Namespace, q, tables, cu, lens, blocks: int) -> 
             err = None
             if ref is not None:
                 err = (attn()[:4].float() - ref.float()).abs().max().item()
-            us = back_to_back_us(attn)
-            eager = eager_time_us(attn, 20)
+            us = cuda_time_us(attn, 5, calls=20)  # the kernels' own time, launches overlapped
+            eager = cuda_time_us(attn, 20)
             print(f"p{policy} {label:>12}: attention {us:8.1f} us ({kv_bytes / us / 1e3:7.0f} GB/s of KV), "
                   f"eager {eager:8.1f} us" + (f", max err {err:.2e}" if err is not None else ""), flush=True)
             records.append(record(engine="conveyor", benchmark="bench_kv_quant", model="llama2-7b-layer",
@@ -158,7 +141,7 @@ def main() -> None:
             kc, ks, vc, vs = make_cache(policy, blocks, bs, hkv, d, dt, head_major)
             attn = lambda: paged_attention(q, kc, vc, tables, cu, lens, d**-0.5, max_seqlen_q=1,  # noqa: E731
                                            max_seqlen_k=4096, k_scales=ks, v_scales=vs)
-            us = eager_time_us(attn, 50)
+            us = cuda_time_us(attn, 50)
             kv_bytes = 2 * b * ctx * hkv * layout.bytes_per_head(dt)
             qkv = torch.randn(b, (h + 2 * hkv) * d, device=dev, dtype=dt)
             qq, kk, vv = qkv.split([h * d, hkv * d, hkv * d], -1)
@@ -167,7 +150,7 @@ def main() -> None:
             cs = torch.randn(8192, d, device=dev, dtype=torch.float32)
             slots = (tables[:, -1].long() * bs + (ctx % bs))
             store = lambda: rotate_and_store_kv(qq, kk, vv, pos, cs, kc, vc, slots, ks, vs)  # noqa: E731
-            store_us = eager_time_us(store, 50)
+            store_us = cuda_time_us(store, 50)
             label = f"p{policy}" + ("_headmajor" if head_major else "")
             print(f"{label:>14}: attention {us:8.1f} us ({kv_bytes / us / 1e3:7.0f} GB/s of KV), "
                   f"rotate+store {store_us:6.1f} us", flush=True)

@@ -30,19 +30,10 @@ import torch
 BATCHES = (1, 8, 32, 64, 128, 256)
 
 
-def _time_us(fn, iters: int) -> float:
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
-
-
 def _allreduce_rank(rank: int, world: int, port: int, hidden: int, queue) -> None:
     import torch.distributed as dist
+
+    from benchmarks.common import cuda_time_us
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
@@ -63,7 +54,7 @@ def _allreduce_rank(rank: int, world: int, port: int, hidden: int, queue) -> Non
         x = torch.randn(batch, hidden, dtype=torch.float16, device=dev)
         for _ in range(20):
             dist.all_reduce(x)
-        eager = _time_us(lambda: dist.all_reduce(x), 200)
+        eager = cuda_time_us(lambda: dist.all_reduce(x), 1, calls=200)
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -74,7 +65,7 @@ def _allreduce_rank(rank: int, world: int, port: int, hidden: int, queue) -> Non
             for _ in range(100):
                 dist.all_reduce(x)
         graph.replay()
-        in_graph = _time_us(graph.replay, 10) / 100
+        in_graph = cuda_time_us(graph.replay, 1, calls=10) / 100
         cupy_us = None
         if comm is not None:
             s = torch.cuda.current_stream().cuda_stream
@@ -84,7 +75,7 @@ def _allreduce_rank(rank: int, world: int, port: int, hidden: int, queue) -> Non
 
             for _ in range(20):
                 cupy_allreduce()
-            cupy_us = _time_us(cupy_allreduce, 200)
+            cupy_us = cuda_time_us(cupy_allreduce, 1, calls=200)
         rows.append(dict(batch=batch, bytes=x.numel() * 2, torch_eager_us=eager, torch_graph_us=in_graph,
                          cupy_eager_us=cupy_us))
     if rank == 0:
@@ -110,6 +101,15 @@ def _plan_echo(address: str) -> None:
             break
 
 
+def _decode_plan(batch: int):
+    """A decode step's plan for ``batch`` sequences of ~1k tokens (64-token blocks), as rank 0 sends it."""
+    from conveyor.protocol.tp import StepKind, StepPlan
+
+    return StepPlan(StepKind.GRAPH, input_ids=list(range(batch)), positions=[1000 + i for i in range(batch)],
+                    block_tables=[list(range(i * 40, i * 40 + 16)) for i in range(batch)],
+                    pending=[(i, i) for i in range(batch)], logit_rows=list(range(batch)), num_sampled=batch)
+
+
 def plan_cost_us(batch: int, iters: int = 2000) -> float:
     """Half a round trip: encode a decode plan of ``batch`` sequences, send it over ipc, the other
     process decodes it and answers with an empty frame."""
@@ -126,10 +126,7 @@ def plan_cost_us(batch: int, iters: int = 2000) -> float:
     echo = mp.get_context("spawn").Process(target=_plan_echo, args=(address,), daemon=True)
     echo.start()
     codec = Codec(RankIn)
-    tables = [list(range(i * 40, i * 40 + 16)) for i in range(batch)]  # ~1k-token contexts, 64-token blocks
-    plan = StepPlan(StepKind.GRAPH, input_ids=list(range(batch)), positions=[1000 + i for i in range(batch)],
-                    block_tables=tables, pending=[(i, i) for i in range(batch)], logit_rows=list(range(batch)),
-                    num_sampled=batch)
+    plan = _decode_plan(batch)
     times = []
     for i in range(iters):
         t = time.perf_counter()
@@ -168,17 +165,14 @@ def gloo_plan_cost_us(batch: int, iters: int = 1000) -> float:
 
     from conveyor.engine.tp_workers import free_port
     from conveyor.protocol.codec import Codec
-    from conveyor.protocol.tp import RankIn, StepKind, StepPlan
+    from conveyor.protocol.tp import RankIn
 
     port = free_port()
     peer = mp.get_context("spawn").Process(target=_gloo_echo, args=(1, port, iters), daemon=True)
     peer.start()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
     codec = Codec(RankIn)
-    tables = [list(range(i * 40, i * 40 + 16)) for i in range(batch)]
-    plan = StepPlan(StepKind.GRAPH, input_ids=list(range(batch)), positions=[1000 + i for i in range(batch)],
-                    block_tables=tables, pending=[(i, i) for i in range(batch)], logit_rows=list(range(batch)),
-                    num_sampled=batch)
+    plan = _decode_plan(batch)
     times = []
     for _ in range(iters):
         t = time.perf_counter()

@@ -37,7 +37,7 @@ import torch
 
 import importlib
 
-from benchmarks.common import eager_time_us, record, save
+from benchmarks.common import cuda_time_us, record, save
 from conveyor.kernels._triton import cdiv
 from conveyor.kernels.w4a16 import GemmConfig, GemvConfig, dequantize_awq_ref, split_k, tile_k
 
@@ -157,7 +157,7 @@ def main() -> None:
             t_w4 = graph_time_us([lambda i=i, layer=layer: IMPL.w4a16_matmul(xs[i % 2], *layer, GROUP)
                                   for i, layer in enumerate(layers)], samples)
             t_fp16 = graph_time_us([lambda i=i: torch.matmul(xs[i % 2], dense[i]) for i in range(len(dense))], samples)
-            t_deq = eager_time_us(
+            t_deq = cuda_time_us(
                 lambda: torch.matmul(xs[0], dequantize_awq_ref(*layers[0], GROUP, dtype=torch.float16)),
                 max(3, samples // 5))
             gbs = (w4_bytes + io_bytes) / t_w4 / 1e3

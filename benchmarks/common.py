@@ -101,18 +101,22 @@ def dummy_engine(shape: str, dtype: str = "float16", **config: Any):
     return LLMEngine(model_dir, EngineConfig(dtype=dtype, load_format="dummy", **config))
 
 
-def eager_time_us(call: Callable[[], object], samples: int) -> float:
-    """Median µs of single eager calls (for the slow, multi-kernel reference path)."""
+def cuda_time_us(call: Callable[[], object], samples: int, calls: int = 1) -> float:
+    """Median over ``samples`` of the mean µs per call of ``calls`` launches queued back to back
+    between two CUDA events, after one warm-up call. ``calls=1`` times single eager calls (the
+    host's launch work included: for the slow, multi-kernel reference paths); more calls overlap
+    the launches and leave the kernels' own time."""
     call()
     torch.cuda.synchronize()
     times = []
     for _ in range(samples):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        call()
+        for _ in range(calls):
+            call()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+        times.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(times)
 
 

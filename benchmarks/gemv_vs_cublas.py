@@ -9,12 +9,11 @@ the per-token sum over the 32 layers and the head.
 """
 
 import itertools
-import statistics
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import record, save
+from benchmarks.common import cuda_time_us, record, save
 from conveyor.kernels.gemv import gemv_ref, gemv_triton
 
 SHAPES = {"qkv": (12288, 4096), "o_proj": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
@@ -22,18 +21,8 @@ SHAPES = {"qkv": (12288, 4096), "o_proj": (4096, 4096), "gate_up": (22016, 4096)
 PER_TOKEN = {"qkv": 32, "o_proj": 32, "gate_up": 32, "down": 32, "lm_head": 1}
 
 
-def time_us(fn, reps: int = 50) -> float:
-    fn()
-    runs = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(reps):
-            fn()
-        e.record()
-        e.synchronize()
-        runs.append(s.elapsed_time(e) * 1e3 / reps)
-    return statistics.median(runs)
+def time_us(fn) -> float:
+    return cuda_time_us(fn, 5, calls=50)
 
 
 def main() -> None:

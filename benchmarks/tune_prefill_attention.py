@@ -9,11 +9,10 @@ reference, then timed (CUDA events, median of 20 after 3 warm-ups). The default 
 
 import functools
 import itertools
-import statistics
 
 import torch
 
-from benchmarks.common import record, save
+from benchmarks.common import cuda_time_us, record, save
 from conveyor.kernels.attention import paged_attention_ref, paged_attention_triton
 
 CONFIGS = [(bm, bn, w, st) for bm, bn in ((64, 64), (128, 64), (128, 32), (64, 32), (128, 128))
@@ -32,20 +31,6 @@ def problem(heads: int, kv_heads: int, tokens: int = 2048, dim: int = 128, block
     return q, kc, vc, table, cu, lens
 
 
-def time_us(fn) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(times)
-
-
 def main() -> None:
     records = []
     for name, heads, kv_heads in (("llama2-7b", 32, 32), ("llama3-8b", 32, 8)):
@@ -53,7 +38,7 @@ def main() -> None:
         ref = paged_attention_ref(q, kc, vc, table, cu, lens, 128**-0.5)
         call = functools.partial(paged_attention_triton, q, kc, vc, table, cu, lens, 128**-0.5,
                                  max_seqlen_q=2048, max_seqlen_k=2048)
-        default = time_us(call)
+        default = cuda_time_us(call, 20)
         print(f"{name}: default {default:.1f} us", flush=True)
         records.append(record(engine="conveyor", model=name, precision="float16", benchmark="tune_prefill_attention",
                               input_len=2048, config="default", us=default))
@@ -62,7 +47,7 @@ def main() -> None:
             try:
                 out = run()
                 err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-                us = time_us(run)
+                us = cuda_time_us(run, 20)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile (shared memory)
                 print(f"  {bm}x{bn} w{w} s{st}: failed ({type(exc).__name__})", flush=True)
                 continue

@@ -49,6 +49,23 @@ class ServedClient(APIClient):
                 self.server.kill()
 
 
+def wait_until_healthy(server: subprocess.Popen, url: str, timeout: float) -> None:
+    """Poll ``url``/health until it says 200; RuntimeError if ``server`` exits first or ``timeout``
+    seconds pass (the caller decides what to do with the process)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"the api_server exited with code {server.returncode} while starting")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the api_server did not answer {url}/health within {timeout:.0f}s")
+        time.sleep(0.3)
+
+
 def _engine_flags(config: EngineConfig) -> list[str]:
     default, flags = EngineConfig(), []
     for field, flag in _ENGINE_FLAGS.items():
@@ -93,19 +110,11 @@ def serve(model_path: str, model_name: str | None = None, backend: str = "turbom
     atexit.register(lambda: server.poll() is None and server.terminate())
     host = "127.0.0.1" if server_name in ("0.0.0.0", "::") else server_name
     url = f"http://{host}:{server_port}"
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    while True:
-        if server.poll() is not None:
-            raise RuntimeError(f"the api_server exited with code {server.returncode} while starting; see its log above")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            server.kill()
-            raise RuntimeError(f"the api_server did not answer {url}/health within {_START_TIMEOUT_S:.0f}s")
-        time.sleep(0.3)
+    try:
+        wait_until_healthy(server, url, _START_TIMEOUT_S)
+    except RuntimeError:
+        server.kill()
+        raise
     return ServedClient(url, server, keys[0] if keys else None)
 
 

@@ -114,9 +114,10 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.model_path, self.model_config, self.device, self.dtype = resolve_engine_inputs(model_path, config)
         self.tp_workers = None
-        if config.tp > 1 or os.environ.get(TP_INIT_ENV) == "1":
-            self._start_tensor_parallel()
+        self._tp_group = None  # the process group this engine joined, which close() leaves
         try:
+            if config.tp > 1 or os.environ.get(TP_INIT_ENV) == "1":
+                self._start_tensor_parallel()
             self.runner = ModelRunner(self.model_path, self.model_config, config, self.device, self.dtype)
             if self.tp_workers is not None:
                 self.tp_workers.wait_ready()
@@ -144,18 +145,16 @@ class LLMEngine:
         if self.config.tp > 1:
             self.tp_workers = TPWorkers(self.model_path, self.config)
         init_method = self.tp_workers.init_method if self.tp_workers else f"tcp://127.0.0.1:{free_port()}"
-        try:
-            init_tp(0, self.config.tp, init_method, self.device)
-        except BaseException:
-            self.close()
-            raise
+        self._tp_group = init_tp(0, self.config.tp, init_method, self.device)
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks and leave the process group (nothing to do at tp=1)."""
         if self.tp_workers is not None:
             self.tp_workers.close()
             self.tp_workers = None
-        close_tp()
+        if self._tp_group is not None:
+            close_tp()
+            self._tp_group = None
 
     @property
     def has_work(self) -> bool:

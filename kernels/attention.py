@@ -207,21 +207,20 @@ _asm = tl.constexpr if HAS_TRITON else str  # jitted code reads only constexpr g
 # other operand's sum once instead); the others subtract 1024 with one packed instruction. Not
 # runnable under the interpreter: the launcher passes FAST=False there, and the portable twin
 # (_codes_as) runs instead.
-_U8_TO_F16_BIASED = _asm("""{
-.reg .b32 k;
+def _u8_to_f16(biased: bool) -> str:
+    # Unbiased: one packed subtraction of 1024 per two codes more.
+    regs, setup, sub = ("k", "", "") if biased else (
+        "k, m", "mov.b32 m, 0x64006400;\n", "sub.f16x2 $0, $0, m;\nsub.f16x2 $1, $1, m;\n")
+    return f"""{{
+.reg .b32 {regs};
 mov.b32 k, 0x64646464;
-prmt.b32 $0, $2, k, 0x4140;
+{setup}prmt.b32 $0, $2, k, 0x4140;
 prmt.b32 $1, $2, k, 0x4342;
-}""")
-_U8_TO_F16 = _asm("""{
-.reg .b32 k, m;
-mov.b32 k, 0x64646464;
-mov.b32 m, 0x64006400;
-prmt.b32 $0, $2, k, 0x4140;
-prmt.b32 $1, $2, k, 0x4342;
-sub.f16x2 $0, $0, m;
-sub.f16x2 $1, $1, m;
-}""")
+{sub}}}"""
+
+
+_U8_TO_F16_BIASED = _asm(_u8_to_f16(biased=True))
+_U8_TO_F16 = _asm(_u8_to_f16(biased=False))
 # bf16 has too few mantissa bits for a byte under one exponent: 2**23 + c in fp32, then packed.
 _U8_TO_BF16 = _asm("""{
 .reg .b32 k, f0, f1, f2, f3;
@@ -240,38 +239,28 @@ cvt.rn.bf16x2.f32 $1, f3, f2;
 # int4: $0,$1 the low nibbles, $2,$3 the high ones; each byte's two nibbles spread into the two
 # halves of a word first. fp16: the low nibble under 0x6400 is 1024 + n; the high one, masked in
 # place, 1024 + 16 n, which one fma brings to 1024 + n (biased) or n.
-_U4_TO_F16_BIASED = _asm("""{
+def _u4_to_f16(biased: bool) -> str:
+    # The high nibbles' fma lands on 1024 + n (biased) or n; unbiased, the low ones lose 1024 too.
+    sub = "" if biased else "sub.f16x2 $0, $0, k;\nsub.f16x2 $1, $1, k;\n"
+    return f"""{{
 .reg .b32 z, t0, t1, k, s, o;
 mov.b32 z, 0;
 mov.b32 k, 0x64006400;
 mov.b32 s, 0x2C002C00;
-mov.b32 o, 0x63806380;
+mov.b32 o, {'0x63806380' if biased else '0xD400D400'};
 prmt.b32 t0, $4, z, 0x4140;
 prmt.b32 t1, $4, z, 0x4342;
 lop3.b32 $0, t0, 0x000F000F, k, 0xEA;
 lop3.b32 $1, t1, 0x000F000F, k, 0xEA;
 lop3.b32 $2, t0, 0x00F000F0, k, 0xEA;
 lop3.b32 $3, t1, 0x00F000F0, k, 0xEA;
-fma.rn.f16x2 $2, $2, s, o;
+{sub}fma.rn.f16x2 $2, $2, s, o;
 fma.rn.f16x2 $3, $3, s, o;
-}""")
-_U4_TO_F16 = _asm("""{
-.reg .b32 z, t0, t1, k, s, o;
-mov.b32 z, 0;
-mov.b32 k, 0x64006400;
-mov.b32 s, 0x2C002C00;
-mov.b32 o, 0xD400D400;
-prmt.b32 t0, $4, z, 0x4140;
-prmt.b32 t1, $4, z, 0x4342;
-lop3.b32 $0, t0, 0x000F000F, k, 0xEA;
-lop3.b32 $1, t1, 0x000F000F, k, 0xEA;
-lop3.b32 $2, t0, 0x00F000F0, k, 0xEA;
-lop3.b32 $3, t1, 0x00F000F0, k, 0xEA;
-sub.f16x2 $0, $0, k;
-sub.f16x2 $1, $1, k;
-fma.rn.f16x2 $2, $2, s, o;
-fma.rn.f16x2 $3, $3, s, o;
-}""")
+}}"""
+
+
+_U4_TO_F16_BIASED = _asm(_u4_to_f16(biased=True))
+_U4_TO_F16 = _asm(_u4_to_f16(biased=False))
 # bf16: 128 + n under 0x4300 (exact for n < 128), the high nibbles shifted down first.
 _U4_TO_BF16 = _asm("""{
 .reg .b32 z, t0, t1, u0, u1, k, one, o;

@@ -554,6 +554,15 @@ def _dequant_tile(q, z, s_ptr, g, N, rp, p_mask, DT: tl.constexpr, ASM: tl.const
 
 
 @jit
+def _weight_tile(qw_ptr, qz_ptr, s_ptr, k, k_mask, g, NP, N, rp, p_mask, DT: tl.constexpr, ASM: tl.constexpr):
+    """Rows ``k`` (in group ``g``) x packed columns ``rp`` of the weight, loaded and dequantized
+    (``_dequant_tile``): the GEMM kernels' B tile, before either lays it out for its dot."""
+    q = tl.load(qw_ptr + k.to(tl.int64)[:, None] * NP + rp[None, :], mask=k_mask[:, None] & p_mask[None, :], other=0)
+    z = tl.load(qz_ptr + g * NP + rp[None, :], mask=p_mask[None, :], other=0)
+    return _dequant_tile(q, z, s_ptr, g, N, rp, p_mask, DT, ASM)
+
+
+@jit
 def _gemm_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, b_ptr, out_ptr, part_ptr,
     M, N, NP, K, K_SPLIT, stride_xm, stride_om,
@@ -584,11 +593,7 @@ def _gemm_kernel(
         k = k0 + kk
         k_mask = k < K
         a = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        q = tl.load(qw_ptr + k.to(tl.int64)[:, None] * NP + rp[None, :],
-                    mask=k_mask[:, None] & p_mask[None, :], other=0)
-        g = k0 // GROUP
-        z = tl.load(qz_ptr + g * NP + rp[None, :], mask=p_mask[None, :], other=0)
-        w = _dequant_tile(q, z, s_ptr, g, N, rp, p_mask, a.dtype, ASM)
+        w = _weight_tile(qw_ptr, qz_ptr, s_ptr, k, k_mask, k0 // GROUP, NP, N, rp, p_mask, a.dtype, ASM)
         if DOT_IN_F32:  # the interpreter's bf16 tl.dot is wrong; same operands, in fp32
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
         else:
@@ -635,11 +640,7 @@ def _gemm_swap_kernel(
         k = k0 + kk
         k_mask = k < K
         a = tl.load(x_cols + k[:, None], mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-        q = tl.load(qw_ptr + k.to(tl.int64)[:, None] * NP + rp[None, :],
-                    mask=k_mask[:, None] & p_mask[None, :], other=0)
-        g = k0 // GROUP
-        z = tl.load(qz_ptr + g * NP + rp[None, :], mask=p_mask[None, :], other=0)
-        w = tl.trans(_dequant_tile(q, z, s_ptr, g, N, rp, p_mask, a.dtype, ASM))
+        w = tl.trans(_weight_tile(qw_ptr, qz_ptr, s_ptr, k, k_mask, k0 // GROUP, NP, N, rp, p_mask, a.dtype, ASM))
         if DOT_IN_F32:  # the interpreter's bf16 tl.dot is wrong; same operands, in fp32
             acc += tl.dot(w.to(tl.float32), a.to(tl.float32))
         else:

@@ -8,7 +8,6 @@ from .linear import (
     LinearMethod,
     MergedLinear,
     QKVLinear,
-    ReplicatedLinear,
     RowParallelLinear,
     UnquantizedLinearMethod,
 )
@@ -17,6 +16,6 @@ from .rotary import RotaryEmbedding, get_rope
 
 __all__ = [
     "Attention", "LMHead", "LinearBase", "LinearMethod", "MergedLinear", "QKVLinear", "RMSNorm",
-    "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear", "SiluAndMul", "UnquantizedLinearMethod", "VocabEmbedding",
+    "RotaryEmbedding", "RowParallelLinear", "SiluAndMul", "UnquantizedLinearMethod", "VocabEmbedding",
     "get_rope",
 ]

@@ -21,14 +21,17 @@ from ..weight_loader import narrow
 class VocabEmbedding(nn.Module):
     """Token id -> hidden vector lookup table ``[vocab, hidden]`` (this rank's rows of it)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, shared: nn.Parameter | None = None) -> None:
         super().__init__()
         tp = tp_group()
         self.vocab_size = vocab_size
         self.rows = -(-vocab_size // tp.size)  # per rank
         self.start = tp.rank * self.rows
-        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
-        self.weight.weight_loader = self.weight_loader
+        if shared is not None:  # another table's rows, split alike (a tied LM head)
+            self.weight = shared
+        else:
+            self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
+            self.weight.weight_loader = self.weight_loader
 
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -62,10 +65,8 @@ class LMHead(VocabEmbedding):
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, tie_to: VocabEmbedding | None = None) -> None:
-        super().__init__(vocab_size, hidden_size)
+        super().__init__(vocab_size, hidden_size, shared=tie_to.weight if tie_to is not None else None)
         self.tied = tie_to is not None
-        if tie_to is not None:
-            self.weight = tie_to.weight
 
     def forward(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (samplers want full-precision logits)."""

@@ -92,10 +92,6 @@ class LinearBase(nn.Module):
         return self.method.apply(self, x)
 
 
-class ReplicatedLinear(LinearBase):
-    """A plain linear layer, whole on every rank."""
-
-
 class RowParallelLinear(LinearBase):
     """A linear layer whose inputs are split over the ranks (o_proj, down_proj): each rank
     multiplies its part of the input by its rows of the weight, and one all-reduce sums the

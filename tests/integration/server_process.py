@@ -5,20 +5,11 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conveyor.engine.tp_workers import free_port  # noqa: F401 - the tests import it from here
 
 
 class ServerProcess:
@@ -44,18 +35,13 @@ class ServerProcess:
         self._wait_healthy(start_timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.kill()
-        raise RuntimeError(f"server not healthy after {timeout}s:\n{self.log()}")
+        from conveyor.serving import wait_until_healthy
+
+        try:
+            wait_until_healthy(self.proc, self.url, timeout)
+        except RuntimeError as exc:
+            self.kill()
+            raise RuntimeError(f"{exc}:\n{self.log()}") from None
 
     def log(self) -> str:
         """Everything the server printed so far."""
