@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
 import httpx
@@ -66,8 +66,18 @@ def wait_until_healthy(server: subprocess.Popen, url: str, timeout: float) -> No
         time.sleep(0.3)
 
 
+# Fields folded into others by EngineConfig (cache_block_seq_len -> block_size, ...): their flag is the other's.
+_FOLDED = {"cache_block_seq_len", "num_gpu_blocks", "num_tokens_per_iter"}
+
+
 def _engine_flags(config: EngineConfig) -> list[str]:
+    """``config`` as api_server flags; a setting the command line cannot carry is refused, not dropped."""
     default, flags = EngineConfig(), []
+    lost = [f.name for f in fields(EngineConfig) if f.name not in _ENGINE_FLAGS and f.name not in _FOLDED
+            and getattr(config, f.name) != getattr(default, f.name)]
+    if lost:
+        raise ValueError(f"serve(): backend_config sets {lost}, which the api_server command line does not take; "
+                         f"the settings it takes are {sorted(_ENGINE_FLAGS)}")
     for field, flag in _ENGINE_FLAGS.items():
         value = getattr(config, field)
         if value == getattr(default, field):

@@ -39,6 +39,8 @@ def test_serve_refuses_what_it_cannot_do() -> None:
         conveyor.serve("x", backend="vllm")
     with pytest.raises(ValueError, match="ssl"):
         conveyor.serve("x", ssl=True)
+    with pytest.raises(ValueError, match="rope_scaling_factor"):  # no flag carries it: refused, not dropped
+        conveyor.serve("x", backend_config=EngineConfig(rope_scaling_factor=2.0))
 
 
 def test_pipeline_takes_a_model_name_second(smollm2_dir) -> None:
