@@ -4,9 +4,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+say() { echo "setup: $*" >&2; }  # each step says what it does: some take minutes
+if [ ! -x .venv/bin/python ]; then
+  say "creating the virtual environment .venv"
+  "$PYTHON" -m venv .venv
+fi
 . .venv/bin/activate
 if ! python -c "import torch" 2>/dev/null; then
+  say "installing torch (a few minutes)"
   if command -v nvidia-smi >/dev/null 2>&1; then
     python -m pip install -q torch
   else
@@ -16,5 +21,8 @@ if ! python -c "import torch" 2>/dev/null; then
     python -m pip install -q "${CONVEYOR_TORCH:-torch==2.13.0}"
   fi
 fi
+say "installing conveyor (editable) and its test tools"
 python -m pip install -q -e ".[test]"
+say "fetching the test model SmolLM2-135M-Instruct (once; cached in ~/.cache/conveyor)"
 python scripts/fetch_test_model.py
+say "done: .venv/bin/conveyor --help, or bash scripts/test.sh"
