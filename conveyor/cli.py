@@ -113,7 +113,6 @@ def _read_prompt(interactive: bool) -> str | None:
 
 def _cmd_api_server(args: argparse.Namespace) -> int:
     """Start every stage as a process and serve the OpenAI-compatible API until SIGTERM."""
-    from conveyor.default_model import fetch
     from conveyor.services.launcher import ServerArgs, serve
 
     from conveyor.errors import ConveyorError
@@ -124,13 +123,32 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
     except ConveyorError as exc:
         print(f"conveyor: {exc}", file=sys.stderr)
         return 2
-    model = args.model or str(fetch())
+    try:
+        model, served_name = _served_model(args)
+    except ConveyorError as exc:
+        print(f"conveyor: {exc}", file=sys.stderr)
+        return 2
     engine = _engine_config(args)
     return serve(ServerArgs(
         model_path=model, server_name=args.server_name, server_port=args.server_port,
         tokenizer_workers=args.tokenizer_workers, api_keys=_api_keys(args), chat_template=args.chat_template,
-        served_model_name=args.model_name, engine=engine, log_level=args.log_level, engine_factory=args.engine_factory,
+        served_model_name=served_name, engine=engine, log_level=args.log_level, engine_factory=args.engine_factory,
         drain_timeout=args.drain_timeout, max_restarts=args.max_restarts, limits=_limits(args)))
+
+
+def _served_model(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(the model path every stage reads, the name /v1/models reports). With --dummy-weights SHAPE:
+    a directory of SHAPE's config.json and the tokenizer of MODEL (default: the default model)."""
+    from conveyor.default_model import fetch
+
+    model = args.model or str(fetch())
+    if not args.dummy_weights:
+        return model, args.model_name
+    from conveyor.engine.dummy_model import served_model_dir, shape_name
+    from conveyor.engine.weight_loader import resolve_model_path
+
+    return str(served_model_dir(args.dummy_weights, resolve_model_path(model))), \
+        args.model_name or shape_name(args.dummy_weights)
 
 
 def _limits(args: argparse.Namespace):
@@ -166,13 +184,14 @@ def _engine_config(args: argparse.Namespace):
                         quant_policy=args.quant_policy, model_format=args.model_format,
                         enable_prefix_caching=args.enable_prefix_caching, block_size=args.cache_block_seq_len,
                         max_prefill_token_num=args.max_prefill_token_num, dtype=args.dtype, device=args.device,
-                        session_idle_timeout=args.session_idle_timeout or None)
+                        session_idle_timeout=args.session_idle_timeout or None,
+                        load_format="dummy" if getattr(args, "dummy_weights", None) else "auto")
 
 
 def _cmd_stage(args: argparse.Namespace) -> int:
     """Run one stage in the foreground over tcp:// (a compose service); peers found by service name."""
-    from conveyor.default_model import fetch
     from conveyor.engine.weight_loader import load_model_config
+    from conveyor.errors import ConveyorError
     from conveyor.protocol import Addresses, CurveKeys, SecurityError
 
     try:  # first: a stage without keys must not load a model before it says so
@@ -181,7 +200,11 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     except SecurityError as exc:
         print(f"conveyor: {exc}", file=sys.stderr)
         return 2
-    model = args.model or str(fetch())
+    try:
+        model, served_name = _served_model(args)
+    except ConveyorError as exc:
+        print(f"conveyor: {exc}", file=sys.stderr)
+        return 2
     session_len = args.session_len or load_model_config(model).max_position_embeddings
     if args.stage == "engine":
         from conveyor.services.engine.process import run_engine_process
@@ -198,7 +221,7 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     else:
         from conveyor.services.ingress.process import run_ingress_process
 
-        name = args.model_name or model.rstrip("/").split("/")[-1]
+        name = served_name or model.rstrip("/").split("/")[-1]
         run_ingress_process("ingress", addresses, model, name, session_len, args.server_name, args.server_port,
                             _api_keys(args), None, args.log_level, args.drain_timeout, _limits(args))
     return 0
@@ -291,6 +314,10 @@ def _server_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--engine-factory", default=None, metavar="MODULE:CALLABLE",
                    help="build the engine with this callable (model path, EngineConfig) instead of the GPU "
                         "engine; e.g. benchmarks.fake_engine:build, a model-free engine for stack tests")
+    s.add_argument("--dummy-weights", default=None, metavar="SHAPE",
+                   help="serve a model shape on seeded random weights, for speed benchmarks: a published shape "
+                        "(llama2-7b, llama3-8b, llama2-70b, tiny) or a config.json / model directory; MODEL then "
+                        "only supplies the tokenizer (prompts as token ids run as on the real model)")
 
 
 def _add_serve(sub) -> None:

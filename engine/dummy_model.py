@@ -1,0 +1,151 @@
+"""Published model shapes (config.json only) for runs with random weights (``load_format="dummy"``).
+
+The engine builds the model from the config and fills it with seeded random weights on the
+device: no weight files are written or read, and the timings are those of the real shape (the
+kernels do not depend on the values). The benchmarks build engines of these shapes
+(``benchmarks/common.py``); ``conveyor serve api_server --dummy-weights SHAPE`` serves one,
+with the tokenizer of the model it is given (:func:`served_model_dir`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..protocol.errors import EngineConfigError
+
+logger = logging.getLogger(__name__)
+
+_LLAMA_COMMON: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "torch_dtype": "float16",
+}
+
+SHAPES: dict[str, dict[str, Any]] = {
+    # meta-llama/Llama-2-7b-hf
+    "llama2-7b": {
+        **_LLAMA_COMMON,
+        "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "intermediate_size": 11008, "vocab_size": 32000, "rope_theta": 10000.0,
+        "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2,
+    },
+    # meta-llama/Meta-Llama-3-8B
+    "llama3-8b": {
+        **_LLAMA_COMMON,
+        "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0,
+        "max_position_embeddings": 8192, "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+    # meta-llama/Llama-2-70b-hf: 138 GB of fp16 weights, more than one H200 holds (tensor parallel)
+    "llama2-70b": {
+        **_LLAMA_COMMON,
+        "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "intermediate_size": 28672, "vocab_size": 32000, "rope_theta": 10000.0,
+        "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2,
+    },
+    # A toy of the same family, for smoke-testing the benchmarks on a CPU.
+    "tiny": {
+        **_LLAMA_COMMON,
+        "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 512, "vocab_size": 1000, "rope_theta": 10000.0,
+        "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2,
+    },
+}
+
+# What a model directory's tokenizer is made of (transformers' names); nothing else is copied.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
+                    "chat_template.json")
+
+
+def write_model_dir(shape: str, dest: str | Path) -> Path:
+    """Write ``dest/config.json`` for ``shape`` (a key of SHAPES); returns ``dest``."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(shape_config(shape), indent=2) + "\n")
+    return dest
+
+
+def shape_config(shape: str | Path) -> dict[str, Any]:
+    """The config of ``shape``: a key of SHAPES, a config.json file or a model directory holding one."""
+    if str(shape) in SHAPES:
+        return SHAPES[str(shape)]
+    path = Path(shape)
+    path = path / "config.json" if path.is_dir() else path
+    if path.suffix != ".json" or not path.is_file():
+        raise EngineConfigError(f"model shape {str(shape)!r}: name one of {sorted(SHAPES)}, a config.json file "
+                                "or a model directory holding one")
+    return json.loads(path.read_text())
+
+
+def shape_name(shape: str | Path) -> str:
+    """What to call ``shape`` (as /v1/models reports it): the key, or the model directory's name."""
+    path = Path(str(shape).rstrip("/"))
+    return path.parent.name if path.name == "config.json" else path.name.removesuffix(".json")
+
+
+def served_model_dir(shape: str | Path, tokenizer_dir: str | Path) -> Path:
+    """A model directory for serving ``shape`` on random weights: its config.json and the tokenizer
+    files of ``tokenizer_dir`` (a model directory), so that every stage reads one path.
+
+    The tokenizer is another model's: prompts given as token ids run as they would on the real
+    model; text prompts may encode to ids past the shape's vocabulary (the engine refuses them),
+    and generated ids the tokenizer does not know decode to nothing. The directory is named by
+    its contents and made atomically, so the stages of one deployment (processes or containers
+    sharing /tmp) may all call this and get the same one."""
+    config = shape_config(shape)
+    src = Path(tokenizer_dir)
+    if not src.is_dir():
+        raise EngineConfigError(f"--dummy-weights takes its tokenizer from a model directory; {str(src)!r} is not "
+                                "one (a .gguf file or a missing path): give a model directory as MODEL")
+    files = [src / name for name in _TOKENIZER_FILES if (src / name).is_file()]
+    if not files:
+        raise EngineConfigError(f"{src} holds no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])}, ...)")
+    digest = hashlib.sha1(json.dumps(config, sort_keys=True).encode())
+    for f in files:
+        digest.update(f.name.encode() + f.read_bytes())
+    dest = Path(tempfile.gettempdir()) / f"conveyor-dummy-{shape_name(shape)}-{digest.hexdigest()[:12]}"
+    if not dest.is_dir():
+        part = Path(tempfile.mkdtemp(prefix=f"{dest.name}.part-", dir=dest.parent))
+        for f in files:
+            shutil.copyfile(f, part / f.name)
+        (part / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        try:
+            os.rename(part, dest)
+        except OSError:  # another stage made it first: the same contents
+            shutil.rmtree(part, ignore_errors=True)
+    _warn_small_vocab(dest, int(config.get("vocab_size", 0)))
+    return dest
+
+
+def _warn_small_vocab(model_dir: Path, vocab: int) -> None:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return
+    tokenizer = json.loads(path.read_text())
+    ids = tokenizer["model"].get("vocab") or {}
+    known = 1 + max([*(ids.values() if isinstance(ids, dict) else [len(ids) - 1]),
+                     *(t["id"] for t in tokenizer.get("added_tokens", ()))], default=-1)
+    if known < vocab:
+        logger.warning("the tokenizer knows %d ids, the model shape generates up to %d: the ids past it decode to "
+                       "nothing (the detokenizer's work is understated)", known, vocab)
+
+
+def param_count(shape: str) -> int:
+    """Parameters of the shape (for bandwidth arithmetic in the reports)."""
+    c = SHAPES[shape]
+    h, inter, layers, vocab = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * inter + 2 * h
+    return layers * per_layer + 2 * vocab * h + h
