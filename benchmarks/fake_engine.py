@@ -29,6 +29,7 @@ class _Req:
     turn_token_ids: list[int]
     num_history_tokens: int = 0
     generated: int = 0
+    priority: int = 0
 
 
 class FakeEngine:
@@ -47,13 +48,15 @@ class FakeEngine:
         self._sessions: dict[int, tuple[int, str | None]] = {}  # id -> (tokens, running request)
         self._ids = itertools.count()
         self.tokens_emitted = 0
+        self._prioritized = False  # a request had a priority: admission looks for the lowest value
 
     @property
     def has_work(self) -> bool:
         return bool(self._running or self._waiting or self._pending)
 
     def add_request(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    session_id: int | None = None, first_turn_ids: list[int] | None = None) -> _Req:
+                    session_id: int | None = None, first_turn_ids: list[int] | None = None, priority: int = 0
+                    ) -> _Req:
         validate(params)
         history, running = self._sessions.get(session_id, (0, None)) if session_id is not None else (0, None)
         if running is not None:
@@ -66,7 +69,8 @@ class FakeEngine:
         if history + len(token_ids) >= self.session_len:
             raise PromptTooLongError(history + len(token_ids), self.session_len)
         rid = f"fake-{next(self._ids)}" if request_id is None else request_id
-        req = _Req(rid, params, history + len(token_ids), list(token_ids), history)
+        req = _Req(rid, params, history + len(token_ids), list(token_ids), history, priority=priority)
+        self._prioritized = self._prioritized or priority != 0
         self._waiting[rid] = req
         if session_id is not None:
             self._sessions[session_id] = (history, rid)
@@ -111,7 +115,8 @@ class FakeEngine:
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         while self._waiting and len(self._running) < self.max_batch_size:
-            rid = next(iter(self._waiting))
+            rid = next(iter(self._waiting)) if not self._prioritized else \
+                min(self._waiting, key=lambda r: self._waiting[r].priority)  # the first of the lowest
             self._running[rid] = self._waiting.pop(rid)
             self.free_blocks -= 1
         cycle = self.vocab_cycle

@@ -118,8 +118,9 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
     from conveyor.errors import ConveyorError
     from conveyor.services.tokenizer.chat_template import template_config
 
-    try:  # a bad template is reported now, not by a tokenizer stage that keeps restarting
+    try:  # a bad template or QoS file is reported now, not by a stage that keeps restarting
         template_config(args.chat_template)
+        qos = _qos_config(args)
     except ConveyorError as exc:
         print(f"conveyor: {exc}", file=sys.stderr)
         return 2
@@ -133,7 +134,7 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
         model_path=model, server_name=args.server_name, server_port=args.server_port,
         tokenizer_workers=args.tokenizer_workers, api_keys=_api_keys(args), chat_template=args.chat_template,
         served_model_name=served_name, engine=engine, log_level=args.log_level, engine_factory=args.engine_factory,
-        drain_timeout=args.drain_timeout, max_restarts=args.max_restarts, limits=_limits(args)))
+        drain_timeout=args.drain_timeout, max_restarts=args.max_restarts, limits=_limits(args), qos=qos))
 
 
 def _served_model(args: argparse.Namespace) -> tuple[str, str | None]:
@@ -159,6 +160,13 @@ def _limits(args: argparse.Namespace):
                          max_sequences=args.max_sequences_per_request, max_queued=args.max_queued_requests,
                          request_timeout_s=args.request_timeout or None, header_timeout_s=args.header_timeout,
                          body_timeout_s=args.body_timeout, max_connections=args.max_connections)
+
+
+def _qos_config(args: argparse.Namespace):
+    """The QoS user groups of --qos-config-path (None without it); raises QosConfigError naming the problem."""
+    from conveyor.services.ingress.qos import QosConfig
+
+    return QosConfig.load(args.qos_config_path) if args.qos_config_path else None
 
 
 API_KEYS_ENV = "CONVEYOR_API_KEYS"  # comma-separated; keeps keys out of `ps`, like --api-keys-file
@@ -193,11 +201,13 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     from conveyor.engine.weight_loader import load_model_config
     from conveyor.errors import ConveyorError
     from conveyor.protocol import Addresses, CurveKeys, SecurityError
+    from conveyor.services.ingress.qos import QosConfigError
 
     try:  # first: a stage without keys must not load a model before it says so
         keys = CurveKeys.load(args.curve_key_file) if args.curve_key_file else None
         addresses = Addresses.tcp(base_port=args.base_port, curve=keys)
-    except SecurityError as exc:
+        qos = _qos_config(args)  # every stage checks it: a compose file passes the same flags to all
+    except (SecurityError, QosConfigError) as exc:
         print(f"conveyor: {exc}", file=sys.stderr)
         return 2
     try:
@@ -223,7 +233,7 @@ def _cmd_stage(args: argparse.Namespace) -> int:
 
         name = served_name or model.rstrip("/").split("/")[-1]
         run_ingress_process("ingress", addresses, model, name, session_len, args.server_name, args.server_port,
-                            _api_keys(args), None, args.log_level, args.drain_timeout, _limits(args))
+                            _api_keys(args), None, args.log_level, args.drain_timeout, _limits(args), qos)
     return 0
 
 
@@ -311,6 +321,9 @@ def _server_options(s: argparse.ArgumentParser) -> None:
                      help="seconds a client may take to send its request body before it gets 408")
     lim.add_argument("--max-connections", type=int, default=4096,
                      help="open connections and requests; past it new requests get 503")
+    lim.add_argument("--qos-config-path", default=None, metavar="FILE",
+                     help="QoS user groups, LMDeploy's JSON format: a request's `user` picks its group (priority) "
+                          "and quota (README: QoS)")
     s.add_argument("--engine-factory", default=None, metavar="MODULE:CALLABLE",
                    help="build the engine with this callable (model path, EngineConfig) instead of the GPU "
                         "engine; e.g. benchmarks.fake_engine:build, a model-free engine for stack tests")

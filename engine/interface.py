@@ -38,9 +38,10 @@ class Engine(Protocol):
         """True while a step would do or report something."""
 
     def add_request(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    session_id: int | None = None, first_turn_ids: list[int] | None = None
+                    session_id: int | None = None, first_turn_ids: list[int] | None = None, priority: int = 0
                     ) -> AdmittedRequest:
-        """Queue a request or a session's next turn; raises a ConveyorError on bad input."""
+        """Queue a request or a session's next turn; raises a ConveyorError on bad input. Waiting
+        requests of a lower ``priority`` start first."""
 
     def abort(self, request_id: str) -> None:
         """End a request now (reported with Finish.ABORT by the next step)."""

@@ -162,12 +162,14 @@ class LLMEngine:
         return self.scheduler.has_work or bool(self._pending) or self._inflight is not None
 
     def add_request(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    session_id: int | None = None, first_turn_ids: list[int] | None = None) -> Sequence:
+                    session_id: int | None = None, first_turn_ids: list[int] | None = None,
+                    priority: int = 0) -> Sequence:
         """Queue a request (or a session's next turn); raises InvalidRequestError on bad input.
 
         ``first_turn_ids``, when given, replace ``token_ids`` if the session has no history yet
         (the prompt rendered as a conversation's first turn). ``request_id`` must be unique among
-        running requests; by default one is made up.
+        running requests; by default one is made up. Waiting requests of a lower ``priority``
+        are admitted first (QoS user groups); running ones are never withdrawn for them.
         """
         vocab = self.model_config.vocab_size
         validate(params, vocab)
@@ -201,6 +203,7 @@ class LLMEngine:
         seed = params.random_seed
         seq.sampling_seed = (seed if seed is not None else self._seed_source.getrandbits(63)) % (1 << 63)
         self._seqs[request_id] = seq
+        seq.priority = priority
         self.scheduler.add(seq)
         return seq
 

@@ -8,6 +8,11 @@ first, then the most recently admitted running sequence is preempted and later r
 parked session left idle too long is evicted the same way (``release_idle``), so that sessions
 nobody continues do not hold the cache forever.
 
+Waiting sequences are admitted in ``Sequence.priority`` order (lower first; equals first come,
+first served), kept sorted as they are queued so that a step never sorts; a running sequence is
+never withdrawn for a better one, but when the cache runs short the worst-priority one is
+preempted first (docs/architecture.md, "QoS").
+
 A step has two halves, so that the engine can overlap them with the GPU (``engine/llm_engine.py``):
 ``launched`` right after the step is handed to the GPU advances the counters and counts each
 sampling sequence's new token as pending (``Sequence.num_pending_tokens``); ``resolve`` later
@@ -23,6 +28,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from .block_manager import BlockManager, PrefixMatch
 from ..protocol.messages import Finish
@@ -86,7 +92,22 @@ class Scheduler:
             self.parked.pop(seq.session_id, None)
             self.parked_at.pop(seq.session_id, None)
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._queue(seq)
+
+    def _queue(self, seq: Sequence, ahead_of_equals: bool = False) -> None:
+        """Put ``seq`` into ``waiting`` behind every sequence of a lower priority value, and behind
+        (or, ``ahead_of_equals``, before) those of its own. With equal priorities (no QoS) the
+        scan stops at once: an append, or an appendleft."""
+        waiting = self.waiting
+        if ahead_of_equals:
+            i = 0
+            while i < len(waiting) and waiting[i].priority < seq.priority:
+                i += 1
+        else:
+            i = len(waiting)
+            while i > 0 and waiting[i - 1].priority > seq.priority:
+                i -= 1
+        waiting.insert(i, seq)
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's sequences and token counts, allocating their blocks."""
@@ -106,7 +127,9 @@ class Scheduler:
             while not self.block_manager.allocate(seq, n):
                 if self._evict_parked():
                     continue
-                victim = self.running[-1]
+                # The most recently admitted of the worst priority among those not yet given this
+                # step (the last one when priorities are equal): never one already in ``out``.
+                victim = max(reversed(self.running[i:]), key=attrgetter("priority"))
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -203,7 +226,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_cached_tokens = 0  # everything is looked up (and recomputed) again
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._queue(seq, ahead_of_equals=True)  # it was admitted before the others of its priority
         out.preempted.append(seq)
         logger.info("preempted sequence %d (recompute later)", seq.seq_id)
 

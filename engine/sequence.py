@@ -61,6 +61,7 @@ class Sequence:
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.sampling_seed = 0  # seeds the sampler's noise (the request's seed or a random one)
+        self.priority = 0  # the current turn's: a lower value is admitted first (QoS user groups)
 
     def __repr__(self) -> str:
         return (

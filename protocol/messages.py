@@ -70,6 +70,7 @@ class GenerateReq(msgspec.Struct, tag=1, **_TAG):
     do_preprocess: bool = True
     session_id: int | None = None
     sequence_start: bool | None = True
+    priority: int = 0  # the engine admits waiting requests with a lower value first (QoS user groups)
 
 
 class TokenizedReq(msgspec.Struct, tag=2, **_TAG):
@@ -85,6 +86,7 @@ class TokenizedReq(msgspec.Struct, tag=2, **_TAG):
     params: SamplingParams
     session_id: int | None = None
     first_turn_ids: list[int] | None = None
+    priority: int = 0  # GenerateReq's, passed on
 
 
 class Abort(msgspec.Struct, tag=3, **_TAG):

@@ -184,7 +184,8 @@ class EngineService:
         while len(self._seen) > _RECENT_RIDS:
             self._seen.popitem(last=False)
         try:
-            req = self.engine.add_request(msg.token_ids, msg.params, msg.rid, msg.session_id, msg.first_turn_ids)
+            req = self.engine.add_request(msg.token_ids, msg.params, msg.rid, msg.session_id, msg.first_turn_ids,
+                                          priority=msg.priority)
         except ConveyorError as exc:
             self._outbox.put(ErrorOut(msg.rid, 400, str(exc), param=getattr(exc, "param", None),
                                       code=error_code(exc), reply_to=msg.reply_to))

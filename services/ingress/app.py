@@ -11,7 +11,8 @@ describe the API without touching the model.
 Limits (``limits.py``): a request's prompt characters, prompts and engine requests are capped
 before anything is tokenized (400); past ``max_queued`` engine requests in flight a request gets
 429 with Retry-After; a request running past ``request_timeout_s`` is aborted (504, or an error
-event in a stream); slow headers close the connection, a slow body gets 408.
+event in a stream); slow headers close the connection, a slow body gets 408. With a QoS config
+(``qos.py``) each request's ``user`` gives its engine priority, and a user over its quota gets 429.
 
 A request whose HTTP client goes away is aborted in the engine: a stream when its response ends
 (``ClosingStreamingResponse``), a non-streamed request through a watcher on the connection.
@@ -38,6 +39,7 @@ from starlette.responses import Response
 from ...protocol import GenerateReq, InvalidRequestError, LoadReport, error_code
 from ..engine_client import RETRY_AFTER_S, RequestError, RequestOutput
 from .limits import IngressLimits
+from .qos import Admission, QosConfig, QosGate
 from .metrics import CONTENT_TYPE, IngressMetrics, RequestCounter
 from .openai_schemas import (
     ChatCompletionRequest,
@@ -232,9 +234,9 @@ class _Ingress:
     """Per-app state, and the request flow the generation routes share."""
 
     def __init__(self, app: FastAPI, client: EngineClientLike, model_name: str, tokenizer: Any | None,
-                 limits: IngressLimits):
+                 limits: IngressLimits, qos: QosGate | None = None):
         self.app, self.client, self.model_name, self.tokenizer = app, client, model_name, tokenizer
-        self.limits = limits
+        self.limits, self.qos = limits, qos
         self.inflight = 0  # HTTP generation requests being served
         self.sequences = 0  # engine requests they made (n x prompts each)
         self.metrics = IngressMetrics(client, lambda: self.inflight)
@@ -261,9 +263,9 @@ class _Ingress:
                                f"(its context is {self.client.session_len} tokens)", param=param,
                                code="prompt_too_long")
 
-    def _reserve(self, num: int, n: int) -> None:
-        """Count ``num`` engine requests in, or refuse them: too many for one request (400), or
-        the ingress's queue full (429; its places come back as requests end)."""
+    def _reserve(self, num: int, n: int, user: str | None) -> Admission | None:
+        """Count ``num`` engine requests in, or refuse them: too many for one request (400), the
+        ingress's queue full or ``user`` over its QoS quota (429; places come back as requests end)."""
         if num > self.limits.max_sequences:
             raise RequestError(400, f"this request makes {num} generations (n={n} for each prompt); this server "
                                f"takes at most {self.limits.max_sequences} per request", param="n",
@@ -272,13 +274,18 @@ class _Ingress:
             raise RequestError(429, f"the server has {self.sequences} generations queued or running, its limit: "
                                "retry later", type="rate_limit_exceeded", code="rate_limit_exceeded",
                                retry_after=RETRY_AFTER_S)
+        admission = self.qos.admit(user, num) if self.qos is not None else None
         self.sequences += num
         self.inflight += 1
+        return admission
 
     async def respond(self, request: Request, reqs: list[GenerateReq], fmt: ResponseFormat, *, stream: bool,
-                      n: int, start: float) -> Response:
-        """Run ``reqs`` (n choices per prompt) and answer with ``fmt``, streamed or whole."""
-        self._reserve(len(reqs), n)
+                      n: int, start: float, user: str | None = None) -> Response:
+        """Run ``reqs`` (n choices per prompt) for ``user`` and answer with ``fmt``, streamed or whole."""
+        admission = self._reserve(len(reqs), n, user)
+        if admission is not None:
+            for req in reqs:
+                req.priority = admission.priority
         stats = [self.metrics.track(start) for _ in reqs]
         events = iter_choices(self.client, reqs, stats)
 
@@ -288,6 +295,8 @@ class _Ingress:
             finally:
                 self.inflight -= 1
                 self.sequences -= len(reqs)
+                if admission is not None:
+                    self.qos.release(admission)
                 self.metrics.e2e.observe(time.perf_counter() - start)
 
         handed_off = False
@@ -323,17 +332,21 @@ def _rid(prefix: str) -> str:
 
 def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, served_model_name: str | None = None,
-              tokenizer: Any | None = None, limits: IngressLimits | None = None) -> FastAPI:
+              tokenizer: Any | None = None, limits: IngressLimits | None = None,
+              qos: QosConfig | None = None) -> FastAPI:
     """The OpenAI-compatible app serving ``client``'s model.
 
     ``served_model_name`` is the name clients use (default: ``client.model_name``); ``tokenizer``
     (a transformers tokenizer) renders logprob tokens as text and enables ``echo`` of token-id
-    prompts; without it tokens are shown as their ids.
+    prompts; without it tokens are shown as their ids. ``qos``: the user groups (``qos.py``).
     """
     app = FastAPI(title="conveyor", summary="OpenAI-compatible LLM server", version="0.1.0")
     app.state.draining = False
     limits = limits or IngressLimits()
-    app.state.ingress = ing = _Ingress(app, client, served_model_name or client.model_name, tokenizer, limits)
+    gate = QosGate(qos, limits.max_queued) if qos is not None and qos.enabled else None
+    if qos is not None and gate is None:
+        logger.info("the QoS config has enable_user_qos false: every user is served alike")
+    app.state.ingress = ing = _Ingress(app, client, served_model_name or client.model_name, tokenizer, limits, gate)
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=limits.body_timeout_s)
     if api_keys:
@@ -385,7 +398,7 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
         reqs = [GenerateReq(rid=f"{rid}-{i}", reply_to=client.reply_to, messages=messages,
                             params=body.sampling_params(max_new, k, i)) for i in range(n)]
         fmt = ChatFormat(rid, int(time.time()), ing.model_name, n, ing.renderer, k, body.wants_usage_chunk)
-        return await ing.respond(request, reqs, fmt, stream=bool(body.stream), n=n, start=start)
+        return await ing.respond(request, reqs, fmt, stream=bool(body.stream), n=n, start=start, user=body.user)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, **_STREAMED})
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -416,7 +429,7 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
                 for j, p in enumerate(prompts) for i in range(n)]
         fmt = CompletionFormat(rid, int(time.time()), ing.model_name, len(reqs), ing.renderer, body.logprobs,
                                body.wants_usage_chunk, echo=echo)
-        return await ing.respond(request, reqs, fmt, stream=bool(body.stream), n=n, start=start)
+        return await ing.respond(request, reqs, fmt, stream=bool(body.stream), n=n, start=start, user=body.user)
 
     @app.post("/v1/chat/interactive", response_model=InteractiveResponse, responses={**_ERRORS, **_LINES})
     async def chat_interactive(body: InteractiveRequest, request: Request) -> Response:
@@ -452,7 +465,7 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
                           session_id=session_id, sequence_start=None if body.interactive_mode else True,
                           params=body.sampling_params(body.request_output_len or INTERACTIVE_MAX_NEW_TOKENS))
         fmt = InteractiveFormat(session_id)
-        return await ing.respond(request, [req], fmt, stream=body.stream, n=1, start=start)
+        return await ing.respond(request, [req], fmt, stream=body.stream, n=1, start=start, user=body.user_id)
 
     return app
 

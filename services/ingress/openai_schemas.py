@@ -110,7 +110,8 @@ class _SamplingBody(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     seed: int_in(0, MAX_SEED) | None = Field(None, description="Choice i uses seed + i.")
-    user: str | None = Field(None, description="An end-user id for the client's own records; not used.")
+    user: str | None = Field(None, description="An end-user id: its QoS group and quota when the server has "
+                             "--qos-config-path, else only for the client's records.")
     logit_bias: dict[str, float] | None = Field(None, description="Not supported: only null or {}.")
     presence_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0: use repetition_penalty.")
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0: use repetition_penalty.")
@@ -248,6 +249,8 @@ class InteractiveRequest(_Body):
     adapter_name: str | None = Field(None, description="LoRA adapter: not supported, so only null is accepted.")
     seed: int_in(0, MAX_SEED) | None = None
     end: bool = Field(False, description="Extension: end the session and free its cache.")
+    user_id: str | None = Field(None, description="The QoS user (LMDeploy's name): its group and quota when the "
+                                "server has --qos-config-path.")
 
     def sampling_params(self, max_new_tokens: int) -> SamplingParams:
         """The engine's parameters of this turn, validated."""

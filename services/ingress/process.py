@@ -15,6 +15,7 @@ from ...protocol import Addresses, Stage
 from ..engine_client import EngineClient
 from .app import begin_drain, build_app, inflight_requests
 from .limits import IngressLimits, with_header_timeout
+from .qos import QosConfig
 from ..stage import announce_ready, set_process_title, setup_logging
 from ..tokenizer.preprocess import load_tokenizer
 
@@ -60,11 +61,11 @@ class DrainingServer(uvicorn.Server):
 
 async def _serve(addresses: Addresses, model_path: str, model_name: str, session_len: int, host: str, port: int,
                  api_keys: list[str] | None, launcher: str | None, log_level: str, drain_timeout: float,
-                 limits: IngressLimits) -> None:
+                 limits: IngressLimits, qos: QosConfig | None) -> None:
     client = EngineClient(addresses, model_name, session_len, request_timeout=limits.request_timeout_s)
     await client.start()
     app = build_app(client, api_keys=api_keys, served_model_name=model_name, tokenizer=load_tokenizer(model_path),
-                    limits=limits)
+                    limits=limits, qos=qos)
     from uvicorn.protocols.http.auto import AutoHTTPProtocol  # the class uvicorn would pick (httptools or h11)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
@@ -92,13 +93,14 @@ async def _serve(addresses: Addresses, model_path: str, model_name: str, session
 
 def run_ingress_process(name: str, addresses: Addresses, model_path: str, model_name: str, session_len: int, host: str,
                         port: int, api_keys: list[str] | None, launcher: str | None, log_level: str = "INFO",
-                        drain_timeout: float = 60.0, limits: IngressLimits | None = None) -> None:
-    """Entry point of the ingress process."""
+                        drain_timeout: float = 60.0, limits: IngressLimits | None = None,
+                        qos: QosConfig | None = None) -> None:
+    """Entry point of the ingress process; ``qos``: the user groups (--qos-config-path)."""
     setup_logging(log_level)
     set_process_title(f"conveyor: {name}")
     logger.info("ingress pid %d", os.getpid())
     main = _serve(addresses, model_path, model_name, session_len, host, port, api_keys, launcher, log_level,
-                  drain_timeout, limits or IngressLimits())
+                  drain_timeout, limits or IngressLimits(), qos)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

@@ -129,4 +129,4 @@ class Preprocessor:
         if len(ids) >= self.session_len:
             raise PromptTooLongError(len(ids), self.session_len)
         return TokenizedReq(rid=req.rid, reply_to=req.reply_to, token_ids=ids, params=self.resolve(req.params),
-                            session_id=req.session_id, first_turn_ids=first_turn_ids)
+                            session_id=req.session_id, first_turn_ids=first_turn_ids, priority=req.priority)
