@@ -1,32 +1,58 @@
 """A Python client for a conveyor (or LMDeploy) api_server, with LMDeploy's method names.
 
 Every method is a generator of response dicts: one dict when ``stream=False``, one per chunk
-when streaming. HTTP errors raise ``APIError`` carrying the server's OpenAI error envelope.
+when streaming. HTTP errors raise ``APIError`` carrying the server's OpenAI error envelope; a
+server that cannot be reached raises ``APIConnectionError``. Importing this module does not
+import torch or the engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import secrets
+import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
+INTERACTIVE_OUTPUT_LEN = 512  # request_output_len's default in LMDeploy's documentation
+SESSION_BUSY_WAIT_S = 10.0  # how long chat() waits for a session's previous turn to end
+
 
 class APIError(RuntimeError):
-    """The server answered with an error status."""
+    """The server answered with an error status (``code``/``param``: the envelope's)."""
 
     def __init__(self, status: int, body: Any):
         err = body.get("error", {}) if isinstance(body, dict) else {}
         super().__init__(f"HTTP {status}: {err.get('message', body)}")
         self.status, self.body = status, body
+        self.code, self.param = err.get("code"), err.get("param")
+
+
+class APIConnectionError(ConnectionError):
+    """The server could not be reached, or closed the connection mid-answer."""
+
+
+def normalize_url(url: str) -> str:
+    """``localhost:23333`` -> ``http://localhost:23333`` (as curl reads it); no trailing slash."""
+    url = url.strip().rstrip("/")
+    return url if "://" in url else f"http://{url}"
+
+
+def new_session_id() -> int:
+    """A random session id for one client: two clients (or one restarted) never share a
+    conversation. Below 2**31, which every server's session ids hold."""
+    return 1 + secrets.randbelow(2**31 - 2)
 
 
 class APIClient:
     """Talks to ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``, ``/v1/chat/interactive``."""
 
     def __init__(self, api_server_url: str, api_key: str | None = None, timeout: float = 600.0):
-        self.base = api_server_url.rstrip("/")
+        self.base = normalize_url(api_server_url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.base, headers=headers, timeout=timeout)
 
@@ -37,9 +63,23 @@ class APIClient:
     @property
     def available_models(self) -> list[str]:
         """Names of the served models."""
-        r = self._http.get("/v1/models")
+        with self._connection():
+            r = self._http.get("/v1/models")
         self._check(r)
         return [m["id"] for m in r.json()["data"]]
+
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[None]:
+        """httpx's transport errors as one APIConnectionError that says what to check."""
+        try:
+            yield
+        except httpx.ConnectError as exc:
+            raise APIConnectionError(f"cannot connect to {self.base} ({exc}): is the server running there? "
+                                     "(conveyor serve api_server MODEL --server-port PORT)") from None
+        except httpx.TimeoutException as exc:
+            raise APIConnectionError(f"{self.base} did not answer in time ({type(exc).__name__})") from None
+        except httpx.TransportError as exc:
+            raise APIConnectionError(f"the connection to {self.base} failed: {exc or type(exc).__name__}") from None
 
     @staticmethod
     def _check(r: httpx.Response) -> None:
@@ -54,11 +94,12 @@ class APIClient:
     def _post(self, path: str, payload: dict[str, Any], stream: bool, sse: bool = True) -> Iterator[dict]:
         payload = {k: v for k, v in payload.items() if v is not None}
         if not stream:
-            r = self._http.post(path, json=payload)
+            with self._connection():
+                r = self._http.post(path, json=payload)
             self._check(r)
             yield r.json()
             return
-        with self._http.stream("POST", path, json=payload) as r:
+        with self._connection(), self._http.stream("POST", path, json=payload) as r:
             self._check(r)
             for line in r.iter_lines():
                 if not line.strip():
@@ -101,28 +142,50 @@ class APIClient:
 
     def chat_interactive_v1(self, prompt: str | list[dict], session_id: int = -1, interactive_mode: bool = False,
                             stream: bool = False, stop: str | list[str] | None = None,
-                            request_output_len: int | None = None, top_p: float = 0.8, top_k: int = 40,
+                            request_output_len: int = INTERACTIVE_OUTPUT_LEN, top_p: float = 0.8, top_k: int = 40,
                             temperature: float = 0.8, repetition_penalty: float = 1.0, ignore_eos: bool = False,
                             skip_special_tokens: bool = True, **kwargs: Any) -> Iterator[dict]:
-        """LMDeploy's stateful endpoint: with interactive_mode the server keeps the history as KV."""
+        """LMDeploy's stateful endpoint: with interactive_mode the server keeps the history as KV.
+        ``request_output_len`` is sent always (512, LMDeploy's documented default), so a server
+        whose own default is unbounded does not generate for minutes."""
         payload = dict(prompt=prompt, session_id=session_id, interactive_mode=interactive_mode, stream=stream,
                        stop=stop, request_output_len=request_output_len, top_p=top_p, top_k=top_k,
                        temperature=temperature, repetition_penalty=repetition_penalty, ignore_eos=ignore_eos,
                        skip_special_tokens=skip_special_tokens, **kwargs)
         yield from self._post("/v1/chat/interactive", payload, stream, sse=False)
 
-    def chat(self, prompt: str | list[dict], session_id: int, request_output_len: int = 512, stream: bool = False,
-             top_p: float = 0.8, top_k: int = 40, temperature: float = 0.8, repetition_penalty: float = 1.0,
-             ignore_eos: bool = False) -> Iterator[tuple[str, int, str | None]]:
+    def chat(self, prompt: str | list[dict], session_id: int, request_output_len: int = INTERACTIVE_OUTPUT_LEN,
+             stream: bool = False, top_p: float = 0.8, top_k: int = 40, temperature: float = 0.8,
+             repetition_penalty: float = 1.0, ignore_eos: bool = False) -> Iterator[tuple[str, int, str | None]]:
         """One turn of session ``session_id`` (LMDeploy's ``APIClient.chat``): yields (text, tokens,
-        finish_reason), the text in pieces when ``stream``; the server keeps the history."""
+        finish_reason), the text in pieces when ``stream``; the server keeps the history. A turn
+        sent while the session's previous one is still ending (a stop string, a cancel) waits for
+        it, up to ``SESSION_BUSY_WAIT_S``."""
         if session_id == -1:
             raise ValueError("chat() needs a session id of your own (not -1): it keeps the history under it")
-        for out in self.chat_interactive_v1(prompt, session_id=session_id, interactive_mode=True, stream=stream,
+        deadline = time.monotonic() + SESSION_BUSY_WAIT_S
+        while True:
+            outs = self.chat_interactive_v1(prompt, session_id=session_id, interactive_mode=True, stream=stream,
                                             request_output_len=request_output_len, top_p=top_p, top_k=top_k,
                                             temperature=temperature, repetition_penalty=repetition_penalty,
-                                            ignore_eos=ignore_eos):
+                                            ignore_eos=ignore_eos)
+            try:
+                first = next(outs, None)  # the request is sent here; a busy session is refused before any text
+            except APIError as exc:
+                if exc.code != "session_busy" or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+                continue
+            break
+        for out in ([first] if first is not None else []):
             yield out.get("text", ""), out.get("tokens", 0), out.get("finish_reason")
+        for out in outs:
+            yield out.get("text", ""), out.get("tokens", 0), out.get("finish_reason")
+
+    def cancel(self, session_id: int) -> None:
+        """Abort the session's running turn (its history so far is kept)."""
+        for _ in self.chat_interactive_v1("", session_id=session_id, cancel=True):
+            pass
 
     def end_session(self, session_id: int) -> None:
         """Free a session's history on the server."""
@@ -130,30 +193,58 @@ class APIClient:
             pass
 
 
-def terminal_chat(api_server_url: str, api_key: str | None = None, session_id: int = 1,
-                  request_output_len: int = 512) -> int:
-    """``conveyor serve api_client URL``: a multi-turn chat whose history stays on the server."""
+def terminal_chat(api_server_url: str, api_key: str | None = None, session_id: int | None = None,
+                  request_output_len: int = INTERACTIVE_OUTPUT_LEN) -> int:
+    """``conveyor serve api_client URL``: a multi-turn chat whose history stays on the server.
+
+    The conversation is a session of its own (a random id unless ``session_id`` names one to
+    resume). Ctrl-C during an answer cancels that turn; at the prompt (or Ctrl-D, 'exit') it
+    quits, ending the session. Returns the exit code; errors are one line on stderr.
+    """
     client = APIClient(api_server_url, api_key)
-    print(f"connected to {api_server_url} (models: {', '.join(client.available_models)}); "
-          "'exit' quits, 'end' starts over")
+    sid = new_session_id() if session_id is None else session_id
+    try:
+        try:
+            models = client.available_models
+        except (APIError, APIConnectionError) as exc:
+            print(f"conveyor: {exc}", file=sys.stderr)
+            return 1
+        print(f"connected to {client.base} (models: {', '.join(models)}; session {sid}); "
+              "'exit' or Ctrl-D quits, 'end' starts over, Ctrl-C stops an answer")
+        return _chat_loop(client, sid, request_output_len)
+    finally:
+        client.close()
+
+
+def _chat_loop(client: APIClient, sid: int, request_output_len: int) -> int:
     try:
         while True:
             try:
                 prompt = input("> ")
-            except EOFError:
+            except (EOFError, KeyboardInterrupt):
+                print()
                 break
             if prompt.strip() == "exit":
                 break
             if prompt.strip() == "end":
-                client.end_session(session_id)
+                client.end_session(sid)
                 continue
             if not prompt.strip():
                 continue
-            for chunk in client.chat_interactive_v1(prompt, session_id=session_id, interactive_mode=True,
-                                                    stream=True, request_output_len=request_output_len):
-                print(chunk.get("text", ""), end="", flush=True)
-            print()
+            try:
+                for text, _, _ in client.chat(prompt, sid, request_output_len=request_output_len, stream=True):
+                    print(text, end="", flush=True)
+                print()
+            except KeyboardInterrupt:  # stop this answer, keep the conversation
+                print(" [stopped]")
+                with contextlib.suppress(APIError):  # the turn may have ended meanwhile
+                    client.cancel(sid)
+            except APIError as exc:  # a refused turn (too long, ...): say so, keep going
+                print(f"\nconveyor: {exc}", file=sys.stderr)
+    except APIConnectionError as exc:
+        print(f"\nconveyor: {exc}", file=sys.stderr)
+        return 1
     finally:
-        client.end_session(session_id)
-        client.close()
+        with contextlib.suppress(APIError, APIConnectionError, KeyboardInterrupt):
+            client.end_session(sid)  # free the server's cache; a server already gone has nothing to free
     return 0

@@ -10,6 +10,7 @@ takes the engine flags ``serve api_server`` takes.
 from __future__ import annotations
 
 import argparse
+import copy as _copy
 import sys
 from collections.abc import Sequence
 
@@ -64,10 +65,10 @@ def _cmd_check_env(args: argparse.Namespace) -> int:
 def _cmd_chat(args: argparse.Namespace) -> int:
     """Multi-turn chat in the terminal; the session's history stays in the engine's KV cache."""
     from conveyor import GenerationConfig, pipeline
-    from conveyor.default_model import fetch
+    from conveyor.default_model import local_path
     from conveyor.services.tokenizer.chat_template import template_config
 
-    model = args.model or str(fetch())
+    model = local_path(args.model, _say)
     config = _engine_config(args)
     config.enable_prefix_caching = True  # a session's turns reuse its cached history
     template = template_config(args.chat_template)
@@ -89,10 +90,19 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             if not prompt.strip():
                 continue
             stream = pipe.chat(prompt, session=session, gen_config=gen, stream_response=True)
-            for chunk in stream:
-                print(chunk.text, end="", flush=True)
-            print()
+            try:
+                for chunk in stream:
+                    print(chunk.text, end="", flush=True)
+                print()
+            except KeyboardInterrupt:  # Ctrl-C stops this answer (aborted in the engine); 'exit' quits
+                stream.close()
+                print(" [stopped]")
     return 0
+
+
+def _say(line: str) -> None:
+    """A progress line on stderr (fetching the default model takes a minute the first time)."""
+    print(f"conveyor: {line}", file=sys.stderr, flush=True)
 
 
 def _read_prompt(interactive: bool) -> str | None:
@@ -111,8 +121,29 @@ def _read_prompt(interactive: bool) -> str | None:
         lines.append(line)
 
 
+def _port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be served on (in use, no such address, ...), or None. Checked
+    before any model loads: the ingress binds last, a minute after the model has loaded."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            sock.bind(addr)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 def _cmd_api_server(args: argparse.Namespace) -> int:
     """Start every stage as a process and serve the OpenAI-compatible API until SIGTERM."""
+    taken = _port_taken(args.server_name, args.server_port)
+    if taken:
+        print(f"conveyor: cannot serve on {args.server_name}:{args.server_port}: {taken}. Stop what uses it "
+              "or pick another port with --server-port", file=sys.stderr)
+        return 1
     from conveyor.services.launcher import ServerArgs, serve
 
     from conveyor.errors import ConveyorError
@@ -140,9 +171,9 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
 def _served_model(args: argparse.Namespace) -> tuple[str, str | None]:
     """(the model path every stage reads, the name /v1/models reports). With --dummy-weights SHAPE:
     a directory of SHAPE's config.json and the tokenizer of MODEL (default: the default model)."""
-    from conveyor.default_model import fetch
+    from conveyor.default_model import local_path
 
-    model = args.model or str(fetch())
+    model = local_path(args.model, _say)
     if not args.dummy_weights:
         return model, args.model_name
     from conveyor.engine.dummy_model import served_model_dir, shape_name
@@ -269,18 +300,20 @@ def _engine_options(s: argparse.ArgumentParser, cache_default: float = 0.8) -> N
     e.add_argument("--backend", choices=["turbomind", "pytorch"], default=None,
                    help="accepted for LMDeploy's commands: conveyor has one engine, which both names select")
     e.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs (processes) the model is split over")
-    e.add_argument("--session-len", type=int, default=None)
-    e.add_argument("--max-batch-size", type=int, default=128)
+    e.add_argument("--session-len", type=int, default=None,
+                   help="tokens of context per session (default: the model's max_position_embeddings)")
+    e.add_argument("--max-batch-size", type=int, default=128, help="sequences run together in one step")
     e.add_argument("--cache-max-entry-count", type=parse_cache_size, default=cache_default,
                    help="KV cache: a fraction of the free memory (0.8), a number of blocks (an integer: 2000) "
                         "or a size (4GiB)")
-    e.add_argument("--cache-block-seq-len", type=int, default=64)
-    e.add_argument("--enable-prefix-caching", action="store_true")
-    e.add_argument("--max-prefill-token-num", type=int, default=8192)
+    e.add_argument("--cache-block-seq-len", type=int, default=64, help="tokens per KV cache block")
+    e.add_argument("--enable-prefix-caching", action="store_true", help="reuse the KV cache of shared prompt prefixes")
+    e.add_argument("--max-prefill-token-num", type=int, default=8192, help="prompt tokens one step may compute")
     e.add_argument("--quant-policy", type=int, default=0, help="KV cache: 0 (16-bit), 8 (int8) or 4 (int4)")
-    e.add_argument("--model-format", default=None)
-    e.add_argument("--dtype", default="auto")
-    e.add_argument("--device", default="auto")
+    e.add_argument("--model-format", default=None,
+                   help="awq or smooth_quant to insist on that format (default: whatever the checkpoint is)")
+    e.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float16, bfloat16 or float32")
+    e.add_argument("--device", default="auto", help="auto (cuda when there is a GPU), cuda or cpu")
     e.add_argument("--session-idle-timeout", type=float, default=600.0,
                    help="seconds an interactive session may sit idle before its KV cache is freed "
                         "(its history is kept and recomputed on the next turn; 0: never)")
@@ -289,8 +322,8 @@ def _engine_options(s: argparse.ArgumentParser, cache_default: float = 0.8) -> N
 def _server_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("model", nargs="?", default=None,
                    help="model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
-    s.add_argument("--server-name", default="0.0.0.0")
-    s.add_argument("--server-port", type=int, default=23333)
+    s.add_argument("--server-name", default="0.0.0.0", help="the address to listen on")
+    s.add_argument("--server-port", type=int, default=23333, help="the HTTP port")
     s.add_argument("--tokenizer-workers", type=int, default=1, help="tokenizer/chat-template processes")
     s.add_argument("--api-keys", nargs="*", default=None, help="accepted API keys (Authorization: Bearer KEY)")
     s.add_argument("--api-keys-file", default=None,
@@ -299,7 +332,7 @@ def _server_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--model-name", default=None, help="the name /v1/models reports (default: the folder name)")
     s.add_argument("--chat-template", default=None, help="a built-in template name (see conveyor list) or a JSON file of "
                         "ChatTemplateConfig fields")
-    s.add_argument("--log-level", default="INFO")
+    s.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     s.add_argument("--max-restarts", type=int, default=5,
                    help="restarts of one stage within a minute; one more and the server exits 1 (for systemd/compose)")
     s.add_argument("--drain-timeout", type=float, default=60.0,
@@ -352,15 +385,19 @@ def _add_serve(sub) -> None:
     st.set_defaults(func=_cmd_stage)
     c = serve_sub.add_parser("api_client", help="chat in the terminal with a running server")
     c.add_argument("api_server_url", help="e.g. http://localhost:23333")
-    c.add_argument("--api-key", default=None)
-    c.add_argument("--session-id", type=int, default=1)
+    c.add_argument("--api-key", default=None, help="the server's API key, if it has any")
+    c.add_argument("--session-id", type=int, default=None,
+                   help="resume this session (default: a new one with a random id, ended on exit)")
     c.add_argument("--request-output-len", type=int, default=512, help="most tokens per answer")
     c.set_defaults(func=_cmd_api_client)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser; each subcommand sets ``func`` to its handler (args -> exit code)."""
+    from conveyor import __version__
+
     parser = argparse.ArgumentParser(prog="conveyor", description="Serve large language models.")
+    parser.add_argument("--version", action="version", version=f"conveyor {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     p_list = sub.add_parser("list", help="list the built-in chat templates and the model families")
     p_list.set_defaults(func=_cmd_list)
@@ -371,15 +408,42 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
     p_chat.add_argument("--chat-template", default=None, help="a built-in template name (see conveyor list) or a JSON file of "
                         "ChatTemplateConfig fields")
-    p_chat.add_argument("--max-new-tokens", type=int, default=512)
-    p_chat.add_argument("--temperature", type=float, default=0.8)
-    p_chat.add_argument("--top-k", type=int, default=40)
-    p_chat.add_argument("--top-p", type=float, default=0.8)
+    p_chat.add_argument("--max-new-tokens", type=int, default=512, help="most tokens per answer")
+    p_chat.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    p_chat.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens (0: all)")
+    p_chat.add_argument("--top-p", type=float, default=0.8, help="sample from the likeliest tokens up to this probability")
     _engine_options(p_chat, cache_default=0.2)
     p_chat.set_defaults(func=_cmd_chat)
     _add_serve(sub)
     add_lite_parser(sub)
+    _show_defaults(parser)
     return parser
+
+
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help states its default, also an option without a help text, unless the
+    help already says it (or the default is a positional's None)."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and action.option_strings:
+            action = _copy.copy(action)
+            action.help = "default: %(default)s"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or (action.default is None and not action.option_strings):
+            return text
+        return super()._get_help_string(action)
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Give ``parser`` and every subcommand's parser (added here or elsewhere) the defaults formatter."""
+    parser.formatter_class = _DefaultsHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                _show_defaults(child)
 
 
 def hyphenate_options(argv: Sequence[str]) -> list[str]:
@@ -401,7 +465,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(hyphenate_options(sys.argv[1:] if argv is None else argv))
     if getattr(args, "backend", None):
         print(f"conveyor: --backend {args.backend}: conveyor has one engine, which serves both", file=sys.stderr)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C while loading or generating: stop, without a traceback
+        print("\nconveyor: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -48,12 +48,12 @@ def default_dest() -> Path:
     return Path.home() / ".cache" / "conveyor" / NAME
 
 
-def local_path(model: str | None) -> str | None:
-    """``model`` as given, or the cached default model's directory when ``model`` is None or
-    names it (``SmolLM2-135M-Instruct``, ``HuggingFaceTB/SmolLM2-135M-Instruct``) and no
-    folder of that name is here: the hub is not needed for the model conveyor ships with."""
+def local_path(model: str | None, report: Callable[[str], None] | None = None) -> str:
+    """``model`` as given, or the cached default model's directory (fetched on first use) when
+    ``model`` is None or names it (``SmolLM2-135M-Instruct``, ``HuggingFaceTB/SmolLM2-135M-Instruct``)
+    and no folder of that name is here: the hub is not needed for the model conveyor ships with."""
     if model is None or (model in NAMES and not Path(model).exists()):
-        return str(fetch())
+        return str(fetch(report=report))
     return model
 
 

@@ -5,6 +5,7 @@ from conveyor.protocol.errors import (
     EngineConfigError,
     InvalidRequestError,
     PromptTooLongError,
+    SessionBusyError,
     UnsupportedModelError,
 )
 from conveyor.services.local_stack import EngineDiedError
@@ -12,5 +13,5 @@ from conveyor.services.tokenizer.chat_template import UnknownChatTemplateError
 
 __all__ = [
     "ConveyorError", "EngineConfigError", "EngineDiedError", "InvalidRequestError",
-    "PromptTooLongError", "UnknownChatTemplateError", "UnsupportedModelError",
+    "PromptTooLongError", "SessionBusyError", "UnknownChatTemplateError", "UnsupportedModelError",
 ]

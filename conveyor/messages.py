@@ -60,3 +60,12 @@ class Response:
     logprobs: list[dict[int, float]] | None = None
     index: int = 0
     num_cached_tokens: int = 0
+
+    def __repr__(self) -> str:
+        # print(pipe(prompts)) shows the texts and counts; the id and logprob lists (hundreds of
+        # numbers each) are summarised by their length.
+        logprobs = "None" if self.logprobs is None else f"<{len(self.logprobs)} tokens>"
+        return (f"Response(text={self.text!r}, generate_token_len={self.generate_token_len}, "
+                f"input_token_len={self.input_token_len}, finish_reason={self.finish_reason!r}, "
+                f"session_id={self.session_id}, index={self.index}, token_ids=<{len(self.token_ids)} ids>, "
+                f"logprobs={logprobs}, num_cached_tokens={self.num_cached_tokens})")

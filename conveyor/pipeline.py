@@ -59,7 +59,10 @@ class Pipeline:
                  chat_template_config: ChatTemplateConfig | None = None):
         self.backend_config = backend_config or EngineConfig()
         config = self.backend_config
-        self.model_path = resolve_model_path(model_path, config.revision, download_dir=config.download_dir)
+        from conveyor.default_model import local_path
+
+        self.model_path = resolve_model_path(local_path(str(model_path)), config.revision,
+                                             download_dir=config.download_dir)
         # Tokenizer, template and architecture are checked before the weights load: bad
         # settings fail in a second, not after the model is in memory.
         model_config = load_model_config(self.model_path)
@@ -175,12 +178,16 @@ class Pipeline:
 
     @staticmethod
     def _chat_stream(stream: Iterator[tuple[int, Response]], session: Session, prompt: Prompt) -> Iterator[Response]:
-        text = ""
-        for _, r in stream:
-            text += r.text
-            session.response = r
-            yield r
-        session.history.append((prompt, text))
+        text, started = "", False
+        try:
+            for _, r in stream:
+                text, started = text + r.text, True
+                session.response = r
+                yield r
+        finally:  # a turn stopped early (Ctrl-C in chat, a break) is still in the engine's history
+            stream.close()  # aborts the request now, if it still runs (and waits until it has)
+            if started:
+                session.history.append((prompt, text))
 
     def session(self) -> Session:
         """A new, empty session to pass to ``chat``."""

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..protocol.errors import InvalidRequestError, PromptTooLongError
+from ..protocol.errors import InvalidRequestError, PromptTooLongError, SessionBusyError
 from ..protocol.messages import EngineStats, Finish
 from ..protocol.sampling import SamplingParams, validate
 from .block_manager import BlockManager
@@ -178,8 +178,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
         seq = self._sessions.get(session_id) if session_id is not None else None
         if seq is not None and seq.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING):
-            raise InvalidRequestError(f"session {session_id} is still generating: wait for it or abort it",
-                                      param="session_id")
+            raise SessionBusyError(session_id)
         if first_turn_ids is not None and (seq is None or not seq.token_ids):
             token_ids = first_turn_ids
         if not token_ids:

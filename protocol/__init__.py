@@ -10,6 +10,7 @@ from .errors import (
     EngineConfigError,
     InvalidRequestError,
     PromptTooLongError,
+    SessionBusyError,
     UnsupportedModelError,
     error_code,
     rebuild_error,
@@ -46,7 +47,7 @@ __all__ = [
     "FINISH_REASONS", "Abort", "Addresses", "Admitted", "CancelSession", "Codec", "ConveyorError", "CurveKeys",
     "DetokenizerIn", "EngineConfigError", "EngineIn", "EngineStats", "Endpoint", "ErrorOut", "Finish",
     "GenerateReq", "IngressIn", "InvalidRequestError", "LauncherIn", "LoadReport", "Ping",
-    "PromptTooLongError", "Ready", "SamplingParams", "SecurityError", "SessionEnd", "Stage", "StageStatus", "StopReq", "TextBatch",
+    "PromptTooLongError", "Ready", "SamplingParams", "SecurityError", "SessionBusyError", "SessionEnd", "Stage", "StageStatus", "StopReq", "TextBatch",
     "TokenBatch", "TokenizedReq", "TokenizerIn", "UnsupportedModelError", "error_code", "rebuild_error",
     "validate",
 ]

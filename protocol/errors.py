@@ -22,13 +22,24 @@ class PromptTooLongError(InvalidRequestError):
 
     code = "context_length_exceeded"  # OpenAI's code for it
 
-    def __init__(self, num_tokens: int, limit: int):
+    def __init__(self, num_tokens: int, limit: int, param: str = "messages"):
+        # param: the request field holding the prompt ("messages" for chat, "prompt" for text)
         super().__init__(
             f"the prompt is {num_tokens} tokens but session_len is {limit}: shorten the prompt, "
             "or raise session_len in the engine config",
-            param="messages",
+            param=param,
         )
         self.num_tokens, self.limit = num_tokens, limit
+
+
+class SessionBusyError(InvalidRequestError):
+    """A session's next turn arrived while its previous one still runs (wait, or cancel it)."""
+
+    code = "session_busy"
+
+    def __init__(self, session_id: int):
+        super().__init__(f"session {session_id} is still generating: wait for it or abort it",
+                         param="session_id")
 
 
 class UnsupportedModelError(ConveyorError, ValueError):
@@ -50,5 +61,9 @@ def rebuild_error(message: str, param: str | None, code: str | None) -> InvalidR
         exc = PromptTooLongError.__new__(PromptTooLongError)
         InvalidRequestError.__init__(exc, message, param)
         exc.num_tokens = exc.limit = None
+        return exc
+    if code == SessionBusyError.code:
+        exc = SessionBusyError.__new__(SessionBusyError)
+        InvalidRequestError.__init__(exc, message, param)
         return exc
     return InvalidRequestError(message, param)

@@ -126,7 +126,7 @@ class Preprocessor:
                 first_turn_ids = None if first_turn_ids == ids else first_turn_ids  # e.g. a whole chat
         else:
             raise InvalidRequestError("give a prompt, messages or input_ids", param="prompt")
-        if len(ids) >= self.session_len:
-            raise PromptTooLongError(len(ids), self.session_len)
+        if len(ids) >= self.session_len:  # named after the request's field: chat messages or a text prompt
+            raise PromptTooLongError(len(ids), self.session_len, "messages" if req.messages is not None else "prompt")
         return TokenizedReq(rid=req.rid, reply_to=req.reply_to, token_ids=ids, params=self.resolve(req.params),
                             session_id=req.session_id, first_turn_ids=first_turn_ids, priority=req.priority)

@@ -58,5 +58,12 @@ def test_bad_requests_name_the_field(pre, req, param) -> None:
 
 
 def test_a_prompt_over_session_len(pre) -> None:
-    with pytest.raises(PromptTooLongError, match="but session_len is 256"):
+    with pytest.raises(PromptTooLongError, match="but session_len is 256") as err:
         pre.prepare(_req(input_ids=[1] * 300))
+    assert err.value.param == "prompt"  # /v1/completions' field (was "messages" for every request)
+    with pytest.raises(PromptTooLongError) as err:
+        pre.prepare(_req(prompt="word " * 300, do_preprocess=False))
+    assert err.value.param == "prompt"
+    with pytest.raises(PromptTooLongError) as err:
+        pre.prepare(_req(messages=[{"role": "user", "content": "word " * 300}]))
+    assert err.value.param == "messages"

@@ -62,3 +62,53 @@ def test_cache_max_entry_count_means_the_same_on_every_command(text, kind, value
         cfg = _engine_config(_parse(*argv, "--cache-max-entry-count", text))
         assert cfg.cache_bytes_or_blocks() == (kind, value)
     assert _parse("chat", "m", "--cache-max-entry-count", text).cache_max_entry_count == parse_cache_size(text)
+
+
+def test_version_and_every_option_shows_its_default(capsys) -> None:
+    from conveyor import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"conveyor {__version__}"
+
+    def parsers(p):
+        yield p
+        for a in p._actions:
+            if a.dest in ("command", "serve_command") or a.__class__.__name__ == "_SubParsersAction":
+                for child in dict.fromkeys(a.choices.values()):
+                    yield from parsers(child)
+
+    seen = 0
+    for p in parsers(build_parser()):
+        for a in p._actions:
+            if a.option_strings and a.dest not in ("help", "version"):
+                block = p._get_formatter()._format_action(a)  # the option's lines in --help
+                assert "default" in block.lower(), f"{p.prog} {a.option_strings[-1]}: {block!r}"
+                seen += 1
+    assert seen > 60  # every command's parser was visited
+
+
+def test_a_port_in_use_is_refused_before_any_model_loads(monkeypatch, capsys) -> None:
+    import socket
+
+    import conveyor.default_model
+
+    monkeypatch.setattr(conveyor.default_model, "fetch", lambda *a, **k: pytest.fail("loaded a model"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "api_server", "--server-name", "127.0.0.1", "--server-port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "--server-port" in err
+
+
+def test_ctrl_c_is_a_message_not_a_traceback(monkeypatch, capsys) -> None:
+    import conveyor.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_list", interrupted)
+    assert main(["list"]) == 130
+    assert "interrupted" in capsys.readouterr().err

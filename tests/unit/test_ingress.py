@@ -35,8 +35,10 @@ class FakeEngineClient:
 
     Token i of an answer has id 1000 + i and logprob -0.5; alternatives are 2000 + j with -1 - j.
     Knobs: ``fail`` (raised before any output), ``fail_after`` (raised after that many outputs),
-    ``hang_after`` (block after that many outputs until aborted), ``delay`` (seconds per token).
-    Sessions live here, as in the engine: their token counts and running turns.
+    ``hang_after`` (block after that many outputs until aborted), ``delay`` (seconds per token),
+    ``settle`` (seconds a session stays busy after its turn's last output, as in the engine while
+    a stop string's StopReq is on its way). Sessions live here, as in the engine: their token
+    counts and running turns.
     """
 
     model_name = "fake-model"
@@ -55,6 +57,7 @@ class FakeEngineClient:
         self.fail_after: int | None = None
         self.hang_after: int | None = None
         self.delay = 0.0
+        self.settle = 0.0
         self.active: set[str] = set()
         self._abort_events: dict[str, asyncio.Event] = {}
         self.sessions: dict[int, int] = {}  # session id -> its tokens
@@ -81,7 +84,7 @@ class FakeEngineClient:
         words = self.words(req)
         sid = req.session_id
         if sid in self.session_turns:
-            raise RequestError(400, f"session {sid} is still generating", param="session_id")
+            raise RequestError(400, f"session {sid} is still generating", param="session_id", code="session_busy")
         history = self.sessions.get(sid, 0)
         if history + len(words) >= self.session_len:
             raise RequestError(400, f"the prompt is {len(words)} tokens but session_len is {self.session_len}",
@@ -115,7 +118,9 @@ class FakeEngineClient:
                 yield RequestOutput(words[i] if i == 0 else " " + words[i], [tid], reason if last else None,
                                     len(words), i + 1, 1, lps, history_tokens=history)
         finally:
-            if sid is not None:
+            if sid is not None and self.settle and finished:
+                asyncio.get_running_loop().call_later(self.settle, self.session_turns.pop, sid, None)
+            elif sid is not None:
                 self.session_turns.pop(sid, None)
             self.active.discard(req.rid)
             self._abort_events.pop(req.rid, None)
@@ -126,7 +131,8 @@ class FakeEngineClient:
         rid = self.session_turns.get(session_id)
         if rid is not None:
             self.abort_calls.append(rid)
-            self._abort_events[rid].set()
+            if rid in self._abort_events:  # not when the turn has ended and only settles
+                self._abort_events[rid].set()
 
     async def end_session(self, session_id: int) -> None:
         self.ended.append(session_id)
