@@ -1,7 +1,9 @@
 """The HTTP ingress: an OpenAI-compatible FastAPI app in front of an EngineClient.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/chat/interactive
-(LMDeploy's stateful chat), GET /health, GET /metrics, and FastAPI's /docs and /openapi.json.
+Routes: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions,
+POST /v1/chat/interactive (LMDeploy's stateful chat), GET /health, GET /metrics, /openapi.json,
+and /docs and /redoc served with their scripts from the package (``docs.py``: no CDN). Every
+request is counted in /metrics and logged on ``conveyor.access`` (``metrics.RequestCounter``).
 
 Every error body is OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}`` and
 invalid parameters are 400, never FastAPI's 422. API keys, when set, guard /v1/* and /metrics;
@@ -40,6 +42,7 @@ from ...protocol import GenerateReq, InvalidRequestError, LoadReport, error_code
 from ..engine_client import RETRY_AFTER_S, RequestError, RequestOutput
 from .limits import IngressLimits
 from .qos import Admission, QosConfig, QosGate
+from .docs import install_docs
 from .metrics import CONTENT_TYPE, IngressMetrics, RequestCounter
 from .openai_schemas import (
     ChatCompletionRequest,
@@ -50,6 +53,7 @@ from .openai_schemas import (
     HealthResponse,
     InteractiveRequest,
     InteractiveResponse,
+    ModelCard,
     ModelList,
     describe_validation_error,
     error_envelope,
@@ -340,7 +344,9 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
     (a transformers tokenizer) renders logprob tokens as text and enables ``echo`` of token-id
     prompts; without it tokens are shown as their ids. ``qos``: the user groups (``qos.py``).
     """
-    app = FastAPI(title="conveyor", summary="OpenAI-compatible LLM server", version="0.1.0")
+    app = FastAPI(title="conveyor", summary="OpenAI-compatible LLM server", version="0.1.0",
+                  docs_url=None, redoc_url=None)  # install_docs serves them without a CDN
+    install_docs(app)
     app.state.draining = False
     limits = limits or IngressLimits()
     gate = QosGate(qos, limits.max_queued) if qos is not None and qos.enabled else None
@@ -378,13 +384,23 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
         """Prometheus metrics."""
         return Response(ing.metrics.render(), media_type=CONTENT_TYPE)
 
+    def model_card() -> dict[str, Any]:
+        name = ing.model_name
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "conveyor", "root": name,
+                "parent": None, "max_model_len": client.session_len, "permission": []}
+
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> Response:
         """The served model."""
-        name = ing.model_name
-        return _json({"object": "list", "data": [{
-            "id": name, "object": "model", "created": int(time.time()), "owned_by": "conveyor", "root": name,
-            "parent": None, "max_model_len": client.session_len, "permission": []}]})
+        return _json({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def model(model_id: str) -> Response:
+        """One model by its id (ids may hold slashes: ``org/name``); 404 for one not served."""
+        if model_id != ing.model_name:
+            raise RequestError(404, f"the model `{model_id}` does not exist: this server serves "
+                               f"`{ing.model_name}`", param="model", code="model_not_found")
+        return _json(model_card())
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, **_STREAMED})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -405,6 +421,9 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
         """OpenAI (legacy) text completions: no chat template; a batch of prompts gives n choices each."""
         start = time.perf_counter()
         ing.admit(body.model)
+        if body.echo and body.logprobs is not None:  # OpenAI's answer would carry the prompt's logprobs too
+            raise RequestError(400, "echo with logprobs: the prompt's logprobs are not computed; send echo or "
+                               "logprobs, not both", param="echo")
         if body.suffix:
             raise RequestError(400, "suffix: text insertion is not supported; send null", param="suffix")
         rid, n, prompts = _rid("cmpl"), body.num_choices, body.prompts

@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 logger = logging.getLogger(__name__)
+access_log = logging.getLogger("conveyor.access")  # one INFO line per request; --log-level WARNING hides it
 
 # Seconds. TTFT spans queueing + prefill; ITL is one decode step; E2E a whole request.
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
@@ -139,7 +140,8 @@ class RequestStats:
 
 
 class RequestCounter:
-    """ASGI middleware counting every HTTP response by route template (not raw path) and status."""
+    """ASGI middleware counting every HTTP response by route template (not raw path) and status,
+    and writing the access log: client, method, path, status, seconds (a stream's whole length)."""
 
     def __init__(self, app: Any, metrics: IngressMetrics):
         self.app, self.metrics = app, metrics
@@ -149,6 +151,7 @@ class RequestCounter:
             await self.app(scope, receive, send)
             return
         status = 500  # what the client sees when the app raises before answering
+        start = time.perf_counter()
 
         async def send_status(message: dict) -> None:
             nonlocal status
@@ -163,3 +166,7 @@ class RequestCounter:
             # so that probing random URLs cannot grow the label set without bound.
             route = getattr(scope.get("route"), "path", None) or "unmatched"
             self.metrics.requests.labels(route, str(status)).inc()
+            if access_log.isEnabledFor(logging.INFO):
+                host, port = scope.get("client") or ("-", 0)
+                access_log.info('%s:%s "%s %s" %d %.3fs', host, port, scope.get("method"), scope.get("path"),
+                                status, time.perf_counter() - start)

@@ -5,9 +5,13 @@ each body maps onto the engine's one ``SamplingParams`` (``sampling_params``), w
 ``protocol.sampling.validate`` checks like every other entry, so the ingress answers 400 before
 anything reaches the engine. Prompt lengths and the chat template are checked by the tokenizer
 stage. Unknown fields
-are ignored (OpenAI clients send some conveyor has no use for, e.g. ``logit_bias``, ``tools``).
-``presence_penalty`` and ``frequency_penalty`` other than 0 are refused: the engine implements
-``repetition_penalty`` (an extension) instead. Sampling defaults follow LMDeploy's api_server
+are ignored (OpenAI clients send some conveyor has no use for, e.g. ``store``, ``metadata``), but
+known fields the engine cannot honour are refused with a 400 naming the alternative rather than
+dropped: ``presence_penalty`` and ``frequency_penalty`` other than 0 (the engine implements
+``repetition_penalty``, an extension), ``logit_bias``, ``tools`` / ``tool_choice`` /
+``functions`` (no function calling), ``response_format`` other than text (no constrained
+decoding), ``stream_options`` without ``stream``. LMDeploy's bodies are taken as they are
+written: ``"stop": false`` means no stop strings, ``session_id: -1`` a request of no session. Sampling defaults follow LMDeploy's api_server
 (temperature 0.7, top_p 1.0, top_k 40) rather than OpenAI's.
 
 Streamed chunks are not built from these models (see ``sse.py``, which writes the same shapes
@@ -58,6 +62,14 @@ NonEmpty = Annotated[_T, Field(min_length=1)]
 Text = Annotated[str, AfterValidator(_unicode_text)]  # text that reaches the tokenizer or detokenizer
 NonEmptyStr = Annotated[Text, Field(min_length=1)]
 Stop = NonEmptyStr | list[NonEmptyStr]  # stop strings: an empty one would match everywhere
+
+
+def _false_is_none(value: Any) -> Any:
+    # LMDeploy's documented bodies send "stop": false for "no stop strings".
+    return None if value is False else value
+
+
+StopOrFalse = Annotated[Stop | None, BeforeValidator(_false_is_none)]
 TokenId = int_in(0, INT32_MAX)
 
 
@@ -106,7 +118,7 @@ class _SamplingBody(_Body):
     top_k: int | None = Field(None, description="Extension. Default 40; 0 or -1: no top-k limit.")
     min_p: float | None = Field(None, description="Extension. In [0, 1]. Default 0.")
     n: int_in(1, MAX_N) | None = Field(None, description="Choices to generate. Default 1.")
-    stop: Stop | None = Field(None, description="Strings that end generation (not returned).")
+    stop: StopOrFalse = Field(None, description="Strings that end generation (not returned); false: none.")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     seed: int_in(0, MAX_SEED) | None = Field(None, description="Choice i uses seed + i.")
@@ -121,6 +133,9 @@ class _SamplingBody(_Body):
     min_new_tokens: int_in(0, INT32_MAX) | None = Field(None, description="Extension.")
     stop_token_ids: list[TokenId] | None = Field(None, description="Extension: token ids that end generation.")
     include_stop_str_in_output: bool = Field(False, description="Extension: keep the matched stop string.")
+    session_id: int_in(-1, 2**53 - 1) | None = Field(
+        None, description="LMDeploy's: only -1 (no session); a conversation kept on the server is "
+                          "/v1/chat/interactive's.")
 
     @property
     def num_choices(self) -> int:
@@ -132,8 +147,18 @@ class _SamplingBody(_Body):
         """A streamed response ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def refuse_unsupported(self) -> None:
+        """Raise InvalidRequestError for a field set to something the engine would not honour."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options: only allowed with stream: true", param="stream_options")
+        if self.session_id not in (None, -1):
+            raise InvalidRequestError(f"session_id={self.session_id}: this endpoint keeps no session (send -1 or "
+                                      "leave it out); for a conversation the server remembers, use "
+                                      "/v1/chat/interactive with interactive_mode", param="session_id")
+
     def sampling_params(self, max_new_tokens: int, logprobs: int | None, choice: int = 0) -> SamplingParams:
         """The engine's parameters for choice ``choice`` (its seed is seed + choice), validated."""
+        self.refuse_unsupported()
         if self.logit_bias:
             raise InvalidRequestError("logit_bias: not supported; ban tokens with bad_token_ids or "
                                       "favour none (send null or {})", param="logit_bias")
@@ -188,6 +213,26 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int_in(1, INT32_MAX) | None = Field(None, description="Wins over max_tokens.")
     logprobs: bool | None = False
     top_logprobs: int_in(0, MAX_TOP_LOGPROBS) | None = Field(None, description="Ignored unless logprobs is true.")
+    response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}: no JSON mode.')
+    tools: list[dict[str, Any]] | None = Field(None, description="Only null or []: no function calling.")
+    tool_choice: str | dict[str, Any] | None = Field(None, description='Only null or "none".')
+    functions: list[dict[str, Any]] | None = Field(None, description="Only null or [] (OpenAI's older tools).")
+
+    def refuse_unsupported(self) -> None:
+        """Besides the shared checks: no function calling, no constrained output formats."""
+        super().refuse_unsupported()
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise InvalidRequestError(f"response_format {kind!r}: not supported (no JSON mode or schema-constrained "
+                                      'output); send {"type": "text"} or leave it out, and ask for JSON in the '
+                                      "prompt", param="response_format")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise InvalidRequestError(f"{name}: function calling is not supported; leave {name} out",
+                                          param=name)
+        if self.tool_choice not in (None, "none"):
+            raise InvalidRequestError(f"tool_choice={self.tool_choice!r}: function calling is not supported; "
+                                      'send "none" or leave it out', param="tool_choice")
 
     @property
     def num_logprobs(self) -> int | None:
@@ -237,7 +282,7 @@ class InteractiveRequest(_Body):
     session_id: int_in(-1, 2**53 - 1) = Field(-1, description="-1: a fresh session.")
     interactive_mode: bool = Field(False, description="True: keep the history on the server for the next turn.")
     stream: bool = False
-    stop: Stop | None = None
+    stop: StopOrFalse = Field(None, description="Strings that end generation (not returned); false: none.")
     request_output_len: int_in(1, INT32_MAX) | None = None
     top_p: float = Field(0.8, description="In (0, 1].")
     top_k: int = Field(40, description="0 or -1: no top-k limit.")
