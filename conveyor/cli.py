@@ -165,7 +165,8 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
         model_path=model, server_name=args.server_name, server_port=args.server_port,
         tokenizer_workers=args.tokenizer_workers, api_keys=_api_keys(args), chat_template=args.chat_template,
         served_model_name=served_name, engine=engine, log_level=args.log_level, engine_factory=args.engine_factory,
-        drain_timeout=args.drain_timeout, max_restarts=args.max_restarts, limits=_limits(args), qos=qos))
+        drain_timeout=args.drain_timeout, max_restarts=args.max_restarts, limits=_limits(args), qos=qos,
+        proxy_url=args.proxy_url))
 
 
 def _served_model(args: argparse.Namespace) -> tuple[str, str | None]:
@@ -264,7 +265,8 @@ def _cmd_stage(args: argparse.Namespace) -> int:
 
         name = served_name or model.rstrip("/").split("/")[-1]
         run_ingress_process("ingress", addresses, model, name, session_len, args.server_name, args.server_port,
-                            _api_keys(args), None, args.log_level, args.drain_timeout, _limits(args), qos)
+                            _api_keys(args), None, args.log_level, args.drain_timeout, _limits(args), qos,
+                            args.proxy_url)
     return 0
 
 
@@ -284,6 +286,17 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     CurveKeys.generate().save(args.path)
     print(f"wrote {args.path}: give every stage CONVEYOR_CURVE_KEY_FILE={args.path}", file=sys.stderr)
     return 0
+
+
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    """LMDeploy's request distributor: nodes join with api_server --proxy-url or POST /nodes/add."""
+    from conveyor.services.proxy import run_proxy
+
+    if args.health_interval <= 0:
+        print("conveyor: --health-interval must be positive (seconds)", file=sys.stderr)
+        return 2
+    return run_proxy(args.server_name, args.server_port, args.strategy, _api_keys(args), args.health_interval,
+                     args.log_level)
 
 
 def _cmd_api_client(args: argparse.Namespace) -> int:
@@ -319,16 +332,24 @@ def _engine_options(s: argparse.ArgumentParser, cache_default: float = 0.8) -> N
                         "(its history is kept and recomputed on the next turn; 0: never)")
 
 
+def _api_key_options(s: argparse.ArgumentParser) -> None:
+    """The API key flags (``_api_keys``), shared by ``serve api_server``, ``serve stage`` and ``serve proxy``."""
+    s.add_argument("--api-keys", nargs="*", default=None, help="accepted API keys (Authorization: Bearer KEY)")
+    s.add_argument("--api-keys-file", default=None,
+                   help=f"a file of accepted API keys, one a line (also ${API_KEYS_ENV}, comma-separated): "
+                        "unlike --api-keys, not visible in ps")
+
+
 def _server_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("model", nargs="?", default=None,
                    help="model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
     s.add_argument("--server-name", default="0.0.0.0", help="the address to listen on")
     s.add_argument("--server-port", type=int, default=23333, help="the HTTP port")
     s.add_argument("--tokenizer-workers", type=int, default=1, help="tokenizer/chat-template processes")
-    s.add_argument("--api-keys", nargs="*", default=None, help="accepted API keys (Authorization: Bearer KEY)")
-    s.add_argument("--api-keys-file", default=None,
-                   help=f"a file of accepted API keys, one a line (also ${API_KEYS_ENV}, comma-separated): "
-                        "unlike --api-keys, not visible in ps")
+    _api_key_options(s)
+    s.add_argument("--proxy-url", default=None, metavar="URL",
+                   help="join this proxy (conveyor serve proxy) once serving, leave it on SIGTERM; the proxy "
+                        "reaches this server at --server-name (a wildcard: this host's name)")
     s.add_argument("--model-name", default=None, help="the name /v1/models reports (default: the folder name)")
     s.add_argument("--chat-template", default=None, help="a built-in template name (see conveyor list) or a JSON file of "
                         "ChatTemplateConfig fields")
@@ -390,6 +411,19 @@ def _add_serve(sub) -> None:
                    help="resume this session (default: a new one with a random id, ended on exit)")
     c.add_argument("--request-output-len", type=int, default=512, help="most tokens per answer")
     c.set_defaults(func=_cmd_api_client)
+    p = serve_sub.add_parser("proxy", help="one OpenAI endpoint distributing requests over several api_servers")
+    p.add_argument("--server-name", default="0.0.0.0", help="the address to listen on")
+    p.add_argument("--server-port", type=int, default=8000, help="the HTTP port")
+    p.add_argument("--strategy", "--routing-strategy", dest="strategy", default="min_expected_latency",
+                   choices=["random", "min_expected_latency", "min_observed_latency"],
+                   help="how a node is picked: at random weighted by speed, fewest requests in flight per speed, "
+                        "or smallest recent latency")
+    _api_key_options(p)
+    p.add_argument("--health-interval", type=float, default=5.0,
+                   help="seconds between health checks of every node (a failing node is taken out, and put back "
+                        "when it passes)")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    p.set_defaults(func=_cmd_proxy)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -57,6 +57,7 @@ class ServerArgs:
     max_restarts: int = RESTART_BUDGET  # restarts of one stage within RESTART_WINDOW_S; one more: exit 1
     limits: IngressLimits = field(default_factory=IngressLimits)  # what one client may ask of the ingress
     qos: QosConfig | None = None  # user groups: priorities and quotas (--qos-config-path)
+    proxy_url: str | None = None  # a proxy (conveyor serve proxy) the ingress joins while it serves
     # "module:callable" building the engine instead of LLMEngine (the stack benchmark and fault
     # tests use benchmarks.fake_engine:build, an engine without a model)
     engine_factory: str | None = None
@@ -141,7 +142,8 @@ class Deployment:
         self._wait_ready({Stage.TOKENIZER: args.tokenizer_workers})
         name = args.served_model_name or args.model_path.rstrip("/").split("/")[-1]
         self._spawn("ingress", run_ingress_process, a, args.model_path, name, session_len, args.server_name,
-                    args.server_port, args.api_keys, launcher, args.log_level, args.drain_timeout, args.limits, args.qos)
+                    args.server_port, args.api_keys, launcher, args.log_level, args.drain_timeout, args.limits,
+                    args.qos, args.proxy_url)
         self._wait_ready({Stage.INGRESS: 1})
         logger.info("serving %s on http://%s:%d", name, args.server_name, args.server_port)
 

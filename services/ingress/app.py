@@ -117,15 +117,19 @@ def _json(obj: Any) -> Response:
 
 # ---- middleware --------------------------------------------------------------------------------
 
-class ApiKeyGuard:
-    """ASGI middleware: 401 unless ``Authorization: Bearer <key>`` names a known key (/v1/* and /metrics)."""
+def _guarded(path: str) -> bool:
+    return path.startswith("/v1/") or path == "/metrics"
 
-    def __init__(self, app: Any, api_keys: list[str]):
-        self.app, self.keys = app, [k.encode() for k in api_keys]
+
+class ApiKeyGuard:
+    """ASGI middleware: 401 unless ``Authorization: Bearer <key>`` names a known key, on the paths
+    ``guarded`` names (the ingress: /v1/* and /metrics)."""
+
+    def __init__(self, app: Any, api_keys: list[str], guarded: Callable[[str], bool] = _guarded):
+        self.app, self.keys, self.guarded = app, [k.encode() for k in api_keys], guarded
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and (path.startswith("/v1/") or path == "/metrics") and not self._ok(scope):
+        if scope["type"] == "http" and self.guarded(scope.get("path", "")) and not self._ok(scope):
             await error_response(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
                                  )(scope, receive, send)
@@ -195,7 +199,9 @@ class BodyLimit:
 
 # ---- errors ------------------------------------------------------------------------------------
 
-def _install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's envelope: invalid bodies 400 (not 422), unknown routes 404,
+    ``RequestError`` with its status, anything unexpected 500 (the proxy's app shares them)."""
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
         message, param = describe_validation_error(list(exc.errors()))
         return error_response(400, message, param=param)
@@ -353,7 +359,7 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
     if qos is not None and gate is None:
         logger.info("the QoS config has enable_user_qos false: every user is served alike")
     app.state.ingress = ing = _Ingress(app, client, served_model_name or client.model_name, tokenizer, limits, gate)
-    _install_error_handlers(app)
+    install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=limits.body_timeout_s)
     if api_keys:
         app.add_middleware(ApiKeyGuard, api_keys=list(api_keys))

@@ -7,12 +7,14 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 
 import uvicorn
 import zmq
 
 from ...protocol import Addresses, Stage
 from ..engine_client import EngineClient
+from ..proxy.registration import ProxyRegistration, advertised_url
 from .app import begin_drain, build_app, inflight_requests
 from .limits import IngressLimits, with_header_timeout
 from .qos import QosConfig
@@ -33,9 +35,11 @@ class DrainingServer(uvicorn.Server):
     SIGINT is ignored: the launcher turns Ctrl-C into SIGTERM for every stage, in order.
     """
 
-    def __init__(self, config: uvicorn.Config, drain_timeout: float = 60.0):
+    def __init__(self, config: uvicorn.Config, drain_timeout: float = 60.0,
+                 on_drain: Callable[[], Awaitable[None]] | None = None):
         super().__init__(config)
         self.drain_timeout = drain_timeout
+        self.on_drain = on_drain  # e.g. leave the proxy: it stops sending requests that would get 503
         self._draining = False
 
     def handle_exit(self, sig: int, frame) -> None:
@@ -50,6 +54,8 @@ class DrainingServer(uvicorn.Server):
 
     def _begin_drain(self) -> None:
         begin_drain(self.config.app)
+        if self.on_drain is not None:
+            asyncio.get_running_loop().create_task(self.on_drain())
         asyncio.get_running_loop().create_task(self._exit_when_idle())
 
     async def _exit_when_idle(self) -> None:
@@ -61,7 +67,7 @@ class DrainingServer(uvicorn.Server):
 
 async def _serve(addresses: Addresses, model_path: str, model_name: str, session_len: int, host: str, port: int,
                  api_keys: list[str] | None, launcher: str | None, log_level: str, drain_timeout: float,
-                 limits: IngressLimits, qos: QosConfig | None) -> None:
+                 limits: IngressLimits, qos: QosConfig | None, proxy_url: str | None) -> None:
     client = EngineClient(addresses, model_name, session_len, request_timeout=limits.request_timeout_s)
     await client.start()
     app = build_app(client, api_keys=api_keys, served_model_name=model_name, tokenizer=load_tokenizer(model_path),
@@ -71,7 +77,10 @@ async def _serve(addresses: Addresses, model_path: str, model_name: str, session
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
                             lifespan="off", timeout_keep_alive=30, limit_concurrency=limits.max_connections,
                             http=with_header_timeout(AutoHTTPProtocol, limits.header_timeout_s))
-    server = DrainingServer(config, drain_timeout=drain_timeout)
+    registration = ProxyRegistration(proxy_url, advertised_url(host, port), [model_name],
+                                     api_keys[0] if api_keys else None) if proxy_url else None
+    server = DrainingServer(config, drain_timeout=drain_timeout,
+                            on_drain=registration.leave if registration else None)
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
@@ -87,20 +96,24 @@ async def _serve(addresses: Addresses, model_path: str, model_name: str, session
         logger.warning("no answer from the stage ring after %.0fs: serving, with /health at 503", RING_WAIT_S)
     announce_ready(zmq.Context.instance(), launcher, Stage.INGRESS, addresses.curve, url=f"http://{host}:{port}",
                    reply_to=client.reply_to)  # where the launcher sends StageStatus
+    if registration is not None:
+        registration.start()
     await task
+    if registration is not None:
+        await registration.leave()
     await client.close()
 
 
 def run_ingress_process(name: str, addresses: Addresses, model_path: str, model_name: str, session_len: int, host: str,
                         port: int, api_keys: list[str] | None, launcher: str | None, log_level: str = "INFO",
                         drain_timeout: float = 60.0, limits: IngressLimits | None = None,
-                        qos: QosConfig | None = None) -> None:
+                        qos: QosConfig | None = None, proxy_url: str | None = None) -> None:
     """Entry point of the ingress process; ``qos``: the user groups (--qos-config-path)."""
     setup_logging(log_level)
     set_process_title(f"conveyor: {name}")
     logger.info("ingress pid %d", os.getpid())
     main = _serve(addresses, model_path, model_name, session_len, host, port, api_keys, launcher, log_level,
-                  drain_timeout, limits or IngressLimits(), qos)
+                  drain_timeout, limits or IngressLimits(), qos, proxy_url)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

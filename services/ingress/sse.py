@@ -34,6 +34,15 @@ SSE_DONE = b"data: [DONE]\n\n"
 LOGPROB_FLOOR = -9999.0  # the chosen token's logprob when the engine did not report it (OpenAI's floor)
 
 Event = tuple[int, RequestOutput]
+
+
+def sse_error(exc: RequestError) -> bytes:
+    """The end of an SSE stream that failed after it started: an error event, then [DONE]
+    (the ingress's streams and the proxy's relays end alike)."""
+    return b"data: " + _encode(error_envelope(exc.status, exc.message, exc.type, exc.param, exc.code)) + \
+        b"\n\n" + SSE_DONE
+
+
 T = TypeVar("T")
 
 
@@ -187,8 +196,7 @@ class ResponseFormat:
 
     def error(self, exc: RequestError) -> bytes:
         """How a stream reports a failure after it started."""
-        return b"data: " + _encode(error_envelope(exc.status, exc.message, exc.type, exc.param, exc.code)) + \
-            b"\n\n" + SSE_DONE
+        return sse_error(exc)
 
     def add(self, i: int, out: RequestOutput) -> None:
         """Accumulate one output for a whole (non-streamed) body."""

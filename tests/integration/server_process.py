@@ -16,7 +16,7 @@ class ServerProcess:
     """`conveyor serve api_server ...` in a subprocess, its log in a file."""
 
     def __init__(self, model: str | Path, *extra: str, log_dir: Path, api_key: str | None = None,
-                 start_timeout: float = 240.0):
+                 start_timeout: float = 240.0, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -29,7 +29,7 @@ class ServerProcess:
         # The repository root on the path: an --engine-factory may name a module of benchmarks/.
         root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+               "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])), **(env or {})}
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         self._wait_healthy(start_timeout)

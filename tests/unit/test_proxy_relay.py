@@ -1,0 +1,52 @@
+"""The proxy's SSE relay: whole events as they arrive, and a readable end when the node breaks off."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from conveyor.services.proxy.relay import relay_events
+
+
+class _Body(httpx.AsyncByteStream):
+    """A node's body in the given pieces, then optionally a broken connection."""
+
+    def __init__(self, pieces: list[bytes], fail: bool):
+        self.pieces, self.fail = pieces, fail
+
+    async def __aiter__(self):
+        for piece in self.pieces:
+            yield piece
+        if self.fail:
+            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+
+def _relay(pieces: list[bytes], fail: bool = False) -> tuple[list[bytes], list[tuple[bool, bool]]]:
+    ends: list[tuple[bool, bool]] = []
+    upstream = httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Body(pieces, fail))
+
+    async def run() -> list[bytes]:
+        return [chunk async for chunk in relay_events(upstream, "http://node", lambda ok, exc: ends.append(
+            (ok, exc is not None)))]
+
+    return asyncio.run(run()), ends
+
+
+def test_events_are_passed_on_whole_as_soon_as_they_are_complete():
+    pieces = [b"data: 1\n", b"\ndata: 2\n\nda", b"ta: 3\n\n", b"data: [DONE]\n\n"]
+    out, ends = _relay(pieces)
+    # each piece passes on every event it completes, nothing more, nothing later
+    assert out == [b"data: 1\n\ndata: 2\n\n", b"data: 3\n\n", b"data: [DONE]\n\n"]
+    assert ends == [(True, False)]
+
+
+def test_a_node_breaking_off_ends_the_stream_with_an_error_event_and_done():
+    out, ends = _relay([b"data: 1\n\ndata: {\"cut", b" here"], fail=True)
+    assert out[0] == b"data: 1\n\n"  # the half event is dropped, never glued to the error
+    error, done = out[1].split(b"\n\n")[:2]
+    body = json.loads(error.removeprefix(b"data: "))
+    assert body["error"]["code"] == "node_failed" and "http://node" in body["error"]["message"]
+    assert done == b"data: [DONE]"
+    assert ends == [(False, True)]
