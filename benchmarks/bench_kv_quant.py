@@ -10,8 +10,8 @@ token-major ([blocks, block_size, heads, 2], as allocated before) and head-major
 scales of a block contiguous). Prints µs and the effective read bandwidth of the attention.
 
 ``--variants`` times launch variants of the quantized decode kernel instead, each
-``label=tune,block_n,num_warps,num_stages,maxnreg`` (``paged_attention_triton``'s keywords; a
-missing or 0 field keeps the default, ``label=`` is the default launch; tune is the kernel's TUNE
+``label=tune,block_n,num_warps,num_stages,maxnreg,simt`` (``paged_attention_triton``'s keywords,
+simt 1: the CUDA-core walk, 2: the tensor-core walk; a missing or 0 field keeps the default, ``label=`` is the default launch; tune is the kernel's TUNE
 bits), timed back to back (the
 kernel's own time) and one call at a time (``eager``, as the policy rows). ``--before`` adds the
 kernel of an older checkout copied to ``kernels/_attention_before.py`` (not committed), ``--check``
@@ -30,7 +30,7 @@ from benchmarks.common import cuda_time_us, record, save
 from conveyor.kernels.attention import paged_attention, paged_attention_ref, paged_attention_triton
 from conveyor.kernels.kv_cache import KVCacheLayout, rotate_and_store_kv
 
-_VARIANT_KEYS = ("tune", "block_n", "num_warps", "num_stages", "maxnreg")
+_VARIANT_KEYS = ("tune", "block_n", "num_warps", "num_stages", "maxnreg", "simt")
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, int]]:
@@ -40,7 +40,10 @@ def parse_variant(spec: str) -> tuple[str, dict[str, int]]:
         return label, {"before": 1}
     values = fields.split(",") if fields else []
     # An empty field keeps the launcher's default; so does 0, except for tune (0: no TUNE bit).
-    return label, {k: int(v) for k, v in zip(_VARIANT_KEYS, values) if v and (int(v) or k == "tune")}
+    kw = {k: int(v) for k, v in zip(_VARIANT_KEYS, values) if v and (int(v) or k == "tune")}
+    if "simt" in kw:
+        kw["simt"] = kw["simt"] == 1
+    return label, kw
 
 
 def make_cache(policy: int, blocks: int, bs: int, hkv: int, d: int, dt: torch.dtype, head_major: bool = False):

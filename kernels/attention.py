@@ -115,6 +115,15 @@ _LOG2E = 1.4426950408889634
 # staged as fp16 for the transposed operand), which needs that cap: 816 / 747.
 _DECODE_TUNE = 53
 _DECODE_MAXNREG = 128
+# Query groups up to this size walk a quantized cache on the CUDA cores (_decode_simt), one warp
+# a program, key tiles of _SIMT_BLOCK_N; larger groups use the tensor cores (_decode_quant).
+# H200, Llama-2-7B layer (group 1), int8, batch 256 x 1k keys: 532 us against 813 (one warp,
+# 32-key tiles; 16 keys: 626, 64: 586; 2 warps: 1,018, 4 warps: 1,114, their key reductions
+# crossing warps through shared memory).
+_SIMT_MAX_GROUP = 4
+_SIMT_BLOCK_N = 32
+# One-warp programs: enough of them to fill an SM (the 4-warp kernels need 2).
+_SIMT_PROGRAMS_PER_SM = 16
 
 
 @jit
@@ -281,6 +290,47 @@ fma.rn.bf16x2 $1, $1, one, o;
 fma.rn.bf16x2 $2, $2, one, o;
 fma.rn.bf16x2 $3, $3, one, o;
 }""")
+# Codes to fp32 for the CUDA-core decode walk (_decode_simt): a byte placed under the fp32
+# exponent of 2**23 (0x4B000000) reads as 2**23 + c, taken back by one subtraction (a plain
+# int-to-float conversion runs at a quarter of the rate). Four codes per 32-bit word; int4: the
+# word's low nibbles and high nibbles, masked apart first.
+_U8_TO_F32 = _asm("""{
+.reg .b32 k;
+mov.b32 k, 0x4B000000;
+prmt.b32 $0, $4, k, 0x7440;
+prmt.b32 $1, $4, k, 0x7441;
+prmt.b32 $2, $4, k, 0x7442;
+prmt.b32 $3, $4, k, 0x7443;
+sub.f32 $0, $0, 0f4B000000;
+sub.f32 $1, $1, 0f4B000000;
+sub.f32 $2, $2, 0f4B000000;
+sub.f32 $3, $3, 0f4B000000;
+}""")
+_U4_TO_F32 = _asm("""{
+.reg .b32 k, lo, hi;
+mov.b32 k, 0x4B000000;
+and.b32 lo, $8, 0x0F0F0F0F;
+shr.u32 hi, $8, 4;
+and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 $0, lo, k, 0x7440;
+prmt.b32 $1, lo, k, 0x7441;
+prmt.b32 $2, lo, k, 0x7442;
+prmt.b32 $3, lo, k, 0x7443;
+prmt.b32 $4, hi, k, 0x7440;
+prmt.b32 $5, hi, k, 0x7441;
+prmt.b32 $6, hi, k, 0x7442;
+prmt.b32 $7, hi, k, 0x7443;
+sub.f32 $0, $0, 0f4B000000;
+sub.f32 $1, $1, 0f4B000000;
+sub.f32 $2, $2, 0f4B000000;
+sub.f32 $3, $3, 0f4B000000;
+sub.f32 $4, $4, 0f4B000000;
+sub.f32 $5, $5, 0f4B000000;
+sub.f32 $6, $6, 0f4B000000;
+sub.f32 $7, $7, 0f4B000000;
+}""")
+
+
 # Bits of the quantized decode kernel's TUNE: variants it can be compiled in, all computing the
 # same attention (tested), timed with bench_kv_quant --variants; _DECODE_TUNE is the chosen set.
 TUNE_K_HOIST = 1  # key codes (PTX): Triton may convert them after their shared-memory round trip
@@ -587,6 +637,87 @@ def _decode_quant(
 
 
 @jit
+def _simt_codes(ptrs, mask, BITS: tl.constexpr, FAST: tl.constexpr):
+    """Codes at ``ptrs`` (masked rows read 0) as fp32: int8 one tensor of ptrs' shape; int4 the
+    (low nibbles, high nibbles) pair, the two halves of the dims (``kv_cache.py``'s layout)."""
+    c = tl.load(ptrs, mask=mask, other=0)
+    if BITS == 4:
+        if FAST:
+            return tl.inline_asm_elementwise(_U4_TO_F32, "=r,=r,=r,=r,=r,=r,=r,=r,r", [c],
+                                             dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        return (c & 0xF).to(tl.float32), (c >> 4).to(tl.float32)
+    if FAST:
+        return tl.inline_asm_elementwise(_U8_TO_F32, "=r,=r,=r,=r,r", [c], dtype=tl.float32, is_pure=True, pack=4)
+    return c.to(tl.float32)
+
+
+@jit
+def _decode_simt(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, row, heads, g_mask, kv_head, start, end,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_sb, stride_ss, stride_sh, qk_scale,
+    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BITS: tl.constexpr, FAST: tl.constexpr, PAIR: tl.constexpr,
+):
+    """The decode kernel's walk over keys ``[start, end)`` of a quantized cache on the CUDA cores,
+    for small query groups (one warp a program): returns (m, l, acc of the first code column's
+    dims, acc of the second's). int8: one column, all dims (the second acc is a dummy); int4: the
+    halves of the dims, a byte's low and high nibbles. The codes become fp32 in registers and the
+    dots are elementwise products summed inside the warp: no shared memory, no barrier, and no
+    query rows padded to 16 as the tensor-core walk (_decode_quant) needs. The per-key scale and
+    zero come after the products: ``q . (c s + z) = s (q . c) + z sum(q)`` and ``p @ (c s + z) =
+    (p s) @ c + sum(p z)``."""
+    IN_BLOCK: tl.constexpr = BLOCK_SIZE % BLOCK_N == 0
+    COLS: tl.constexpr = HEAD_DIM // 2 if BITS == 4 else HEAD_DIM
+    c = tl.arange(0, COLS)
+    tok = tl.arange(0, BLOCK_N)
+    q_rows = q_ptr + row * stride_qt + heads[:, None] * stride_qh + c[None, :]
+    # q times the log2 softmax scale; padding rows (g >= GROUP) read zeros and are never stored.
+    q_a = tl.load(q_rows, mask=g_mask[:, None], other=0.0).to(tl.float32) * qk_scale
+    if BITS == 4:
+        q_b = tl.load(q_rows + COLS, mask=g_mask[:, None], other=0.0).to(tl.float32) * qk_scale
+        qsum = tl.sum(q_a, 1) + tl.sum(q_b, 1)
+    else:
+        q_b = q_a
+        qsum = tl.sum(q_a, 1)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    z_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc_a = tl.zeros([GROUP_PAD, COLS], tl.float32)
+    acc_b = tl.zeros([GROUP_PAD, COLS], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n_mask = n0 + tok < end
+        k_rows, v_rows, ks_rows, vs_rows = _decode_quant_rows(
+            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n0, tok, n_mask, kv_head, stride_kb, stride_ks, stride_kh,
+            stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh, BLOCK_SIZE, IN_BLOCK, True)
+        ksc, kz = _scale_zero_rows(ks_rows, n_mask, True, PAIR)
+        if BITS == 4:
+            k_a, k_b = _simt_codes(k_rows[:, None] + c[None, :], n_mask[:, None], BITS, FAST)
+            s = tl.sum(k_a[None, :, :] * q_a[:, None, :], 2) + tl.sum(k_b[None, :, :] * q_b[:, None, :], 2)
+        else:
+            k_a = _simt_codes(k_rows[:, None] + c[None, :], n_mask[:, None], BITS, FAST)
+            s = tl.sum(k_a[None, :, :] * q_a[:, None, :], 2)
+        s = s * ksc[None, :] + qsum[:, None] * kz[None, :]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        # The first key of a partition is inside the sequence, so m_i is finite after any tile.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        vsc, vz = _scale_zero_rows(vs_rows, n_mask, True, PAIR)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        z_i = z_i * alpha + tl.sum(p * vz[None, :], 1)
+        pv = (p * vsc[None, :])[:, :, None]
+        if BITS == 4:
+            v_a, v_b = _simt_codes(v_rows[:, None] + c[None, :], n_mask[:, None], BITS, FAST)
+            acc_b = acc_b * alpha[:, None] + tl.sum(pv * v_b[None, :, :], 1)
+        else:
+            v_a = _simt_codes(v_rows[:, None] + c[None, :], n_mask[:, None], BITS, FAST)
+        acc_a = acc_a * alpha[:, None] + tl.sum(pv * v_a[None, :, :], 1)
+        m_i = m_new
+    return m_i, l_i, acc_a + z_i[:, None], acc_b + z_i[:, None]
+
+
+@jit
 def _decode_store(o, m_i, l_i, cols, out_ptr, part_out_ptr, part_lse_ptr, row, seq, part, heads, g_mask,
                   stride_ot, stride_oh, stride_pob, stride_poh, stride_pop, stride_plb, stride_plh,
                   SPLIT: tl.constexpr, part_len, seqlen, WITH_LSE: tl.constexpr):
@@ -619,7 +750,7 @@ def _decode_kernel(
     qk_scale, min_part,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr, TUNE: tl.constexpr,
+    SPLIT: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr, TUNE: tl.constexpr, SIMT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     part = tl.program_id(0)
@@ -639,7 +770,22 @@ def _decode_kernel(
     g_mask = g < GROUP
     heads = kv_head * GROUP + g
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    if BITS:
+    if BITS and SIMT:
+        m_i, l_i, acc_a, acc_b = _decode_simt(
+            q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, row, heads, g_mask, kv_head, start, end,
+            stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            stride_sb, stride_ss, stride_sh, qk_scale,
+            GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BITS, FAST, (TUNE & 16) != 0)  # TUNE_PAIR
+        COLS: tl.constexpr = HEAD_DIM // 2 if BITS == 4 else HEAD_DIM
+        c = tl.arange(0, COLS)
+        _decode_store(acc_a / l_i[:, None], m_i, l_i, c, out_ptr, part_out_ptr, part_lse_ptr, row, seq, part, heads,
+                      g_mask, stride_ot, stride_oh, stride_pob, stride_poh, stride_pop, stride_plb, stride_plh,
+                      SPLIT, part_len, seqlen, True)
+        if BITS == 4:
+            _decode_store(acc_b / l_i[:, None], m_i, l_i, COLS + c, out_ptr, part_out_ptr, part_lse_ptr, row, seq,
+                          part, heads, g_mask, stride_ot, stride_oh, stride_pob, stride_poh, stride_pop, stride_plb,
+                          stride_plh, SPLIT, part_len, seqlen, False)
+    elif BITS:
         m_i, l_i, acc_lo, acc_hi, z_acc = _decode_quant(
             q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, row, heads, g_mask, kv_head, start, end,
             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -785,12 +931,13 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _fill_target(device: torch.device) -> int:
-    """Decode programs that fill the GPU: two per SM."""
-    return 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+def _fill_target(device: torch.device, per_sm: int = 2) -> int:
+    """Decode programs that fill the GPU: ``per_sm`` (two 4-warp programs) per SM."""
+    return per_sm * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _decode_partition(device: torch.device, num_seqs: int, num_kv_heads: int, max_seqlen_k: int) -> int:
+def _decode_partition(device: torch.device, num_seqs: int, num_kv_heads: int, max_seqlen_k: int,
+                      per_sm: int = 2) -> int:
     """Tokens per decode program: the largest power of two that still gives ~2 programs per SM.
 
     Large batches fill the GPU with few partitions per sequence (one: no merge kernel at all);
@@ -801,7 +948,7 @@ def _decode_partition(device: torch.device, num_seqs: int, num_kv_heads: int, ma
     """
     if device.type != "cuda":  # the interpreter: nothing to fill
         return DECODE_PARTITION
-    target = _fill_target(device)
+    target = _fill_target(device, per_sm)
     per_seq = cdiv(target, num_seqs * num_kv_heads)
     partition = 1 << (max(max_seqlen_k // per_seq, 1).bit_length() - 1)  # round down to a power of two
     return min(max(partition, _MIN_DECODE_PARTITION), _MAX_DECODE_PARTITION)
@@ -862,6 +1009,7 @@ def paged_attention_triton(
     fast_codes: bool | None = None,
     tune: int | None = None,
     maxnreg: int | None = None,
+    simt: bool | None = None,
 ) -> torch.Tensor:
     """Triton launcher for :func:`paged_attention_ref` (same arguments and result).
 
@@ -873,7 +1021,9 @@ def paged_attention_triton(
     cache comes with ``k_scales`` / ``v_scales`` (``paged_attention_ref``); the decode kernel turns
     its codes into fp16/bf16 with inline PTX unless ``fast_codes=False`` (or the interpreter runs,
     or q is fp32), which selects the portable conversion (both are tested). ``tune`` (TUNE_* bits)
-    and ``maxnreg`` override the quantized decode kernel's variant and register cap (for tuning).
+    and ``maxnreg`` override the quantized decode kernel's variant and register cap (for tuning);
+    ``simt`` its walk: the CUDA cores (default for query groups up to ``_SIMT_MAX_GROUP``) or the
+    tensor cores.
     """
     problem = _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, k_scales, v_scales)
     assert problem is None, problem
@@ -912,15 +1062,17 @@ def paged_attention_triton(
     if max_seqlen_q == 1 and num_tokens == num_seqs:
         if max_seqlen_k is None:
             max_seqlen_k = int(seqlens_k.max())
-        partition = decode_partition or _decode_partition(q.device, num_seqs, num_kv_heads, max_seqlen_k)
-        bn = block_n or min(64 if head_dim <= 128 else 32, next_pow2(partition))
+        simt = bool(bits) and (group <= _SIMT_MAX_GROUP if simt is None else simt)
+        per_sm = _SIMT_PROGRAMS_PER_SM if simt else 2
+        partition = decode_partition or _decode_partition(q.device, num_seqs, num_kv_heads, max_seqlen_k, per_sm)
+        bn = block_n or min(_SIMT_BLOCK_N if simt else 64 if head_dim <= 128 else 32, next_pow2(partition))
         assert partition % bn == 0, "the decode partition must be a multiple of its key tile"
         num_parts = max(cdiv(max_seqlen_k, partition), 1)
         split = num_parts > 1
         # Short sequences spread over the partitions (down to one key tile per program) unless
         # the batch fills the GPU by itself; then each keeps partition-sized slices.
         min_part = partition
-        if decode_partition or (q.device.type == "cuda" and num_seqs * num_kv_heads < _fill_target(q.device)):
+        if decode_partition or (q.device.type == "cuda" and num_seqs * num_kv_heads < _fill_target(q.device, per_sm)):
             min_part = bn
         if split:
             part_out = torch.empty(num_seqs, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
@@ -937,14 +1089,14 @@ def paged_attention_triton(
         if tn & TUNE_PAIR and not (fast and k_scales.data_ptr() % 4 == 0 and all(st % 2 == 0 for st in s_strides)):
             tn &= ~TUNE_PAIR  # a (scale, zero) pair must be one aligned 32-bit word
         extra = {"num_stages": num_stages} if num_stages else {}
-        if maxnreg or bits:
+        if maxnreg or (bits and not simt):
             extra["maxnreg"] = maxnreg or _DECODE_MAXNREG
         _decode_kernel[(num_parts, num_kv_heads, num_seqs)](
             q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, seqlens_k, out, part_out, part_lse,
             *common, *po_strides, *pl_strides, qk_scale, min_part,
-            GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            BLOCK_N=bn, SPLIT=split, BITS=bits, FAST=fast, TUNE=tn if bits else 0, DOT_PRECISION=precision,
-            num_warps=num_warps or 4, **extra,
+            GROUP=group, GROUP_PAD=next_pow2(group) if simt else max(16, next_pow2(group)), HEAD_DIM=head_dim,
+            BLOCK_SIZE=block_size, BLOCK_N=bn, SPLIT=split, BITS=bits, FAST=fast, TUNE=tn if bits else 0,
+            SIMT=simt, DOT_PRECISION=precision, num_warps=num_warps or (1 if simt else 4), **extra,
         )
         if split:
             _decode_reduce_kernel[(num_heads, num_seqs)](

@@ -269,12 +269,27 @@ DECODE_TAILS = {
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("case", DECODE_TAILS.values(), ids=DECODE_TAILS.keys())
 def test_quantized_decode_variants(case: tuple, bits: int, tune: int, seed: int, poisoned_empty: None) -> None:
-    """The decode kernel's tuning variants (its TUNE bits) compute the same attention; the fold of
-    the biased codes (1024 + c) is an fp16 one, so fp16 runs too."""
+    """The tensor-core decode walk's tuning variants (its TUNE bits) compute the same attention;
+    the fold of the biased codes (1024 + c) is an fp16 one, so fp16 runs too."""
     q_lens, k_lens, h, hkv, d, bs, tiles = case
-    check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 1e-4, tune=tune, **tiles)
+    check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 1e-4, tune=tune, simt=False, **tiles)
     check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 5e-3, dtype=torch.float16, tune=tune,
-                              **tiles)
+                              simt=False, **tiles)
+
+
+# The CUDA-core walk on the decode cases above and on groups of 1, 3, 4 and 8 (its default stops
+# at 4; larger groups run it correctly too), with and without the paired scale loads.
+SIMT_CASES = {**DECODE_TAILS, **{k: v for k, v in QUANT_CASES.items() if k.startswith("decode")}}
+
+
+@interp
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("case", SIMT_CASES.values(), ids=SIMT_CASES.keys())
+def test_quantized_decode_simt(case: tuple, bits: int, seed: int, poisoned_empty: None) -> None:
+    q_lens, k_lens, h, hkv, d, bs, tiles = case
+    check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 1e-4, simt=True, **tiles)
+    check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 5e-3, dtype=torch.float16, simt=True,
+                              tune=0, **tiles)
 
 
 @interp
@@ -334,18 +349,20 @@ def test_gpu_quantized_attention(case: tuple, dtype: torch.dtype, bits: int, see
 
 @gpu
 @compiled_gpu
+@pytest.mark.parametrize("simt", [False, True], ids=["tensor_cores", "cuda_cores"])
 @pytest.mark.parametrize("fast,tune", [(False, None), (True, 0), (True, 63)], ids=["portable", "asm_plain", "asm_all"])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gpu_quantized_decode_paths(dtype: torch.dtype, bits: int, fast: bool, tune: int | None, seed: int,
+def test_gpu_quantized_decode_paths(dtype: torch.dtype, bits: int, fast: bool, tune: int | None, simt: bool, seed: int,
                                     poisoned_empty: None) -> None:
-    """Both code conversions (inline PTX, and the portable one the interpreter runs) and the
-    tuning variants, on sequences ending inside and past whole tiles, some split in partitions."""
+    """Both code conversions (inline PTX, and the portable one the interpreter runs), the
+    tuning variants and both walks, on sequences ending inside and past whole tiles, some split
+    in partitions, groups of 4 and 1."""
     k_lens = [1, 63, 64, 65, 700, 2049]
     check_quantized_attention([1] * len(k_lens), k_lens, 16, 4, 128, 64, seed, bits, GPU_TOL[dtype], dtype, "cuda",
-                              fast_codes=fast, tune=tune)
+                              fast_codes=fast, tune=tune, simt=simt)
     check_quantized_attention([1] * len(k_lens), k_lens, 16, 16, 128, 16, seed, bits, GPU_TOL[dtype], dtype, "cuda",
-                              fast_codes=fast, tune=tune, decode_partition=256)
+                              fast_codes=fast, tune=tune, simt=simt, decode_partition=256)
 
 
 @gpu
