@@ -145,6 +145,7 @@ def _building(dest: Path) -> Iterator[Path]:
     """A fresh temporary folder beside ``dest``, renamed to ``dest`` when the block ends
     normally, removed when it raises."""
     tmp = Path(tempfile.mkdtemp(prefix=f"{dest.name}{_PARTIAL}-", dir=dest.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would hide the cached model from other users of the cache
     try:
         yield tmp
         if _complete(dest):  # a fetch that did not take the lock (an older conveyor) got there first
