@@ -1,5 +1,5 @@
 """The ``conveyor`` command line: ``list``, ``check_env``, ``chat`` (in-process), ``serve api_server``,
-``serve api_client``, ``lite``.
+``serve api_client``, ``serve gradio`` (web chat), ``lite``.
 
 LMDeploy's commands run after changing the program name: every ``--long-option`` is accepted in
 both spellings (``--server-port`` / ``--server_port``, as LMDeploy's docs use both), ``--backend
@@ -307,6 +307,63 @@ def _cmd_api_client(args: argparse.Namespace) -> int:
                          request_output_len=args.request_output_len)
 
 
+def _cmd_gradio(args: argparse.Namespace) -> int:
+    """The web chat: the engine in this process (MODEL), or a running api_server (an http:// URL)."""
+    taken = _port_taken(args.server_name, args.server_port)
+    if taken:
+        print(f"conveyor: cannot serve on {args.server_name}:{args.server_port}: {taken}. Stop what uses it "
+              "or pick another port with --server-port", file=sys.stderr)
+        return 1
+    from conveyor.api_client import APIConnectionError, APIError
+    from conveyor.errors import ConveyorError
+
+    target = args.model_path_or_server
+    try:
+        if target and target.startswith(("http://", "https://")):
+            backend = _webchat_client(args, target)
+        else:
+            if args.api_key:
+                raise ConveyorError("--api-key is for an api_server URL; a model path runs in this process")
+            backend = _webchat_pipeline(args, target)
+    except (ConveyorError, APIError, APIConnectionError) as exc:
+        print(f"conveyor: {exc}", file=sys.stderr)
+        return 2
+    from conveyor.webchat import serve_webchat
+
+    host = "localhost" if args.server_name in ("0.0.0.0", "::") else args.server_name
+    print(f"web chat with {backend.model_name}: open http://{host}:{args.server_port} in a browser", file=sys.stderr)
+    return serve_webchat(backend, args.server_name, args.server_port, args.log_level)
+
+
+def _webchat_client(args: argparse.Namespace, url: str):
+    """URL mode: the server runs the model, so engine flags here would be ignored: refuse them."""
+    from conveyor.errors import ConveyorError
+    from conveyor.webchat import ApiServerBackend
+
+    probe = argparse.ArgumentParser()
+    _engine_options(probe)
+    given = [f"--{name.replace('_', '-')}" for name, default in vars(probe.parse_args([])).items()
+             if name != "backend" and getattr(args, name) != default]  # --backend: accepted everywhere
+    given += ["--chat-template"] if args.chat_template else []
+    if given:
+        raise ConveyorError(f"{', '.join(given)}: the api_server at {url} runs the model; give these to "
+                            "'conveyor serve api_server' instead")
+    return ApiServerBackend(url, args.api_key)
+
+
+def _webchat_pipeline(args: argparse.Namespace, model: str | None):
+    """In-process mode: a pipeline on MODEL with the engine flags (prefix caching on, as chat)."""
+    from conveyor import pipeline
+    from conveyor.default_model import fetch
+    from conveyor.services.tokenizer.chat_template import template_config
+    from conveyor.webchat import PipelineBackend
+
+    template = template_config(args.chat_template)
+    config = _engine_config(args)
+    config.enable_prefix_caching = True  # a session's turns reuse its cached history
+    return PipelineBackend(pipeline(model or str(fetch()), config, chat_template_config=template))
+
+
 def _engine_options(s: argparse.ArgumentParser, cache_default: float = 0.8) -> None:
     """The engine's flags (``_engine_config``), shared by ``serve api_server``, ``serve stage`` and ``chat``."""
     e = s.add_argument_group("engine")
@@ -411,6 +468,17 @@ def _add_serve(sub) -> None:
                    help="resume this session (default: a new one with a random id, ended on exit)")
     c.add_argument("--request-output-len", type=int, default=512, help="most tokens per answer")
     c.set_defaults(func=_cmd_api_client)
+    g = serve_sub.add_parser("gradio", help="web chat in the browser: a model in this process, or an api_server URL")
+    g.add_argument("model_path_or_server", nargs="?", default=None, metavar="MODEL_PATH_OR_API_URL",
+                   help="model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct), or a running "
+                        "api_server's URL (http://HOST:PORT)")
+    g.add_argument("--server-name", default="0.0.0.0", help="the address the web page is served on")
+    g.add_argument("--server-port", type=int, default=6006, help="the web page's port")
+    g.add_argument("--api-key", default=None, help="with a URL: the api_server's API key, if it has any")
+    g.add_argument("--chat-template", default=None, help="with a model: a built-in template name or a JSON file")
+    g.add_argument("--log-level", default="INFO")
+    _engine_options(g)
+    g.set_defaults(func=_cmd_gradio)
     p = serve_sub.add_parser("proxy", help="one OpenAI endpoint distributing requests over several api_servers")
     p.add_argument("--server-name", default="0.0.0.0", help="the address to listen on")
     p.add_argument("--server-port", type=int, default=8000, help="the HTTP port")

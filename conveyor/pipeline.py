@@ -32,6 +32,12 @@ class Session:
     history: list[tuple[Any, str]] = field(default_factory=list)
     closed: bool = False
 
+    def stop(self) -> None:
+        """Stop the turn now streaming (it ends with finish_reason 'abort'); the session stays,
+        with what was generated so far in its history (LMDeploy's ``Session.stop``)."""
+        if not self.closed:
+            self.pipeline.stop_session(self.session_id)
+
     def close(self) -> None:
         """Free the session's KV blocks; the object can no longer be used for chat."""
         if not self.closed:
@@ -192,6 +198,11 @@ class Pipeline:
     def session(self) -> Session:
         """A new, empty session to pass to ``chat``."""
         return Session(next(self._session_ids), self)
+
+    def stop_session(self, session_id: int) -> None:
+        """Abort a session's running turn, if any (done when this returns); the session stays. A
+        turn the engine has not admitted yet is not stopped: call again once it streams."""
+        self._stack.call(lambda engine: engine.abort_session(session_id))
 
     def end_session(self, session_id: int) -> None:
         """Release a session's KV blocks."""
