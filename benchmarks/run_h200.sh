@@ -11,6 +11,7 @@
 #   tree, alternating, in one call: a before/after comparison free of machine-to-machine spread.
 # STAGE "tp BEFORE_DIR" / "tp2": tensor parallel (see their blocks below).
 # STAGE "bench": this tree's Llama-2-7B grid and ShareGPT run.
+# STAGE "served": offline against served throughput (see its block below).
 # STAGE "quant": the W4A16/W8A8 kernel tests and microbenchmarks, then Llama-2-7B fp16 and AWQ
 #   (random 4-bit weights), W8A8 (random int8 weights) generation in the same call, fp16 first and last.
 set -u
@@ -157,4 +158,38 @@ if [ "$STAGE" = tp2 ]; then
   [ -n "${SKIP_SHAREGPT:-}" ] || timeout 400 python3 -m benchmarks.profile_throughput --model llama2-7b --tp 2 --name tp2_sharegpt
   [ -n "${SKIP_70B:-}" ] || timeout 580 python3 -m benchmarks.profile_generation --model llama2-70b --tp 2 \
     -b 1 -b 64 -c 128:512 -c 128:128 --name tp2_llama2_70b
+fi
+
+# STAGE "served": issue 14, part 4. The ShareGPT-shaped workload offline (profile_throughput,
+#   record served_offline) and through `conveyor serve api_server --dummy-weights llama2-7b`
+#   (profile_restful_api, record served_api; $SERVED_MODEL is another shape): the same random token ids, max_tokens and
+#   ignore_eos, all requests at t=0 (SERVED_CONCURRENCY caps the open ones), streamed, max batch
+#   $SERVED_BATCH (256); $SERVED_PROMPTS prompts (default all 3000). The tokenizer comes from
+#   $SERVED_TOKENIZER (default models/tokenizer, ignored by git: carry it; the default model's
+#   tokenizer files, `cp $(python -m conveyor.default_model)/{tokenizer.json,tokenizer_config.json} models/tokenizer/`).
+#   Prints served/offline out tok/s (target >= 0.95) and each stage's CPU per request.
+if [ "$STAGE" = served ]; then
+  B=${SERVED_BATCH:-256}; TOK=${SERVED_TOKENIZER:-models/tokenizer}; M=${SERVED_MODEL:-llama2-7b}; PORT=23333
+  [ -f "$TOK/tokenizer.json" ] || { echo "served: no tokenizer in $TOK (SERVED_TOKENIZER)"; exit 1; }
+  ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"  # every request is a connection, at both ends
+  timeout 330 python3 -m benchmarks.profile_throughput --model "$M" --max-batch-size "$B" \
+    ${SERVED_PROMPTS:+--num-prompts $SERVED_PROMPTS} --name served_offline
+  python3 -m conveyor.cli serve api_server "$TOK" --dummy-weights "$M" --max-batch-size "$B" --server-name 127.0.0.1 \
+    --server-port $PORT --max-queued-requests 8192 --max-connections 8192 --log-level WARNING \
+    > "$BENCH_OUT/served_server.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 150); do curl -sf http://127.0.0.1:$PORT/health >/dev/null && break; sleep 2; done
+  timeout 400 python3 -m benchmarks.profile_restful_api --port $PORT --server-pid $SERVER --batch "$B" \
+    --precision float16 ${SERVED_PROMPTS:+--num-prompts $SERVED_PROMPTS} \
+    ${SERVED_CONCURRENCY:+--max-concurrency $SERVED_CONCURRENCY} --name served_api
+  kill -TERM $SERVER; wait $SERVER
+  python3 - "$BENCH_OUT" <<'PY'
+import json, sys
+off, api = (json.load(open(f"{sys.argv[1]}/{n}.json"))[0] for n in ("served_offline", "served_api"))
+print(f"out tok/s: offline {off['out_tok_s']:.0f}, served {api['out_tok_s']:.0f}: "
+      f"{api['out_tok_s'] / off['out_tok_s']:.3f} of offline (target 0.95); errors {api['errors']}, short {api['short']}")
+for stage, s in (api["stage_cpu"] or {}).items():
+    print(f"  {stage:12s} {s['processes']} process(es): {s['cpu_ms_per_request']:.2f} CPU ms/request, "
+          f"{s['cores_mean']:.2f} cores mean, busiest process {s['cores_peak_one_process']:.2f} cores")
+PY
 fi
