@@ -305,3 +305,22 @@ def test_gguf_file_through_the_pipeline(smollm2_dir, hf_greedy):
     with pipeline(str(gguf_path(smollm2_dir)), EngineConfig(cache_max_entry_count=64, block_size=16)) as p:
         r = p(PROMPTS[0], GREEDY)
     assert r.token_ids == hf_greedy[PROMPTS[0]][1]
+
+
+def test_a_streamed_turn_stopped_early_stays_in_the_session(pipe):
+    gen = GenerationConfig(max_new_tokens=48, top_k=1, ignore_eos=True)
+    sess = pipe.session()
+    stream = pipe.chat("Tell me a long story about a cat.", session=sess, gen_config=gen, stream_response=True)
+    next(stream), next(stream)
+    stream.close()  # what Ctrl-C in `conveyor chat` does: the engine aborts the turn before this returns
+    assert len(sess.history) == 1
+    pipe.chat("Shorter, please.", session=sess, gen_config=GenerationConfig(max_new_tokens=4, top_k=1))
+    assert len(sess.history) == 2
+    sess.close()
+    assert pipe._stack.call(lambda e: e.block_manager.num_free_blocks) == pipe.engine.block_manager.num_blocks
+
+
+def test_the_default_model_by_name(smollm2_dir):
+    with pipeline("SmolLM2-135M-Instruct", EngineConfig(cache_max_entry_count=64, block_size=16)) as p:
+        assert p.model_path == smollm2_dir
+        assert p("Hi", GenerationConfig(max_new_tokens=2, ignore_eos=True)).generate_token_len == 2
