@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from ..engine_client import RETRY_AFTER_S, RequestError
-from ..ingress.app import ApiKeyGuard, error_response, install_error_handlers
+from ..ingress.app import DEFAULT_MAX_BODY_BYTES, ApiKeyGuard, BodyLimit, error_response, install_error_handlers
 from ..ingress.sse import ClosingStreamingResponse, until_disconnected
 from . import health
 from .nodes import Dispatch, Node, NodeTable
@@ -232,6 +232,7 @@ def build_proxy_app(strategy: Strategy | str = Strategy.MIN_EXPECTED_LATENCY, *,
                   version="0.1.0", lifespan=lifespan)
     app.state.proxy = proxy
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=DEFAULT_MAX_BODY_BYTES)  # the body is held in memory to forward it
     if api_keys:
         app.add_middleware(ApiKeyGuard, api_keys=list(api_keys), guarded=_api_path)
 

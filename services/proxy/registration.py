@@ -22,7 +22,7 @@ def advertised_url(host: str, port: int) -> str:
     """The URL a proxy reaches this server at: a wildcard bind address is replaced by the host's name."""
     if host in ("", "0.0.0.0", "::"):
         host = socket.gethostname()
-    return f"http://{host}:{port}"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class ProxyRegistration:
@@ -34,6 +34,7 @@ class ProxyRegistration:
         self.proxy_url, self.node_url, self.models = proxy_url.rstrip("/"), node_url, models
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._task: asyncio.Task | None = None
+        self._leaving: asyncio.Task | None = None
         self.joined = False
 
     def start(self) -> None:
@@ -68,7 +69,13 @@ class ProxyRegistration:
 
     async def leave(self) -> None:
         """Stop joining, and leave the proxy if joined (errors are logged: the proxy's health checks
-        take out a node that is gone anyway)."""
+        take out a node that is gone anyway). Every caller waits for the one departure: the drain
+        starts it, and the server's exit must not cut it short."""
+        if self._leaving is None:
+            self._leaving = asyncio.get_running_loop().create_task(self._leave())
+        await asyncio.shield(self._leaving)
+
+    async def _leave(self) -> None:
         if self._task is not None and not self._task.done():
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -277,7 +277,7 @@ def test_a_node_killed_mid_stream_is_taken_out_and_put_back(proxy, nodes):
     # the victim's launcher restarts its ingress; the proxy's health checks put it back
     wait_until(lambda: proxy.status()[victim.url]["healthy"], "the node to be put back", timeout=90,
                log=victim.log)
-    assert victim.stage_pids("ingress")[-1] != ingress_pid
+    wait_until(lambda: victim.stage_pids("ingress")[-1] != ingress_pid, "the launcher to log the new ingress")
     opened, release, chunks = threading.Event(), threading.Event(), []
     holder = threading.Thread(target=_hold_stream, args=(proxy.url, opened, release, chunks))
     holder.start()
