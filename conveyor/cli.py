@@ -389,6 +389,16 @@ def _engine_options(s: argparse.ArgumentParser, cache_default: float = 0.8) -> N
                         "(its history is kept and recomputed on the next turn; 0: never)")
 
 
+def _http_url(value: str) -> str:
+    """An ``http(s)://HOST[:PORT]`` argument, refused at parse time (not by a stage that retries it forever)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{value!r}: give it as http://HOST:PORT")
+    return value.rstrip("/")
+
+
 def _api_key_options(s: argparse.ArgumentParser) -> None:
     """The API key flags (``_api_keys``), shared by ``serve api_server``, ``serve stage`` and ``serve proxy``."""
     s.add_argument("--api-keys", nargs="*", default=None, help="accepted API keys (Authorization: Bearer KEY)")
@@ -404,7 +414,7 @@ def _server_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--server-port", type=int, default=23333, help="the HTTP port")
     s.add_argument("--tokenizer-workers", type=int, default=1, help="tokenizer/chat-template processes")
     _api_key_options(s)
-    s.add_argument("--proxy-url", default=None, metavar="URL",
+    s.add_argument("--proxy-url", type=_http_url, default=None, metavar="URL",
                    help="join this proxy (conveyor serve proxy) once serving, leave it on SIGTERM; the proxy "
                         "reaches this server at --server-name (a wildcard: this host's name)")
     s.add_argument("--model-name", default=None, help="the name /v1/models reports (default: the folder name)")
