@@ -120,10 +120,10 @@ _DECODE_MAXNREG = 128
 # H200, Llama-2-7B layer (group 1), int8, batch 256 x 1k keys: 532 us against 813 (one warp,
 # 32-key tiles; 16 keys: 626, 64: 586; 2 warps: 1,018, 4 warps: 1,114, their key reductions
 # crossing warps through shared memory).
-_SIMT_MAX_GROUP = 4
-_SIMT_BLOCK_N = 32
+_SIMT_MAX_GROUP = 2
+_SIMT_BLOCK_N = 32  # keys x group: the products of a tile stay [32, D], 128 values a thread
 # One-warp programs: enough of them to fill an SM (the 4-warp kernels need 2).
-_SIMT_PROGRAMS_PER_SM = 16
+_SIMT_PROGRAMS_PER_SM = 8
 
 
 @jit
@@ -637,18 +637,26 @@ def _decode_quant(
 
 
 @jit
-def _simt_codes(ptrs, mask, BITS: tl.constexpr, FAST: tl.constexpr):
-    """Codes at ``ptrs`` (masked rows read 0) as fp32: int8 one tensor of ptrs' shape; int4 the
-    (low nibbles, high nibbles) pair, the two halves of the dims (``kv_cache.py``'s layout)."""
+def _simt_u8(ptrs, mask, FAST: tl.constexpr):
+    """int8 codes at ``ptrs`` (masked rows read 0) as fp32."""
     c = tl.load(ptrs, mask=mask, other=0)
-    if BITS == 4:
-        if FAST:
-            return tl.inline_asm_elementwise(_U4_TO_F32, "=r,=r,=r,=r,=r,=r,=r,=r,r", [c],
-                                             dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
-        return (c & 0xF).to(tl.float32), (c >> 4).to(tl.float32)
     if FAST:
-        return tl.inline_asm_elementwise(_U8_TO_F32, "=r,=r,=r,=r,r", [c], dtype=tl.float32, is_pure=True, pack=4)
+        c = tl.inline_asm_elementwise(_U8_TO_F32, "=r,=r,=r,=r,r", [c], dtype=tl.float32, is_pure=True, pack=4)
     return c.to(tl.float32)
+
+
+@jit
+def _simt_u4(ptrs, mask, FAST: tl.constexpr):
+    """int4 code bytes at ``ptrs`` (masked rows read 0) as fp32 (low nibbles, high nibbles): the
+    two halves of the dims (``kv_cache.py``'s layout)."""
+    c = tl.load(ptrs, mask=mask, other=0)
+    if FAST:
+        lo, hi = tl.inline_asm_elementwise(_U4_TO_F32, "=r,=r,=r,=r,=r,=r,=r,=r,r", [c],
+                                           dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    else:
+        lo = (c & 0xF).to(tl.float32)
+        hi = (c >> 4).to(tl.float32)
+    return lo, hi
 
 
 @jit
@@ -692,10 +700,10 @@ def _decode_simt(
             stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh, BLOCK_SIZE, IN_BLOCK, True)
         ksc, kz = _scale_zero_rows(ks_rows, n_mask, True, PAIR)
         if BITS == 4:
-            k_a, k_b = _simt_codes(k_rows[:, None] + c[None, :], n_mask[:, None], BITS, FAST)
+            k_a, k_b = _simt_u4(k_rows[:, None] + c[None, :], n_mask[:, None], FAST)
             s = tl.sum(k_a[None, :, :] * q_a[:, None, :], 2) + tl.sum(k_b[None, :, :] * q_b[:, None, :], 2)
         else:
-            k_a = _simt_codes(k_rows[:, None] + c[None, :], n_mask[:, None], BITS, FAST)
+            k_a = _simt_u8(k_rows[:, None] + c[None, :], n_mask[:, None], FAST)
             s = tl.sum(k_a[None, :, :] * q_a[:, None, :], 2)
         s = s * ksc[None, :] + qsum[:, None] * kz[None, :]
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -708,10 +716,10 @@ def _decode_simt(
         z_i = z_i * alpha + tl.sum(p * vz[None, :], 1)
         pv = (p * vsc[None, :])[:, :, None]
         if BITS == 4:
-            v_a, v_b = _simt_codes(v_rows[:, None] + c[None, :], n_mask[:, None], BITS, FAST)
+            v_a, v_b = _simt_u4(v_rows[:, None] + c[None, :], n_mask[:, None], FAST)
             acc_b = acc_b * alpha[:, None] + tl.sum(pv * v_b[None, :, :], 1)
         else:
-            v_a = _simt_codes(v_rows[:, None] + c[None, :], n_mask[:, None], BITS, FAST)
+            v_a = _simt_u8(v_rows[:, None] + c[None, :], n_mask[:, None], FAST)
         acc_a = acc_a * alpha[:, None] + tl.sum(pv * v_a[None, :, :], 1)
         m_i = m_new
     return m_i, l_i, acc_a + z_i[:, None], acc_b + z_i[:, None]
@@ -1065,7 +1073,8 @@ def paged_attention_triton(
         simt = bool(bits) and (group <= _SIMT_MAX_GROUP if simt is None else simt)
         per_sm = _SIMT_PROGRAMS_PER_SM if simt else 2
         partition = decode_partition or _decode_partition(q.device, num_seqs, num_kv_heads, max_seqlen_k, per_sm)
-        bn = block_n or min(_SIMT_BLOCK_N if simt else 64 if head_dim <= 128 else 32, next_pow2(partition))
+        tile = max(_SIMT_BLOCK_N // next_pow2(group), 1) if simt else 64 if head_dim <= 128 else 32
+        bn = block_n or min(tile, next_pow2(partition))
         assert partition % bn == 0, "the decode partition must be a multiple of its key tile"
         num_parts = max(cdiv(max_seqlen_k, partition), 1)
         split = num_parts > 1
