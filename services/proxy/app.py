@@ -1,9 +1,10 @@
 """The proxy's HTTP app: LMDeploy's request distributor in front of several api_servers.
 
 Routes: the node table (``GET /nodes/status``, ``POST /nodes/add``, ``POST /nodes/remove``,
-LMDeploy's bodies), the OpenAI routes passed to a node the strategy picks (``GET /v1/models``,
-``POST /v1/chat/completions``, ``POST /v1/completions``), ``GET /health`` (200 while a node is
-up) and FastAPI's /docs.
+LMDeploy's bodies), the models of the nodes that are up (``GET /v1/models``, ``GET
+/v1/models/{id}``), the OpenAI routes passed to a node the strategy picks (``POST
+/v1/chat/completions``, ``POST /v1/completions``), ``GET /health`` (200 while a node is up) and
+FastAPI's /docs.
 
 A request body is forwarded as it came (the node validates it; its errors come back as they
 are), with the client's ``Authorization`` header: give the proxy and its nodes the same keys.
@@ -282,6 +283,15 @@ def build_proxy_app(strategy: Strategy | str = Strategy.MIN_EXPECTED_LATENCY, *,
     async def models() -> Response:
         """The models the nodes that are up serve."""
         return Response(json.dumps({"object": "list", "data": table.model_cards()}), media_type="application/json")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        """One model by its id, if a node that is up serves it; 404 otherwise."""
+        card = next((c for c in table.model_cards() if c["id"] == model_id), None)
+        if card is None:
+            raise RequestError(404, f"the model `{model_id}` is not served by any api_server that is up "
+                               "(see GET /v1/models)", param="model", code="model_not_found")
+        return Response(json.dumps(card), media_type="application/json")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

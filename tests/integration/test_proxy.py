@@ -131,6 +131,9 @@ def test_api_servers_join_with_proxy_url(proxy, nodes, client, smollm2_dir):
         assert status[node.url]["models"] == [smollm2_dir.name]
         assert status[node.url]["healthy"] is True and status[node.url]["unfinished"] == 0
     assert [m.id for m in client.models.list().data] == [smollm2_dir.name]
+    assert client.models.retrieve(smollm2_dir.name).id == smollm2_dir.name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
     assert httpx.get(f"{proxy.url}/health").json() == {"status": "ok", "nodes_up": 2}  # open without a key
 
 
@@ -230,10 +233,10 @@ def test_random_spreads_and_nodes_can_be_removed(nodes, tmp_path):
         for node in nodes:
             assert p.add(node.url).status_code == 200
         before = served(fast), served(slow)
-        for _ in range(24):
+        for _ in range(30):
             assert chat(p.url, max_tokens=1).status_code == 200
         counts = served(fast) - before[0], served(slow) - before[1]
-        assert sum(counts) == 24 and min(counts) >= 4, counts  # P(min < 4) ~ 1e-4 for a fair coin
+        assert sum(counts) == 30 and min(counts) >= 5, counts  # P(min < 5) ~ 6e-5 for a fair coin
         # LMDeploy's two forms of /nodes/remove: a body, and ?node_url=
         r = httpx.post(f"{p.url}/nodes/remove", json={"url": slow.url}, headers=AUTH)
         assert r.status_code == 200 and r.json() == "Deleted successfully"
