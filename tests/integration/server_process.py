@@ -5,11 +5,30 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from conveyor.engine.tp_workers import free_port  # noqa: F401 - the tests import it from here
+
+
+def free_base_port() -> int:
+    """A base port for the tcp:// stages whose stage ports (base+1..3) and ingress reply port
+    (base+10) are free on 127.0.0.1 too."""
+    while True:
+        base = free_port()
+        if base < 60000 and all(_port_free(base + i) for i in (1, 2, 3, 10)):
+            return base
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 class ServerProcess:

@@ -16,25 +16,7 @@ import time
 import httpx
 import openai
 
-from server_process import free_port
-
-
-def _free_base_port() -> int:
-    while True:
-        base = free_port()
-        if base < 60000 and all(_port_free(base + i) for i in (1, 2, 3, 10)):
-            return base
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+from server_process import free_base_port, free_port
 
 
 def _forged_request_gets_nothing(base: int, url: str) -> None:
@@ -68,7 +50,7 @@ def _forged_request_gets_nothing(base: int, url: str) -> None:
 
 
 def test_stages_as_separate_processes_over_tcp(smollm2_dir, tmp_path):
-    base, http_port = _free_base_port(), free_port()
+    base, http_port = free_base_port(), free_port()
     keys = tmp_path / "curve.key_secret"
     subprocess.run([sys.executable, "-m", "conveyor.cli", "serve", "keygen", str(keys)], check=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CONVEYOR_INGRESS_HOST": "127.0.0.1",
