@@ -130,16 +130,17 @@ def chat_in_the_browser(browser, url: str, screenshot: Path | None = None) -> No
         # First turn: the reply arrives in pieces; cancel it halfway.
         send(page, "Write a long story about a dragon who learns to fly.", 300, by_enter=True)
         sync_api.expect(page.locator("body")).to_have_attribute("data-state", "generating")
-        lengths, deadline = set(), time.monotonic() + 60
+        deadline = time.monotonic() + 60
         while len(reply_text(page)) < 40:
             assert time.monotonic() < deadline, "no reply streamed"
-            lengths.add(len(reply_text(page)))
             time.sleep(0.01)
-        assert len(lengths - {0}) >= 2, f"the reply did not stream: saw lengths {sorted(lengths)}"
+        # Part of the reply is on the page while the rest is still being generated.
+        assert page.locator("body").get_attribute("data-state") == "generating"
         page.click("#cancel")
         wait_idle(page, 30)
         first = page.locator(".msg.assistant").last
-        assert first.get_attribute("data-finish") == "abort"
+        assert first.get_attribute("data-finish") == "abort", first.text_content()
+        assert int(first.get_attribute("data-pieces")) >= 2
         assert "cancelled" in first.locator(".note").text_content()
         tokens = int(first.locator(".note").text_content().split()[0])
         assert 0 < tokens < 300

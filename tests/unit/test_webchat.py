@@ -106,6 +106,7 @@ def test_page_is_self_contained(client):
     assert not re.search(r"(src|href)\s*=\s*[\"']?(https?:)?//", r.text)
     assert "default-src 'none'" in r.headers["content-security-policy"]
     assert "connect-src 'self'" in r.headers["content-security-policy"]
+    assert "innerHTML" not in r.text  # replies are set as text: a model cannot inject markup
 
 
 def test_a_turn_streams_in_pieces_with_its_settings(client, backend):
