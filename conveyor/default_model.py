@@ -52,7 +52,7 @@ def local_path(model: str | None, report: Callable[[str], None] | None = None) -
     """``model`` as given, or the cached default model's directory (fetched on first use) when
     ``model`` is None or names it (``SmolLM2-135M-Instruct``, ``HuggingFaceTB/SmolLM2-135M-Instruct``)
     and no folder of that name is here: the hub is not needed for the model conveyor ships with."""
-    if model is None or (model in NAMES and not Path(model).exists()):
+    if not model or (model in NAMES and not Path(model).exists()):  # "": compose's unset ${MODEL:-}
         return str(fetch(report=report))
     return model
 
