@@ -115,13 +115,12 @@ _LOG2E = 1.4426950408889634
 # staged as fp16 for the transposed operand), which needs that cap: 816 / 747.
 _DECODE_TUNE = 53
 _DECODE_MAXNREG = 128
-# Query groups up to this size walk a quantized cache on the CUDA cores (_decode_simt), one warp
-# a program, key tiles of _SIMT_BLOCK_N; larger groups use the tensor cores (_decode_quant).
-# H200, Llama-2-7B layer (group 1), int8, batch 256 x 1k keys: 532 us against 813 (one warp,
-# 32-key tiles; 16 keys: 626, 64: 586; 2 warps: 1,018, 4 warps: 1,114, their key reductions
-# crossing warps through shared memory).
-_SIMT_MAX_GROUP = 2
-_SIMT_BLOCK_N = 32  # keys x group: the products of a tile stay [32, D], 128 values a thread
+# One query a kv head (MHA: Llama-2-7B) walks a quantized cache on the CUDA cores (_decode_simt),
+# one warp a program, key tiles of _SIMT_BLOCK_N; groups use the tensor cores (_decode_quant).
+# H200, Llama-2-7B layer, int8, batch 256 x 1k keys: 532 us against 813 (one warp, 32-key tiles;
+# 16 keys: 626, 64: 586; 2 warps: 1,018, 4 warps: 1,114, their key reductions crossing warps
+# through shared memory).
+_SIMT_BLOCK_N = 32
 # One-warp programs: enough of them to fill an SM (the 4-warp kernels need 2).
 _SIMT_PROGRAMS_PER_SM = 8
 
@@ -661,38 +660,38 @@ def _simt_u4(ptrs, mask, FAST: tl.constexpr):
 
 @jit
 def _decode_simt(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, row, heads, g_mask, kv_head, start, end,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, row, head, kv_head, start, end,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_sb, stride_ss, stride_sh, qk_scale,
-    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     BITS: tl.constexpr, FAST: tl.constexpr, PAIR: tl.constexpr,
 ):
     """The decode kernel's walk over keys ``[start, end)`` of a quantized cache on the CUDA cores,
-    for small query groups (one warp a program): returns (m, l, acc of the first code column's
-    dims, acc of the second's). int8: one column, all dims (the second acc is a dummy); int4: the
-    halves of the dims, a byte's low and high nibbles. The codes become fp32 in registers and the
-    dots are elementwise products summed inside the warp: no shared memory, no barrier, and no
-    query rows padded to 16 as the tensor-core walk (_decode_quant) needs. The per-key scale and
-    zero come after the products: ``q . (c s + z) = s (q . c) + z sum(q)`` and ``p @ (c s + z) =
-    (p s) @ c + sum(p z)``."""
+    for one query a kv head (one warp a program): returns (m, l, acc of the first code column's
+    dims, acc of the second's), m and l scalars. int8: one column, all dims (the second acc is a
+    dummy); int4: the halves of the dims, a byte's low and high nibbles. The codes become fp32 in
+    registers and the dots are elementwise products summed inside the warp: no shared memory, no
+    barrier, no query padded to 16 rows as the tensor-core walk (_decode_quant) needs. (Groups
+    of queries as [G, keys, D] products spill: group 2 measured 4.5x slower than the tensor cores.)
+    The per-key scale and zero come after the products: ``q . (c s + z) = s (q . c) + z sum(q)``
+    and ``p @ (c s + z) = (p s) @ c + sum(p z)``."""
     IN_BLOCK: tl.constexpr = BLOCK_SIZE % BLOCK_N == 0
     COLS: tl.constexpr = HEAD_DIM // 2 if BITS == 4 else HEAD_DIM
     c = tl.arange(0, COLS)
     tok = tl.arange(0, BLOCK_N)
-    q_rows = q_ptr + row * stride_qt + heads[:, None] * stride_qh + c[None, :]
-    # q times the log2 softmax scale; padding rows (g >= GROUP) read zeros and are never stored.
-    q_a = tl.load(q_rows, mask=g_mask[:, None], other=0.0).to(tl.float32) * qk_scale
+    q_row = q_ptr + row * stride_qt + head * stride_qh + c
+    q_a = tl.load(q_row).to(tl.float32) * qk_scale  # times the log2 softmax scale
     if BITS == 4:
-        q_b = tl.load(q_rows + COLS, mask=g_mask[:, None], other=0.0).to(tl.float32) * qk_scale
-        qsum = tl.sum(q_a, 1) + tl.sum(q_b, 1)
+        q_b = tl.load(q_row + COLS).to(tl.float32) * qk_scale
+        qsum = tl.sum(q_a, 0) + tl.sum(q_b, 0)
     else:
         q_b = q_a
-        qsum = tl.sum(q_a, 1)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    z_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc_a = tl.zeros([GROUP_PAD, COLS], tl.float32)
-    acc_b = tl.zeros([GROUP_PAD, COLS], tl.float32)
+        qsum = tl.sum(q_a, 0)
+    m_i = float("-inf")
+    l_i = 0.0
+    z_i = 0.0
+    acc_a = tl.zeros([COLS], tl.float32)
+    acc_b = tl.zeros([COLS], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         n_mask = n0 + tok < end
         k_rows, v_rows, ks_rows, vs_rows = _decode_quant_rows(
@@ -701,28 +700,26 @@ def _decode_simt(
         ksc, kz = _scale_zero_rows(ks_rows, n_mask, True, PAIR)
         if BITS == 4:
             k_a, k_b = _simt_u4(k_rows[:, None] + c[None, :], n_mask[:, None], FAST)
-            s = tl.sum(k_a[None, :, :] * q_a[:, None, :], 2) + tl.sum(k_b[None, :, :] * q_b[:, None, :], 2)
+            s = tl.sum(k_a * q_a[None, :], 1) + tl.sum(k_b * q_b[None, :], 1)
         else:
-            k_a = _simt_u8(k_rows[:, None] + c[None, :], n_mask[:, None], FAST)
-            s = tl.sum(k_a[None, :, :] * q_a[:, None, :], 2)
-        s = s * ksc[None, :] + qsum[:, None] * kz[None, :]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
+            s = tl.sum(_simt_u8(k_rows[:, None] + c[None, :], n_mask[:, None], FAST) * q_a[None, :], 1)
+        s = tl.where(n_mask, s * ksc + qsum * kz, float("-inf"))
         # The first key of a partition is inside the sequence, so m_i is finite after any tile.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s - m_new)
         vsc, vz = _scale_zero_rows(vs_rows, n_mask, True, PAIR)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        z_i = z_i * alpha + tl.sum(p * vz[None, :], 1)
-        pv = (p * vsc[None, :])[:, :, None]
+        l_i = l_i * alpha + tl.sum(p, 0)
+        z_i = z_i * alpha + tl.sum(p * vz, 0)
+        pv = (p * vsc)[:, None]
         if BITS == 4:
             v_a, v_b = _simt_u4(v_rows[:, None] + c[None, :], n_mask[:, None], FAST)
-            acc_b = acc_b * alpha[:, None] + tl.sum(pv * v_b[None, :, :], 1)
+            acc_b = acc_b * alpha + tl.sum(pv * v_b, 0)
         else:
             v_a = _simt_u8(v_rows[:, None] + c[None, :], n_mask[:, None], FAST)
-        acc_a = acc_a * alpha[:, None] + tl.sum(pv * v_a[None, :, :], 1)
+        acc_a = acc_a * alpha + tl.sum(pv * v_a, 0)
         m_i = m_new
-    return m_i, l_i, acc_a + z_i[:, None], acc_b + z_i[:, None]
+    return m_i, l_i, acc_a + z_i, acc_b + z_i
 
 
 @jit
@@ -779,18 +776,22 @@ def _decode_kernel(
     heads = kv_head * GROUP + g
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     if BITS and SIMT:
-        m_i, l_i, acc_a, acc_b = _decode_simt(
-            q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, row, heads, g_mask, kv_head, start, end,
+        # One query head (GROUP 1): the walk's scalars and vectors as the [1], [1, cols] rows
+        # _decode_store writes.
+        m_1, l_1, acc_a, acc_b = _decode_simt(
+            q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, row, kv_head, kv_head, start, end,
             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             stride_sb, stride_ss, stride_sh, qk_scale,
-            GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BITS, FAST, (TUNE & 16) != 0)  # TUNE_PAIR
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BITS, FAST, (TUNE & 16) != 0)  # TUNE_PAIR
+        m_i = tl.zeros([1], tl.float32) + m_1
+        l_i = tl.zeros([1], tl.float32) + l_1
         COLS: tl.constexpr = HEAD_DIM // 2 if BITS == 4 else HEAD_DIM
         c = tl.arange(0, COLS)
-        _decode_store(acc_a / l_i[:, None], m_i, l_i, c, out_ptr, part_out_ptr, part_lse_ptr, row, seq, part, heads,
-                      g_mask, stride_ot, stride_oh, stride_pob, stride_poh, stride_pop, stride_plb, stride_plh,
+        _decode_store((acc_a / l_1)[None, :], m_i, l_i, c, out_ptr, part_out_ptr, part_lse_ptr, row, seq, part,
+                      heads, g_mask, stride_ot, stride_oh, stride_pob, stride_poh, stride_pop, stride_plb, stride_plh,
                       SPLIT, part_len, seqlen, True)
         if BITS == 4:
-            _decode_store(acc_b / l_i[:, None], m_i, l_i, COLS + c, out_ptr, part_out_ptr, part_lse_ptr, row, seq,
+            _decode_store((acc_b / l_1)[None, :], m_i, l_i, COLS + c, out_ptr, part_out_ptr, part_lse_ptr, row, seq,
                           part, heads, g_mask, stride_ot, stride_oh, stride_pob, stride_poh, stride_pop, stride_plb,
                           stride_plh, SPLIT, part_len, seqlen, False)
     elif BITS:
@@ -1030,8 +1031,7 @@ def paged_attention_triton(
     its codes into fp16/bf16 with inline PTX unless ``fast_codes=False`` (or the interpreter runs,
     or q is fp32), which selects the portable conversion (both are tested). ``tune`` (TUNE_* bits)
     and ``maxnreg`` override the quantized decode kernel's variant and register cap (for tuning);
-    ``simt`` its walk: the CUDA cores (default for query groups up to ``_SIMT_MAX_GROUP``) or the
-    tensor cores.
+    ``simt`` its walk: the CUDA cores (the default for one query a kv head) or the tensor cores.
     """
     problem = _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, k_scales, v_scales)
     assert problem is None, problem
@@ -1070,11 +1070,11 @@ def paged_attention_triton(
     if max_seqlen_q == 1 and num_tokens == num_seqs:
         if max_seqlen_k is None:
             max_seqlen_k = int(seqlens_k.max())
-        simt = bool(bits) and (group <= _SIMT_MAX_GROUP if simt is None else simt)
+        simt = bool(bits) and group == 1 if simt is None else simt
+        assert not simt or (bits and group == 1), "the CUDA-core walk takes a quantized cache, one query a kv head"
         per_sm = _SIMT_PROGRAMS_PER_SM if simt else 2
         partition = decode_partition or _decode_partition(q.device, num_seqs, num_kv_heads, max_seqlen_k, per_sm)
-        tile = max(_SIMT_BLOCK_N // next_pow2(group), 1) if simt else 64 if head_dim <= 128 else 32
-        bn = block_n or min(tile, next_pow2(partition))
+        bn = block_n or min(_SIMT_BLOCK_N if simt else 64 if head_dim <= 128 else 32, next_pow2(partition))
         assert partition % bn == 0, "the decode partition must be a multiple of its key tile"
         num_parts = max(cdiv(max_seqlen_k, partition), 1)
         split = num_parts > 1
@@ -1103,7 +1103,7 @@ def paged_attention_triton(
         _decode_kernel[(num_parts, num_kv_heads, num_seqs)](
             q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, seqlens_k, out, part_out, part_lse,
             *common, *po_strides, *pl_strides, qk_scale, min_part,
-            GROUP=group, GROUP_PAD=next_pow2(group) if simt else max(16, next_pow2(group)), HEAD_DIM=head_dim,
+            GROUP=group, GROUP_PAD=1 if simt else max(16, next_pow2(group)), HEAD_DIM=head_dim,
             BLOCK_SIZE=block_size, BLOCK_N=bn, SPLIT=split, BITS=bits, FAST=fast, TUNE=tn if bits else 0,
             SIMT=simt, DOT_PRECISION=precision, num_warps=num_warps or (1 if simt else 4), **extra,
         )

@@ -224,7 +224,8 @@ def test_quantized_rotate_and_store_kv(bits: int, h: int, hkv: int, d: int, bloc
     assert_same_codes(c[0], c[2], bits, exact=False)
     assert_same_codes(c[1], c[3])
     rot_q, rot_k = apply_rotary(q, k, positions, cos_sin)
-    assert_close(out_q, to_key_basis(rot_q), 1e-5)  # queries come back in the key basis
+    # int4: queries come back in the key basis; int8 keys are stored as they are, queries alike.
+    assert_close(out_q, to_key_basis(rot_q) if bits == 4 else rot_q, 1e-5)
     store_kv(rot_k, v, c[4][0], c[5][0], slots, c[4][1], c[5][1])
     assert_same_codes(c[0], c[4], bits, exact=False)
 
@@ -277,9 +278,10 @@ def test_quantized_decode_variants(case: tuple, bits: int, tune: int, seed: int,
                               simt=False, **tiles)
 
 
-# The CUDA-core walk on the decode cases above and on groups of 1, 3, 4 and 8 (its default stops
-# at 4; larger groups run it correctly too), with and without the paired scale loads.
-SIMT_CASES = {**DECODE_TAILS, **{k: v for k, v in QUANT_CASES.items() if k.startswith("decode")}}
+# The CUDA-core walk (one query a kv head) on the decode cases above, their query heads cut to
+# one per kv head: tiles inside and across cache blocks, split partitions, D 64 and 128.
+SIMT_CASES = {k: (q, kl, hkv, hkv, d, bs, tiles) for k, (q, kl, h, hkv, d, bs, tiles)
+              in {**DECODE_TAILS, **QUANT_CASES}.items() if k.startswith(("decode", "in_block", "across"))}
 
 
 @interp
@@ -290,6 +292,14 @@ def test_quantized_decode_simt(case: tuple, bits: int, seed: int, poisoned_empty
     check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 1e-4, simt=True, **tiles)
     check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 5e-3, dtype=torch.float16, simt=True,
                               tune=0, **tiles)
+
+
+@interp
+def test_quantized_decode_simt_takes_one_query_a_kv_head(seed: int) -> None:
+    q, kq, vq, ks, vs, bt, cu, sk = quantized_batch([1, 1], [20, 7], 4, 2, 64, 16, seed, 8)
+    with pytest.raises(AssertionError, match="one query a kv head"):
+        paged_attention_triton(q, kq, vq, bt, cu, sk, 0.1, max_seqlen_q=1, max_seqlen_k=20, k_scales=ks,
+                               v_scales=vs, simt=True)
 
 
 @interp
@@ -357,10 +367,10 @@ def test_gpu_quantized_decode_paths(dtype: torch.dtype, bits: int, fast: bool, t
                                     poisoned_empty: None) -> None:
     """Both code conversions (inline PTX, and the portable one the interpreter runs), the
     tuning variants and both walks, on sequences ending inside and past whole tiles, some split
-    in partitions, groups of 4 and 1."""
+    in partitions; groups of 4 (the tensor cores only) and 1."""
     k_lens = [1, 63, 64, 65, 700, 2049]
-    check_quantized_attention([1] * len(k_lens), k_lens, 16, 4, 128, 64, seed, bits, GPU_TOL[dtype], dtype, "cuda",
-                              fast_codes=fast, tune=tune, simt=simt)
+    check_quantized_attention([1] * len(k_lens), k_lens, 4 if simt else 16, 4, 128, 64, seed, bits, GPU_TOL[dtype],
+                              dtype, "cuda", fast_codes=fast, tune=tune, simt=simt)
     check_quantized_attention([1] * len(k_lens), k_lens, 16, 16, 128, 16, seed, bits, GPU_TOL[dtype], dtype, "cuda",
                               fast_codes=fast, tune=tune, simt=simt, decode_partition=256)
 
