@@ -123,9 +123,10 @@ def test_key_basis_keeps_dot_products(d: int, seed: int) -> None:
 
 
 @interp
-@pytest.mark.parametrize("bits,tol", [(8, 0.02), (4, 0.25)])
+# int8 keys are stored unrotated (kv_cache.py): the 20x outlier channel sets their range.
+@pytest.mark.parametrize("bits,tol", [(8, 0.04), (4, 0.25)])
 def test_quantized_cache_attends_like_the_float_one(bits: int, tol: float, seed: int, forced: None) -> None:
-    """End to end through the kernels (queries and keys in the key basis): close to attention
+    """End to end through the kernels (int4: queries and keys in the key basis): close to attention
     over the unquantized cache, within what the bits allow."""
     from test_kernels import _rotate_and_store_case
 
