@@ -17,16 +17,17 @@ only error is the codes' rounding), and read back as ``q * scale + zero``:
   two halves the attention kernels can read with one load and a shift;
 * beside them a ``[..., 2]`` fp16 tensor per cache: (scale, zero) of each token's head.
 
-**int4 keys are stored in a rotated basis** (QuaRot's observation): a few channels of a head's keys
+**Keys are stored in a rotated basis** (QuaRot's observation): a few channels of a head's keys
 carry most of their magnitude, so a per-vector range set by them leaves few levels for the rest.
 Before quantization each key head is multiplied by an orthonormal ``B = key_basis(D)`` (a
 normalized Hadamard matrix), which spreads those channels over all dims; queries are multiplied
 by the same ``B`` in the same kernel (the rotary one), so ``(q B) . (k B) = q . k`` and the
 attention kernels need no change. Values are stored as they are: rotating them measured no gain
 (SmolLM2-135M, int4, 6k tokens: perplexity +13.7% plain, +5.3% keys rotated, +5.3% both). int8
-keys are stored as they are (``rotates_keys``): there the basis measured +0.01% either way, and it
-costs the rotary kernel two [heads, D] x [D, D] products a token (H200, Llama-2-7B, batch-1
-decode: 13 us a layer against 3.6 for the 16-bit cache's kernel).
+keys are rotated too: unrotated, perplexity rose +0.07% instead of +0.01% and 6 of 11 greedy chat
+answers stayed identical instead of 9 (44k tokens, ``benchmarks.kv_quant_quality``), though the
+basis costs the rotary kernel two [heads, D] x [D, D] products a token (H200, Llama-2-7B,
+batch-1 decode: 13 us a layer against 5 unrotated and 3.6 for the 16-bit cache's kernel).
 
 ``KVCacheLayout`` is the one place that says which tensors a policy allocates and how many bytes
 a token costs; the attention kernels tell the policy from the cache tensors (``cache_bits``).
@@ -92,9 +93,9 @@ class KVCacheLayout:
 
 
 def rotates_keys(bits: int) -> bool:
-    """Whether a cache of ``bits`` stores keys (and so takes queries) in the key basis: int4 only
-    (the module doc)."""
-    return bits == 4
+    """Whether a cache of ``bits`` stores keys (and so takes queries) in the key basis: every
+    quantized cache (the module doc)."""
+    return bits in (4, 8)
 
 
 def cache_bits(cache: torch.Tensor, head_dim: int) -> int:
@@ -185,8 +186,8 @@ def store_kv_ref(
 
     A slot is ``block_id * block_size + offset``; a negative slot means "do not store" (padding).
     With ``k_scales`` / ``v_scales`` ([num_blocks, block_size, Hkv, 2]) the caches hold codes
-    (``KVCacheLayout``) and the vectors are quantized (``quantize_kv_ref``) on the way in, int4
-    keys in the key basis (``to_key_basis``: the caller multiplies its queries alike).
+    (``KVCacheLayout``) and the vectors are quantized (``quantize_kv_ref``) on the way in, keys
+    in the key basis (``to_key_basis``: the caller multiplies its queries alike).
     """
     assert k.shape == v.shape and k.shape[0] == slot_mapping.shape[0]
     keep = slot_mapping >= 0
@@ -275,7 +276,7 @@ def _store_kv_kernel(
     stride_s_blk, stride_s_slot, stride_s_h,
     num_kv_heads,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BITS: tl.constexpr, ROTATE_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Grid: (T,); one program copies (or quantizes) all kv heads of one token (a few KiB: enough
     # per program).
@@ -285,7 +286,7 @@ def _store_kv_kernel(
     vc = vc_ptr + blk * stride_vc_blk + off * stride_vc_slot
     if BITS:
         # Halves of the head (BLOCK_D covers HEAD_DIM // 2 here), as the quantizer takes them;
-        # int4 keys in the key basis (the module doc).
+        # keys in the key basis (the module doc).
         HALF: tl.constexpr = HEAD_DIM // 2
         h = tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, BLOCK_D)
@@ -295,7 +296,7 @@ def _store_kv_kernel(
         sz = blk * stride_s_blk + off * stride_s_slot
         k1 = tl.load(ks, mask=mask, other=0.0)
         k2 = tl.load(ks + HALF, mask=mask, other=0.0)
-        if BITS == 4:
+        if ROTATE_KEYS:
             k1, k2 = _in_key_basis(k1, k2, b_ptr, b_scale, HEAD_DIM, HALF, BLOCK_D, DOT_PRECISION)
         _quantize_store(k1, k2, mask, kc, ks_ptr + sz, stride_kc_h, stride_s_h, d, HALF, BLOCK_H, BITS)
         _quantize_store(tl.load(vs, mask=mask, other=0.0), tl.load(vs + HALF, mask=mask, other=0.0), mask,
@@ -378,11 +379,11 @@ def store_kv_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *s_strides, num_kv_heads,
-        # An int4 store multiplies keys by the basis with tl.dot: at least 16 rows and columns.
+        # A quantized store multiplies keys by the basis with tl.dot: at least 16 rows and columns.
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_H=max(16 if rotates_keys(bits) else 1, next_pow2(num_kv_heads)),
         BLOCK_D=max(16 if rotates_keys(bits) else 1, next_pow2(head_dim // 2)) if bits else next_pow2(head_dim),
-        BITS=bits, DOT_PRECISION=precision, num_warps=4,
+        BITS=bits, ROTATE_KEYS=rotates_keys(bits), DOT_PRECISION=precision, num_warps=4,
     )
 
 
@@ -408,7 +409,7 @@ def rotate_and_store_kv_ref(
     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q [T, H, D] and k [T, Hkv, D] (``apply_rotary_ref``), store rotated k and v at
-    ``slot_mapping`` (``store_kv_ref``); returns the rotated q, for an int4 cache in the key
+    ``slot_mapping`` (``store_kv_ref``); returns the rotated q, for a quantized cache in the key
     basis (``to_key_basis``). The inputs are left untouched."""
     q_rot, k_rot = apply_rotary_ref(q, k, positions, cos_sin_cache)
     store_kv_ref(k_rot, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
@@ -425,15 +426,15 @@ def _rotate_and_store_kv_kernel(
     stride_s_blk, stride_s_slot, stride_s_h,
     num_q_heads, num_kv_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, ROTATE_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Grid: (T,); one program handles every head of one token: cos/sin are read once, and the
     # rotated key goes straight to its cache slot (rounded to k's dtype first), quantized there
-    # for a quantized cache (int4: in the key basis, as q is then): the key is never written in 16 bits.
+    # for a quantized cache (in the key basis, as q is then): the key is never written in 16 bits.
     t = tl.program_id(0).to(tl.int64)
     d, d_mask, cos, sin = load_cos_sin(pos_ptr, cs_ptr, t, stride_cs, HALF, BLOCK_HALF)
     HEAD_DIM: tl.constexpr = 2 * HALF
-    if BITS == 4:
+    if ROTATE_KEYS:
         q1, q2, qmask = rotated_halves(q_ptr + t * stride_qt, stride_qh, num_q_heads, d, d_mask, cos, sin,
                                        HALF, BLOCK_HQ)
         q1, q2 = _in_key_basis(q1, q2, b_ptr, b_scale, HEAD_DIM, HALF, BLOCK_HALF, DOT_PRECISION)
@@ -453,7 +454,7 @@ def _rotate_and_store_kv_kernel(
     if BITS:
         sz = blk * stride_s_blk + off * stride_s_slot
         k1, k2, kmask = rotated_halves(k_ptr + t * stride_kt, stride_kh, heads, d, d_mask, cos, sin, HALF, BLOCK_HK)
-        if BITS == 4:
+        if ROTATE_KEYS:
             k1, k2 = _in_key_basis(k1, k2, b_ptr, b_scale, HEAD_DIM, HALF, BLOCK_HALF, DOT_PRECISION)
         _quantize_store(k1, k2, kmask, kc, ks_ptr + sz, stride_kc_h, stride_s_h, d, HALF, BLOCK_HK, BITS)
         _quantize_store(tl.load(vsrc, mask=mask, other=0.0), tl.load(vsrc + HALF, mask=mask, other=0.0), mask,
@@ -487,6 +488,7 @@ def rotate_and_store_kv_triton(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             *s_strides, q.shape[1], k.shape[1], *constexprs, BLOCK_SIZE=k_cache.shape[1], BITS=bits,
+            ROTATE_KEYS=rotates_keys(bits),
             DOT_PRECISION=precision, num_warps=num_warps,
         )
     return q_out
@@ -506,7 +508,7 @@ def rotate_and_store_kv(
 ) -> torch.Tensor:
     """Rotate q and k by ``positions``, write rotated k and v into the paged caches at
     ``slot_mapping`` (negative: skip), quantized when the caches hold codes; returns the rotated
-    q (for an int4 cache, in the key basis: ``to_key_basis``). Triton on CUDA, else the reference."""
+    q (for a quantized cache, in the key basis: ``to_key_basis``). Triton on CUDA, else the reference."""
     args = (q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scales, v_scales)
     if triton_takes("rotate_and_store_kv", (q, k, v, k_cache, v_cache), _rotate_and_store_problem,
                     q, k, v, cos_sin_cache, k_cache, v_cache, k_scales, v_scales):
