@@ -149,13 +149,9 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
     from conveyor.errors import ConveyorError
     from conveyor.services.tokenizer.chat_template import template_config
 
-    try:  # a bad template or QoS file is reported now, not by a stage that keeps restarting
+    try:  # a bad template, QoS file or model is reported now, not by a stage that keeps restarting
         template_config(args.chat_template)
         qos = _qos_config(args)
-    except ConveyorError as exc:
-        print(f"conveyor: {exc}", file=sys.stderr)
-        return 2
-    try:
         model, served_name = _served_model(args)
     except ConveyorError as exc:
         print(f"conveyor: {exc}", file=sys.stderr)
@@ -233,18 +229,13 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     from conveyor.engine.weight_loader import load_model_config
     from conveyor.errors import ConveyorError
     from conveyor.protocol import Addresses, CurveKeys, SecurityError
-    from conveyor.services.ingress.qos import QosConfigError
 
     try:  # first: a stage without keys must not load a model before it says so
         keys = CurveKeys.load(args.curve_key_file) if args.curve_key_file else None
         addresses = Addresses.tcp(base_port=args.base_port, curve=keys)
         qos = _qos_config(args)  # every stage checks it: a compose file passes the same flags to all
-    except (SecurityError, QosConfigError) as exc:
-        print(f"conveyor: {exc}", file=sys.stderr)
-        return 2
-    try:
         model, served_name = _served_model(args)
-    except ConveyorError as exc:
+    except (SecurityError, ConveyorError) as exc:
         print(f"conveyor: {exc}", file=sys.stderr)
         return 2
     session_len = args.session_len or load_model_config(model).max_position_embeddings

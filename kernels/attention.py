@@ -11,9 +11,10 @@ Two Triton kernels sit behind :func:`paged_attention`, chosen by ``max_seqlen_q`
   partition)``: each program reads one slice of one sequence's keys for one kv head, once, and
   scores it against all ``H / Hkv`` query heads of that group together (the group padded to a
   power of two >= 16 rows so it feeds ``tl.dot``). A quantized cache with one query a kv head
-  (MHA) has its own kernel on the CUDA cores, one warp a program (``_decode_simt_kernel``). With more than one partition the
-  programs write partial (output, log-sum-exp) pairs and a second kernel, grid
-  ``(head, sequence)``, merges them; so a long context is spread over many programs even at batch 1.
+  (MHA) has its own kernel on the CUDA cores, one warp a program (``_decode_simt_kernel``).
+  With more than one partition the programs write partial (output, log-sum-exp) pairs and a
+  second kernel, grid ``(head, sequence)``, merges them; so a long context is spread over many
+  programs even at batch 1.
   The number of partitions is fixed by the grid (sized on the host for ``max_seqlen_k``, which a
   CUDA graph fixes at the longest allowed context), but each sequence cuts its *own* length into
   that many slices (whole key tiles, at least ``min_part`` keys): a short context in a graph
@@ -295,41 +296,16 @@ fma.rn.bf16x2 $3, $3, one, o;
 # exponent of 2**23 (0x4B000000) reads as 2**23 + c, taken back by one subtraction (a plain
 # int-to-float conversion runs at a quarter of the rate). Four codes per 32-bit word; int4: the
 # word's low nibbles and high nibbles, masked apart first.
-_U8_TO_F32 = _asm("""{
-.reg .b32 k;
-mov.b32 k, 0x4B000000;
-prmt.b32 $0, $4, k, 0x7440;
-prmt.b32 $1, $4, k, 0x7441;
-prmt.b32 $2, $4, k, 0x7442;
-prmt.b32 $3, $4, k, 0x7443;
-sub.f32 $0, $0, 0f4B000000;
-sub.f32 $1, $1, 0f4B000000;
-sub.f32 $2, $2, 0f4B000000;
-sub.f32 $3, $3, 0f4B000000;
-}""")
-_U4_TO_F32 = _asm("""{
-.reg .b32 k, lo, hi;
-mov.b32 k, 0x4B000000;
-and.b32 lo, $8, 0x0F0F0F0F;
-shr.u32 hi, $8, 4;
-and.b32 hi, hi, 0x0F0F0F0F;
-prmt.b32 $0, lo, k, 0x7440;
-prmt.b32 $1, lo, k, 0x7441;
-prmt.b32 $2, lo, k, 0x7442;
-prmt.b32 $3, lo, k, 0x7443;
-prmt.b32 $4, hi, k, 0x7440;
-prmt.b32 $5, hi, k, 0x7441;
-prmt.b32 $6, hi, k, 0x7442;
-prmt.b32 $7, hi, k, 0x7443;
-sub.f32 $0, $0, 0f4B000000;
-sub.f32 $1, $1, 0f4B000000;
-sub.f32 $2, $2, 0f4B000000;
-sub.f32 $3, $3, 0f4B000000;
-sub.f32 $4, $4, 0f4B000000;
-sub.f32 $5, $5, 0f4B000000;
-sub.f32 $6, $6, 0f4B000000;
-sub.f32 $7, $7, 0f4B000000;
-}""")
+def _bytes_to_f32(src: str, first: int) -> str:
+    # The four bytes of register src into outputs $first.. $first+3, each 2**23 + c, then c.
+    permutes = "".join(f"prmt.b32 ${first + i}, {src}, k, 0x744{i};\n" for i in range(4))
+    return permutes + "".join(f"sub.f32 ${first + i}, ${first + i}, 0f4B000000;\n" for i in range(4))
+
+
+_U8_TO_F32 = _asm("{\n.reg .b32 k;\nmov.b32 k, 0x4B000000;\n" + _bytes_to_f32("$4", 0) + "}")
+_U4_TO_F32 = _asm("{\n.reg .b32 k, lo, hi;\nmov.b32 k, 0x4B000000;\nand.b32 lo, $8, 0x0F0F0F0F;\n"
+                  "shr.u32 hi, $8, 4;\nand.b32 hi, hi, 0x0F0F0F0F;\n"
+                  + _bytes_to_f32("lo", 0) + _bytes_to_f32("hi", 4) + "}")
 
 
 # Bits of the quantized decode kernel's TUNE: variants it can be compiled in, all computing the

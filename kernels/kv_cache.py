@@ -92,12 +92,6 @@ class KVCacheLayout:
         return codes, scales
 
 
-def rotates_keys(bits: int) -> bool:
-    """Whether a cache of ``bits`` stores keys (and so takes queries) in the key basis: every
-    quantized cache (the module doc)."""
-    return bits in (4, 8)
-
-
 def cache_bits(cache: torch.Tensor, head_dim: int) -> int:
     """The bits of a cache's codes for heads of ``head_dim``: 0 (a float cache), 8 or 4."""
     if cache.dtype != torch.uint8:
@@ -198,8 +192,7 @@ def store_kv_ref(
         flat = cache.view(-1, *cache.shape[2:])
         if bits:
             x = x[keep]
-            codes, sz = quantize_kv_ref(to_key_basis(x.float()) if scales is k_scales and rotates_keys(bits) else x,
-                                        bits)
+            codes, sz = quantize_kv_ref(to_key_basis(x.float()) if scales is k_scales else x, bits)
             flat[slots] = codes
             scales.view(-1, *scales.shape[2:])[slots] = sz
         else:
@@ -276,7 +269,7 @@ def _store_kv_kernel(
     stride_s_blk, stride_s_slot, stride_s_h,
     num_kv_heads,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BITS: tl.constexpr, ROTATE_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Grid: (T,); one program copies (or quantizes) all kv heads of one token (a few KiB: enough
     # per program).
@@ -294,10 +287,8 @@ def _store_kv_kernel(
         ks = k_ptr + t * stride_kt + h * stride_kh + d[None, :]
         vs = v_ptr + t * stride_vt + h * stride_vh + d[None, :]
         sz = blk * stride_s_blk + off * stride_s_slot
-        k1 = tl.load(ks, mask=mask, other=0.0)
-        k2 = tl.load(ks + HALF, mask=mask, other=0.0)
-        if ROTATE_KEYS:
-            k1, k2 = _in_key_basis(k1, k2, b_ptr, b_scale, HEAD_DIM, HALF, BLOCK_D, DOT_PRECISION)
+        k1, k2 = _in_key_basis(tl.load(ks, mask=mask, other=0.0), tl.load(ks + HALF, mask=mask, other=0.0),
+                               b_ptr, b_scale, HEAD_DIM, HALF, BLOCK_D, DOT_PRECISION)
         _quantize_store(k1, k2, mask, kc, ks_ptr + sz, stride_kc_h, stride_s_h, d, HALF, BLOCK_H, BITS)
         _quantize_store(tl.load(vs, mask=mask, other=0.0), tl.load(vs + HALF, mask=mask, other=0.0), mask,
                         vc, vs_ptr + sz, stride_vc_h, stride_s_h, d, HALF, BLOCK_H, BITS)
@@ -381,9 +372,9 @@ def store_kv_triton(
         *s_strides, num_kv_heads,
         # A quantized store multiplies keys by the basis with tl.dot: at least 16 rows and columns.
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-        BLOCK_H=max(16 if rotates_keys(bits) else 1, next_pow2(num_kv_heads)),
-        BLOCK_D=max(16 if rotates_keys(bits) else 1, next_pow2(head_dim // 2)) if bits else next_pow2(head_dim),
-        BITS=bits, ROTATE_KEYS=rotates_keys(bits), DOT_PRECISION=precision, num_warps=4,
+        BLOCK_H=max(16, next_pow2(num_kv_heads)) if bits else next_pow2(num_kv_heads),
+        BLOCK_D=max(16, next_pow2(head_dim // 2)) if bits else next_pow2(head_dim),
+        BITS=bits, DOT_PRECISION=precision, num_warps=4,
     )
 
 
@@ -413,7 +404,7 @@ def rotate_and_store_kv_ref(
     basis (``to_key_basis``). The inputs are left untouched."""
     q_rot, k_rot = apply_rotary_ref(q, k, positions, cos_sin_cache)
     store_kv_ref(k_rot, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
-    return to_key_basis(q_rot) if rotates_keys(cache_bits(k_cache, q.shape[-1])) else q_rot
+    return q_rot if k_scales is None else to_key_basis(q_rot)
 
 
 @jit
@@ -426,15 +417,15 @@ def _rotate_and_store_kv_kernel(
     stride_s_blk, stride_s_slot, stride_s_h,
     num_q_heads, num_kv_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, ROTATE_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Grid: (T,); one program handles every head of one token: cos/sin are read once, and the
     # rotated key goes straight to its cache slot (rounded to k's dtype first), quantized there
     # for a quantized cache (in the key basis, as q is then): the key is never written in 16 bits.
     t = tl.program_id(0).to(tl.int64)
     d, d_mask, cos, sin = load_cos_sin(pos_ptr, cs_ptr, t, stride_cs, HALF, BLOCK_HALF)
-    HEAD_DIM: tl.constexpr = 2 * HALF
-    if ROTATE_KEYS:
+    if BITS:
+        HEAD_DIM: tl.constexpr = 2 * HALF
         q1, q2, qmask = rotated_halves(q_ptr + t * stride_qt, stride_qh, num_q_heads, d, d_mask, cos, sin,
                                        HALF, BLOCK_HQ)
         q1, q2 = _in_key_basis(q1, q2, b_ptr, b_scale, HEAD_DIM, HALF, BLOCK_HALF, DOT_PRECISION)
@@ -454,8 +445,7 @@ def _rotate_and_store_kv_kernel(
     if BITS:
         sz = blk * stride_s_blk + off * stride_s_slot
         k1, k2, kmask = rotated_halves(k_ptr + t * stride_kt, stride_kh, heads, d, d_mask, cos, sin, HALF, BLOCK_HK)
-        if ROTATE_KEYS:
-            k1, k2 = _in_key_basis(k1, k2, b_ptr, b_scale, HEAD_DIM, HALF, BLOCK_HALF, DOT_PRECISION)
+        k1, k2 = _in_key_basis(k1, k2, b_ptr, b_scale, HEAD_DIM, HALF, BLOCK_HALF, DOT_PRECISION)
         _quantize_store(k1, k2, kmask, kc, ks_ptr + sz, stride_kc_h, stride_s_h, d, HALF, BLOCK_HK, BITS)
         _quantize_store(tl.load(vsrc, mask=mask, other=0.0), tl.load(vsrc + HALF, mask=mask, other=0.0), mask,
                         vc, vs_ptr + sz, stride_vc_h, stride_s_h, d, HALF, BLOCK_HK, BITS)
@@ -477,7 +467,7 @@ def rotate_and_store_kv_triton(
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ks, vs, s_strides = _scale_args(k_cache, k_scales, v_scales)
     basis, b_scale, precision = _basis_args(q.shape[-1], q.device, q.dtype) if bits else (q, 1.0, "ieee")
-    if rotates_keys(bits):  # the basis products are tl.dot: at least 16 rows (heads) and columns
+    if bits:  # the basis products are tl.dot: at least 16 rows (heads) and columns
         half, block_half, block_hq, block_hk = constexprs
         constexprs = (half, max(16, block_half), max(16, block_hq), max(16, block_hk))
     if q.shape[0]:
@@ -488,7 +478,6 @@ def rotate_and_store_kv_triton(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             *s_strides, q.shape[1], k.shape[1], *constexprs, BLOCK_SIZE=k_cache.shape[1], BITS=bits,
-            ROTATE_KEYS=rotates_keys(bits),
             DOT_PRECISION=precision, num_warps=num_warps,
         )
     return q_out

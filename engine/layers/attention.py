@@ -9,7 +9,7 @@ from torch import nn
 
 from ..attention_metadata import AttentionMetadata, get_attention_metadata
 from ...kernels import apply_rotary, paged_attention, store_kv
-from ...kernels.kv_cache import cache_bits, rotate_and_store_kv, rotates_keys, to_key_basis
+from ...kernels.kv_cache import rotate_and_store_kv, to_key_basis
 
 
 @dataclass
@@ -68,7 +68,7 @@ class Attention(nn.Module):
                                         meta.slot_mapping, self.k_scales, self.v_scales)
             else:
                 store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scales, self.v_scales)
-                if rotates_keys(cache_bits(self.k_cache, self.head_dim)):  # keys in the key basis: queries alike
+                if self.k_scales is not None:  # the cache holds keys in the key basis: queries alike
                     q = to_key_basis(q)
             if isinstance(meta, MixedBatchMetadata) and meta.decode is not None and meta.prefill is not None:
                 n = meta.num_decode_tokens

@@ -4,6 +4,7 @@ strategies, a node killed mid-stream, taken out and put back, and leaving on a c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -187,21 +188,27 @@ def _hold_stream(proxy_url: str, opened: threading.Event, release: threading.Eve
                 return
 
 
-def test_min_expected_latency_sends_to_the_less_loaded_node(proxy, nodes):
+@contextlib.contextmanager
+def _one_node_busy(proxy):
+    """A long stream held open through the proxy while the block runs; yields the busy node's URL."""
     opened, release, chunks = threading.Event(), threading.Event(), []
     holder = threading.Thread(target=_hold_stream, args=(proxy.url, opened, release, chunks))
     holder.start()
     try:
         assert opened.wait(30)
-        busy_url = next(u for u, s in proxy.status().items() if s["unfinished"] == 1)
+        yield next(u for u, s in proxy.status().items() if s["unfinished"] == 1)
+    finally:
+        release.set()
+        holder.join(30)
+
+
+def test_min_expected_latency_sends_to_the_less_loaded_node(proxy, nodes):
+    with _one_node_busy(proxy) as busy_url:
         busy, idle = sorted(nodes, key=lambda n: n.url != busy_url)
         before = served(idle), served(busy)
         for _ in range(4):
             assert chat(proxy.url).status_code == 200
         assert (served(idle) - before[0], served(busy) - before[1]) == (4, 0)
-    finally:
-        release.set()
-        holder.join(30)
     # the client went away: the proxy counts the request out and the node aborts it
     wait_until(lambda: all(s["unfinished"] == 0 for s in proxy.status().values()), "the proxy to count it out")
     wait_until(lambda: "conveyor_requests_in_flight 0.0" in httpx.get(f"{busy.url}/metrics", headers=AUTH).text,
@@ -281,19 +288,11 @@ def test_a_node_killed_mid_stream_is_taken_out_and_put_back(proxy, nodes):
     wait_until(lambda: proxy.status()[victim.url]["healthy"], "the node to be put back", timeout=90,
                log=victim.log)
     wait_until(lambda: victim.stage_pids("ingress")[-1] != ingress_pid, "the launcher to log the new ingress")
-    opened, release, chunks = threading.Event(), threading.Event(), []
-    holder = threading.Thread(target=_hold_stream, args=(proxy.url, opened, release, chunks))
-    holder.start()
-    try:
-        assert opened.wait(30)
-        busy_url = next(u for u, s in proxy.status().items() if s["unfinished"] == 1)
+    with _one_node_busy(proxy) as busy_url:
         idle = next(n for n in nodes if n.url != busy_url)
         before = served(idle)
         assert chat(proxy.url).status_code == 200
         assert served(idle) == before + 1  # both nodes take requests again
-    finally:
-        release.set()
-        holder.join(30)
 
 
 def test_an_api_server_leaves_the_proxy_on_a_clean_exit(proxy, nodes):

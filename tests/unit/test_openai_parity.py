@@ -7,25 +7,10 @@ import logging
 
 import pytest
 
-from conveyor.services.ingress.app import build_app
-from test_ingress import PROMPT, FakeEngineClient, assert_error, chat_body, http
+from test_ingress import PROMPT, assert_error, chat_body, http
+from test_ingress import anyio_backend, app, engine  # noqa: F401  (the ingress tests' fixtures)
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-def engine() -> FakeEngineClient:
-    return FakeEngineClient()
-
-
-@pytest.fixture
-def app(engine: FakeEngineClient):
-    return build_app(engine)
 
 
 async def test_one_model_by_id(app) -> None:
