@@ -48,6 +48,12 @@ def profile_steps(engine, label: str, n_steps: int) -> dict:
             engine.step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / n_steps
+    return kernel_table(prof, label, n_steps, wall)
+
+
+def kernel_table(prof, label: str, n_steps: int, wall: float) -> dict:
+    """The kernels a profile of ``n_steps`` steps (``wall`` seconds each) saw, by GPU time a step:
+    printed (top 12) and returned (top 25) with the step's wall and summed kernel time."""
     rows = []
     # Kernels only: a CPU op (aten::mm) also reports the device time of the kernels it launched,
     # so summing every row would count a matmul twice.

@@ -25,9 +25,11 @@ from pathlib import Path
 from statistics import mean
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from conveyor.engine.config import parse_cache_size
 from benchmarks.common import StepTimer, drain, dummy_engine, percentile, random_prompt, record, save
+from benchmarks.profile_step import kernel_table
 from conveyor.protocol.sampling import SamplingParams
 
 DATA = Path(__file__).resolve().parent / "data" / "sharegpt_shape_3000.jsonl"
@@ -79,7 +81,13 @@ def main() -> None:
     ap.add_argument("--quant-policy", type=int, default=0, choices=[0, 4, 8], help="KV cache: 0 (16-bit), 8 or 4 bits")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs the model is split over")
     ap.add_argument("--name", default=None)
+    ap.add_argument("--profile", default=None, metavar="START:COUNT",
+                    help="profile steps START..START+COUNT (torch.profiler; their kernels, by GPU time, "
+                         "go into the record: the run's own numbers then include the profiler's cost)")
     args = ap.parse_args()
+    window = tuple(int(x) for x in args.profile.split(":")) if args.profile else None
+    if window and not torch.cuda.is_available():
+        ap.error("--profile times CUDA kernels: it needs a GPU")
 
     work = load_workload(args.dataset, args.num_prompts)
     engine = dummy_engine(args.model, args.dtype, max_batch_size=args.max_batch_size,
@@ -109,10 +117,23 @@ def main() -> None:
         ids.append(engine.add_request(prompt, params).request_id)
     n_out = steps = 0
     next_report = t0 + 10.0
+    profiled, prof = None, None
     while engine.has_work:
+        if window and steps == window[0]:
+            torch.cuda.synchronize()
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
+            prof_t0, prof_running = time.perf_counter(), len(engine.scheduler.running)
         outs = engine.step()
         now = time.perf_counter()
         steps += 1
+        if prof is not None and steps == window[0] + window[1]:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            wall_step = (time.perf_counter() - prof_t0) / window[1]
+            profiled = kernel_table(prof, f"steps {window[0]}..{steps} ({prof_running} running at the start)",
+                                    window[1], wall_step)
+            prof = None
         if now > next_report:  # progress, so a run cut short still tells its rate
             next_report = now + 10.0
             print(f"  {now - t0:6.1f}s: {n_out} tokens out ({n_out / (now - t0):.0f} tok/s), "
@@ -141,7 +162,11 @@ def main() -> None:
         "kv_tokens": engine.runner.num_blocks * engine.config.block_size,
         "peak_mem_gb": torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else None,
     }
+    if profiled:
+        result["profiled_steps"] = profiled
     for k, v in result.items():
+        if k == "profiled_steps":  # printed when the window closed
+            continue
         print(f"{k:>14}: {v:.3f}" if isinstance(v, float) else f"{k:>14}: {v}")
     rec = record(engine="conveyor", model=args.model, precision=args.dtype, benchmark="profile_throughput",
                  batch=args.max_batch_size, quant_policy=args.quant_policy, tp=args.tp, dataset=args.dataset.name, **result)

@@ -91,6 +91,7 @@ fi
 #   "0:256 8:256 4:256"), the ShareGPT-shaped workload ($KVQ_PROMPTS prompts, default all 3000),
 #   each a record file kvq_sharegpt_p<policy>_b<mbs>; and, unless SKIP_GEN, generation (batch 1
 #   128/512, batch 64 128/512) for each policy of $KVQ_GEN (default "0 8 4"), kvq_gen_p<policy>.
+#   KVQ_PROFILE=START:COUNT profiles those steps of each ShareGPT run (profile_throughput --profile).
 if [ "$STAGE" = kvq ]; then
   [ -n "${SKIP_TESTS:-}" ] || pytest_here 300 tests/unit/test_kernels_kv_quant.py tests/unit/test_kernels.py
   if [ -z "${SKIP_GEN:-}" ]; then
@@ -102,7 +103,7 @@ if [ "$STAGE" = kvq ]; then
   for case in ${KVQ_TPUT:-0:256 8:256 4:256}; do
     p=${case%%:*}; b=${case##*:}
     timeout 330 python3 -m benchmarks.profile_throughput --model llama2-7b ${KVQ_PROMPTS:+--num-prompts $KVQ_PROMPTS} \
-      --quant-policy "$p" --max-batch-size "$b" --name "kvq_sharegpt_p${p}_b${b}"
+      --quant-policy "$p" --max-batch-size "$b" ${KVQ_PROFILE:+--profile $KVQ_PROFILE} --name "kvq_sharegpt_p${p}_b${b}"
   done
 fi
 

@@ -188,7 +188,7 @@ def assert_same_codes(a: tuple, b: tuple, bits: int = 8, exact: bool = True) -> 
 
 @interp
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("hkv,d,block_size", [(3, 64, 16), (1, 128, 1), (8, 64, 4)])
+@pytest.mark.parametrize("hkv,d,block_size", [(3, 64, 16), (1, 128, 1), (8, 64, 4), (2, 96, 16)])
 def test_quantized_store_kv(bits: int, hkv: int, d: int, block_size: int, seed: int, forced: None) -> None:
     gen = torch.Generator().manual_seed(seed)
     t = 7
@@ -208,7 +208,7 @@ def test_quantized_store_kv(bits: int, hkv: int, d: int, block_size: int, seed: 
 
 @interp
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("h,hkv,d,block_size", [(9, 3, 64, 16), (4, 4, 128, 1), (8, 1, 64, 16)])
+@pytest.mark.parametrize("h,hkv,d,block_size", [(9, 3, 64, 16), (4, 4, 128, 1), (8, 1, 64, 16), (4, 2, 96, 16)])
 def test_quantized_rotate_and_store_kv(bits: int, h: int, hkv: int, d: int, block_size: int, seed: int,
                                        forced: None) -> None:
     """The fused kernel equals its reference, and stores what rotary then the quantizing store do."""
