@@ -67,11 +67,16 @@ def kernel_table(prof, label: str, n_steps: int, wall: float) -> dict:
             rows.append((e.key, dev / n_steps, e.count / n_steps))
     rows.sort(key=lambda r: -r[1])
     kernel_us = sum(r[1] for r in rows)
+    # The host blocked on the device (the engine's read-back of a step's ids): near zero means the
+    # GPU waited for the host instead, i.e. the host's work a step is longer than the GPU's.
+    wait_us = sum(e.self_cpu_time_total for e in prof.key_averages()
+                  if getattr(e, "device_type", None) == DeviceType.CPU and e.key.startswith("cuda")
+                  and "Synchronize" in e.key) / n_steps
     print(f"--- {label}: {wall * 1e3:.2f} ms/step wall, {kernel_us / 1e3:.2f} ms/step in kernels "
-          f"({kernel_us / 1e6 / wall:.0%} busy)")
+          f"({kernel_us / 1e6 / wall:.0%} busy), host blocked on the GPU {wait_us / 1e3:.2f} ms/step")
     for name, us, count in rows[:12]:
         print(f"{us:9.1f} us {count:6.1f}x  {name[:110]}")
-    return {"label": label, "wall_ms": wall * 1e3, "kernel_ms": kernel_us / 1e3,
+    return {"label": label, "wall_ms": wall * 1e3, "kernel_ms": kernel_us / 1e3, "host_wait_ms": wait_us / 1e3,
             "top": [{"name": n[:200], "us_per_step": us, "calls_per_step": c} for n, us, c in rows[:25]]}
 
 

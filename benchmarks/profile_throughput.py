@@ -115,7 +115,7 @@ def main() -> None:
     for prompt, (_, out_len) in zip(prompts, work):
         params = SamplingParams(max_new_tokens=out_len, temperature=0.0, ignore_eos=True)
         ids.append(engine.add_request(prompt, params).request_id)
-    n_out = steps = 0
+    n_out = steps = reported = 0
     next_report = t0 + 10.0
     profiled, prof = None, None
     while engine.has_work:
@@ -136,8 +136,13 @@ def main() -> None:
             prof = None
         if now > next_report:  # progress, so a run cut short still tells its rate
             next_report = now + 10.0
+            # GPU busy over the spans since the last report (the last two may still be in flight).
+            recent, reported = timer.spans[reported:-2], max(reported, len(timer.spans) - 2)
+            busy = (f", GPU busy {busy_seconds(recent) / (recent[0][0].elapsed_time(recent[-1][1]) / 1e3):.0%}"
+                    if len(recent) > 1 else "")
             print(f"  {now - t0:6.1f}s: {n_out} tokens out ({n_out / (now - t0):.0f} tok/s), "
-                  f"{len(engine.scheduler.running)} running, {len(engine.scheduler.waiting)} waiting", flush=True)
+                  f"{len(engine.scheduler.running)} running, {len(engine.scheduler.waiting)} waiting, "
+                  f"step {steps}{busy}", flush=True)
         for o in outs:
             if o.token is not None:
                 n_out += 1
