@@ -68,14 +68,21 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from conveyor.default_model import local_path
     from conveyor.services.tokenizer.chat_template import template_config
 
+    from conveyor.errors import ConveyorError
+
     model = local_path(args.model, _say)
     config = _engine_config(args)
     config.enable_prefix_caching = True  # a session's turns reuse its cached history
-    template = template_config(args.chat_template)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, top_k=args.top_k, top_p=args.top_p,
                            temperature=args.temperature)
     interactive = sys.stdin.isatty()
-    with pipeline(model, config, chat_template_config=template) as pipe:
+    try:  # pipeline() resolves --model-name to a template before it loads anything
+        pipe = pipeline(model, config, chat_template_config=template_config(args.chat_template),
+                        model_name=args.model_name)
+    except ConveyorError as exc:
+        print(f"conveyor: {exc}", file=sys.stderr)
+        return 2
+    with pipe:
         session = pipe.session()
         while True:
             if interactive:
@@ -335,7 +342,8 @@ def _webchat_client(args: argparse.Namespace, url: str):
     _engine_options(probe)
     given = [f"--{name.replace('_', '-')}" for name, default in vars(probe.parse_args([])).items()
              if name != "backend" and getattr(args, name) != default]  # --backend: accepted everywhere
-    given += ["--chat-template"] if args.chat_template else []
+    given += [flag for flag, value in (("--chat-template", args.chat_template), ("--model-name", args.model_name))
+              if value]
     if given:
         raise ConveyorError(f"{', '.join(given)}: the api_server at {url} runs the model; give these to "
                             "'conveyor serve api_server' instead")
@@ -352,7 +360,8 @@ def _webchat_pipeline(args: argparse.Namespace, model: str | None):
     template = template_config(args.chat_template)
     config = _engine_config(args)
     config.enable_prefix_caching = True  # a session's turns reuse its cached history
-    return PipelineBackend(pipeline(model or str(fetch()), config, chat_template_config=template))
+    return PipelineBackend(pipeline(model or str(fetch()), config, chat_template_config=template,
+                                    model_name=args.model_name))
 
 
 def _engine_options(s: argparse.ArgumentParser, cache_default: float = 0.8) -> None:
@@ -477,6 +486,7 @@ def _add_serve(sub) -> None:
     g.add_argument("--server-port", type=int, default=6006, help="the web page's port")
     g.add_argument("--api-key", default=None, help="with a URL: the api_server's API key, if it has any")
     g.add_argument("--chat-template", default=None, help="with a model: a built-in template name or a JSON file")
+    g.add_argument("--model-name", default=None, help=f"with a model: {_MODEL_NAME_HELP}")
     g.add_argument("--log-level", default="INFO")
     _engine_options(g)
     g.set_defaults(func=_cmd_gradio)
@@ -495,6 +505,11 @@ def _add_serve(sub) -> None:
     p.set_defaults(func=_cmd_proxy)
 
 
+# LMDeploy's chat / gradio --model-name picks the chat template, as pipeline(path, model_name) does
+_MODEL_NAME_HELP = ("a built-in chat template's name, or a model name of its family (qwen-7b, internlm2-chat-7b; "
+                    "see conveyor list); --chat-template wins (default: the model's own template)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser; each subcommand sets ``func`` to its handler (args -> exit code)."""
     from conveyor import __version__
@@ -511,6 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
     p_chat.add_argument("--chat-template", default=None, help="a built-in template name (see conveyor list) or a JSON file of "
                         "ChatTemplateConfig fields")
+    p_chat.add_argument("--model-name", default=None, help=_MODEL_NAME_HELP)
     p_chat.add_argument("--max-new-tokens", type=int, default=512, help="most tokens per answer")
     p_chat.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     p_chat.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens (0: all)")
@@ -563,9 +579,19 @@ def hyphenate_options(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def backend_positional(argv: Sequence[str]) -> list[str]:
+    """``chat turbomind MODEL ...`` (LMDeploy 0.1's form, in its course notes) -> ``chat MODEL ...
+    --backend turbomind``; a lone ``chat turbomind`` stays a model of that name."""
+    argv = list(argv)
+    if len(argv) > 2 and argv[0] == "chat" and argv[1] in ("turbomind", "pytorch") and not argv[2].startswith("-"):
+        return ["chat", argv[2], "--backend", argv[1], *argv[3:]]
+    return argv
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``conveyor`` console script; returns the exit code."""
-    args = build_parser().parse_args(hyphenate_options(sys.argv[1:] if argv is None else argv))
+    argv = backend_positional(hyphenate_options(sys.argv[1:] if argv is None else argv))
+    args = build_parser().parse_args(argv)
     if getattr(args, "backend", None):
         print(f"conveyor: --backend {args.backend}: conveyor has one engine, which serves both", file=sys.stderr)
     try:

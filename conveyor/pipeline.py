@@ -267,7 +267,7 @@ def pipeline(model_path: str | Path, *args: Any, backend_config: EngineConfig | 
         if chat_template_config is None:
             raise UnknownChatTemplateError(
                 f"model name {model_name!r} names no built-in chat template or family (conveyor list); "
-                "leave it out to use the model's own template, or pass chat_template_config")
+                "leave it out to use the model's own template, or give one (chat_template_config=, --chat-template)")
     if tp is not None:
         if backend_config is not None and backend_config.tp not in (1, tp):
             raise EngineConfigError(f"tp={tp} and backend_config.tp={backend_config.tp}: give one")

@@ -112,3 +112,42 @@ def test_ctrl_c_is_a_message_not_a_traceback(monkeypatch, capsys) -> None:
     monkeypatch.setattr(cli, "_cmd_list", interrupted)
     assert main(["list"]) == 130
     assert "interrupted" in capsys.readouterr().err
+
+
+def test_lmdeploy_01_chat_form_names_the_backend_first() -> None:
+    from conveyor.cli import backend_positional
+
+    assert backend_positional(["chat", "turbomind", "m", "--model-name", "qwen-7b"]) == \
+        ["chat", "m", "--backend", "turbomind", "--model-name", "qwen-7b"]
+    # a model folder called turbomind, and other commands, stay as written
+    for argv in (["chat", "turbomind"], ["chat", "turbomind", "--tp", "1"], ["serve", "api_server", "turbomind", "m"]):
+        assert backend_positional(argv) == argv
+
+
+
+def test_chat_model_name_picks_the_chat_template_as_lmdeploy(monkeypatch, capsys) -> None:
+    import io
+
+    import conveyor
+    import conveyor.default_model
+
+    monkeypatch.setattr(conveyor.default_model, "local_path", lambda model, say=None: model)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # no prompt: the chat ends at once
+    # the real pipeline() refuses a name of no built-in template before it loads anything
+    assert main(["chat", "no/such/model", "--model-name", "internlm-chat-7b"]) == 2
+    assert "'internlm-chat-7b' names no built-in chat template" in capsys.readouterr().err
+    calls = []
+
+    class Pipe:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def session(self):
+            return None
+
+    monkeypatch.setattr(conveyor, "pipeline", lambda model, config, **kw: calls.append((model, kw)) or Pipe())
+    assert main(["chat", "turbomind", "m", "--model-name", "qwen-7b"]) == 0
+    assert calls == [("m", {"chat_template_config": None, "model_name": "qwen-7b"})]
