@@ -1,7 +1,7 @@
 """``conveyor lite``: model compression tools shaped like ``lmdeploy lite``.
 
     conveyor lite auto_awq MODEL --work-dir DIR [--calib-dataset FILE] [--calib-samples 128]
-        [--calib-seqlen 512] [--w-bits 4] [--w-group-size 128] [--search-scale | --no-search-scale]
+        [--calib-seqlen 512] [--w-bits 4] [--w-group-size 128] [--search-scale [BOOL] | --no-search-scale]
         [--batch-size 1] [--device auto] [--dtype auto]
 
 writes a 4-bit AWQ checkpoint in AutoAWQ's "gemm" layout. Unlike LMDeploy, ``--search-scale`` is
@@ -39,6 +39,8 @@ def auto_awq(model: str | Path, work_dir: str | Path = "./work_dir", calib_datas
     from conveyor.engine.quantization import AwqConfig
     from conveyor.engine.quantization import auto_awq as run
 
+    _refuse_unused_dataset(calib_dataset, search_scale, "--search-scale False is round-to-nearest here, which "
+                           "calibrates on nothing (LMDeploy's False still calibrates a fixed-ratio smoothing)")
     config = AwqConfig(w_bits=w_bits, w_group_size=w_group_size, search_scale=search_scale,
                        calib_samples=calib_samples, calib_seqlen=calib_seqlen, batch_size=batch_size)
     dataset = calib_dataset if calib_dataset is not None else DEFAULT_CALIB_DATASET
@@ -56,10 +58,27 @@ def smooth_quant(model: str | Path, work_dir: str | Path = "./work_dir", calib_d
     from conveyor.engine.quantization import SmoothQuantConfig
     from conveyor.engine.quantization import smooth_quant as run
 
+    _refuse_unused_dataset(calib_dataset, smooth, "--no-smooth calibrates on nothing")
     config = SmoothQuantConfig(w_bits=w_bits, alpha=alpha, smooth=smooth, calib_samples=calib_samples,
                                calib_seqlen=calib_seqlen, batch_size=batch_size)
     dataset = calib_dataset if calib_dataset is not None else DEFAULT_CALIB_DATASET
     return run(model, work_dir, config, dataset if smooth else None, device=device, dtype=dtype, progress=progress)
+
+
+def _refuse_unused_dataset(calib_dataset: str | Path | None, calibrates: bool, why: str) -> None:
+    """A dataset given to a run that calibrates on nothing would be silently unused: refuse it."""
+    from conveyor.engine.quantization import QuantizationError
+
+    if calib_dataset is not None and not calibrates:
+        raise QuantizationError(f"--calib-dataset {calib_dataset} would be unused: {why}; leave out one of them")
+
+
+def _boolean(text: str) -> bool:
+    """A flag's value as LMDeploy's docs write it (``--search-scale False``)."""
+    value = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: give True or False")
+    return value
 
 
 def _run_tool(name: str, args: argparse.Namespace, call) -> int:
@@ -102,8 +121,10 @@ def add_lite_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--w-group-size", type=int, default=128,
                    help="input channels per quantization group: 32, 64 or 128, dividing every layer's input size "
                         "(128 does not divide SmolLM2's 576: use 64)")
-    p.add_argument("--search-scale", action=argparse.BooleanOptionalAction, default=True,
-                   help="search AWQ scales and clipping (default); --no-search-scale: round-to-nearest only")
+    p.add_argument("--search-scale", type=_boolean, nargs="?", const=True, default=True, metavar="BOOL",
+                   help="search AWQ scales and clipping (default); --search-scale False or --no-search-scale: "
+                        "round-to-nearest, no calibration (LMDeploy's False still smooths at a fixed ratio)")
+    p.add_argument("--no-search-scale", dest="search_scale", action="store_false", help="round-to-nearest only")
     _run_arguments(p)
     p.set_defaults(func=_cmd_auto_awq)
     p = lite_sub.add_parser(

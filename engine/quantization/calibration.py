@@ -35,7 +35,8 @@ def read_text(path: str | Path) -> str:
     """The text of a ``.txt`` file, or the ``"text"`` fields of a ``.jsonl`` file joined by blank lines."""
     path = Path(path)
     if not path.is_file():
-        raise QuantizationError(f"calibration dataset {path} is not a file: pass a .txt or .jsonl file")
+        raise QuantizationError(f"calibration dataset {path} is not a file: pass a .txt or .jsonl file (LMDeploy's "
+                                "named sets, ptb, wikitext2, c4, pileval, are hub downloads: save one as text)")
     suffix = path.suffix.lower()
     if suffix == ".txt":
         return path.read_text(encoding="utf-8")

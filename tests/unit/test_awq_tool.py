@@ -282,7 +282,10 @@ def test_awq_checkpoint_is_closer_to_the_model_than_rtn(tiny_dir: Path, tmp_path
     (["--w-group-size", "128"], "does not divide the model's hidden_size .* of 64 .*use --w-group-size 64 or 32"),
     (["--calib-samples", "0"], "calib-samples must be at least 1"),
     (["--w-group-size", "32", "--calib-dataset", "missing.txt"], "not a file"),
-], ids=["bits3", "bits8", "group48", "group128", "samples0", "nodata"])
+    (["--w-group-size", "32", "--calib-dataset", "ptb"], "ptb, wikitext2, c4, pileval, are hub downloads"),
+    (["--w-group-size", "32", "--calib-dataset", "x.txt", "--search-scale", "False"],
+     "x.txt would be unused: --search-scale False is round-to-nearest here"),
+], ids=["bits3", "bits8", "group48", "group128", "samples0", "nodata", "ptb", "unused"])
 def test_bad_flags_fail_before_any_work(tiny_dir: Path, tmp_path: Path, capsys, monkeypatch, flags, message):
     import conveyor.engine.quantization.awq_tool as tool
 
@@ -329,3 +332,12 @@ def test_a_failure_mid_way_leaves_no_work_dir(tiny_dir: Path, tmp_path: Path, mo
     monkeypatch.undo()
     auto_awq(tiny_dir, out, AwqConfig(w_group_size=32, search_scale=False), progress=False)
     assert (out / "model.safetensors").exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+@pytest.mark.parametrize("flags, search", [([], True), (["--search-scale"], True), (["--search_scale", "True"], True),
+                                           (["--search-scale", "False"], False), (["--no-search-scale"], False)])
+def test_search_scale_as_lmdeploys_docs_write_it(flags, search):
+    from conveyor.cli import build_parser, hyphenate_options
+
+    argv = hyphenate_options(["lite", "auto_awq", "m", "--work-dir", "w", *flags])
+    assert build_parser().parse_args(argv).search_scale is search

@@ -124,7 +124,8 @@ def test_smoothing_makes_w8a8_closer_to_the_model(tiny_dir: Path, tmp_path: Path
     (["--calib-seqlen", "0"], "calib-seqlen must be at least 1"),
     (["--calib-dataset", "missing.txt"], "not a file"),
     (["--dtype", "int8"], "invalid choice"),
-], ids=["bits4", "alpha", "seqlen0", "nodata", "dtype"])
+    (["--calib-dataset", "x.txt", "--no-smooth"], "x.txt would be unused: --no-smooth"),
+], ids=["bits4", "alpha", "seqlen0", "nodata", "dtype", "unused"])
 def test_bad_flags_fail_before_any_work(tiny_dir: Path, tmp_path: Path, capsys, monkeypatch, flags, message):
     import conveyor.engine.quantization.smooth_quant_tool as tool
 
