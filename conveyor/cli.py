@@ -13,6 +13,7 @@ import argparse
 import copy as _copy
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from conveyor.engine.config import parse_cache_size
 from conveyor.lite import add_lite_parser
@@ -153,6 +154,7 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
         return 1
     from conveyor.services.launcher import ServerArgs, serve
 
+    from conveyor.engine.weight_loader import load_model_config
     from conveyor.errors import ConveyorError
     from conveyor.services.tokenizer.chat_template import template_config
 
@@ -160,6 +162,8 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
         template_config(args.chat_template)
         qos = _qos_config(args)
         model, served_name = _served_model(args)
+        if Path(model).exists():  # an architecture the engine lacks: one line, not a stage's traceback
+            load_model_config(model)
     except ConveyorError as exc:
         print(f"conveyor: {exc}", file=sys.stderr)
         return 2

@@ -151,3 +151,19 @@ def test_chat_model_name_picks_the_chat_template_as_lmdeploy(monkeypatch, capsys
     monkeypatch.setattr(conveyor, "pipeline", lambda model, config, **kw: calls.append((model, kw)) or Pipe())
     assert main(["chat", "turbomind", "m", "--model-name", "qwen-7b"]) == 0
     assert calls == [("m", {"chat_template_config": None, "model_name": "qwen-7b"})]
+
+
+def test_api_server_refuses_an_unsupported_architecture_before_starting_stages(tmp_path, monkeypatch, capsys) -> None:
+    import json
+    import socket
+
+    import conveyor.services.launcher as launcher
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlavaLlamaForCausalLM"],
+                                                      "model_type": "llava"}))
+    monkeypatch.setattr(launcher, "serve", lambda *a, **k: pytest.fail("started the stages"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["serve", "api_server", str(tmp_path), "--server-name", "127.0.0.1", "--server-port", str(port)]) == 2
+    assert "['LlavaLlamaForCausalLM'] is not supported" in capsys.readouterr().err
