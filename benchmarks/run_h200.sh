@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The runs behind docs/benchmarks.md, as made on the device machine (one H200), from the
 # repository root: `bash benchmarks/run_h200.sh STAGE`. Needs the wheels of
-# ../shared/scripts/gpu-wheels.sh in .whl/ (carried). The package is installed (editable, no
+# ../shared/scripts/gpu-wheels.sh in .whl/ (carried), plus `gpu-wheels.sh fastapi-offline` (the
+# ingress serves /docs from it; not in the script's default list). The package is installed (editable, no
 # dependencies: the image has torch, triton and transformers); results land in
 # benchmarks/results/h200/ and in $OUT. CONVEYOR_COMMIT names the commit measured.
 #
