@@ -81,19 +81,20 @@ async def _serve(addresses: Addresses, model_path: str, model_name: str, session
                                      api_keys[0] if api_keys else None) if proxy_url else None
     server = DrainingServer(config, drain_timeout=drain_timeout,
                             on_drain=registration.leave if registration else None)
+    # Listen only once the first ping has gone round the ring: a client that polls /v1/models
+    # (as LMDeploy's users and scripts do) would otherwise get 200 there and then 503 on its first
+    # request. READY follows listening. A ring that stays silent is reported by /health instead.
+    deadline = time.monotonic() + RING_WAIT_S
+    while not client.healthy and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if not client.healthy:
+        logger.warning("no answer from the stage ring after %.0fs: serving, with /health at 503", RING_WAIT_S)
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
             await task  # re-raises a bind failure
             return
         await asyncio.sleep(0.05)
-    # READY means serving: wait for the first ping to go round the ring (else the first requests
-    # after "serving" would get 503). A ring that stays silent is reported by /health instead.
-    deadline = time.monotonic() + RING_WAIT_S
-    while not client.healthy and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    if not client.healthy:
-        logger.warning("no answer from the stage ring after %.0fs: serving, with /health at 503", RING_WAIT_S)
     announce_ready(zmq.Context.instance(), launcher, Stage.INGRESS, addresses.curve, url=f"http://{host}:{port}",
                    reply_to=client.reply_to)  # where the launcher sends StageStatus
     if registration is not None:
