@@ -89,8 +89,9 @@ fi
 
 # STAGE "kvq": the quantized KV cache (issue 12). Unless SKIP_TESTS: its GPU kernel tests and the
 #   attention/cache kernel tests. Then, for each POLICY:MAX_BATCH_SIZE of $KVQ_TPUT (default
-#   "0:256 8:256 4:256"), the ShareGPT-shaped workload ($KVQ_PROMPTS prompts, default all 3000),
-#   each a record file kvq_sharegpt_p<policy>_b<mbs>; and, unless SKIP_GEN, generation (batch 1
+#   "0:256 8:256 4:256"; set but empty: none), the ShareGPT-shaped workload ($KVQ_PROMPTS prompts,
+#   default all 3000), each a record file kvq_sharegpt_p<policy>_b<mbs> (a case given again, for
+#   alternated runs, adds _2, _3); and, unless SKIP_GEN, generation (batch 1
 #   128/512, batch 64 128/512) for each policy of $KVQ_GEN (default "0 8 4"), kvq_gen_p<policy>.
 #   KVQ_PROFILE=START:COUNT profiles those steps of each ShareGPT run (profile_throughput --profile).
 if [ "$STAGE" = kvq ]; then
@@ -101,10 +102,12 @@ if [ "$STAGE" = kvq ]; then
         --quant-policy "$p" --name "kvq_gen_p$p"
     done
   fi
-  for case in ${KVQ_TPUT:-0:256 8:256 4:256}; do
-    p=${case%%:*}; b=${case##*:}
+  declare -A runs=()  # a case given twice (alternated runs) saves its second record as ..._2
+  for case in ${KVQ_TPUT-0:256 8:256 4:256}; do
+    p=${case%%:*}; b=${case##*:}; runs[$case]=$(( ${runs[$case]:-0} + 1 ))
+    suffix=""; [ "${runs[$case]}" = 1 ] || suffix="_${runs[$case]}"
     timeout 330 python3 -m benchmarks.profile_throughput --model llama2-7b ${KVQ_PROMPTS:+--num-prompts $KVQ_PROMPTS} \
-      --quant-policy "$p" --max-batch-size "$b" ${KVQ_PROFILE:+--profile $KVQ_PROFILE} --name "kvq_sharegpt_p${p}_b${b}"
+      --quant-policy "$p" --max-batch-size "$b" ${KVQ_PROFILE:+--profile $KVQ_PROFILE} --name "kvq_sharegpt_p${p}_b${b}$suffix"
   done
 fi
 
