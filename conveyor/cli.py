@@ -129,9 +129,10 @@ def _read_prompt(interactive: bool) -> str | None:
         lines.append(line)
 
 
-def _port_taken(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be served on (in use, no such address, ...), or None. Checked
-    before any model loads: the ingress binds last, a minute after the model has loaded."""
+def _port_refusal(host: str, port: int) -> str | None:
+    """The message saying why ``host:port`` cannot be served on (in use, no such address, ...),
+    or None. Checked before any model loads: the ingress binds last, a minute after the model
+    has loaded."""
     import socket
 
     try:
@@ -141,16 +142,16 @@ def _port_taken(host: str, port: int) -> str | None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
             sock.bind(addr)
     except OSError as exc:
-        return exc.strerror or str(exc)
+        return (f"conveyor: cannot serve on {host}:{port}: {exc.strerror or exc}. Stop what uses it "
+                "or pick another port with --server-port")
     return None
 
 
 def _cmd_api_server(args: argparse.Namespace) -> int:
     """Start every stage as a process and serve the OpenAI-compatible API until SIGTERM."""
-    taken = _port_taken(args.server_name, args.server_port)
-    if taken:
-        print(f"conveyor: cannot serve on {args.server_name}:{args.server_port}: {taken}. Stop what uses it "
-              "or pick another port with --server-port", file=sys.stderr)
+    refusal = _port_refusal(args.server_name, args.server_port)
+    if refusal:
+        print(refusal, file=sys.stderr)
         return 1
     from conveyor.services.launcher import ServerArgs, serve
 
@@ -311,10 +312,9 @@ def _cmd_api_client(args: argparse.Namespace) -> int:
 
 def _cmd_gradio(args: argparse.Namespace) -> int:
     """The web chat: the engine in this process (MODEL), or a running api_server (an http:// URL)."""
-    taken = _port_taken(args.server_name, args.server_port)
-    if taken:
-        print(f"conveyor: cannot serve on {args.server_name}:{args.server_port}: {taken}. Stop what uses it "
-              "or pick another port with --server-port", file=sys.stderr)
+    refusal = _port_refusal(args.server_name, args.server_port)
+    if refusal:
+        print(refusal, file=sys.stderr)
         return 1
     from conveyor.api_client import APIConnectionError, APIError
     from conveyor.errors import ConveyorError

@@ -8,7 +8,11 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+
+import httpx
 
 from conveyor.engine.tp_workers import free_port  # noqa: F401 - the tests import it from here
 
@@ -29,6 +33,23 @@ def _port_free(port: int) -> bool:
             return True
         except OSError:
             return False
+
+
+def wait_stages_healthy(procs: dict[str, subprocess.Popen], url: str, timeout: float, what: str,
+                        log: Callable[[str], str]) -> None:
+    """Poll ``url``/health until it says 200 while asserting that every process of a deployment
+    started stage by stage is still running (``log(name)``: that process' output, for the failure)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for name, p in procs.items():
+            assert p.poll() is None, f"{name} exited: {log(name)}"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{what} never became healthy"
+        time.sleep(0.3)
 
 
 class ServerProcess:

@@ -32,7 +32,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -40,7 +39,7 @@ import openai
 import pytest
 import yaml
 
-from server_process import free_base_port, free_port
+from server_process import free_base_port, free_port, wait_stages_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
@@ -217,17 +216,7 @@ def test_compose_topology_as_processes(smollm2_dir, tmp_path):
         for service in stages:
             top.start(service, SCALE.get(service, 1))
         url = f"http://127.0.0.1:{top.http_port}"
-        deadline = time.monotonic() + 240
-        while True:
-            for name, p in top.procs.items():
-                assert p.poll() is None, f"{name} exited: {top.log(name)}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the compose topology never became healthy"
-            time.sleep(0.5)
+        wait_stages_healthy(top.procs, url, 240, "the compose topology", top.log)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         assert model == Path(image_env()["CONVEYOR_TEST_MODEL"]).name  # the default model, as MODEL is unset

@@ -16,7 +16,7 @@ import time
 import httpx
 import openai
 
-from server_process import free_base_port, free_port
+from server_process import free_base_port, free_port, wait_stages_healthy
 
 
 def _forged_request_gets_nothing(base: int, url: str) -> None:
@@ -71,17 +71,7 @@ def test_stages_as_separate_processes_over_tcp(smollm2_dir, tmp_path):
             cmd = [sys.executable, "-m", "conveyor.cli", "serve", "stage", name.split("-")[0], *common, *extra]
             procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{http_port}"
-        deadline = time.monotonic() + 180
-        while True:
-            for name, p in procs.items():
-                assert p.poll() is None, f"{name} exited: {(tmp_path / f'{name}.log').read_text()}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the tcp deployment never became healthy"
-            time.sleep(0.3)
+        wait_stages_healthy(procs, url, 180, "the tcp deployment", lambda name: (tmp_path / f"{name}.log").read_text())
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
         messages = [{"role": "user", "content": "What is the capital of France?"}]
