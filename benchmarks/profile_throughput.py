@@ -59,6 +59,17 @@ def warm_up(engine, vocab: int) -> None:
     drain(engine)
 
 
+def profile_window(text: str) -> tuple[int, int]:
+    """``--profile START:COUNT``: the first step to profile and how many (COUNT >= 1)."""
+    try:
+        start, count = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give START:COUNT, e.g. 800:30") from None
+    if start < 0 or count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: START must be >= 0 and COUNT >= 1")
+    return start, count
+
+
 def busy_seconds(spans) -> float:
     """Seconds in which the GPU held some step's work: the union of the (start, end) event
     spans. With overlapped steps the next step's span opens (on the GPU's clock) as soon as the
@@ -89,11 +100,11 @@ def main() -> None:
     ap.add_argument("--quant-policy", type=int, default=0, choices=[0, 4, 8], help="KV cache: 0 (16-bit), 8 or 4 bits")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs the model is split over")
     ap.add_argument("--name", default=None)
-    ap.add_argument("--profile", default=None, metavar="START:COUNT",
+    ap.add_argument("--profile", type=profile_window, default=None, metavar="START:COUNT",
                     help="profile steps START..START+COUNT (torch.profiler; their kernels, by GPU time, "
                          "go into the record: the run's own numbers then include the profiler's cost)")
     args = ap.parse_args()
-    window = tuple(int(x) for x in args.profile.split(":")) if args.profile else None
+    window = args.profile
     if window and not torch.cuda.is_available():
         ap.error("--profile times CUDA kernels: it needs a GPU")
 

@@ -167,3 +167,18 @@ def test_api_server_refuses_an_unsupported_architecture_before_starting_stages(t
         port = s.getsockname()[1]
     assert main(["serve", "api_server", str(tmp_path), "--server-name", "127.0.0.1", "--server-port", str(port)]) == 2
     assert "['LlavaLlamaForCausalLM'] is not supported" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["api_server", "gradio"])
+def test_a_taken_port_is_refused_before_any_model_loads(command: str, capsys) -> None:
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        # No such model: the port check comes first, so the message is about the port.
+        assert main(["serve", command, "/no/such/model", "--server-name", "127.0.0.1",
+                     "--server-port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot serve on 127.0.0.1:{port}" in err and "--server-port" in err

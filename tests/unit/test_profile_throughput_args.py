@@ -1,0 +1,32 @@
+"""profile_throughput's --profile window: parsed, or refused with the form it wants."""
+
+import argparse
+
+import pytest
+
+from benchmarks.profile_throughput import profile_window
+
+
+def test_profile_window_parses_start_and_count() -> None:
+    assert profile_window("800:30") == (800, 30)
+    assert profile_window("0:1") == (0, 1)
+
+
+@pytest.mark.parametrize("text", ["800", "a:b", "1:2:3", "-1:5", "10:0"])
+def test_profile_window_refuses_bad_windows(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="START"):
+        profile_window(text)
+
+
+def test_profile_needs_a_gpu(monkeypatch, capsys) -> None:
+    import sys
+
+    import torch
+
+    from benchmarks import profile_throughput
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["profile_throughput", "--model", "tiny", "--profile", "10:5"])
+    with pytest.raises(SystemExit) as exc:
+        profile_throughput.main()
+    assert exc.value.code == 2 and "needs a GPU" in capsys.readouterr().err
