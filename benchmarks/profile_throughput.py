@@ -12,7 +12,10 @@ time is the share of time the GPU had the step's work in hand (the engine is syn
 outside those spans, while Python schedules and builds the next batch, the GPU is idle). Inside a
 span the GPU can still wait on kernel launches (eager prefill), so it is an upper bound.
 
-    python -m benchmarks.profile_throughput --model llama2-7b
+    python -m benchmarks.profile_throughput --model llama2-7b [--profile 800:30]
+
+``--profile START:COUNT`` runs those steps under torch.profiler and prints (and records) their
+kernels by GPU time and how long the host blocked on the GPU; the profiler slows the run.
 """
 
 from __future__ import annotations
