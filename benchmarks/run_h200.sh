@@ -179,9 +179,11 @@ if [ "$STAGE" = served ]; then
   ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"  # every request is a connection, at both ends
   timeout 330 python3 -m benchmarks.profile_throughput --model "$M" --max-batch-size "$B" \
     ${SERVED_PROMPTS:+--num-prompts $SERVED_PROMPTS} --name served_offline
-  python3 -m conveyor.cli serve api_server "$TOK" --dummy-weights "$M" --max-batch-size "$B" --server-name 127.0.0.1 \
-    --server-port $PORT --max-queued-requests 8192 --max-connections 8192 --log-level WARNING \
-    > "$BENCH_OUT/served_server.log" 2>&1 &
+  # The engine is timed step by step as offline (benchmarks/timed_engine.py: steps, GPU busy, a
+  # timeline of running/waiting) and every stage process samples its stacks (services/stack_sampler.py).
+  CONVEYOR_STACK_SAMPLES=$BENCH_OUT/served_stacks python3 -m conveyor.cli serve api_server "$TOK" --dummy-weights "$M" \
+    --max-batch-size "$B" --server-name 127.0.0.1 --server-port $PORT --max-queued-requests 8192 --max-connections 8192 \
+    --engine-factory benchmarks.timed_engine:build --log-level WARNING > "$BENCH_OUT/served_server.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 150); do curl -sf http://127.0.0.1:$PORT/health >/dev/null && break; sleep 2; done
   timeout 400 python3 -m benchmarks.profile_restful_api --port $PORT --server-pid $SERVER --batch "$B" \
@@ -196,5 +198,10 @@ print(f"out tok/s: offline {off['out_tok_s']:.0f}, served {api['out_tok_s']:.0f}
 for stage, s in (api["stage_cpu"] or {}).items():
     print(f"  {stage:12s} {s['processes']} process(es): {s['cpu_ms_per_request']:.2f} CPU ms/request, "
           f"{s['cores_mean']:.2f} cores mean, busiest process {s['cores_peak_one_process']:.2f} cores")
+tl = json.load(open(f"{sys.argv[1]}/served_engine_timeline.json"))
+print(f"steps: offline {off['steps']} (GPU busy {off['gpu_busy_s']:.1f} s of {off['wall_s']:.1f}), served {tl['steps']} "
+      f"(GPU busy {tl['gpu_busy_s']:.1f} s over a {tl['gpu_span_s']:.1f} s span)")
 PY
+  python3 -m benchmarks.stack_summary "$BENCH_OUT/served_stacks" --top 25 > "$BENCH_OUT/served_stacks.txt"
+  grep -A60 "^engine" "$BENCH_OUT/served_stacks.txt" | head -90
 fi

@@ -13,6 +13,7 @@ import zmq
 from ..protocol import Addresses, Codec, ErrorOut, Ready, Stage
 from ..protocol.messages import IngressIn, LauncherIn
 from ..protocol.security import CurveKeys
+from . import stack_sampler
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,14 @@ def internal_error(rid: str, stage: str) -> ErrorOut:
     only the request id to find the logged traceback by."""
     return ErrorOut(rid, 500, f"internal error in the {stage} stage; the server log has the details under "
                               f"request id {rid}", type="internal_error", code="internal_error")
+
+
+def begin_stage_process(name: str, log_level: str) -> None:
+    """What a stage process does first: its log format, its title for ps (``conveyor: NAME``),
+    and, when ``CONVEYOR_STACK_SAMPLES`` asks for it, a stack sampler (``stack_sampler``)."""
+    setup_logging(log_level)
+    set_process_title(f"conveyor: {name}")
+    stack_sampler.start_from_env(name)
 
 
 def set_process_title(title: str) -> None:

@@ -25,7 +25,7 @@ from ...protocol import (
     StopReq,
     TokenBatch,
 )
-from ..stage import (SEND_TIMEOUT_MS, ReplySockets, announce_ready, open_socket, set_process_title, setup_logging,
+from ..stage import (SEND_TIMEOUT_MS, ReplySockets, announce_ready, begin_stage_process, open_socket,
                      stop_on_sigterm)
 from ..tokenizer.preprocess import load_tokenizer
 from .batches import Detokenizer
@@ -97,7 +97,6 @@ def serve_detokenizer(ctx: zmq.Context, addresses: Addresses, detok: Detokenizer
 def run_detokenizer_process(name: str, addresses: Addresses, model_path: str, launcher: str | None,
                             log_level: str = "INFO") -> None:
     """Entry point of the detokenizer process."""
-    setup_logging(log_level)
-    set_process_title(f"conveyor: {name}")
+    begin_stage_process(name, log_level)
     stop = stop_on_sigterm()
     serve_detokenizer(zmq.Context(), addresses, Detokenizer(load_tokenizer(model_path)), stop, launcher)

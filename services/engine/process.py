@@ -13,7 +13,7 @@ import zmq
 from ...engine.config import EngineConfig
 from ...engine.interface import Engine
 from ...protocol import Addresses
-from ..stage import set_process_title, setup_logging, stop_on_sigterm
+from ..stage import begin_stage_process, stop_on_sigterm
 from .service import EngineService
 
 logger = logging.getLogger(__name__)
@@ -39,8 +39,7 @@ def load_engine_factory(spec: str) -> Callable[[str, EngineConfig], Engine]:
 def run_engine_process(name: str, addresses: Addresses, model_path: str, config: EngineConfig, launcher: str | None,
                        log_level: str = "INFO", engine_factory: str | None = None) -> None:
     """Entry point of the engine process."""
-    setup_logging(log_level)
-    set_process_title(f"conveyor: {name}")
+    begin_stage_process(name, log_level)
     stop = stop_on_sigterm()
     if engine_factory:
         engine = load_engine_factory(engine_factory)(model_path, config)

@@ -18,7 +18,7 @@ from ..proxy.registration import ProxyRegistration, advertised_url
 from .app import begin_drain, build_app, inflight_requests
 from .limits import IngressLimits, with_header_timeout
 from .qos import QosConfig
-from ..stage import announce_ready, set_process_title, setup_logging
+from ..stage import announce_ready, begin_stage_process
 from ..tokenizer.preprocess import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -110,8 +110,7 @@ def run_ingress_process(name: str, addresses: Addresses, model_path: str, model_
                         drain_timeout: float = 60.0, limits: IngressLimits | None = None,
                         qos: QosConfig | None = None, proxy_url: str | None = None) -> None:
     """Entry point of the ingress process; ``qos``: the user groups (--qos-config-path)."""
-    setup_logging(log_level)
-    set_process_title(f"conveyor: {name}")
+    begin_stage_process(name, log_level)
     logger.info("ingress pid %d", os.getpid())
     main = _serve(addresses, model_path, model_name, session_len, host, port, api_keys, launcher, log_level,
                   drain_timeout, limits or IngressLimits(), qos, proxy_url)

@@ -15,8 +15,8 @@ import zmq
 
 from ...engine.weight_loader import load_model_config
 from ...protocol import Addresses, Codec, ConveyorError, EngineIn, ErrorOut, Ping, Stage, TokenizerIn, error_code
-from ..stage import (SEND_TIMEOUT_MS, ReplySockets, announce_ready, internal_error, open_socket, set_process_title,
-                     setup_logging, stop_on_sigterm)
+from ..stage import (SEND_TIMEOUT_MS, ReplySockets, announce_ready, begin_stage_process, internal_error, open_socket,
+                     stop_on_sigterm)
 from .chat_template import template_config
 from .preprocess import Preprocessor
 
@@ -68,8 +68,7 @@ def serve_tokenizer(ctx: zmq.Context, addresses: Addresses, pre: Preprocessor,
 def run_tokenizer_process(name: str, addresses: Addresses, model_path: str, session_len: int,
                           chat_template: str | None, launcher: str | None, log_level: str = "INFO") -> None:
     """Entry point of a tokenizer worker process."""
-    setup_logging(log_level)
-    set_process_title(f"conveyor: {name}")
+    begin_stage_process(name, log_level)
     stop = stop_on_sigterm()
     template = template_config(chat_template)
     eos = load_model_config(model_path).eos_token_ids

@@ -1,0 +1,84 @@
+"""An engine factory for the served benchmark: ``LLMEngine`` with the offline benchmark's step
+timer, and a timeline of what the engine held, so that served and offline runs compare step for step.
+
+    conveyor serve api_server ... --engine-factory benchmarks.timed_engine:build
+
+``CONVEYOR_ENGINE_TIMELINE`` names the JSON file written (every 5 s and at exit; default
+``$BENCH_OUT/served_engine_timeline.json``): the steps, the GPU's busy seconds over them (the
+union of each step's CUDA event span, as ``profile_throughput`` reports it) and, once a second
+while there is work, the requests running and waiting, the steps and the tokens out so far.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import StepTimer
+from benchmarks.profile_throughput import busy_seconds
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.llm_engine import LLMEngine
+
+WRITE_EVERY_S = 5.0
+
+
+class TimedEngine:
+    """Wraps ``step``; every other attribute is the wrapped engine's."""
+
+    def __init__(self, engine: LLMEngine, path: Path):
+        self._engine, self._path = engine, path
+        self._timer = StepTimer().attach(engine)
+        self._t0: float | None = None  # first step with work
+        self._steps = self._tokens = 0
+        self._timeline: list[dict] = []
+        self._next_sample = self._next_write = 0.0
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def step(self):
+        outputs = self._engine.step()
+        now = time.perf_counter()
+        if self._t0 is None:
+            self._t0 = now
+        self._steps += 1
+        self._tokens += sum(o.token is not None for o in outputs)
+        if now >= self._next_sample:
+            scheduler = self._engine.scheduler
+            self._timeline.append({"t": round(now - self._t0, 3), "steps": self._steps, "tokens": self._tokens,
+                                   "running": len(scheduler.running), "waiting": len(scheduler.waiting)})
+            self._next_sample = now + 1.0
+        if now >= self._next_write:
+            self.write()
+            self._next_write = now + WRITE_EVERY_S
+        return outputs
+
+    def write(self) -> None:
+        spans = self._timer.spans[:-2]  # the last two may still be in flight
+        busy = busy_seconds(spans) if spans and torch.cuda.is_available() else None
+        last = self._timeline[-1]["t"] if self._timeline else 0.0
+        record = {"steps": self._steps, "tokens": self._tokens, "graph_steps": self._timer.graph_steps,
+                  "eager_steps": self._timer.eager_steps, "gpu_busy_s": busy,
+                  "gpu_span_s": spans[0][0].elapsed_time(spans[-1][1]) / 1e3 if busy is not None else None,
+                  "last_sample_t": last, "timeline": self._timeline}
+        tmp = self._path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record) + "\n")
+        tmp.replace(self._path)
+
+    def close(self) -> None:
+        self.write()
+        close = getattr(self._engine, "close", None)
+        if close is not None:
+            close()
+
+
+def build(model_path: str, config: EngineConfig) -> TimedEngine:
+    """The engine factory ``--engine-factory`` names."""
+    default = Path(os.environ.get("BENCH_OUT", "benchmarks/results")) / "served_engine_timeline.json"
+    path = Path(os.environ.get("CONVEYOR_ENGINE_TIMELINE", default))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return TimedEngine(LLMEngine(model_path, config), path)

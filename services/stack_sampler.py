@@ -1,0 +1,78 @@
+"""Where a stage process spends its wall time: a sampling profiler of every thread's Python stack.
+
+Set ``CONVEYOR_STACK_SAMPLES=DIR`` in the environment of ``conveyor serve api_server`` (the
+launcher's stage processes inherit it) and each stage writes ``DIR/<stage>-<pid>.folded``: one
+line per distinct stack, ``thread;outermost;...;innermost <milliseconds>``, the folded format
+flame-graph tools read. It is rewritten every few seconds, so a killed process still leaves one.
+
+Each sample is weighted by the wall time since the previous one, not counted: the sampler needs
+the GIL to look, so while another thread holds it inside a long C call (a CUDA sync that keeps
+the GIL, a big encode) the sampler is late, and that late time lands on the stacks it sees next,
+which are where the holder just came back from. A thread blocked with the GIL released (a socket
+poll, a queue wait) is sampled on time and shows up at its waiting frame.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+ENV = "CONVEYOR_STACK_SAMPLES"
+INTERVAL_S = 0.005
+WRITE_EVERY_S = 5.0
+
+
+def start_from_env(stage: str) -> "StackSampler | None":
+    """Start sampling this process when ``CONVEYOR_STACK_SAMPLES`` names a directory."""
+    out = os.environ.get(ENV)
+    if not out:
+        return None
+    name = "".join(c if c.isalnum() or c in "-_" else "_" for c in stage)
+    sampler = StackSampler(Path(out) / f"{name}-{os.getpid()}.folded")
+    sampler.start()
+    return sampler
+
+
+def _frame_label(frame) -> str:
+    code = frame.f_code
+    return f"{code.co_name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+
+
+class StackSampler(threading.Thread):
+    """Samples every other thread's stack each ``interval_s`` and keeps milliseconds per stack."""
+
+    def __init__(self, path: Path, interval_s: float = INTERVAL_S):
+        super().__init__(name="stack-sampler", daemon=True)
+        self.path, self.interval_s = path, interval_s
+        self.ms: Counter[str] = Counter()
+
+    def run(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = threading.get_ident()
+        last = next_write = time.perf_counter()
+        while True:
+            time.sleep(self.interval_s)
+            now = time.perf_counter()
+            weight_ms, last = (now - last) * 1e3, now
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                stack = []
+                while frame is not None:
+                    stack.append(_frame_label(frame))
+                    frame = frame.f_back
+                stack.append(names.get(ident, f"thread-{ident}"))
+                self.ms[";".join(reversed(stack))] += weight_ms
+            if now >= next_write:
+                self.write()
+                next_write = now + WRITE_EVERY_S
+
+    def write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(f"{stack} {ms:.0f}\n" for stack, ms in self.ms.most_common()))
+        tmp.replace(self.path)
