@@ -241,13 +241,14 @@ async def one_request(http: httpx.AsyncClient, req: Request, args: argparse.Name
     return res
 
 
-async def run_all(requests: list[Request], args: argparse.Namespace, chat: bool) -> tuple[list[Result], float]:
-    """Send every request (Poisson arrivals or all at once, at most max_concurrency open)."""
-    limit = args.max_concurrency or len(requests)
+async def run_all(requests: list[Request], args: argparse.Namespace, chat: bool, limit: int, rate: float,
+                  seed: int) -> tuple[list[Result], float]:
+    """Send ``requests`` (Poisson arrivals at ``rate`` or all at once, at most ``limit`` open); the
+    results and the seconds from the first send to the last reply."""
     gate = asyncio.Semaphore(limit)
     conns = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
-    rng = random.Random(args.seed)
+    rng = random.Random(seed)
 
     async with httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(None, connect=30), limits=conns,
                                  headers=headers) as http:
@@ -258,10 +259,56 @@ async def run_all(requests: list[Request], args: argparse.Namespace, chat: bool)
         tasks, start = [], time.perf_counter()
         for req in requests:
             tasks.append(asyncio.create_task(gated(req)))
-            if not math.isinf(args.request_rate):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
+            if not math.isinf(rate):
+                await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - start
+
+
+def client_worker(worker: int, workers: int, requests: list[Request], args: argparse.Namespace, chat: bool,
+                  start_at: float) -> tuple[list[Result], float, float]:
+    """One client process' share: every ``workers``-th request from ``worker`` on, its part of the
+    concurrency and of the rate (N Poisson streams of rate r / N are one of rate r), started at
+    ``start_at`` (perf_counter, the host's monotonic clock: the same in every process). Returns
+    its results, the perf_counter time of its last reply and the CPU seconds it used."""
+    import uvloop
+
+    limit = args.max_concurrency or len(requests)
+    mine = requests[worker::workers]
+    cpu0 = time.process_time()
+    time.sleep(max(0.0, start_at - time.perf_counter()))
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        results, _ = runner.run(run_all(mine, args, chat, limit // workers + (worker < limit % workers),
+                                        args.request_rate / workers, args.seed * 1000 + worker))
+    return results, time.perf_counter(), time.process_time() - cpu0
+
+
+def run_clients(requests: list[Request], args: argparse.Namespace, chat: bool,
+                cpu: "StageCPU | None") -> tuple[list[Result], float, dict]:
+    """Every request through ``args.workers`` client processes (one client process could not
+    read 7,000 streamed chunks a second and set up thousands of connections at once without
+    becoming the bottleneck it measures); the results in request order, the wall seconds from the
+    common start to the last reply, and the client's CPU use. ``cpu`` (the stages' CPU sampler)
+    starts once the workers have forked: a fork must not copy its thread."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    workers = max(1, min(args.workers, len(requests), args.max_concurrency or len(requests)))
+    start_at = time.perf_counter() + 1.0 + 0.1 * workers  # after every worker has forked
+    with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
+        parts = [pool.submit(client_worker, w, workers, requests, args, chat, start_at) for w in range(workers)]
+        if cpu:  # a fork start method forks every worker at the first submit
+            cpu.start()
+        parts = [f.result() for f in parts]
+    if cpu:
+        cpu.stop()
+    results: list[Result] = [Result()] * len(requests)
+    for w, (part, _, _) in enumerate(parts):
+        results[w::workers] = part
+    wall = max(end for _, end, _ in parts) - start_at
+    cpu = {"processes": workers, "cores_mean": round(sum(c for *_, c in parts) / wall, 3),
+           "cores_busiest_process": round(max(c for *_, c in parts) / wall, 3), "start_monotonic": start_at}
+    return results, wall, cpu
 
 
 def summarize(requests: list[Request], results: list[Result], wall: float) -> dict[str, Any]:
@@ -305,6 +352,8 @@ def main() -> None:
                     help="requests per second, Poisson arrivals (default inf: all at t=0, as profile_throughput)")
     ap.add_argument("--max-concurrency", "--concurrency", type=int, default=None,
                     help="requests open at once (default: all of them)")
+    ap.add_argument("--workers", type=int, default=4,
+                    help="client processes sharing the requests, so that the client is not the bottleneck (default 4)")
     ap.add_argument("--seed", type=int, default=0, help="the prompts' ids (profile_throughput uses 0) and arrivals")
     ap.add_argument("--disable-stream", action="store_true", help="no streaming (no TTFT / TPOT)")
     ap.add_argument("--disable-ignore-eos", action="store_true", help="let requests end at the end-of-sequence token")
@@ -338,14 +387,13 @@ def main() -> None:
           f"rate {args.request_rate}, concurrency {args.max_concurrency or 'all'}", flush=True)
 
     stats_before = scrape_stage_stats(http)
-    cpu = StageCPU(args.server_pid).start() if args.server_pid else None
-    results, wall = asyncio.run(run_all(requests, args, chat))
-    if cpu:
-        cpu.stop()
+    cpu = StageCPU(args.server_pid) if args.server_pid else None
+    results, wall, client_cpu = run_clients(requests, args, chat, cpu)
     time.sleep(1.2)  # the stage counters travel on the ingress's 0.5 s ring ping: let one pass
     stats_after = scrape_stage_stats(http)
     result = summarize(requests, results, wall)
     result["stage_cpu"] = cpu.report(result["completed"]) if cpu else None
+    result["client_cpu"] = client_cpu
     # Busy seconds of the stage loops from /metrics; with several tokenizer workers the ping
     # passes one of them, so tokenizer_busy_s is one worker's (the /proc numbers cover all).
     result["stage_busy_s"] = {k: round(stats_after[k] - stats_before.get(k, 0.0), 4)

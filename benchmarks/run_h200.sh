@@ -201,6 +201,10 @@ for stage, s in (api["stage_cpu"] or {}).items():
 tl = json.load(open(f"{sys.argv[1]}/served_engine_timeline.json"))
 print(f"steps: offline {off['steps']} (GPU busy {off['gpu_busy_s']:.1f} s of {off['wall_s']:.1f}), served {tl['steps']} "
       f"(GPU busy {tl['gpu_busy_s']:.1f} s over a {tl['gpu_span_s']:.1f} s span)")
+c = api["client_cpu"]
+print(f"served engine's first step {tl['first_step_monotonic'] - c['start_monotonic']:.1f} s after the clients started, "
+      f"its last {c['start_monotonic'] + api['wall_s'] - tl['last_step_monotonic']:.1f} s before the last reply; "
+      f"{c['processes']} client processes used {c['cores_mean']:.2f} cores, the busiest {c['cores_busiest_process']:.2f}")
 PY
   python3 -m benchmarks.stack_summary "$BENCH_OUT/served_stacks" --top 25 > "$BENCH_OUT/served_stacks.txt"
   grep -A60 "^engine" "$BENCH_OUT/served_stacks.txt" | head -90

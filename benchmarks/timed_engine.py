@@ -6,7 +6,9 @@ timer, and a timeline of what the engine held, so that served and offline runs c
 ``CONVEYOR_ENGINE_TIMELINE`` names the JSON file written (every 5 s and at exit; default
 ``$BENCH_OUT/served_engine_timeline.json``): the steps, the GPU's busy seconds over them (the
 union of each step's CUDA event span, as ``profile_throughput`` reports it) and, once a second
-while there is work, the requests running and waiting, the steps and the tokens out so far.
+while there is work, the requests running and waiting, the steps and the tokens out so far; and
+the first and last steps' times on the host's monotonic clock (``time.perf_counter``), which the
+served benchmark's record shares (``client_cpu.start_monotonic``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class TimedEngine:
         self._t0: float | None = None  # first step with work
         self._steps = self._tokens = 0
         self._timeline: list[dict] = []
-        self._next_sample = self._next_write = 0.0
+        self._next_sample = self._next_write = self._last = 0.0
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
@@ -46,6 +48,7 @@ class TimedEngine:
         if self._t0 is None:
             self._t0 = now
         self._steps += 1
+        self._last = now
         self._tokens += sum(o.token is not None for o in outputs)
         if now >= self._next_sample:
             scheduler = self._engine.scheduler
@@ -64,7 +67,8 @@ class TimedEngine:
         record = {"steps": self._steps, "tokens": self._tokens, "graph_steps": self._timer.graph_steps,
                   "eager_steps": self._timer.eager_steps, "gpu_busy_s": busy,
                   "gpu_span_s": spans[0][0].elapsed_time(spans[-1][1]) / 1e3 if busy is not None else None,
-                  "last_sample_t": last, "timeline": self._timeline}
+                  "last_sample_t": last, "first_step_monotonic": self._t0, "last_step_monotonic": self._last,
+                  "timeline": self._timeline}
         tmp = self._path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record) + "\n")
         tmp.replace(self._path)

@@ -14,6 +14,8 @@ poll, a queue wait) is sampled on time and shows up at its waiting frame.
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing.util
 import os
 import sys
 import threading
@@ -34,6 +36,9 @@ def start_from_env(stage: str) -> "StackSampler | None":
     name = "".join(c if c.isalnum() or c in "-_" else "_" for c in stage)
     sampler = StackSampler(Path(out) / f"{name}-{os.getpid()}.folded")
     sampler.start()
+    # The last samples at exit: a multiprocessing child runs its Finalize hooks, not atexit's.
+    atexit.register(sampler.write)
+    multiprocessing.util.Finalize(None, sampler.write, exitpriority=10)
     return sampler
 
 
@@ -73,6 +78,8 @@ class StackSampler(threading.Thread):
                 next_write = now + WRITE_EVERY_S
 
     def write(self) -> None:
+        if not self.ms:
+            return
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(f"{stack} {ms:.0f}\n" for stack, ms in self.ms.most_common()))
         tmp.replace(self.path)

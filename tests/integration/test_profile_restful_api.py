@@ -1,6 +1,8 @@
 """benchmarks/profile_restful_api.py against a real server of the tiny dummy shape on the CPU:
 every request completes with the lengths asked for, and the record has the repository's fields,
-the latency percentiles and each stage's CPU time."""
+the latency percentiles and each stage's CPU time. The server runs as the H200 served stage runs
+it: the engine under benchmarks.timed_engine (its timeline counts the same tokens) and every
+stage sampling its stacks (services/stack_sampler.py, read by benchmarks.stack_summary)."""
 
 from __future__ import annotations
 
@@ -20,14 +22,17 @@ LENGTHS = [(12, 8), (30, 5), (7, 12), (50, 6), (3, 9)]
 def test_served_benchmark_report(smollm2_dir, tmp_path):
     data = tmp_path / "work.jsonl"
     data.write_text("".join(json.dumps({"input_len": i, "output_len": o}) + "\n" for i, o in LENGTHS))
+    timeline, stacks = tmp_path / "timeline.json", tmp_path / "stacks"
     srv = ServerProcess(smollm2_dir, "--dummy-weights", "tiny", "--max-batch-size", "4", "--cache-max-entry-count", "64",
-                        "--cache-block-seq-len", "16", "--log-level", "WARNING", log_dir=tmp_path)
+                        "--cache-block-seq-len", "16", "--log-level", "WARNING",
+                        "--engine-factory", "benchmarks.timed_engine:build", log_dir=tmp_path,
+                        env={"CONVEYOR_ENGINE_TIMELINE": str(timeline), "CONVEYOR_STACK_SAMPLES": str(stacks)})
     try:
         assert httpx.get(f"{srv.url}/v1/models").json()["data"][0]["id"] == "tiny"  # the shape names the model
         out = tmp_path / "record.json"
         run = subprocess.run([sys.executable, "-m", "benchmarks.profile_restful_api", "--base-url", srv.url,
                               "--dataset-path", str(data), "--max-concurrency", "3", "--server-pid", str(srv.proc.pid),
-                              "--batch", "4", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                              "--batch", "4", "--workers", "2", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stdout + run.stderr
     finally:
         srv.terminate()
@@ -47,3 +52,14 @@ def test_served_benchmark_report(smollm2_dir, tmp_path):
     assert set(rec["stage_cpu"]) == {"ingress", "tokenizer", "detokenizer", "engine"}, rec["stage_cpu"]
     assert rec["stage_cpu"]["engine"]["cpu_s"] > 0
     assert "engine_busy_s" in rec["stage_busy_s"]
+    # Two client processes shared the requests; their start is on the clock the engine timeline uses.
+    assert rec["client_cpu"]["processes"] == 2 and rec["client_cpu"]["cores_mean"] > 0
+    steps = json.loads(timeline.read_text())  # written again at the engine's close
+    assert steps["tokens"] == rec["out_tokens"] and steps["steps"] >= max(o for _, o in LENGTHS)
+    assert steps["first_step_monotonic"] >= rec["client_cpu"]["start_monotonic"] - 1.0
+    assert steps["timeline"] and steps["timeline"][0]["running"] >= 1
+    engine_stacks = list(stacks.glob("engine-*.folded"))
+    assert len(engine_stacks) == 1 and "step (timed_engine.py" in engine_stacks[0].read_text()
+    summary = subprocess.run([sys.executable, "-m", "benchmarks.stack_summary", str(stacks)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert summary.returncode == 0 and "thread MainThread" in summary.stdout, summary.stderr
