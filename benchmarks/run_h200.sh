@@ -167,7 +167,7 @@ fi
 
 # STAGE "served": issue 14, part 4. The ShareGPT-shaped workload offline (profile_throughput,
 #   record served_offline) and through `conveyor serve api_server --dummy-weights llama2-7b`
-#   (profile_restful_api, record served_api; $SERVED_MODEL is another shape): the same random token ids, max_tokens and
+#   (profile_restful_api, records served_api_w<N>; $SERVED_MODEL is another shape): the same random token ids, max_tokens and
 #   ignore_eos, all requests at t=0 (SERVED_CONCURRENCY caps the open ones), streamed, max batch
 #   $SERVED_BATCH (256); $SERVED_PROMPTS prompts (default all 3000). The tokenizer comes from
 #   $SERVED_TOKENIZER (default models/tokenizer, ignored by git: carry it; the default model's
@@ -181,31 +181,38 @@ if [ "$STAGE" = served ]; then
     ${SERVED_PROMPTS:+--num-prompts $SERVED_PROMPTS} --name served_offline
   # The engine is timed step by step as offline (benchmarks/timed_engine.py: steps, GPU busy, a
   # timeline of running/waiting) and every stage process samples its stacks (services/stack_sampler.py).
-  CONVEYOR_STACK_SAMPLES=$BENCH_OUT/served_stacks python3 -m conveyor.cli serve api_server "$TOK" --dummy-weights "$M" \
-    --max-batch-size "$B" --server-name 127.0.0.1 --server-port $PORT --max-queued-requests 8192 --max-connections 8192 \
-    --engine-factory benchmarks.timed_engine:build --log-level WARNING > "$BENCH_OUT/served_server.log" 2>&1 &
-  SERVER=$!
-  for _ in $(seq 150); do curl -sf http://127.0.0.1:$PORT/health >/dev/null && break; sleep 2; done
-  timeout 400 python3 -m benchmarks.profile_restful_api --port $PORT --server-pid $SERVER --batch "$B" \
-    --precision float16 ${SERVED_PROMPTS:+--num-prompts $SERVED_PROMPTS} \
-    ${SERVED_CONCURRENCY:+--max-concurrency $SERVED_CONCURRENCY} --name served_api
-  kill -TERM $SERVER; wait $SERVER
-  python3 - "$BENCH_OUT" <<'PY'
+  # One fresh server per client setting in $SERVED_WORKERS (client processes; default 4): records
+  # served_api_w<N>.json, served_engine_timeline_w<N>.json, served_stacks_w<N>/.
+  for W in ${SERVED_WORKERS:-4}; do
+    CONVEYOR_STACK_SAMPLES=$BENCH_OUT/served_stacks_w$W CONVEYOR_ENGINE_TIMELINE=$BENCH_OUT/served_engine_timeline_w$W.json \
+      python3 -m conveyor.cli serve api_server "$TOK" --dummy-weights "$M" --max-batch-size "$B" --server-name 127.0.0.1 \
+      --server-port $PORT --max-queued-requests 8192 --max-connections 8192 --engine-factory benchmarks.timed_engine:build \
+      --log-level WARNING > "$BENCH_OUT/served_server_w$W.log" 2>&1 &
+    SERVER=$!
+    for _ in $(seq 150); do curl -sf http://127.0.0.1:$PORT/health >/dev/null && break; sleep 2; done
+    timeout 400 python3 -m benchmarks.profile_restful_api --port $PORT --server-pid $SERVER --batch "$B" \
+      --precision float16 ${SERVED_PROMPTS:+--num-prompts $SERVED_PROMPTS} --workers $W \
+      ${SERVED_CONCURRENCY:+--max-concurrency $SERVED_CONCURRENCY} --name served_api_w$W | grep -E "wall_s|out_tok_s|saved"
+    kill -TERM $SERVER; wait $SERVER
+    python3 -m benchmarks.stack_summary "$BENCH_OUT/served_stacks_w$W" --top 25 > "$BENCH_OUT/served_stacks_w$W.txt"
+  done
+  python3 - "$BENCH_OUT" ${SERVED_WORKERS:-4} <<'PY'
 import json, sys
-off, api = (json.load(open(f"{sys.argv[1]}/{n}.json"))[0] for n in ("served_offline", "served_api"))
-print(f"out tok/s: offline {off['out_tok_s']:.0f}, served {api['out_tok_s']:.0f}: "
-      f"{api['out_tok_s'] / off['out_tok_s']:.3f} of offline (target 0.95); errors {api['errors']}, short {api['short']}")
-for stage, s in (api["stage_cpu"] or {}).items():
-    print(f"  {stage:12s} {s['processes']} process(es): {s['cpu_ms_per_request']:.2f} CPU ms/request, "
-          f"{s['cores_mean']:.2f} cores mean, busiest process {s['cores_peak_one_process']:.2f} cores")
-tl = json.load(open(f"{sys.argv[1]}/served_engine_timeline.json"))
-print(f"steps: offline {off['steps']} (GPU busy {off['gpu_busy_s']:.1f} s of {off['wall_s']:.1f}), served {tl['steps']} "
-      f"(GPU busy {tl['gpu_busy_s']:.1f} s over a {tl['gpu_span_s']:.1f} s span)")
-c = api["client_cpu"]
-print(f"served engine's first step {tl['first_step_monotonic'] - c['start_monotonic']:.1f} s after the clients started, "
-      f"its last {c['start_monotonic'] + api['wall_s'] - tl['last_step_monotonic']:.1f} s before the last reply; "
-      f"{c['processes']} client processes used {c['cores_mean']:.2f} cores, the busiest {c['cores_busiest_process']:.2f}")
+out = sys.argv[1]
+off = json.load(open(f"{out}/served_offline.json"))[0]
+print(f"offline: {off['out_tok_s']:.0f} out tok/s, {off['steps']} steps, GPU busy {off['gpu_busy_s']:.1f} s of {off['wall_s']:.1f}")
+for w in sys.argv[2:]:
+    api = json.load(open(f"{out}/served_api_w{w}.json"))[0]
+    tl = json.load(open(f"{out}/served_engine_timeline_w{w}.json"))
+    c = api["client_cpu"]
+    print(f"served, {w} client processes: {api['out_tok_s']:.0f} out tok/s = {api['out_tok_s'] / off['out_tok_s']:.3f} "
+          f"of offline (target 0.95); errors {api['errors']}, short {api['short']}; mean TTFT {api['ttft_ms']:.0f} ms, "
+          f"TPOT {api['tpot_ms']:.1f} ms; clients used {c['cores_mean']:.2f} cores, the busiest {c['cores_busiest_process']:.2f}")
+    print(f"  engine: {tl['steps']} steps, GPU busy {tl['gpu_busy_s']:.1f} s over a {tl['gpu_span_s']:.1f} s span; first step "
+          f"{tl['first_step_monotonic'] - c['start_monotonic']:.1f} s after the clients started, the last "
+          f"{c['start_monotonic'] + api['wall_s'] - tl['last_step_monotonic']:.1f} s before the last reply")
+    for stage, s in (api["stage_cpu"] or {}).items():
+        print(f"  {stage:12s} {s['processes']} process(es): {s['cpu_ms_per_request']:.2f} CPU ms/request, "
+              f"{s['cores_mean']:.2f} cores mean, busiest process {s['cores_peak_one_process']:.2f} cores")
 PY
-  python3 -m benchmarks.stack_summary "$BENCH_OUT/served_stacks" --top 25 > "$BENCH_OUT/served_stacks.txt"
-  grep -A60 "^engine" "$BENCH_OUT/served_stacks.txt" | head -90
 fi
