@@ -61,7 +61,8 @@ def main() -> None:
     for bits in args.policies:
         entry = KVCacheLayout(bits, HEAD_DIM).bytes_per_head(torch.float16)  # codes and (scale, zero)
         for tokens in args.tokens:
-            moved = tokens * (HEADS * HEAD_DIM * 2 * 2 + 2 * KV_HEADS * (HEAD_DIM * 2 + entry))  # q in and out; k, v in and stored
+            # q read and written; k and v read and stored
+            moved = tokens * (HEADS * HEAD_DIM * 2 * 2 + 2 * KV_HEADS * (HEAD_DIM * 2 + entry))
             for per in args.per_program:
                 us = time_case(tokens, bits, per)
                 rows.append(record(benchmark="bench_rotate_store", model="llama2-7b", quant_policy=bits, batch=tokens,
