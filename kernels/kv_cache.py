@@ -442,10 +442,9 @@ def _rotate_and_store_kv_kernel(
     stride_kc_blk, stride_kc_slot, stride_kc_h,
     stride_vc_blk, stride_vc_slot, stride_vc_h,
     stride_s_blk, stride_s_slot, stride_s_h,
-    num_q_heads, num_kv_heads, num_tokens,
+    num_q_heads, num_kv_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr, SYLVESTER: tl.constexpr,
-    TOKENS: tl.constexpr,
 ):
     # Grid: (T, 3); program (t, part) handles every head of token t's queries (part 0), keys (1)
     # or values (2). The rotated key goes straight to its cache slot (rounded to k's dtype first),
@@ -453,57 +452,54 @@ def _rotate_and_store_kv_kernel(
     # written in 16 bits. Three programs a token rather than one: at batch 1 the kernel is one
     # chain of dependent steps (load, rotate, basis product, reductions, store), and the three
     # chains then run side by side on three SMs.
-    first = tl.program_id(0).to(tl.int64) * TOKENS
+    t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    for i in range(TOKENS):  # the compiler hoists what does not depend on t (the basis) out of the loop
-        t = first + i
-        if t < num_tokens:
-            if part == 0:
-                d, d_mask, cos, sin = load_cos_sin(pos_ptr, cs_ptr, t, stride_cs, HALF, BLOCK_HALF)
-                if BITS:
-                    q1, q2, qmask = rotated_halves(q_ptr + t * stride_qt, stride_qh, num_q_heads, d, d_mask, cos, sin,
-                                                   HALF, BLOCK_HQ)
-                    q1, q2 = _in_key_basis(q1, q2, b_ptr, b_scale, 2 * HALF, HALF, BLOCK_HALF, DOT_PRECISION, SYLVESTER)
-                    qo = q_out_ptr + t * stride_qot + tl.arange(0, BLOCK_HQ)[:, None] * stride_qoh + d[None, :]
-                    tl.store(qo, q1.to(q_out_ptr.dtype.element_ty), mask=qmask)
-                    tl.store(qo + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=qmask)
-                else:
-                    rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh, num_q_heads,
-                                 d, d_mask, cos, sin, HALF, BLOCK_HQ)
+    if part == 0:
+        d, d_mask, cos, sin = load_cos_sin(pos_ptr, cs_ptr, t, stride_cs, HALF, BLOCK_HALF)
+        if BITS:
+            q1, q2, qmask = rotated_halves(q_ptr + t * stride_qt, stride_qh, num_q_heads, d, d_mask, cos, sin,
+                                           HALF, BLOCK_HQ)
+            q1, q2 = _in_key_basis(q1, q2, b_ptr, b_scale, 2 * HALF, HALF, BLOCK_HALF, DOT_PRECISION, SYLVESTER)
+            qo = q_out_ptr + t * stride_qot + tl.arange(0, BLOCK_HQ)[:, None] * stride_qoh + d[None, :]
+            tl.store(qo, q1.to(q_out_ptr.dtype.element_ty), mask=qmask)
+            tl.store(qo + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=qmask)
+        else:
+            rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh, num_q_heads,
+                         d, d_mask, cos, sin, HALF, BLOCK_HQ)
+    else:
+        blk, off, heads = _cache_slot(slot_ptr, t, num_kv_heads, BLOCK_SIZE)
+        sz = blk * stride_s_blk + off * stride_s_slot
+        if part == 1:
+            d, d_mask, cos, sin = load_cos_sin(pos_ptr, cs_ptr, t, stride_cs, HALF, BLOCK_HALF)
+            kc = kc_ptr + blk * stride_kc_blk + off * stride_kc_slot
+            if BITS:
+                k1, k2, kmask = rotated_halves(k_ptr + t * stride_kt, stride_kh, heads, d, d_mask, cos, sin,
+                                               HALF, BLOCK_HK)
+                k1, k2 = _in_key_basis(k1, k2, b_ptr, b_scale, 2 * HALF, HALF, BLOCK_HALF, DOT_PRECISION,
+                                       SYLVESTER)
+                _quantize_store(k1, k2, kmask, kc, ks_ptr + sz, stride_kc_h, stride_s_h, d, HALF, BLOCK_HK, BITS)
             else:
-                blk, off, heads = _cache_slot(slot_ptr, t, num_kv_heads, BLOCK_SIZE)
-                sz = blk * stride_s_blk + off * stride_s_slot
-                if part == 1:
-                    d, d_mask, cos, sin = load_cos_sin(pos_ptr, cs_ptr, t, stride_cs, HALF, BLOCK_HALF)
-                    kc = kc_ptr + blk * stride_kc_blk + off * stride_kc_slot
-                    if BITS:
-                        k1, k2, kmask = rotated_halves(k_ptr + t * stride_kt, stride_kh, heads, d, d_mask, cos, sin,
-                                                       HALF, BLOCK_HK)
-                        k1, k2 = _in_key_basis(k1, k2, b_ptr, b_scale, 2 * HALF, HALF, BLOCK_HALF, DOT_PRECISION,
-                                               SYLVESTER)
-                        _quantize_store(k1, k2, kmask, kc, ks_ptr + sz, stride_kc_h, stride_s_h, d, HALF, BLOCK_HK, BITS)
-                    else:
-                        rotate_heads(k_ptr + t * stride_kt, kc, stride_kh, stride_kc_h, heads, d, d_mask, cos, sin,
-                                     HALF, BLOCK_HK)
-                else:
-                    d = tl.arange(0, BLOCK_HALF)
-                    hk = tl.arange(0, BLOCK_HK)
-                    mask = (hk[:, None] < heads) & (d[None, :] < HALF)
-                    vsrc = v_ptr + t * stride_vt + hk[:, None] * stride_vh + d[None, :]
-                    vc = vc_ptr + blk * stride_vc_blk + off * stride_vc_slot
-                    v1, v2 = tl.load(vsrc, mask=mask, other=0.0), tl.load(vsrc + HALF, mask=mask, other=0.0)
-                    if BITS:
-                        _quantize_store(v1, v2, mask, vc, vs_ptr + sz, stride_vc_h, stride_s_h, d, HALF, BLOCK_HK, BITS)
-                    else:
-                        vdst = vc + hk[:, None] * stride_vc_h + d[None, :]
-                        tl.store(vdst, v1.to(vc_ptr.dtype.element_ty), mask=mask)
-                        tl.store(vdst + HALF, v2.to(vc_ptr.dtype.element_ty), mask=mask)
+                rotate_heads(k_ptr + t * stride_kt, kc, stride_kh, stride_kc_h, heads, d, d_mask, cos, sin,
+                             HALF, BLOCK_HK)
+        else:
+            d = tl.arange(0, BLOCK_HALF)
+            hk = tl.arange(0, BLOCK_HK)
+            mask = (hk[:, None] < heads) & (d[None, :] < HALF)
+            vsrc = v_ptr + t * stride_vt + hk[:, None] * stride_vh + d[None, :]
+            vc = vc_ptr + blk * stride_vc_blk + off * stride_vc_slot
+            v1, v2 = tl.load(vsrc, mask=mask, other=0.0), tl.load(vsrc + HALF, mask=mask, other=0.0)
+            if BITS:
+                _quantize_store(v1, v2, mask, vc, vs_ptr + sz, stride_vc_h, stride_s_h, d, HALF, BLOCK_HK, BITS)
+            else:
+                vdst = vc + hk[:, None] * stride_vc_h + d[None, :]
+                tl.store(vdst, v1.to(vc_ptr.dtype.element_ty), mask=mask)
+                tl.store(vdst + HALF, v2.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def rotate_and_store_kv_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, tokens_per_program: int = 1,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton launcher for :func:`rotate_and_store_kv_ref`; q/k/v may be strided views of a fused qkv."""
     q, k, cs, constexprs, num_warps = rotary_launch(q, k, positions, cos_sin_cache)
@@ -516,14 +512,14 @@ def rotate_and_store_kv_triton(
         half, block_half, block_hq, block_hk = constexprs
         constexprs = (half, max(16, block_half), max(16, block_hq), max(16, block_hk))
     if q.shape[0]:
-        _rotate_and_store_kv_kernel[((q.shape[0] + tokens_per_program - 1) // tokens_per_program, 3)](
+        _rotate_and_store_kv_kernel[(q.shape[0], 3)](
             q, k, v, positions, cs, slot_mapping, q_out, k_cache, v_cache, ks, vs, basis, b_scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             q_out.stride(0), q_out.stride(1), cs.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            *s_strides, q.shape[1], k.shape[1], q.shape[0], *constexprs, BLOCK_SIZE=k_cache.shape[1], BITS=bits,
-            DOT_PRECISION=precision, SYLVESTER=sylvester, TOKENS=tokens_per_program, num_warps=num_warps,
+            *s_strides, q.shape[1], k.shape[1], *constexprs, BLOCK_SIZE=k_cache.shape[1], BITS=bits,
+            DOT_PRECISION=precision, SYLVESTER=sylvester, num_warps=num_warps,
         )
     return q_out
 

@@ -37,7 +37,6 @@ from conveyor.kernels.kv_cache import (  # noqa: E402
     quantize_kv_ref,
     rotate_and_store_kv,
     rotate_and_store_kv_ref,
-    rotate_and_store_kv_triton,
     store_kv,
     store_kv_ref,
     to_key_basis,
@@ -228,25 +227,6 @@ def test_quantized_rotate_and_store_kv(bits: int, h: int, hkv: int, d: int, bloc
     assert_close(out_q, to_key_basis(rot_q), 1e-5)  # queries come back in the key basis
     store_kv(rot_k, v, c[4][0], c[5][0], slots, c[4][1], c[5][1])
     assert_same_codes(c[0], c[4], bits, exact=False)
-
-
-
-@interp
-@pytest.mark.parametrize("bits", [0, 8, 4])
-def test_rotate_and_store_kv_tokens_per_program(bits: int, seed: int) -> None:
-    """Programs that walk several tokens (the last one short of them) store and return what
-    programs of one token do, bit for bit: each token's arithmetic is the same."""
-    from test_kernels import _rotate_and_store_case
-
-    q, k, v, positions, cos_sin, slots, _ = _rotate_and_store_case(7, 8, 2, 64, 16, torch.Generator().manual_seed(seed))
-    layout = KVCacheLayout(bits, 64)
-    runs = []
-    for tokens in (1, 3):
-        (kc, ks), (vc, vs) = (layout.allocate((4, 16, 2), torch.float32, "cpu", alloc=torch.ones) for _ in range(2))
-        out = rotate_and_store_kv_triton(q, k, v, positions, cos_sin, kc, vc, slots, ks, vs, tokens_per_program=tokens)
-        runs.append([out, kc, vc] + ([ks, vs] if bits else []))
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------------- interpreter: attention
