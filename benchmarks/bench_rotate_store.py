@@ -3,9 +3,9 @@
     python -m benchmarks.bench_rotate_store [--tokens 1 256 1024 4096] [--policies 0 8 4]
 
 Llama-2-7B's shapes (32 query and 32 KV heads of 128 dims, cache blocks of 64 tokens), fp16.
-Each case is timed with CUDA events over 200 launches after 20 warm-up ones; the record gives
-microseconds a launch and the bytes moved per second (q, k, v read, q and the cache entries
-written). Below ~2,000 tokens the launches are bound by the host's launch cost (~45 us on the
+Each case is the median of 5 samples of 40 launches queued back to back (``cuda_time_us``);
+the record gives microseconds a launch and the bytes moved per second (q, k, v read, q and the
+cache entries written). Below ~2,000 tokens the launches are bound by the host's launch cost (~45 us on the
 H200's host), so the kernel's own speed shows at 4,096. Needs a GPU.
 """
 
@@ -15,13 +15,13 @@ import argparse
 
 import torch
 
-from benchmarks.common import record, save
+from benchmarks.common import cuda_time_us, record, save
 from conveyor.kernels.kv_cache import KVCacheLayout, rotate_and_store_kv_triton
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 32, 128, 64
 
 
-def time_case(tokens: int, bits: int, iters: int = 200) -> float:
+def time_case(tokens: int, bits: int) -> float:
     """Microseconds per launch."""
     g = torch.Generator(device="cuda").manual_seed(0)
     qkv = torch.randn(tokens, HEADS + 2 * KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.float16, generator=g)
@@ -38,15 +38,7 @@ def time_case(tokens: int, bits: int, iters: int = 200) -> float:
     def launch() -> None:
         rotate_and_store_kv_triton(q, k, v, positions, cos_sin, kc, vc, slots, ks, vs)
 
-    for _ in range(20):
-        launch()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        launch()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+    return cuda_time_us(launch, samples=5, calls=40)
 
 
 def main() -> None:

@@ -5,7 +5,8 @@ timer, and a timeline of what the engine held, so that served and offline runs c
 
 ``CONVEYOR_ENGINE_TIMELINE`` names the JSON file written (every 5 s and at exit; default
 ``$BENCH_OUT/served_engine_timeline.json``): the steps, the GPU's busy seconds over them (the
-union of each step's CUDA event span, as ``profile_throughput`` reports it) and, once a second
+union of each step's CUDA event span, as ``profile_throughput`` reports it; at exit only, so
+that the engine loop never walks every step's events while it serves) and, once a second
 while there is work, the requests running and waiting, the steps and the tokens out so far; and
 the first and last steps' times on the host's monotonic clock (``time.perf_counter``), which the
 served benchmark's record shares (``client_cpu.start_monotonic``).
@@ -60,9 +61,13 @@ class TimedEngine:
             self._next_write = now + WRITE_EVERY_S
         return outputs
 
-    def write(self) -> None:
-        spans = self._timer.spans[:-2]  # the last two may still be in flight
-        busy = busy_seconds(spans) if spans and torch.cuda.is_available() else None
+    def write(self, final: bool = False) -> None:
+        spans = self._timer.spans
+        if final and spans and torch.cuda.is_available():
+            torch.cuda.synchronize()  # every step's events have completed
+            busy = busy_seconds(spans)
+        else:
+            busy = None
         last = self._timeline[-1]["t"] if self._timeline else 0.0
         record = {"steps": self._steps, "tokens": self._tokens, "graph_steps": self._timer.graph_steps,
                   "eager_steps": self._timer.eager_steps, "gpu_busy_s": busy,
@@ -74,7 +79,7 @@ class TimedEngine:
         tmp.replace(self._path)
 
     def close(self) -> None:
-        self.write()
+        self.write(final=True)
         close = getattr(self._engine, "close", None)
         if close is not None:
             close()
