@@ -293,7 +293,7 @@ def run_clients(requests: list[Request], args: argparse.Namespace, chat: bool,
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    workers = max(1, min(args.workers, len(requests), args.max_concurrency or len(requests)))
+    workers = min(args.workers, len(requests), args.max_concurrency or len(requests))  # each has work
     start_at = time.perf_counter() + 1.0 + 0.1 * workers  # after every worker has forked
     with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
         parts = [pool.submit(client_worker, w, workers, requests, args, chat, start_at) for w in range(workers)]
@@ -367,6 +367,8 @@ def main() -> None:
     ap.add_argument("--name", default=None, help="record file name (default: profile_restful_api_<model>)")
     ap.add_argument("--out", type=Path, default=None, help="write the record to this file instead of results/<gpu>/")
     args = ap.parse_args()
+    if args.workers < 1:
+        ap.error(f"--workers {args.workers}: give at least 1 client process")
     args.base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
 
     http = httpx.Client(base_url=args.base_url, timeout=30,

@@ -15,6 +15,7 @@ poll, a queue wait) is sampled on time and shows up at its waiting frame.
 from __future__ import annotations
 
 import atexit
+import logging
 import multiprocessing.util
 import os
 import sys
@@ -22,6 +23,8 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 ENV = "CONVEYOR_STACK_SAMPLES"
 INTERVAL_S = 0.005
@@ -34,6 +37,11 @@ def start_from_env(stage: str) -> "StackSampler | None":
     if not out:
         return None
     name = "".join(c if c.isalnum() or c in "-_" else "_" for c in stage)
+    try:  # here, not in the sampler's thread: a directory it cannot make is said once, in the log
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        logger.warning("%s=%s: no stack samples for %s (%s)", ENV, out, stage, exc)
+        return None
     sampler = StackSampler(Path(out) / f"{name}-{os.getpid()}.folded")
     sampler.start()
     # The last samples at exit: a multiprocessing child runs its Finalize hooks, not atexit's.
@@ -56,7 +64,6 @@ class StackSampler(threading.Thread):
         self.ms: Counter[str] = Counter()
 
     def run(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         me = threading.get_ident()
         last = next_write = time.perf_counter()
         while True:

@@ -1,4 +1,5 @@
-"""profile_throughput's --profile window: parsed, or refused with the form it wants."""
+"""Benchmark arguments refused with the form they want: profile_throughput's --profile window,
+profile_restful_api's --workers."""
 
 import argparse
 
@@ -30,3 +31,15 @@ def test_profile_needs_a_gpu(monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         profile_throughput.main()
     assert exc.value.code == 2 and "needs a GPU" in capsys.readouterr().err
+
+
+def test_served_benchmark_refuses_no_client_process(monkeypatch, capsys) -> None:
+    """profile_restful_api --workers below 1 is refused before any server is asked."""
+    import sys
+
+    from benchmarks import profile_restful_api
+
+    monkeypatch.setattr(sys, "argv", ["profile_restful_api", "--port", "1", "--workers", "0"])
+    with pytest.raises(SystemExit) as exc:
+        profile_restful_api.main()
+    assert exc.value.code == 2 and "--workers 0: give at least 1 client process" in capsys.readouterr().err
