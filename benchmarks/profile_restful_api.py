@@ -306,9 +306,9 @@ def run_clients(requests: list[Request], args: argparse.Namespace, chat: bool,
     for w, (part, _, _) in enumerate(parts):
         results[w::workers] = part
     wall = max(end for _, end, _ in parts) - start_at
-    cpu = {"processes": workers, "cores_mean": round(sum(c for *_, c in parts) / wall, 3),
-           "cores_busiest_process": round(max(c for *_, c in parts) / wall, 3), "start_monotonic": start_at}
-    return results, wall, cpu
+    usage = {"processes": workers, "cores_mean": round(sum(c for *_, c in parts) / wall, 3),
+             "cores_busiest_process": round(max(c for *_, c in parts) / wall, 3), "start_monotonic": start_at}
+    return results, wall, usage
 
 
 def summarize(requests: list[Request], results: list[Result], wall: float) -> dict[str, Any]:

@@ -68,11 +68,10 @@ class TimedEngine:
             busy = busy_seconds(spans)
         else:
             busy = None
-        last = self._timeline[-1]["t"] if self._timeline else 0.0
         record = {"steps": self._steps, "tokens": self._tokens, "graph_steps": self._timer.graph_steps,
                   "eager_steps": self._timer.eager_steps, "gpu_busy_s": busy,
                   "gpu_span_s": spans[0][0].elapsed_time(spans[-1][1]) / 1e3 if busy is not None else None,
-                  "last_sample_t": last, "first_step_monotonic": self._t0, "last_step_monotonic": self._last,
+                  "first_step_monotonic": self._t0, "last_step_monotonic": self._last,
                   "timeline": self._timeline}
         tmp = self._path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record) + "\n")
