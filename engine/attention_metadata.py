@@ -19,7 +19,9 @@ class AttentionMetadata:
     ``T`` tokens from ``B`` sequences; sequence b owns query rows
     ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, which are the last positions of its ``seqlens_k[b]``
     keys. ``slot_mapping[t]`` is the flat cache slot (``block * block_size + offset``) token t
-    is written to.
+    is written to. A quantized cache also takes ``centre_index`` (token t's sequence's key
+    centre row, its first block) and ``new_centres`` (the sequences whose first chunk this step
+    writes): ``kernels/kv_cache.KeyCentring``.
     """
 
     slot_mapping: torch.Tensor  # [T] int64
@@ -28,6 +30,8 @@ class AttentionMetadata:
     seqlens_k: torch.Tensor  # [B] int32
     max_seqlen_q: int
     max_seqlen_k: int
+    centre_index: torch.Tensor | None = None  # [T] (any stride)
+    new_centres: torch.Tensor | None = None  # [S, 3] int32 (first token, tokens, row)
 
     @property
     def is_decode(self) -> bool:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..kernels.kv_cache import CENTRE_TOKENS
 from ..protocol.errors import InvalidRequestError, PromptTooLongError, SessionBusyError
 from ..protocol.messages import EngineStats, Finish
 from ..protocol.sampling import SamplingParams, validate
@@ -128,7 +129,8 @@ class LLMEngine:
         self.session_len = config.session_len or self.model_config.max_position_embeddings
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size,
-                                   config.max_prefill_token_num, self.session_len)
+                                   config.max_prefill_token_num, self.session_len,
+                                   centre_tokens=CENTRE_TOKENS if config.quant_policy else 0)
         self._seqs: dict[str, Sequence] = {}  # unfinished turns, by request id
         self._sessions: dict[int, Sequence] = {}
         self._pending: list[StepOutput] = []  # finishes decided outside step(), reported by it

@@ -49,7 +49,7 @@ from .layers import RMSNorm
 from .layers.attention import MixedBatchMetadata
 from .models import build_model
 from .sampler import DeviceSamples, Sampler
-from ..kernels.kv_cache import KVCacheLayout
+from ..kernels.kv_cache import CENTRE_TOKENS, KVCacheLayout
 from ..protocol.sampling import SamplingParams
 from ..protocol.tp import StepKind, StepPlan
 from .scheduler import SchedulerOutput
@@ -164,6 +164,7 @@ class ModelRunner:
             alloc = torch.zeros if device.type == "cuda" else torch.empty
             self.k_cache, self.k_scales = self.kv_layout.allocate(lead, dtype, device, alloc)
             self.v_cache, self.v_scales = self.kv_layout.allocate(lead, dtype, device, alloc)
+            self.k_centres = self.kv_layout.allocate_centres((lead[0], lead[1], lead[3]), device, alloc)
         except (RuntimeError, torch.OutOfMemoryError) as exc:
             raise EngineConfigError(
                 f"could not allocate a KV cache of {self.num_blocks} blocks ({exc}); "
@@ -173,6 +174,7 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.k_cache[i], self.v_cache[i]
             if self.k_scales is not None:
                 layer.k_scales, layer.v_scales = self.k_scales[i], self.v_scales[i]
+                layer.k_centres = self.k_centres[i]
         logger.info("KV cache: %d blocks of %d tokens (%s)", self.num_blocks, self.block_size,
                     f"int{config.quant_policy}" if config.quant_policy else str(dtype).removeprefix("torch."))
         self.use_cuda_graphs = device.type == "cuda" and os.environ.get(CUDA_GRAPHS_ENV, "1") != "0"
@@ -243,10 +245,10 @@ class ModelRunner:
         return used
 
     def _block_bytes(self) -> int:
-        """Bytes of one block over all layers, keys and values: a quantized cache's codes and
-        scales (``KVCacheLayout``), so a smaller cache buys proportionally more tokens."""
+        """Bytes of one block over all layers, keys and values: a quantized cache's codes,
+        scales and key centres (``KVCacheLayout``), so a smaller cache buys proportionally more tokens."""
         mc = self.model_config
-        return 2 * mc.num_layers * self.block_size * self.num_kv_heads * self.kv_layout.bytes_per_head(self.dtype)
+        return mc.num_layers * self.num_kv_heads * self.kv_layout.block_bytes_per_head(self.block_size, self.dtype)
 
     def _num_cache_blocks(self) -> int:
         """This rank's budget, or under tensor parallel the smallest rank's (every rank must
@@ -274,8 +276,12 @@ class ModelRunner:
         """Lay (sequence, number of new tokens) pairs back to back as a plan's host lists."""
         bs = block_size
         ids, positions, slots, cu_q, lens_k, pending = [], [], [], [0], [], []
+        centre_rows, new_centres = [], []
         for seq, n in seqs:
             start = seq.num_computed_tokens
+            centre_rows.extend([seq.block_table[0]] * n)
+            if start == 0:  # its first chunk: a quantized cache computes its key centre here
+                new_centres.append((len(ids), min(n, seq.centre_tokens or CENTRE_TOKENS), seq.block_table[0]))
             chunk = seq.token_ids[start : start + n]
             if len(chunk) < n:  # its last input was sampled by the step before and is still on the device
                 assert len(chunk) == n - 1 and prev is not None, "only the newest token can be pending"
@@ -290,7 +296,8 @@ class ModelRunner:
         width = max(len(seq.block_table) for seq, _ in seqs)
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in seqs]
         return StepPlan(kind, input_ids=ids, positions=positions, block_tables=tables, slots=slots,
-                        cu_seqlens_q=cu_q, seqlens_k=lens_k, num_new=[n for _, n in seqs], pending=pending)
+                        cu_seqlens_q=cu_q, seqlens_k=lens_k, num_new=[n for _, n in seqs], pending=pending,
+                        centre_rows=centre_rows, new_centres=new_centres)
 
     @staticmethod
     def _decode_tokens(seqs: list[Sequence], prev: LaunchedStep | None) -> tuple[list[int], list[tuple[int, int]]]:
@@ -319,6 +326,10 @@ class ModelRunner:
             max_seqlen_q=max(num_new),
             max_seqlen_k=max(lens_k),
         )
+        if self.kv_layout.bits:
+            fields["centre_index"] = self._to_device(flat.centre_rows, torch.int32)
+            if flat.new_centres:
+                fields["new_centres"] = self._to_device(flat.new_centres, torch.int32)
         nd = next((i for i, n in enumerate(num_new) if n != 1), len(num_new))
         if not (0 < nd < len(num_new) and all(n != 1 for n in num_new[nd:])):
             return AttentionMetadata(**fields)
@@ -384,6 +395,8 @@ class ModelRunner:
             return None
         if any(item.num_new_tokens != 1 for item in out.scheduled):
             return None
+        if self.kv_layout.bits and any(item.seq.num_computed_tokens == 0 for item in out.scheduled):
+            return None  # a one-token prompt: its key centre is computed by an eager step, not in a graph
         seqs = [item.seq for item in out.scheduled]
         return seqs if graphs.can_run(seqs) else None
 

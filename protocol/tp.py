@@ -28,7 +28,8 @@ class StepPlan(msgspec.Struct, tag=1, **_TAG):
     """One step's inputs. ``pending``: (input row, row of the previous step's sampled ids) for
     each input token still on the device; ``logit_rows``: the rows whose logits are computed;
     ``num_sampled``: how many ids rank 0 broadcasts after sampling (the next step's pending
-    inputs read them). FORWARD/SCORE use every field; GRAPH only ``input_ids``, ``positions``,
+    inputs read them); ``centre_rows`` / ``new_centres``: a quantized cache's key centres
+    (``kernels/kv_cache.KeyCentring``). FORWARD/SCORE use every field; GRAPH only ``input_ids``, ``positions``,
     ``block_tables``, ``pending``, ``logit_rows`` and ``num_sampled``."""
 
     kind: StepKind
@@ -42,6 +43,8 @@ class StepPlan(msgspec.Struct, tag=1, **_TAG):
     pending: list[tuple[int, int]] = []
     logit_rows: list[int] = []
     num_sampled: int = 0
+    centre_rows: list[int] = []  # each token's sequence's first block: its key centre's row
+    new_centres: list[tuple[int, int, int]] = []  # (first token, tokens, row) of sequences starting here
 
 
 class RankStatus(msgspec.Struct, tag=2, **_TAG):

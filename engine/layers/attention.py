@@ -9,7 +9,7 @@ from torch import nn
 
 from ..attention_metadata import AttentionMetadata, get_attention_metadata
 from ...kernels import apply_rotary, paged_attention, store_kv
-from ...kernels.kv_cache import rotate_and_store_kv, to_key_basis
+from ...kernels.kv_cache import KeyCentring, rotate_and_store_kv, to_key_basis
 
 
 @dataclass
@@ -49,6 +49,7 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.k_scales: torch.Tensor | None = None
         self.v_scales: torch.Tensor | None = None
+        self.k_centres: torch.Tensor | None = None  # a quantized cache's key centres (kernels/kv_cache.py)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor | None = None, cos_sin_cache: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,11 +64,18 @@ class Attention(nn.Module):
                 q, k = apply_rotary(q, k, positions, cos_sin_cache)
             out = self._attend_without_cache(q, k, v, meta)
         else:
+            centring = None
+            if self.k_centres is not None:
+                if meta.centre_index is None:  # keys stored uncentred would be read with centred ones
+                    raise RuntimeError("a quantized KV cache needs AttentionMetadata.centre_index (each token's "
+                                       "sequence's first block)")
+                centring = KeyCentring(self.k_centres, meta.centre_index, meta.new_centres)
             if rotate:
                 q = rotate_and_store_kv(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache,
-                                        meta.slot_mapping, self.k_scales, self.v_scales)
+                                        meta.slot_mapping, self.k_scales, self.v_scales, centring)
             else:
-                store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scales, self.v_scales)
+                store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scales, self.v_scales,
+                         centring)
                 if self.k_scales is not None:  # the cache holds keys in the key basis: queries alike
                     q = to_key_basis(q)
             if isinstance(meta, MixedBatchMetadata) and meta.decode is not None and meta.prefill is not None:

@@ -55,10 +55,8 @@ def policy(request) -> int:
     return request.param
 
 
-@pytest.fixture(scope="module")
-def alone(smollm2_dir, policy):
-    """Each prompt's greedy tokens from a quantized engine that runs it alone, in one chunk."""
-    cfg = EngineConfig(quant_policy=policy, cache_max_entry_count=256, block_size=16)
+def _alone(smollm2_dir, policy, **config):
+    cfg = EngineConfig(quant_policy=policy, cache_max_entry_count=256, block_size=16, **config)
     with pipeline(str(smollm2_dir), cfg) as p:
         out = {}
         for prompt in SOME:
@@ -66,6 +64,20 @@ def alone(smollm2_dir, policy):
             out[prompt] = (r.token_ids, r.logprobs, policy)
         assert _free_all(p)
     return out
+
+
+@pytest.fixture(scope="module")
+def alone(smollm2_dir, policy):
+    """Each prompt's greedy tokens from a quantized engine that runs it alone, in one chunk."""
+    return _alone(smollm2_dir, policy)
+
+
+@pytest.fixture(scope="module")
+def alone_in_chunks(smollm2_dir, policy):
+    """The same, in 7-token chunks. A sequence's key centre averages its first chunk's keys (up
+    to 64 tokens: kernels/kv_cache.py), so the chunk size changes the stored codes; what else
+    the batch carries does not."""
+    return _alone(smollm2_dir, policy, max_prefill_token_num=7)
 
 
 def test_policy_reaches_the_cache(smollm2_dir, policy):
@@ -76,9 +88,10 @@ def test_policy_reaches_the_cache(smollm2_dir, policy):
         assert runner.k_cache.shape[-1] == runner.model_config.head_dim // (2 if policy == 4 else 1)
 
 
-def test_batched_chunked_and_prefix_cached_runs_equal_single_runs(smollm2_dir, policy, alone):
+def test_batched_chunked_and_prefix_cached_runs_equal_single_runs(smollm2_dir, policy, alone_in_chunks):
     """One batch, prompts cut into 7-token chunks that straddle 16-token blocks, the chat
     template's shared system prompt served from the prefix cache: the same tokens as alone."""
+    alone = alone_in_chunks
     cfg = EngineConfig(quant_policy=policy, cache_max_entry_count=256, block_size=16, max_prefill_token_num=7,
                        enable_prefix_caching=True)
     with pipeline(str(smollm2_dir), cfg) as p:

@@ -31,9 +31,12 @@ from conveyor.kernels.attention import (  # noqa: E402
     paged_attention_triton,
 )
 from conveyor.kernels.kv_cache import (  # noqa: E402
+    CENTRE_TOKENS,
+    KeyCentring,
     KVCacheLayout,
     dequantize_kv_ref,
     key_basis,
+    key_centres_ref,
     quantize_kv_ref,
     rotate_and_store_kv,
     rotate_and_store_kv_ref,
@@ -229,6 +232,97 @@ def test_quantized_rotate_and_store_kv(bits: int, h: int, hkv: int, d: int, bloc
     assert_same_codes(c[0], c[4], bits, exact=False)
 
 
+def _centring_case(t: int, hkv: int, d: int, blocks: int, gen: torch.Generator, device: str = "cpu"):
+    """Two sequences in one step: one starting here (its first ``t - 5`` tokens, its centre in
+    row 2) and one continuing (5 tokens, its centre already in row 5). Table rows are random."""
+    table = randn(blocks, hkv, d, gen=gen).to(torch.float16)
+    index = torch.tensor([2] * (t - 5) + [5] * 5, dtype=torch.int32)
+    new = torch.tensor([[0, min(t - 5, CENTRE_TOKENS), 2]], dtype=torch.int32)
+    return table.to(device), index.to(device), new.to(device)
+
+
+@interp
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("h,hkv,d,block_size", [(9, 3, 64, 16), (4, 4, 128, 1), (8, 1, 64, 16), (4, 2, 96, 16)])
+def test_centred_stores(bits: int, h: int, hkv: int, d: int, block_size: int, seed: int, forced: None) -> None:
+    """Both quantizing writes with key centres equal the reference: the centre of the sequence
+    starting here is computed first (from rotated keys, or keys as given), every key is stored
+    minus its own sequence's centre, values are untouched."""
+    from test_kernels import _rotate_and_store_case
+
+    t = 12
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, positions, cos_sin, slots, _ = _rotate_and_store_case(t, h, hkv, d, block_size, gen)
+    k += 4 * randn(1, hkv, d, gen=gen)  # the offset the centre takes off
+    positions[: t - 5] = torch.arange(t - 5)
+    blocks = -(-t // block_size) + 8
+    table, index, new = _centring_case(t, hkv, d, blocks, gen)
+    tables = [table.clone() for _ in range(4)]
+    c = _caches(bits, blocks, block_size, hkv, d, 8)
+    out_q = rotate_and_store_kv(q, k, v, positions, cos_sin, c[0][0], c[1][0], slots, c[0][1], c[1][1],
+                                KeyCentring(tables[0], index, new))
+    ref_q = rotate_and_store_kv_ref(q, k, v, positions, cos_sin, c[2][0], c[3][0], slots, c[2][1], c[3][1],
+                                    KeyCentring(tables[1], index, new))
+    assert_close(out_q, ref_q, 1e-5)
+    assert_close(tables[0].float(), tables[1].float(), 2e-3)
+    assert torch.equal(tables[0][5], table[5])  # a continuing sequence's centre is read, not written
+    assert_same_codes(c[0], c[2], bits, exact=False)
+    assert_same_codes(c[1], c[3])
+    rot_k = apply_rotary(q, k, positions, cos_sin)[1]
+    store_kv(rot_k, v, c[4][0], c[5][0], slots, c[4][1], c[5][1], KeyCentring(tables[2], index, new))
+    store_kv_ref(rot_k, v, c[6][0], c[7][0], slots, c[6][1], c[7][1], KeyCentring(tables[3], index, new))
+    assert_close(tables[2].float(), tables[3].float(), 2e-3)
+    assert_same_codes(c[4], c[6], bits, exact=False)
+    assert_same_codes(c[4], c[0], bits, exact=False)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_centred_keys_keep_scores_and_store_the_first_key_exactly(bits: int, seed: int) -> None:
+    """The centre changes every score of a query by the same amount (softmax keeps its output),
+    cuts the error of keys that share an offset, and leaves the first key (the attention sink)
+    exact but for the centre's fp16 rounding."""
+    gen = torch.Generator().manual_seed(seed)
+    t, hkv, d, block_size = 48, 2, 64, 16
+    k = randn(t, hkv, d, gen=gen) + 6 * randn(1, hkv, d, gen=gen)
+    k[0] *= 8  # the sink's key: far from the rest
+    v = randn(t, hkv, d, gen=gen)
+    slots = torch.arange(t)
+    blocks = t // block_size
+    table = torch.zeros(blocks, hkv, d, dtype=torch.float16)
+    centring = KeyCentring(table, torch.zeros(t, dtype=torch.int32), torch.tensor([[0, t, 0]], dtype=torch.int32))
+    (kc, ks), (vc, vs), (kp, kps), (vp, vps) = _caches(bits, blocks, block_size, hkv, d, 4)
+    store_kv_ref(k, v, kc, vc, slots, ks, vs, centring)
+    store_kv_ref(k, v, kp, vp, slots, kps, vps)  # no centre
+    exact = to_key_basis(k)
+    centred = dequantize_kv_ref(kc.view(t, hkv, -1), ks.view(t, hkv, 2), bits) + table[0].float()
+    plain = dequantize_kv_ref(kp.view(t, hkv, -1), kps.view(t, hkv, 2), bits)
+    step = ks.view(t, hkv, 2)[..., 0].float()
+    assert ((centred[0] - exact[0]).abs() < 0.01 * step[0, :, None]).all()
+    assert (centred[1:] - exact[1:]).norm() < 0.8 * (plain[1:] - exact[1:]).norm()
+    # Attention reads the cache without the centre: the same output as with it added back.
+    q = randn(1, 2 * hkv, d, gen=gen)
+    bt = torch.arange(blocks, dtype=torch.int32)[None]
+    cu, sk = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([t], dtype=torch.int32)
+    qb = to_key_basis(q)
+    out = paged_attention_ref(qb, kc, vc, bt, cu, sk, 0.125, ks, vs)
+    kb_full = centred.view(blocks, block_size, hkv, d)
+    vd = dequantize_kv_ref(vc, vs, bits)
+    assert_close(out, paged_attention_ref(qb, kb_full, vd, bt, cu, sk, 0.125), 1e-4)
+
+
+def test_centre_of_a_one_token_first_chunk() -> None:
+    """A first chunk of one token has no other keys to average: its centre is the first key's
+    own quantization error, so that key still comes back exact."""
+    k = torch.randn(1, 2, 64) * 5
+    table = torch.zeros(4, 2, 64, dtype=torch.float16)
+    c = _caches(4, 4, 16, 2, 64, 2)
+    store_kv_ref(k, k, c[0][0], c[1][0], torch.tensor([16]), c[0][1], c[1][1],
+                 KeyCentring(table, torch.tensor([1], dtype=torch.int32), torch.tensor([[0, 1, 1]], dtype=torch.int32)))
+    back = dequantize_kv_ref(c[0][0].view(-1, 2, 32)[16], c[0][1].view(-1, 2, 2)[16], 4) + table[1].float()
+    assert_close(back, to_key_basis(k)[0], 2e-3)
+    assert table[1].abs().max() < 0.5 * c[0][1].view(-1, 2, 2)[16, :, 0].float().max()  # only the error
+
+
 # ---------------------------------------------------------------------------- interpreter: attention
 
 # (q_lens, k_lens, H, Hkv, D, block_size, tile overrides): GQA 1 / 3 / 4 / 8, D 64 and 128,
@@ -376,33 +470,58 @@ def test_gpu_quantized_decode_paths(dtype: torch.dtype, bits: int, fast: bool, t
 
 @gpu
 @compiled_gpu
+@pytest.mark.parametrize("centred", [False, True], ids=["plain", "centred"])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gpu_quantized_stores(dtype: torch.dtype, bits: int, seed: int, poisoned_empty: None) -> None:
-    """Both quantizing writes at model sizes against the CPU reference (codes within one step)."""
+def test_gpu_quantized_stores(dtype: torch.dtype, bits: int, centred: bool, seed: int, poisoned_empty: None) -> None:
+    """Both quantizing writes at model sizes against the CPU reference (codes within one step),
+    with and without key centres (a sequence starting here and one continuing)."""
     from test_kernels import _rotate_and_store_case
 
     gen = torch.Generator().manual_seed(seed)
     t, h, hkv, d, bs = 2048, 32, 8, 128, 16
     q, k, v, positions, cos_sin, slots, _ = _rotate_and_store_case(t, h, hkv, d, bs, gen, dtype, "cuda")
     k[:, :, 5] *= 100
-    blocks = -(-t // bs) + 3
+    k += 3 * torch.randn(1, hkv, d, generator=gen).to(k)
+    positions[: t - 5] = torch.arange(t - 5, device="cuda")
+    blocks = -(-t // bs) + 8
     gpu_c = _caches(bits, blocks, bs, hkv, d, 2, "cuda")
     cpu_c = _caches(bits, blocks, bs, hkv, d, 2)
-    out_q = rotate_and_store_kv(q, k, v, positions, cos_sin, gpu_c[0][0], gpu_c[1][0], slots, gpu_c[0][1], gpu_c[1][1])
+    table, index, new = _centring_case(t, hkv, d, blocks, gen)
+    gpu_centres = KeyCentring(table.cuda(), index.cuda(), new.cuda()) if centred else None
+    cpu_centres = KeyCentring(table.clone(), index, new) if centred else None
+    out_q = rotate_and_store_kv(q, k, v, positions, cos_sin, gpu_c[0][0], gpu_c[1][0], slots, gpu_c[0][1], gpu_c[1][1],
+                                gpu_centres)
     ref_q = rotate_and_store_kv_ref(q.cpu().float(), k.cpu().float(), v.cpu().float(), positions.cpu(), cos_sin.cpu(),
-                                    cpu_c[0][0], cpu_c[1][0], slots.cpu(), cpu_c[0][1], cpu_c[1][1])
+                                    cpu_c[0][0], cpu_c[1][0], slots.cpu(), cpu_c[0][1], cpu_c[1][1], cpu_centres)
     assert_close(out_q.float().cpu(), ref_q, GPU_TOL[dtype])
-    # The rotation itself rounds to the model's dtype on the GPU: compare the values they read back.
-    for (gc, gs), (cc, cs) in zip(gpu_c, cpu_c):
-        written = slots.cpu()[slots.cpu() >= 0]
+
+    # The rotation itself rounds to the model's dtype on the GPU: compare the values they read
+    # back (keys with their centres added back).
+    keep = slots.cpu() >= 0
+    written = slots.cpu()[keep]
+    for (gc, gs), (cc, cs), centres in zip(gpu_c, cpu_c, ((gpu_centres, cpu_centres), (None, None))):
         g = dequantize_kv_ref(gc.cpu().view(-1, hkv, gc.shape[-1])[written], gs.cpu().view(-1, hkv, 2)[written], bits)
         c = dequantize_kv_ref(cc.view(-1, hkv, cc.shape[-1])[written], cs.view(-1, hkv, 2)[written], bits)
+        if centred and centres[0] is not None:
+            rows = index[keep].long()
+            g += centres[0].table.float().cpu()[rows]
+            c += centres[1].table.float()[rows]
         step = cs.view(-1, hkv, 2)[written][..., 0:1].float()
         assert ((g - c).abs() <= 1.01 * step + 0.02 * c.abs()).float().mean() > 0.999
+    # store_kv (keys as given): the reference subtracts the centres the GPU computed, and the
+    # codes then agree to within one step.
     a = _caches(bits, blocks, bs, hkv, d, 2, "cuda")
     b = _caches(bits, blocks, bs, hkv, d, 2)
-    store_kv(k, v, a[0][0], a[1][0], slots, a[0][1], a[1][1])
-    store_kv_ref(k.cpu(), v.cpu(), b[0][0], b[1][0], slots.cpu(), b[0][1], b[1][1])
+    gpu_centres = KeyCentring(table.cuda(), index.cuda(), new.cuda()) if centred else None
+    store_kv(k, v, a[0][0], a[1][0], slots, a[0][1], a[1][1], gpu_centres)
+    if centred:
+        ref_centres = KeyCentring(table.clone(), index, new)
+        key_centres_ref(to_key_basis(k.cpu().float()), new, ref_centres.table, bits)
+        # (a code of the first key may round the other way: its centre then moves one step there)
+        near = (gpu_centres.table.float().cpu() - ref_centres.table.float()).abs() <= 2e-3 * (1 + ref_centres.table.abs())
+        assert near.float().mean() > 0.99
+    store_kv_ref(k.cpu(), v.cpu(), b[0][0], b[1][0], slots.cpu(), b[0][1], b[1][1],
+                 KeyCentring(gpu_centres.table.cpu(), index) if centred else None)
     for x, y in zip(a, b):
         assert_same_codes((x[0].cpu(), x[1].cpu()), y, bits, exact=False)

@@ -25,9 +25,10 @@ class Clock:
 
 
 def make(num_blocks=8, block_size=4, max_batch_size=8, max_num_tokens=64, session_len=1000, prefix=False,
-         clock=None):
+         clock=None, centre_tokens=0):
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    return Scheduler(bm, max_batch_size, max_num_tokens, session_len, clock=clock or Clock()), bm
+    return Scheduler(bm, max_batch_size, max_num_tokens, session_len, clock=clock or Clock(),
+                     centre_tokens=centre_tokens), bm
 
 
 def seq(n_or_tokens, seq_id, max_new_tokens=100, session_id=None, start=0) -> Sequence:
@@ -135,6 +136,43 @@ def test_token_budget_limits_admission():
     assert plan == [(0, 1, True), (1, 2, True), (2, 3, False)]
     for s in (a, b, c):
         sched.finish(s, FinishReason.ABORT)
+    assert_no_leaks(sched)
+
+
+def test_first_chunks_bring_the_key_centre_tokens_whole():
+    """With a quantized cache (``centre_tokens``) a first chunk is never cut below
+    min(prompt, centre_tokens, budget): the sequence waits for a step with room instead."""
+    sched, bm = make(max_num_tokens=6, centre_tokens=64)
+    a, b, c = seq(4, 0, max_new_tokens=2), seq(8, 1, start=10), seq(4, 2, start=20)
+    for s in (a, b, c):
+        sched.add(s)
+    plan, _, _ = step(sched)
+    # b's first chunk must hold its key-centre tokens (min(8, 64, budget 6) = 6): 2 left, it waits.
+    assert plan == [(0, 4, True)] and b.centre_tokens == 6
+    plan, _, _ = step(sched)
+    assert plan == [(0, 1, True)]  # 5 left: still short
+    plan, _, _ = step(sched)
+    assert plan == [(1, 6, False)]
+    plan, _, _ = step(sched)
+    assert plan == [(1, 2, True), (2, 4, True)]  # later chunks take what the budget leaves
+    for s in (b, c):
+        sched.finish(s, FinishReason.ABORT)
+    assert_no_leaks(sched)
+
+
+def test_centre_tokens_stay_fixed_across_preemption():
+    """A recomputed sequence averages the same leading tokens as its first run did, though it
+    now brings more (its prompt and what it generated)."""
+    sched, bm = make(num_blocks=6, block_size=4, max_num_tokens=64, centre_tokens=64)
+    a = seq(10, 0)
+    sched.add(a)
+    step(sched)
+    assert a.centre_tokens == 10
+    sched._preempt(a, sched.schedule())
+    assert a.num_computed_tokens == 0 and a.num_tokens == 11
+    plan, _, _ = step(sched)
+    assert plan[0][:2] == (0, 11) and a.centre_tokens == 10
+    sched.finish(a, FinishReason.ABORT)
     assert_no_leaks(sched)
 
 
