@@ -7,10 +7,11 @@ engine to its own single-request runs (one prompt alone, no prefix cache, one pr
 
 Even that equality is not exact: a batch or a chunk boundary changes a key's fp32 value by an
 ulp, which moves a code across a rounding boundary now and then, and the step it makes (1/255
-of the vector's range, more for int4) then carries into every later layer. So greedy tokens
-are compared up to the first place where the single run itself hesitated: there the two may
-part, provided the single run's top two candidates were within ``NEAR_TIE`` nats and the other
-run took the second. A real fault (a wrong slot, block or scale) breaks a confident token.
+of the vector's range, more for int4) then carries into every later layer (a sequence's key
+centre, computed from its first chunk, carries such a change into all of its keys). So greedy
+tokens are compared up to the first place where the single run itself hesitated: there the two
+may part, provided the other run took one of the single run's top candidates within
+``NEAR_TIE`` nats of its best. A real fault (a wrong slot, block or scale) breaks a confident token.
 How close the quantized cache stays to the unquantized one is measured by perplexity in
 ``benchmarks/kv_quant_quality.py``.
 """
@@ -25,7 +26,7 @@ from conveyor.engine.llm_engine import LLMEngine
 from chat_prompts import PROMPTS
 
 GREEDY = GenerationConfig(max_new_tokens=24, top_k=1)
-LOGPROBS = GenerationConfig(max_new_tokens=24, top_k=1, logprobs=2)
+LOGPROBS = GenerationConfig(max_new_tokens=24, top_k=1, logprobs=5)
 SOME = PROMPTS[:5]
 # Nats between the single run's two best tokens below which another run may take the second:
 # an int4 code step is 17x an int8 one, and so are the logit shifts a flipped code causes
@@ -38,8 +39,8 @@ def assert_agrees(tokens: list[int], ref: tuple[list[int], list[dict], int], wha
     ref_tokens, ref_logprobs, policy = ref
     for i, (a, b) in enumerate(zip(tokens, ref_tokens)):
         if a != b:
-            (best, lp1), (second, lp2) = sorted(ref_logprobs[i].items(), key=lambda kv: -kv[1])[:2]
-            assert a == second and lp1 - lp2 < NEAR_TIE[policy], \
+            best = max(ref_logprobs[i].values())
+            assert a in ref_logprobs[i] and best - ref_logprobs[i][a] < NEAR_TIE[policy], \
                 f"{what}: token {i} is {a}, the single run chose {b} with {ref_logprobs[i]}"
             return
     assert len(tokens) == len(ref_tokens), what
@@ -123,7 +124,7 @@ def test_preemption_and_session_eviction(smollm2_dir, policy, alone):
     roomy = EngineConfig(quant_policy=policy, cache_max_entry_count=256, block_size=16)
     with pipeline(str(smollm2_dir), roomy) as p:
         a = p.chat("Say hello.", gen_config=gen)
-        a = p.chat("Say goodbye.", session=a, gen_config=GenerationConfig(max_new_tokens=8, top_k=1, logprobs=2))
+        a = p.chat("Say goodbye.", session=a, gen_config=GenerationConfig(max_new_tokens=8, top_k=1, logprobs=5))
         assert_agrees(evicted, (a.response.token_ids, a.response.logprobs, policy), "session after eviction")
         a.close()
 
