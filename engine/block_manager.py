@@ -5,6 +5,10 @@ its parent's hash with its token ids, so equal hashes mean equal prefixes. A fre
 its hash and stays findable until the free list hands it out again; the free list is ordered
 so that the block to reuse next comes first (blocks without a hash, then the least recently
 freed, and within one sequence its tail before its head).
+
+The first ``num_head_blocks`` blocks are kept for the first blocks of sequences while any is
+free (their own free list, in the same order), and given out for other positions only when the
+rest are gone: a quantized cache keeps a key centre only for those (``kernels/kv_cache.py``).
 """
 
 from __future__ import annotations
@@ -42,13 +46,16 @@ def chain_hash(parent: int | None, tokens: list[int]) -> int:
 class BlockManager:
     """Hands out blocks to sequences and finds cached prefixes."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 num_head_blocks: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_head_blocks = min(num_head_blocks, num_blocks)
+        self._free_head: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_head_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_head_blocks, num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
         # seq id -> (leading blocks of its table already hashed, chain hash of the last of them)
         self._num_hashed: dict[int, tuple[int, int | None]] = {}
@@ -63,12 +70,12 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks with no user (some may still hold a reusable cached prefix)."""
-        return len(self._free)
+        return len(self._free) + len(self._free_head)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks in use."""
-        return 1.0 - len(self._free) / len(self.blocks)
+        return 1.0 - self.num_free_blocks / len(self.blocks)
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""
@@ -103,7 +110,7 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch = PrefixMatch()) -> bool:
         """Whether ``allocate`` would succeed."""
-        return self._blocks_to_take(seq, num_new_tokens, prefix) <= len(self._free)
+        return self._blocks_to_take(seq, num_new_tokens, prefix) <= self.num_free_blocks
 
     def _blocks_to_take(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch) -> int:
         total = seq.num_computed_tokens + prefix.num_tokens + num_new_tokens
@@ -129,7 +136,8 @@ class BlockManager:
             self._num_hashed[seq.seq_id] = (len(seq.block_table), last_hash)
         total = seq.num_computed_tokens + num_new_tokens
         while len(seq.block_table) < self.blocks_needed(total):
-            block_id = next(iter(self._free))
+            preferred, other = (self._free_head, self._free) if not seq.block_table else (self._free, self._free_head)
+            block_id = next(iter(preferred or other))
             block = self.blocks[block_id]
             if block.block_hash is not None:  # evict the cached prefix it held
                 if self._cached.get(block.block_hash) == block_id:
@@ -142,8 +150,11 @@ class BlockManager:
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self._free[block_id]
+            del self._free_list(block_id)[block_id]
         block.ref_count += 1
+
+    def _free_list(self, block_id: int) -> OrderedDict[int, None]:
+        return self._free_head if block_id < self.num_head_blocks else self._free
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``; its KV counts as not computed any more."""
@@ -152,9 +163,10 @@ class BlockManager:
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
-                self._free[block_id] = None
+                free = self._free_list(block_id)
+                free[block_id] = None
                 if block.block_hash is None:  # nothing worth keeping: reuse it first
-                    self._free.move_to_end(block_id, last=False)
+                    free.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.num_computed_tokens = 0
         self._num_hashed.pop(seq.seq_id, None)

@@ -127,7 +127,8 @@ class LLMEngine:
             self.close()
             raise
         self.session_len = config.session_len or self.model_config.max_position_embeddings
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          num_head_blocks=self.runner.num_head_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size,
                                    config.max_prefill_token_num, self.session_len,
                                    centre_tokens=CENTRE_TOKENS if config.quant_policy else 0)

@@ -157,6 +157,9 @@ class ModelRunner:
         self.step_hooks: list[StepHook] = []
         self.activation_bytes = self._profile_activations() if device.type == "cuda" else 0
         self.num_blocks = self._num_cache_blocks()
+        # A quantized cache's key centres have rows for this many blocks, which the block manager
+        # keeps for sequences' first blocks (kernels/kv_cache.py): two a sequence in the batch.
+        self.num_head_blocks = min(self.num_blocks, self._centre_rows()) if self.kv_layout.bits else 0
         lead = (model_config.num_layers, self.num_blocks, self.block_size, self.num_kv_heads)
         try:
             # Zeroed on the GPU (cheap there): padded graph rows read block 0, and stale NaN bit
@@ -164,7 +167,7 @@ class ModelRunner:
             alloc = torch.zeros if device.type == "cuda" else torch.empty
             self.k_cache, self.k_scales = self.kv_layout.allocate(lead, dtype, device, alloc)
             self.v_cache, self.v_scales = self.kv_layout.allocate(lead, dtype, device, alloc)
-            self.k_centres = self.kv_layout.allocate_centres((lead[0], lead[1], lead[3]), device, alloc)
+            self.k_centres = self.kv_layout.allocate_centres((lead[0], self.num_head_blocks + 1, lead[3]), device)
         except (RuntimeError, torch.OutOfMemoryError) as exc:
             raise EngineConfigError(
                 f"could not allocate a KV cache of {self.num_blocks} blocks ({exc}); "
@@ -245,10 +248,18 @@ class ModelRunner:
         return used
 
     def _block_bytes(self) -> int:
-        """Bytes of one block over all layers, keys and values: a quantized cache's codes,
-        scales and key centres (``KVCacheLayout``), so a smaller cache buys proportionally more tokens."""
+        """Bytes of one block over all layers, keys and values: a quantized cache's codes and
+        scales (``KVCacheLayout``), so a smaller cache buys proportionally more tokens."""
         mc = self.model_config
-        return mc.num_layers * self.num_kv_heads * self.kv_layout.block_bytes_per_head(self.block_size, self.dtype)
+        return 2 * mc.num_layers * self.block_size * self.num_kv_heads * self.kv_layout.bytes_per_head(self.dtype)
+
+    def _centre_rows(self) -> int:
+        return 2 * self.config.max_batch_size
+
+    def _centre_bytes(self) -> int:
+        """Bytes of the key centre tables (``_centre_rows`` + 1 rows; 0 when unquantized)."""
+        rows = self._centre_rows() + 1
+        return self.model_config.num_layers * rows * self.num_kv_heads * self.kv_layout.centre_bytes_per_head()
 
     def _num_cache_blocks(self) -> int:
         """This rank's budget, or under tensor parallel the smallest rank's (every rank must
@@ -262,7 +273,7 @@ class ModelRunner:
         if kind == "fraction":
             # LMDeploy's meaning: a fraction of what the weights and the activations leave free.
             value *= max(_available_memory(self.device) - self.activation_bytes, 0)
-        blocks = int(value // self._block_bytes())
+        blocks = int(max(value - self._centre_bytes(), 0) // self._block_bytes())
         if blocks < 1:
             raise EngineConfigError(
                 f"cache_max_entry_count={self.config.cache_max_entry_count!r} leaves no room for one "

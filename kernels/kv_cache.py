@@ -40,6 +40,9 @@ chunk's keys at positions 1 .. ``CENTRE_TOKENS`` - 1, then moved by the quantiza
 key at position 0, so that this key (the attention sink, which every later query weighs heavily)
 is stored exactly. It lives in a per-layer table at the row of the sequence's first block
 (``KeyCentring``): a sequence that reuses cached blocks reuses that first block, hence its centre.
+The table has rows for the first R blocks only, which the block manager hands out as first
+blocks while any is free (R = 2 x max_batch_size: a row for every block cost 1.5 % of int8's
+capacity and 3.4 % of int4's); a sequence that starts elsewhere is stored uncentred.
 Dev corpus (licence texts, SmolLM2-135M, int4): perplexity +9.0 % uncentred, +5.2 % centred
 with the sink exact; int8 greedy answers to 20 dev prompts: 13 identical uncentred, 17 centred.
 
@@ -100,17 +103,14 @@ class KVCacheLayout:
         codes = self.code_dim * torch.tensor([], dtype=self.code_dtype(dtype)).element_size()
         return codes + (2 * SCALE_DTYPE.itemsize if self.quant_policy else 0)
 
-    def block_bytes_per_head(self, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block of ``block_size`` tokens takes per layer and kv head: keys and values
-        (codes and scales), and for a quantized cache the key centre row (``allocate_centres``)."""
-        return 2 * block_size * self.bytes_per_head(dtype) + (self.head_dim * SCALE_DTYPE.itemsize
-                                                               if self.quant_policy else 0)
+    def centre_bytes_per_head(self) -> int:
+        """Bytes one key centre row takes per layer and kv head (0 when unquantized)."""
+        return self.head_dim * SCALE_DTYPE.itemsize if self.quant_policy else 0
 
-    def allocate_centres(self, lead: tuple[int, ...], device: torch.device | str,
-                         alloc=torch.zeros) -> torch.Tensor | None:
-        """The key centre tables (the module doc), ``lead + (head_dim,)`` with ``lead`` ending in
-        (num_blocks, num_kv_heads); None when unquantized."""
-        return alloc((*lead, self.head_dim), dtype=SCALE_DTYPE, device=device) if self.quant_policy else None
+    def allocate_centres(self, lead: tuple[int, ...], device: torch.device | str) -> torch.Tensor | None:
+        """The key centre tables (the module doc), zeros ``lead + (head_dim,)`` with ``lead``
+        ending in (rows + 1, num_kv_heads); None when unquantized."""
+        return torch.zeros((*lead, self.head_dim), dtype=SCALE_DTYPE, device=device) if self.quant_policy else None
 
     def allocate(self, lead: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
                  alloc=torch.zeros) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -122,10 +122,13 @@ class KVCacheLayout:
 
 
 class KeyCentring(NamedTuple):
-    """The key centres a quantized store subtracts (the module doc): ``table`` [num_blocks, Hkv,
-    D] fp16, row ``b`` the centre of the sequence whose first block is ``b``; ``index`` [T] (any
-    stride) token t's sequence's row; ``new`` [S, 3] int32 (or None): (first token, tokens to use,
-    row) of each sequence whose first chunk this step writes, whose centre is computed first."""
+    """The key centres a quantized store subtracts (the module doc): ``table`` [R + 1, Hkv, D]
+    fp16, row ``b`` the centre of the sequence whose first block is ``b``; ``index`` [T] (any
+    stride) token t's sequence's first block; ``new`` [S, 3] int32 (or None): (first token,
+    tokens to use, first block) of each sequence whose first chunk this step writes, whose centre
+    is computed first. Only blocks below R have a row (the block manager hands those out as
+    first blocks while it can); a sequence whose first block is R or more reads the last row,
+    which stays zero: it is stored uncentred, consistently."""
 
     table: torch.Tensor
     index: torch.Tensor
@@ -214,7 +217,10 @@ def key_centres_ref(keys: torch.Tensor, new: torch.Tensor, table: torch.Tensor, 
     ``table``, from their keys in the key basis, ``keys`` [T, Hkv, D] float32: the mean of rows
     1 .. n - 1 after the first (0 when n is 1), moved so that the first row, minus it, quantizes
     exactly (the module doc). n counts at most ``CENTRE_TOKENS``."""
+    last = table.shape[0] - 1  # the zero row (KeyCentring)
     for t0, n, row in new.tolist():
+        if row >= last:
+            continue
         n = min(n, CENTRE_TOKENS)
         first = keys[t0]
         mean = keys[t0 + 1 : t0 + n].mean(0) if n > 1 else torch.zeros_like(first)
@@ -251,7 +257,7 @@ def store_kv_ref(
         if centring is not None:
             if centring.new is not None:
                 key_centres_ref(k, centring.new, centring.table, bits)
-            k = k - centring.table[centring.index.long()].float()
+            k = k - centring.table[centring.index.long().clamp(max=centring.table.shape[0] - 1)].float()
     for x, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
         flat = cache.view(-1, *cache.shape[2:])
         if bits:
@@ -361,11 +367,11 @@ def _in_key_basis(x1, x2, b_ptr, scale, HEAD_DIM: tl.constexpr, HALF: tl.constex
 
 
 @jit
-def _minus_centre(x1, x2, mask, c_ptr, ci_ptr, t, stride_ci, stride_c_row, stride_c_h, d,
+def _minus_centre(x1, x2, mask, c_ptr, ci_ptr, t, stride_ci, stride_c_row, stride_c_h, last_row, d,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     """Keys given as halves [BLOCK_H, BLOCK_HALF] (float32, in the key basis) minus the centre
-    of token ``t``'s sequence (``KeyCentring``)."""
-    row = tl.load(ci_ptr + t * stride_ci).to(tl.int64)
+    of token ``t``'s sequence (``KeyCentring``: first blocks past ``last_row`` read it, zeros)."""
+    row = tl.minimum(tl.load(ci_ptr + t * stride_ci).to(tl.int64), last_row)
     c = c_ptr + row * stride_c_row + tl.arange(0, BLOCK_H)[:, None] * stride_c_h + d[None, :]
     return (x1 - tl.load(c, mask=mask, other=0.0).to(tl.float32),
             x2 - tl.load(c + HALF, mask=mask, other=0.0).to(tl.float32))
@@ -374,7 +380,7 @@ def _minus_centre(x1, x2, mask, c_ptr, ci_ptr, t, stride_ci, stride_c_row, strid
 @jit
 def _key_centre_kernel(
     k_ptr, pos_ptr, cs_ptr, new_ptr, c_ptr, b_ptr, b_scale,
-    stride_kt, stride_kh, stride_cs, stride_c_row, stride_c_h,
+    stride_kt, stride_kh, stride_cs, stride_c_row, stride_c_h, last_row,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_T: tl.constexpr, BITS: tl.constexpr,
     ROTATE: tl.constexpr, DOT_PRECISION: tl.constexpr, SYLVESTER: tl.constexpr,
 ):
@@ -410,7 +416,8 @@ def _key_centre_kernel(
     first = (r == 0)[:, None]
     k1 = tl.sum(tl.where(first, y1, 0.0), 0)[None, :]
     k2 = tl.sum(tl.where(first, y2, 0.0), 0)[None, :]
-    one = d_mask[None, :]
+    # (stored only for a first block with a row: past the table's rows there is no centre)
+    one = (d_mask & (d * 0 + row < last_row))[None, :]
     q1, q2, scale, zero, _ = _quantize(k1 - m1[None, :], k2 - m2[None, :], one, BITS)
     sc = scale.to(tl.float32)[:, None]
     ze = zero.to(tl.float32)[:, None]
@@ -422,9 +429,9 @@ def _key_centre_kernel(
 def _centre_args(centring: KeyCentring | None, k_cache: torch.Tensor) -> tuple:
     """The centre pointers and strides the store kernels take (the cache and zeros without)."""
     if centring is None:
-        return k_cache, k_cache, 0, 0, 0
+        return k_cache, k_cache, 0, 0, 0, 0
     table = centring.table
-    return table, centring.index, centring.index.stride(0), table.stride(0), table.stride(1)
+    return table, centring.index, centring.index.stride(0), table.stride(0), table.stride(1), table.shape[0] - 1
 
 
 def _key_centres_triton(k: torch.Tensor, positions: torch.Tensor | None, cos_sin: torch.Tensor | None,
@@ -441,7 +448,7 @@ def _key_centres_triton(k: torch.Tensor, positions: torch.Tensor | None, cos_sin
     _key_centre_kernel[(new.shape[0], k.shape[1])](
         k, positions if rotate else k, cos_sin if rotate else k, new, centring.table, basis, b_scale,
         k.stride(0), k.stride(1), cos_sin.stride(0) if rotate else 0,
-        centring.table.stride(0), centring.table.stride(1),
+        centring.table.stride(0), centring.table.stride(1), centring.table.shape[0] - 1,
         HALF=half, BLOCK_HALF=max(16, next_pow2(half)), BLOCK_T=CENTRE_TOKENS, BITS=bits, ROTATE=rotate,
         DOT_PRECISION=precision, SYLVESTER=sylvester, num_warps=4,
     )
@@ -454,7 +461,7 @@ def _store_kv_kernel(
     stride_kc_blk, stride_kc_slot, stride_kc_h,
     stride_vc_blk, stride_vc_slot, stride_vc_h,
     stride_s_blk, stride_s_slot, stride_s_h,
-    stride_ci, stride_c_row, stride_c_h,
+    stride_ci, stride_c_row, stride_c_h, last_row,
     num_kv_heads,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BITS: tl.constexpr, DOT_PRECISION: tl.constexpr, SYLVESTER: tl.constexpr, CENTRED: tl.constexpr,
@@ -478,8 +485,8 @@ def _store_kv_kernel(
         k1, k2 = _in_key_basis(tl.load(ks, mask=mask, other=0.0), tl.load(ks + HALF, mask=mask, other=0.0),
                                b_ptr, b_scale, HEAD_DIM, HALF, BLOCK_D, DOT_PRECISION, SYLVESTER)
         if CENTRED:
-            k1, k2 = _minus_centre(k1, k2, mask, c_ptr, ci_ptr, t, stride_ci, stride_c_row, stride_c_h, d,
-                                   HALF, BLOCK_H)
+            k1, k2 = _minus_centre(k1, k2, mask, c_ptr, ci_ptr, t, stride_ci, stride_c_row, stride_c_h, last_row,
+                                   d, HALF, BLOCK_H)
         _quantize_store(k1, k2, mask, kc, ks_ptr + sz, stride_kc_h, stride_s_h, d, HALF, BLOCK_H, BITS)
         _quantize_store(tl.load(vs, mask=mask, other=0.0), tl.load(vs + HALF, mask=mask, other=0.0), mask,
                         vc, vs_ptr + sz, stride_vc_h, stride_s_h, d, HALF, BLOCK_H, BITS)
@@ -529,8 +536,8 @@ def _check_cache_store(
         assert k_scales.stride(-1) == 1, "scales need a unit stride along their last dimension"
         if centring is not None:
             table = centring.table
-            assert table.shape == (k_cache.shape[0], k.shape[1], k.shape[2]) and table.dtype == SCALE_DTYPE, \
-                "key centres: fp16 [num_blocks, Hkv, D]"
+            assert table.shape[1:] == (k.shape[1], k.shape[2]) and table.dtype == SCALE_DTYPE, \
+                "key centres: fp16 [rows + 1, Hkv, D]"
             assert table.stride(-1) == 1 and centring.index.shape == slot_mapping.shape, "one centre row a token"
             assert centring.new is None or (centring.new.dim() == 2 and centring.new.shape[1] == 3
                                             and centring.new.dtype == torch.int32 and centring.new.is_contiguous())
@@ -619,7 +626,7 @@ def _rotate_and_store_kv_kernel(
     stride_kc_blk, stride_kc_slot, stride_kc_h,
     stride_vc_blk, stride_vc_slot, stride_vc_h,
     stride_s_blk, stride_s_slot, stride_s_h,
-    stride_ci, stride_c_row, stride_c_h,
+    stride_ci, stride_c_row, stride_c_h, last_row,
     num_q_heads, num_kv_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr, SYLVESTER: tl.constexpr,
@@ -658,7 +665,7 @@ def _rotate_and_store_kv_kernel(
                                        SYLVESTER)
                 if CENTRED:
                     k1, k2 = _minus_centre(k1, k2, kmask, c_ptr, ci_ptr, t, stride_ci, stride_c_row, stride_c_h,
-                                           d, HALF, BLOCK_HK)
+                                           last_row, d, HALF, BLOCK_HK)
                 _quantize_store(k1, k2, kmask, kc, ks_ptr + sz, stride_kc_h, stride_s_h, d, HALF, BLOCK_HK, BITS)
             else:
                 rotate_heads(k_ptr + t * stride_kt, kc, stride_kh, stride_kc_h, heads, d, d_mask, cos, sin,

@@ -361,3 +361,22 @@ def test_prefix_caching_disabled():
     assert (bm.prefix_query_tokens, bm.prefix_hit_tokens) == (0, 0)
     bm.free(a)
     assert free_order(bm) == list(range(8))
+
+
+def test_head_blocks_go_to_first_blocks_while_any_is_free():
+    """The first ``num_head_blocks`` blocks (a quantized cache's key-centre rows) start
+    sequences; other positions take them only when the rest are gone, and freed ones return to
+    their own list."""
+    bm = BlockManager(8, BS, num_head_blocks=2)
+    a, b, c = seq(range(10)), seq(range(100, 109)), seq(range(200, 205))
+    assert bm.allocate(a, 10) and a.block_table == [0, 2, 3]
+    assert bm.allocate(b, 9) and b.block_table == [1, 4, 5]
+    assert bm.allocate(c, 5) and c.block_table == [6, 7]  # no head block left: c starts elsewhere
+    bm.free(a)
+    assert list(bm._free_head) == [0] and free_order(bm) == [2, 3] and bm.num_free_blocks == 3
+    for s in (b, c):
+        bm.free(s)
+    assert bm.num_free_blocks == 8 and refs(bm) == [0] * 8
+    small = BlockManager(4, BS, num_head_blocks=2)
+    d = seq(range(13))
+    assert small.allocate(d, 13) and d.block_table == [0, 2, 3, 1]  # a head block last, for a later position

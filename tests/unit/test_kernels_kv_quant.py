@@ -276,6 +276,29 @@ def test_centred_stores(bits: int, h: int, hkv: int, d: int, block_size: int, se
     assert_same_codes(c[4], c[0], bits, exact=False)
 
 
+@interp
+@pytest.mark.parametrize("bits", [8, 4])
+def test_first_blocks_past_the_centre_rows_store_uncentred(bits: int, seed: int, forced: None) -> None:
+    """The table has rows for the first R blocks (and a last, zero row): a sequence starting at
+    block R or later is neither given a centre nor stored with one."""
+    gen = torch.Generator().manual_seed(seed)
+    t, hkv, d, bs = 12, 2, 64, 16
+    k, v = randn(t, hkv, d, gen=gen) + 3, randn(t, hkv, d, gen=gen)
+    slots = torch.arange(t) + bs
+    index = torch.tensor([1] * 7 + [5] * 5, dtype=torch.int32)  # rows 0..2 exist (R = 3); block 5 has none
+    new = torch.tensor([[0, 7, 1], [7, 5, 5]], dtype=torch.int32)
+    c = _caches(bits, 4, bs, hkv, d, 6)
+    tables = [torch.zeros(4, hkv, d, dtype=torch.float16) for _ in range(2)]
+    store_kv(k, v, c[0][0], c[1][0], slots, c[0][1], c[1][1], KeyCentring(tables[0], index, new))
+    store_kv_ref(k, v, c[2][0], c[3][0], slots, c[2][1], c[3][1], KeyCentring(tables[1], index, new))
+    store_kv_ref(k, v, c[4][0], c[5][0], slots, c[4][1], c[5][1])  # uncentred
+    assert_same_codes(c[0], c[2], bits, exact=False)
+    assert torch.equal(tables[0][3], torch.zeros(hkv, d, dtype=torch.float16)) and tables[0][1].abs().max() > 0
+    second = slice(bs + 7, bs + 12)  # the second sequence's slots: as if uncentred
+    flat = [(x.view(-1, hkv, x.shape[-1])[second], y.view(-1, hkv, 2)[second]) for x, y in (c[0], c[4])]
+    assert_same_codes(flat[0], flat[1], bits, exact=False)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_centred_keys_keep_scores_and_store_the_first_key_exactly(bits: int, seed: int) -> None:
     """The centre changes every score of a query by the same amount (softmax keeps its output),
