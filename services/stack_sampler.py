@@ -81,12 +81,20 @@ class StackSampler(threading.Thread):
                 stack.append(names.get(ident, f"thread-{ident}"))
                 self.ms[";".join(reversed(stack))] += weight_ms
             if now >= next_write:
-                self.write()
+                if not self.write():
+                    return
                 next_write = now + WRITE_EVERY_S
 
-    def write(self) -> None:
+    def write(self) -> bool:
+        """Rewrite the samples file; False when it cannot be written (its directory removed
+        under a running stage, as a test's temporary directory is): sampling then stops."""
         if not self.ms:
-            return
+            return True
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(f"{stack} {ms:.0f}\n" for stack, ms in self.ms.most_common()))
-        tmp.replace(self.path)
+        try:
+            tmp.write_text("".join(f"{stack} {ms:.0f}\n" for stack, ms in self.ms.most_common()))
+            tmp.replace(self.path)
+        except OSError as exc:
+            logger.warning("stack samples: cannot write %s (%s); sampling stops", self.path, exc)
+            return False
+        return True

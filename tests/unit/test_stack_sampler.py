@@ -47,3 +47,13 @@ def test_sampler_unset_or_unwritable(tmp_path, monkeypatch, caplog) -> None:
     with caplog.at_level(logging.WARNING):
         assert stack_sampler.start_from_env("engine") is None
     assert "no stack samples for engine" in caplog.text and stack_sampler.ENV in caplog.text
+
+
+def test_sampler_stops_when_its_directory_is_removed(tmp_path, caplog) -> None:
+    """A stage whose samples directory disappears (a test's temporary one) stops sampling with a
+    warning instead of dying with a traceback in its thread."""
+    sampler = stack_sampler.StackSampler(tmp_path / "gone" / "engine.folded", interval_s=0.01)
+    sampler.ms["main;f"] = 5.0
+    with caplog.at_level(logging.WARNING):
+        assert sampler.write() is False
+    assert "sampling stops" in caplog.text
