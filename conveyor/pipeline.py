@@ -173,12 +173,13 @@ class Pipeline:
         stream = self._stream([prompt], gen, do_preprocess, session.session_id, sequence_start=start)
         if stream_response:
             return self._chat_stream(stream, session, prompt)
-        text, ids, last = "", [], None
+        text, ids, logprobs, last = "", [], [], None
         for _, r in stream:
             text += r.text
             ids += r.token_ids
+            logprobs += r.logprobs or []
             last = r
-        session.response = replace(last, text=text, token_ids=ids)
+        session.response = replace(last, text=text, token_ids=ids, logprobs=logprobs or None)
         session.history.append((prompt, text))
         return session
 
