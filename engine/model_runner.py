@@ -167,7 +167,7 @@ class ModelRunner:
             alloc = torch.zeros if device.type == "cuda" else torch.empty
             self.k_cache, self.k_scales = self.kv_layout.allocate(lead, dtype, device, alloc)
             self.v_cache, self.v_scales = self.kv_layout.allocate(lead, dtype, device, alloc)
-            self.k_centres = self.kv_layout.allocate_centres((lead[0], self.num_head_blocks + 1, lead[3]), device)
+            self.k_centres = self.kv_layout.allocate_centres(lead[0], self.num_head_blocks + 1, lead[3], device)
         except (RuntimeError, torch.OutOfMemoryError) as exc:
             raise EngineConfigError(
                 f"could not allocate a KV cache of {self.num_blocks} blocks ({exc}); "

@@ -50,7 +50,8 @@ from ._triton import (
     tl,
     triton_takes,
 )
-from .kv_cache import SCALE_DTYPE, cache_bits, dequantize_kv_ref
+from .kv_cache import (CENTRE_GROUP, SCALE_DTYPE, KeyCentres, cache_bits, centre_position, dequantize_kv_ref,
+                       key_shifts_ref)
 
 
 def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -65,13 +66,15 @@ def paged_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, scale: float,
     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    key_centres: KeyCentres | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference: gather each sequence's keys, then causal SDPA with GQA.
 
     q: [T, H, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks];
     cu_seqlens_q: [B+1]; seqlens_k: [B]. Returns [T, H, D]. A quantized cache (uint8 codes,
     ``kv_cache.KVCacheLayout``) comes with its ``k_scales`` / ``v_scales`` and is read back
-    through ``dequantize_kv_ref``.
+    through ``dequantize_kv_ref``; with ``key_centres`` its keys were stored centred, and each
+    gets its centre back (``kv_cache.key_shifts_ref``, the row of the sequence's first block).
     """
     assert q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
     bits = cache_bits(k_cache, q.shape[-1])
@@ -90,6 +93,10 @@ def paged_attention_ref(
         v = gather_kv_ref(v_cache, block_tables[b], len_k)
         if bits:
             k = dequantize_kv_ref(k, gather_kv_ref(k_scales, block_tables[b], len_k), bits)
+            if key_centres is not None:
+                table = key_centres.table
+                rows = block_tables[b, :1].long().clamp(max=table.shape[0] - 1).expand(len_k)
+                k = k + key_shifts_ref(table, rows, torch.arange(len_k), key_centres.cos_sin)
             v = dequantize_kv_ref(v, gather_kv_ref(v_scales, block_tables[b], len_k), bits)
         qb = q[qs:qe].transpose(0, 1)  # [H, Lq, D]
         kb = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, Lk, D]
@@ -394,8 +401,9 @@ def _scale_zero_rows(rows, mask, MASKED: tl.constexpr, PAIR: tl.constexpr):
 
 @jit
 def _decode_quant_tile(
-    q_lo, q_hi, qsum, k_lo, k_hi, v_lo, v_hi, ksc, kz, vsc, vz, n_mask, m_i, l_i, acc_lo, acc_hi, z_acc,
+    q_lo, q_hi, qsum, k_lo, k_hi, v_lo, v_hi, ksc, kz, vsc, vz, n_mask, m_i, l_i, acc_lo, acc_hi, z_acc, centre,
     BIASED: tl.constexpr, LAZY: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CENTRED: tl.constexpr,
 ):
     """One key tile of a quantized cache (codes as loaded by ``_code_halves``, scales and zeros
     [N]) folded into the running softmax. The codes enter the dots as they are (small integers,
@@ -406,7 +414,8 @@ def _decode_quant_tile(
     ``z_acc`` are [M, N] (one partial sum per key column, summed over the columns once, after
     the last tile: two cross-warp reductions a tile fewer); else [M].
     ``ksc`` comes times the log2 softmax scale, and ``qsum`` is sum(q) times it too; BIASED (codes
-    read as 1024 + c) it is the pair (that, -1024 sum(q)): ``s q.(c + 1024) - 1024 s sum(q)``."""
+    read as 1024 + c) it is the pair (that, -1024 sum(q)): ``s q.(c + 1024) - 1024 s sum(q)``.
+    CENTRED: ``centre`` [M, N] holds the keys' centres' scores (``_centre_scores``)."""
     dt: tl.constexpr = q_lo.dtype
     s = tl.dot(q_lo, k_lo, input_precision=DOT_PRECISION)
     s = tl.dot(q_hi, k_hi, s, input_precision=DOT_PRECISION)
@@ -415,6 +424,8 @@ def _decode_quant_tile(
         s = (s + qb[:, None]) * ksc[None, :] + qs[:, None] * kz[None, :]
     else:
         s = s * ksc[None, :] + qsum[:, None] * kz[None, :]
+    if CENTRED:
+        s += centre
     if MASKED:
         s = tl.where(n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -506,15 +517,18 @@ def _tile_step(
     q, qsum, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n_mask, visible, kv_head, d, m_i, l_i, acc, qk_scale,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, BITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, centre=0.0, CENTRED: tl.constexpr = False,
 ):
     """One key tile: load the keys, score, mask (MASKED: the tile may run past the sequence,
     ``n_mask``, and is seen only where ``visible``), load the values, fold into the running
-    softmax. ``qsum``: the rows' sums of q, for a quantized cache's zeros."""
+    softmax. ``qsum``: the rows' sums of q, for a quantized cache's zeros; CENTRED: ``centre``
+    [M, N] the keys' centres' scores (``_centre_scores_dot``)."""
     k_off, v_off, s_off = _kv_offsets(bt_row, n, n_mask, kv_head, stride_kb, stride_ks, stride_kh,
                                       stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
                                       BLOCK_SIZE, MASKED)
     s = _scores(q, k_ptr, ks_ptr, k_off, s_off, d, n_mask, qsum, qk_scale, HEAD_DIM, MASKED, BITS, DOT_PRECISION)
+    if CENTRED:
+        s += centre * qk_scale
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     return _fold_values(s, v_ptr, vs_ptr, v_off, s_off, d, n_mask, m_i, l_i, acc, q.dtype,
@@ -526,8 +540,10 @@ def _decode_quant(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, row, heads, g_mask, kv_head, start, end,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_sb, stride_ss, stride_sh, qk_scale,
+    qm_ptr, c_ptr, cs_ptr, stride_qmt, stride_qmh, stride_c_row, stride_c_h, last_row, stride_cs, max_pos,
     GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     BITS: tl.constexpr, FAST: tl.constexpr, TUNE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CENTRED: tl.constexpr, GROUP_C: tl.constexpr,
 ):
     """The decode kernel's walk over keys ``[start, end)`` of a quantized cache: returns (m, l,
     acc of the low half of the dims, acc of the high half, the values' zero terms). Whole tiles
@@ -563,6 +579,10 @@ def _decode_quant(
         z_acc = tl.zeros([GROUP_PAD], tl.float32)
     acc_lo = tl.zeros([GROUP_PAD, HALF], tl.float32)
     acc_hi = tl.zeros([GROUP_PAD, HALF], tl.float32)
+    if CENTRED:
+        ca, cb = _centre_coeffs(qm_ptr + row * stride_qmt + heads[:, None] * stride_qmh, g_mask[:, None],
+                                _centre_row(bt_row, c_ptr, stride_c_row, last_row) + kv_head * stride_c_h, j,
+                                qk_scale, HALF)
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
     if AHEAD:
         _, _, ks_rows, vs_rows = _decode_quant_rows(
@@ -587,9 +607,13 @@ def _decode_quant(
         else:
             ksc, kz = _scale_zero_rows(ks_rows, tok, False, PAIR)
             vsc, vz = _scale_zero_rows(vs_rows, tok, False, PAIR)
+        if CENTRED:
+            centre = _centre_scores(ca, cb, cs_ptr, stride_cs, n0, max_pos, j, HALF, BLOCK_N, GROUP_C)
+        else:
+            centre = 0.0  # (set in the loop: a loop-carried value keeps one type)
         m_i, l_i, acc_lo, acc_hi, z_acc = _decode_quant_tile(
             q_lo, q_hi, qsum, k_lo, k_hi, v_lo, v_hi, ksc * qk_scale, kz, vsc, vz, tok, m_i, l_i, acc_lo, acc_hi,
-            z_acc, BIASED, LAZY, False, DOT_PRECISION)
+            z_acc, centre, BIASED, LAZY, False, DOT_PRECISION, CENTRED)
         if AHEAD:
             ksc, kz, vsc, vz = ksc_n, kz_n, vsc_n, vz_n
     if full_end < end:
@@ -604,9 +628,13 @@ def _decode_quant(
                                   V_PURE, BIASED)
         ksc, kz = _scale_zero_rows(ks_rows, n_mask, True, PAIR)
         vsc, vz = _scale_zero_rows(vs_rows, n_mask, True, PAIR)
+        if CENTRED:
+            centre = _centre_scores(ca, cb, cs_ptr, stride_cs, full_end, max_pos, j, HALF, BLOCK_N, GROUP_C)
+        else:
+            centre = 0.0
         m_i, l_i, acc_lo, acc_hi, z_acc = _decode_quant_tile(
             q_lo, q_hi, qsum, k_lo, k_hi, v_lo, v_hi, ksc * qk_scale, kz, vsc, vz, n_mask, m_i, l_i, acc_lo,
-            acc_hi, z_acc, BIASED, LAZY, True, DOT_PRECISION)
+            acc_hi, z_acc, centre, BIASED, LAZY, True, DOT_PRECISION, CENTRED)
     if LAZY:
         l_i = tl.sum(l_i, 1)
         z_acc = tl.sum(z_acc, 1)
@@ -635,13 +663,69 @@ def _u4_f32(c, FAST: tl.constexpr):
 
 
 @jit
+def _centre_coeffs(qm_rows, q_mask, m_ptr, j, qk_scale, HALF: tl.constexpr):
+    """For centred keys (``kv_cache.KeyCentring``): a key at centre position p gets back the score
+    ``q . R(p) m`` of its sequence's mean key ``m`` (``m_ptr``, fp16) turned there, with ``q`` the
+    query before the key basis (rows ``qm_rows`` [R, 1] pointers, dims ``j`` [HALF]). Pairwise,
+    that is ``sum(a cos(p w) + b sin(p w))`` with ``a = q1 m1 + q2 m2`` and ``b = q2 m1 - q1 m2``
+    over the dim pairs (j, HALF + j): a and b [R, HALF], log2-scaled, once a program, then one
+    rotary table row a group of keys (``_centre_scores``)."""
+    q1 = tl.load(qm_rows + j[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+    q2 = tl.load(qm_rows + HALF + j[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+    m1 = tl.load(m_ptr + j).to(tl.float32)[None, :]
+    m2 = tl.load(m_ptr + HALF + j).to(tl.float32)[None, :]
+    return q1 * m1 + q2 * m2, q2 * m1 - q1 * m2
+
+
+@jit
+def _centre_scores(a, b, cs_ptr, stride_cs, n0, max_pos, j, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+                   GROUP: tl.constexpr):
+    """The centres' scores [R, BLOCK_N] of keys ``n0 .. n0 + BLOCK_N`` (``_centre_coeffs``): one
+    value a group of GROUP keys (n0 a multiple of min(BLOCK_N, GROUP): tiles never straddle)."""
+    col = tl.arange(0, BLOCK_N)
+    out = tl.zeros([a.shape[0], BLOCK_N], tl.float32)
+    for g in tl.static_range(max(BLOCK_N // GROUP, 1)):
+        p = centre_position(n0 + g * GROUP, max_pos, GROUP)  # int32: positions stay far below 2**31 / D
+        cos = tl.load(cs_ptr + p * stride_cs + j).to(tl.float32)[None, :]
+        sin = tl.load(cs_ptr + p * stride_cs + HALF + j).to(tl.float32)[None, :]
+        score = tl.sum(a * cos + b * sin, 1)
+        out = tl.where((col // GROUP == g)[None, :], score[:, None], out)
+    return out
+
+
+@jit
+def _centre_scores_dot(qm_lo, qm_hi, m1, m2, cs_ptr, stride_cs, n, max_pos, j, HALF: tl.constexpr,
+                       GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The centres' scores [M, N] of keys at positions ``n`` [N] for queries given before the key
+    basis as halves ``qm_lo``, ``qm_hi`` [M, HALF] (``_centre_coeffs``), on the tensor cores: the
+    sequence's mean key (halves m1, m2 [HALF], float32) turned to each key's centre position
+    makes an extra [D, N] key tile in q's dtype. For the prefill kernel, whose query tiles are
+    too large for ``_centre_coeffs``' [M, HALF] pairs in registers."""
+    p = centre_position(n.to(tl.int64), max_pos, GROUP)
+    row = cs_ptr + p[None, :] * stride_cs + j[:, None]
+    cos = tl.load(row).to(tl.float32)
+    sin = tl.load(row + HALF).to(tl.float32)
+    u1 = (m1[:, None] * cos - m2[:, None] * sin).to(qm_lo.dtype)
+    u2 = (m2[:, None] * cos + m1[:, None] * sin).to(qm_lo.dtype)
+    return tl.dot(qm_hi, u2, tl.dot(qm_lo, u1, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+
+
+@jit
+def _centre_row(bt_row, c_ptr, stride_c_row, last_row):
+    """The centre row of a sequence (its first block's, or the zero row past the table)."""
+    return c_ptr + tl.minimum(tl.load(bt_row).to(tl.int64), last_row) * stride_c_row
+
+
+@jit
 def _decode_simt_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_q_ptr, seqlens_k_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    qm_ptr, c_ptr, cs_ptr,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh,
     stride_bt, stride_ot, stride_oh, stride_pob, stride_poh, stride_pop, stride_plb, stride_plh,
+    stride_qmt, stride_qmh, stride_c_row, stride_c_h, last_row, stride_cs, max_pos,
     qk_scale, min_part,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    BITS: tl.constexpr, FAST: tl.constexpr, PAIR: tl.constexpr,
+    BITS: tl.constexpr, FAST: tl.constexpr, PAIR: tl.constexpr, CENTRED: tl.constexpr, GROUP_C: tl.constexpr,
 ):
     """Decode attention over a quantized cache on the CUDA cores, for one query a kv head (MHA):
     the decode kernel's partitions and results (``_decode_kernel``), one warp a program, grid
@@ -681,6 +765,12 @@ def _decode_simt_kernel(
     acc_a = tl.zeros([COLS], tl.float32)
     acc_b = tl.zeros([COLS], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    if CENTRED:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        jc = tl.arange(0, HALF)
+        ca, cb = _centre_coeffs((qm_ptr + row * stride_qmt + head * stride_qmh) + tl.zeros([1, 1], tl.int64),
+                                jc[None, :] < HALF, _centre_row(bt_row, c_ptr, stride_c_row, last_row)
+                                + head * stride_c_h, jc, qk_scale, HALF)
     for n0 in range(start, end, BLOCK_N):
         n_mask = n0 + tok < end
         if IN_BLOCK:  # the tile inside one cache block: its number read once
@@ -702,6 +792,8 @@ def _decode_simt_kernel(
         else:
             s = tl.sum(_u8_f32(kc, FAST) * q_a[None, :], 1)
         s = s * ksc + qsum * kz
+        if CENTRED:
+            s += tl.sum(_centre_scores(ca, cb, cs_ptr, stride_cs, n0, max_pos, jc, HALF, BLOCK_N, GROUP_C), 0)
         s = tl.where(n_mask, s, float("-inf"))
         # The first key of a partition is inside the sequence, so m_i is finite after any tile.
         m_new = tl.maximum(m_i, tl.max(s, 0))
@@ -764,11 +856,12 @@ def _decode_kernel(
     stride_bt, stride_ot, stride_oh,
     stride_pob, stride_poh, stride_pop,
     stride_plb, stride_plh,
+    qm_ptr, c_ptr, cs_ptr, stride_qmt, stride_qmh, stride_c_row, stride_c_h, last_row, stride_cs, max_pos,
     qk_scale, min_part,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr, TUNE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, CENTRED: tl.constexpr, GROUP_C: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -793,7 +886,8 @@ def _decode_kernel(
             q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, row, heads, g_mask, kv_head, start, end,
             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             stride_sb, stride_ss, stride_sh, qk_scale,
-            GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BITS, FAST, TUNE, DOT_PRECISION)
+            qm_ptr, c_ptr, cs_ptr, stride_qmt, stride_qmh, stride_c_row, stride_c_h, last_row, stride_cs, max_pos,
+            GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BITS, FAST, TUNE, DOT_PRECISION, CENTRED, GROUP_C)
         j = tl.arange(0, HEAD_DIM // 2)
         _decode_store((acc_lo + z_acc[:, None]) / l_i[:, None], m_i, l_i, j, out_ptr, part_out_ptr, part_lse_ptr,
                       row, seq, part, heads, g_mask, stride_ot, stride_oh, stride_pob, stride_poh, stride_pop,
@@ -872,9 +966,11 @@ def _prefill_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_sb, stride_ss, stride_sh,
     stride_bt, stride_ot, stride_oh,
+    qm_ptr, c_ptr, cs_ptr, stride_qmt, stride_qmh, stride_c_row, stride_c_h, last_row, stride_cs, max_pos,
     qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CENTRED: tl.constexpr, GROUP_C: tl.constexpr,
 ):
     # Later query tiles see more keys: hand them the lowest program ids so they start first.
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -901,6 +997,15 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    HALF: tl.constexpr = HEAD_DIM // 2
+    jc = tl.arange(0, HALF)
+    if CENTRED:  # the queries before the key basis and the sequence's mean key (_centre_scores_dot)
+        qm_rows = qm_ptr + rows[:, None] * stride_qmt + head * stride_qmh
+        qm_lo = tl.load(qm_rows + jc[None, :], mask=m_mask[:, None], other=0.0)
+        qm_hi = tl.load(qm_rows + HALF + jc[None, :], mask=m_mask[:, None], other=0.0)
+        m_row = _centre_row(bt_row, c_ptr, stride_c_row, last_row) + kv_head * stride_c_h
+        cm1 = tl.load(m_row + jc).to(tl.float32)
+        cm2 = tl.load(m_row + HALF + jc).to(tl.float32)
     # Keys past the tile's last query position are masked for every row: stop before them.
     kv_end = tl.minimum(seqlen, ctx + (m_tile + 1) * BLOCK_M)
     # Key tiles that end at or before the tile's first query position are visible to every row
@@ -908,10 +1013,15 @@ def _prefill_kernel(
     full_end = tl.minimum((ctx + m_tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, kv_end)
     for n0 in range(0, full_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
+        if CENTRED:
+            centre = _centre_scores_dot(qm_lo, qm_hi, cm1, cm2, cs_ptr, stride_cs, n, max_pos, jc, HALF, GROUP_C,
+                                        DOT_PRECISION)
+        else:
+            centre = 0.0  # (set in the loop: a loop-carried value keeps one type)
         m_i, l_i, acc = _tile_step(q, qsum, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n, n,  # no mask
                                    kv_head, d, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
                                    stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-                                   BLOCK_SIZE, HEAD_DIM, False, BITS, DOT_PRECISION)
+                                   BLOCK_SIZE, HEAD_DIM, False, BITS, DOT_PRECISION, centre, CENTRED)
     # The diagonal tiles: causal mask and the end of the sequence.
     for n0 in range(full_end, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -919,10 +1029,15 @@ def _prefill_kernel(
         # Key 0 is visible to every row (pos >= 0), so each row's max is finite after the first tile
         # and fully masked later tiles contribute exp2(-inf) = 0, never NaN.
         visible = (n[None, :] <= pos[:, None]) & n_mask[None, :]
+        if CENTRED:
+            centre = _centre_scores_dot(qm_lo, qm_hi, cm1, cm2, cs_ptr, stride_cs, n, max_pos, jc, HALF, GROUP_C,
+                                        DOT_PRECISION)
+        else:
+            centre = 0.0  # (set in the loop: a loop-carried value keeps one type)
         m_i, l_i, acc = _tile_step(q, qsum, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n_mask, visible,
                                    kv_head, d, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
                                    stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-                                   BLOCK_SIZE, HEAD_DIM, True, BITS, DOT_PRECISION)
+                                   BLOCK_SIZE, HEAD_DIM, True, BITS, DOT_PRECISION, centre, CENTRED)
 
     o = acc / l_i[:, None]
     dst = out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :]
@@ -1013,6 +1128,7 @@ def paged_attention_triton(
     tune: int | None = None,
     maxnreg: int | None = None,
     simt: bool | None = None,
+    key_centres: KeyCentres | None = None,
 ) -> torch.Tensor:
     """Triton launcher for :func:`paged_attention_ref` (same arguments and result).
 
@@ -1059,6 +1175,17 @@ def paged_attention_triton(
         *s_strides,
         block_tables.stride(0), out.stride(0), out.stride(1),
     )
+    centred = key_centres is not None
+    if centred:  # the centres' pointers (kv_cache.KeyCentres), then their strides and bounds
+        table, cs, qm = key_centres.table, key_centres.cos_sin, key_centres.queries
+        assert bits and qm is not None and qm.shape == q.shape and qm.stride(-1) == 1, \
+            "centred keys: a quantized cache and the queries before the key basis"
+        assert table.shape[1:] == (2, num_kv_heads, head_dim) and table.stride(-1) == 1 and cs.stride(-1) == 1
+        c_ptrs = (qm, table, cs)
+        c_args = (qm.stride(0), qm.stride(1), table.stride(0), table.stride(2), table.shape[0] - 1,
+                  cs.stride(0), cs.shape[0])
+    else:
+        c_ptrs, c_args = (q, q, q), (0, 0, 0, 0, 0, 0, 1)
 
     # (A batch whose sequences bring at most one query but some none goes to the prefill kernel.)
     if max_seqlen_q == 1 and num_tokens == num_seqs:
@@ -1098,10 +1225,13 @@ def paged_attention_triton(
         if simt:
             _decode_simt_kernel[(num_kv_heads, num_seqs, num_parts)](
                 q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, seqlens_k, out, part_out, part_lse,
+                *c_ptrs,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *s_strides,
-                block_tables.stride(0), out.stride(0), out.stride(1), *po_strides, *pl_strides, qk_scale, min_part,
+                block_tables.stride(0), out.stride(0), out.stride(1), *po_strides, *pl_strides, *c_args,
+                qk_scale, min_part,
                 HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=bn, SPLIT=split, BITS=bits, FAST=fast,
-                PAIR=bool(tn & TUNE_PAIR), num_warps=num_warps or 1, **extra,
+                PAIR=bool(tn & TUNE_PAIR), CENTRED=centred, GROUP_C=CENTRE_GROUP, num_warps=num_warps or 1,
+                **extra,
             )
         else:
             # Partitions last: the programs past a short sequence's end (the grid is sized for
@@ -1109,10 +1239,10 @@ def paged_attention_triton(
             # grid for 4k: 822 against 1,287 us for the CUDA-core walk, 795 against 810 here).
             _decode_kernel[(num_kv_heads, num_seqs, num_parts)](
                 q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, seqlens_k, out, part_out, part_lse,
-                *common, *po_strides, *pl_strides, qk_scale, min_part,
+                *common, *po_strides, *pl_strides, *c_ptrs, *c_args, qk_scale, min_part,
                 GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
                 BLOCK_N=bn, SPLIT=split, BITS=bits, FAST=fast, TUNE=tn if bits else 0, DOT_PRECISION=precision,
-                num_warps=num_warps or 4, **extra,
+                CENTRED=centred, GROUP_C=CENTRE_GROUP, num_warps=num_warps or 4, **extra,
             )
         if split:
             _decode_reduce_kernel[(num_heads, num_seqs)](
@@ -1126,8 +1256,9 @@ def paged_attention_triton(
     bn = block_n or (64 if head_dim <= 128 else 32)
     _prefill_kernel[(cdiv(max_seqlen_q, bm), num_heads, num_seqs)](
         q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, seqlens_k, out,
-        *common, qk_scale,
+        *common, *c_ptrs, *c_args, qk_scale,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, BITS=bits,
+        CENTRED=centred, GROUP_C=CENTRE_GROUP,
         # Two stages measured best on an H100 (bf16, D=64 and 128) for 64x64 tiles and 4 warps.
         DOT_PRECISION=precision, num_warps=num_warps or (4 if bm <= 64 else 8), num_stages=num_stages or 2,
     )
@@ -1140,6 +1271,7 @@ def paged_attention(
     *,
     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    key_centres: KeyCentres | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over the paged caches: Triton on CUDA, else the reference.
 
@@ -1147,12 +1279,15 @@ def paged_attention(
     the Triton path reads the maxima from the device, a host sync per call. Values passed must be
     at least the true maxima (an upper bound such as the model's max length is fine, and is what a
     CUDA-graph capture should pass so the launch grid stays fixed). A quantized cache (uint8
-    codes) comes with ``k_scales`` / ``v_scales``; its keys and values are dequantized in registers.
+    codes) comes with ``k_scales`` / ``v_scales``; its keys and values are dequantized in registers,
+    and with ``key_centres`` when its keys were stored centred (``kv_cache.KeyCentring``).
     """
     if triton_takes("paged_attention", (q, k_cache, v_cache), _check_inputs,
                     q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, k_scales, v_scales):
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, k_scales=k_scales, v_scales=v_scales,
+            key_centres=key_centres,
         )
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, k_scales, v_scales)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, k_scales, v_scales,
+                               key_centres)

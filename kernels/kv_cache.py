@@ -68,6 +68,15 @@ SCALE_DTYPE = torch.float16  # of the (scale, zero) pairs and of the key centres
 _FP16_MAX = 65504.0
 CENTRE_TOKENS = 64
 """A sequence's key centre averages its first chunk's keys over positions 1 .. CENTRE_TOKENS - 1."""
+CENTRE_GROUP = 16
+"""Keys at positions ``[16 g, 16 g + 16)`` share one rotated centre, turned to position 16 g + 8."""
+
+
+def turned_centres(bits: int) -> bool:
+    """Whether a cache of ``bits`` centres keys by their sequence's mean key turned to each key's
+    position (int4), or by one constant vector (int8: its error is small enough without, and the
+    turned centre's scores cost the attention kernels ~10 % of ShareGPT throughput)."""
+    return bits == 4
 
 
 @dataclass(frozen=True)
@@ -104,13 +113,17 @@ class KVCacheLayout:
         return codes + (2 * SCALE_DTYPE.itemsize if self.quant_policy else 0)
 
     def centre_bytes_per_head(self) -> int:
-        """Bytes one key centre row takes per layer and kv head (0 when unquantized)."""
-        return self.head_dim * SCALE_DTYPE.itemsize if self.quant_policy else 0
+        """Bytes one key centre row takes per layer and kv head (0 when unquantized): its two
+        vectors (``KeyCentring``)."""
+        return 2 * self.head_dim * SCALE_DTYPE.itemsize if self.quant_policy else 0
 
-    def allocate_centres(self, lead: tuple[int, ...], device: torch.device | str) -> torch.Tensor | None:
-        """The key centre tables (the module doc), zeros ``lead + (head_dim,)`` with ``lead``
-        ending in (rows + 1, num_kv_heads); None when unquantized."""
-        return torch.zeros((*lead, self.head_dim), dtype=SCALE_DTYPE, device=device) if self.quant_policy else None
+    def allocate_centres(self, layers: int, rows: int, num_kv_heads: int,
+                         device: torch.device | str) -> torch.Tensor | None:
+        """The key centre tables (the module doc), zeros [layers, rows, 2, num_kv_heads, head_dim]
+        (``KeyCentring.table``: the last row is the zero one); None when unquantized."""
+        if not self.quant_policy:
+            return None
+        return torch.zeros((layers, rows, 2, num_kv_heads, self.head_dim), dtype=SCALE_DTYPE, device=device)
 
     def allocate(self, lead: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
                  alloc=torch.zeros) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -122,17 +135,32 @@ class KVCacheLayout:
 
 
 class KeyCentring(NamedTuple):
-    """The key centres a quantized store subtracts (the module doc): ``table`` [R + 1, Hkv, D]
-    fp16, row ``b`` the centre of the sequence whose first block is ``b``; ``index`` [T] (any
-    stride) token t's sequence's first block; ``new`` [S, 3] int32 (or None): (first token,
+    """The key centres a quantized store subtracts and attention adds back (the module doc).
+    ``table`` [R + 1, 2, Hkv, D] fp16: row ``b`` belongs to the sequence whose first block is
+    ``b``; its vector 0 is the sequence's mean key before the rotary embedding (``m``), vector 1
+    the constant shift in the key basis that keeps the first key exact (``e``). ``index`` [T]
+    (any stride): token t's sequence's first block; ``new`` [S, 3] int32 (or None): (first token,
     tokens to use, first block) of each sequence whose first chunk this step writes, whose centre
     is computed first. Only blocks below R have a row (the block manager hands those out as
     first blocks while it can); a sequence whose first block is R or more reads the last row,
-    which stays zero: it is stored uncentred, consistently."""
+    which stays zero: it is stored uncentred, consistently. ``cos_sin`` is the rotary
+    embedding's ``cos_sin_cache`` that turns ``m`` to a key's position (``centre_positions``)."""
 
     table: torch.Tensor
     index: torch.Tensor
+    cos_sin: torch.Tensor
     new: torch.Tensor | None = None
+
+
+class KeyCentres(NamedTuple):
+    """What attention over a centred cache needs to add the centres back (``KeyCentring``):
+    the centre ``table`` and the rotary ``cos_sin`` table, and, for the kernels, ``queries``:
+    the step's queries rotated but not in the key basis, [T, H, D] (the rotary kernel writes
+    them), since the added score ``q . B R(p) m`` equals ``(q B^T) . R(p) m``."""
+
+    table: torch.Tensor
+    cos_sin: torch.Tensor
+    queries: torch.Tensor | None = None
 
 
 def cache_bits(cache: torch.Tensor, head_dim: int) -> int:
@@ -212,20 +240,54 @@ def dequantize_kv_ref(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> t
     return codes.to(torch.float32) * s[..., 0:1] + s[..., 1:2]
 
 
-def key_centres_ref(keys: torch.Tensor, new: torch.Tensor, table: torch.Tensor, bits: int) -> None:
+def centre_positions(positions: torch.Tensor, max_position: int) -> torch.Tensor:
+    """The position each key's centre is turned to: the middle of its group of ``CENTRE_GROUP``
+    positions, at most ``max_position - 1`` (the rotary table's last row)."""
+    g = CENTRE_GROUP
+    return ((positions.long() // g) * g + g // 2).clamp(max=max_position - 1)
+
+
+def rotate_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """x [T, Hkv, D] turned by the rotary embedding at ``positions`` [T], float32."""
+    return apply_rotary_ref(x[:, :1].float(), x.float(), positions, cos_sin_cache.float())[1]
+
+
+def key_shifts_ref(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                   cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """What a centred key at ``positions`` [T] of the sequences whose centre rows are ``rows``
+    [T] is stored minus, in the key basis, float32 [T, Hkv, D]: its sequence's mean key ``m``
+    turned to the key's centre position, plus the shift ``e`` (``KeyCentring``)."""
+    rows = rows.long().clamp(0, table.shape[0] - 1)
+    m = table[rows, 0].float()
+    turned = rotate_ref(m, centre_positions(positions, cos_sin_cache.shape[0]), cos_sin_cache)
+    return to_key_basis(turned) + table[rows, 1].float()
+
+
+def key_centres_ref(keys: torch.Tensor, positions: torch.Tensor, new: torch.Tensor, table: torch.Tensor, bits: int,
+                    cos_sin_cache: torch.Tensor) -> None:
     """Write the centres of the sequences starting in this step (``KeyCentring.new``) into
-    ``table``, from their keys in the key basis, ``keys`` [T, Hkv, D] float32: the mean of rows
-    1 .. n - 1 after the first (0 when n is 1), moved so that the first row, minus it, quantizes
-    exactly (the module doc). n counts at most ``CENTRE_TOKENS``."""
+    ``table`` from their keys before the rotary embedding, ``keys`` [T, Hkv, D] at ``positions``
+    [T]: ``m``, the mean of rows 1 .. n - 1 after the first (0 when n is 1; int8 keeps m zero
+    and takes the mean of those keys as rotated into ``e``: ``turned_centres``), and ``e``, the
+    shift that makes the first key (rotated) minus its centre quantize exactly (the module doc).
+    n counts at most ``CENTRE_TOKENS``."""
     last = table.shape[0] - 1  # the zero row (KeyCentring)
     for t0, n, row in new.tolist():
         if row >= last:
             continue
         n = min(n, CENTRE_TOKENS)
-        first = keys[t0]
-        mean = keys[t0 + 1 : t0 + n].mean(0) if n > 1 else torch.zeros_like(first)
-        codes, sz = quantize_kv_ref(first - mean, bits)
-        table[row] = (first - dequantize_kv_ref(codes, sz, bits)).to(table.dtype)
+        first = rotate_ref(keys[t0 : t0 + 1], positions[t0 : t0 + 1], cos_sin_cache)[0]
+        rest = slice(t0 + 1, t0 + n)
+        constant = torch.zeros_like(first)
+        if turned_centres(bits):
+            table[row, 0] = (keys[rest].float().mean(0) if n > 1 else constant).to(table.dtype)
+        else:  # m stays zero; the constant is the mean of the keys as rotated
+            table[row, 0] = 0
+            constant = rotate_ref(keys[rest], positions[rest], cos_sin_cache).mean(0) if n > 1 else constant
+        turned = rotate_ref(table[row, 0].float()[None], centre_positions(positions[t0 : t0 + 1],
+                            cos_sin_cache.shape[0]), cos_sin_cache)[0]
+        codes, sz = quantize_kv_ref(to_key_basis(first - turned - constant), bits)
+        table[row, 1] = (to_key_basis(first - turned) - dequantize_kv_ref(codes, sz, bits)).to(table.dtype)
 
 
 def store_kv_ref(
@@ -236,28 +298,26 @@ def store_kv_ref(
     slot_mapping: torch.Tensor,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
-    centring: KeyCentring | None = None,
+    key_shifts: torch.Tensor | None = None,
 ) -> None:
     """Scatter k, v [T, Hkv, D] into caches [num_blocks, block_size, Hkv, code_dim] at flat slots [T].
 
     A slot is ``block_id * block_size + offset``; a negative slot means "do not store" (padding).
     With ``k_scales`` / ``v_scales`` ([num_blocks, block_size, Hkv, 2]) the caches hold codes
     (``KVCacheLayout``) and the vectors are quantized (``quantize_kv_ref``) on the way in, keys
-    in the key basis (``to_key_basis``: the caller multiplies its queries alike) and minus their
-    sequence's centre when ``centring`` is given (computed first for sequences starting here).
+    in the key basis (``to_key_basis``: the caller multiplies its queries alike) and minus
+    ``key_shifts`` [T, Hkv, D] (in that basis: ``key_shifts_ref``) when given.
     """
     assert k.shape == v.shape and k.shape[0] == slot_mapping.shape[0]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     bits = cache_bits(k_cache, k.shape[-1])
     assert (k_scales is not None) == (v_scales is not None) == bool(bits), "codes and scales go together"
-    assert centring is None or bits, "key centres belong to a quantized cache"
+    assert key_shifts is None or bits, "key centres belong to a quantized cache"
     if bits:
         k = to_key_basis(k.float())
-        if centring is not None:
-            if centring.new is not None:
-                key_centres_ref(k, centring.new, centring.table, bits)
-            k = k - centring.table[centring.index.long().clamp(max=centring.table.shape[0] - 1)].float()
+        if key_shifts is not None:
+            k = k - key_shifts
     for x, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
         flat = cache.view(-1, *cache.shape[2:])
         if bits:
@@ -367,26 +427,31 @@ def _in_key_basis(x1, x2, b_ptr, scale, HEAD_DIM: tl.constexpr, HALF: tl.constex
 
 
 @jit
-def _minus_centre(x1, x2, mask, c_ptr, ci_ptr, t, stride_ci, stride_c_row, stride_c_h, last_row, d,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Keys given as halves [BLOCK_H, BLOCK_HALF] (float32, in the key basis) minus the centre
-    of token ``t``'s sequence (``KeyCentring``: first blocks past ``last_row`` read it, zeros)."""
-    row = tl.minimum(tl.load(ci_ptr + t * stride_ci).to(tl.int64), last_row)
-    c = c_ptr + row * stride_c_row + tl.arange(0, BLOCK_H)[:, None] * stride_c_h + d[None, :]
-    return (x1 - tl.load(c, mask=mask, other=0.0).to(tl.float32),
-            x2 - tl.load(c + HALF, mask=mask, other=0.0).to(tl.float32))
+def centre_position(pos, max_pos, GROUP: tl.constexpr):
+    """``centre_positions`` of one position (int64)."""
+    return tl.minimum((pos // GROUP) * GROUP + GROUP // 2, max_pos - 1)
+
+
+@jit
+def turn(m1, m2, cs_ptr, p, stride_cs, d, HALF: tl.constexpr):
+    """Halves m1, m2 [..., BLOCK_HALF] (float32, dims ``d`` and ``HALF + d``) turned by the
+    rotary embedding to position ``p`` (``cos_sin_cache``'s row)."""
+    cos = tl.load(cs_ptr + p * stride_cs + d, mask=d < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + p * stride_cs + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+    return m1 * cos - m2 * sin, m2 * cos + m1 * sin
 
 
 @jit
 def _key_centre_kernel(
-    k_ptr, pos_ptr, cs_ptr, new_ptr, c_ptr, b_ptr, b_scale,
-    stride_kt, stride_kh, stride_cs, stride_c_row, stride_c_h, last_row,
+    k_ptr, pos_ptr, new_ptr, c_ptr, cs_ptr, b_ptr, b_scale,
+    stride_kt, stride_kh, stride_cs, stride_c_row, stride_c_kind, stride_c_h, last_row, max_pos,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_T: tl.constexpr, BITS: tl.constexpr,
-    ROTATE: tl.constexpr, DOT_PRECISION: tl.constexpr, SYLVESTER: tl.constexpr,
+    GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr, SYLVESTER: tl.constexpr, TURNED: tl.constexpr,
 ):
     # Grid: (S, Hkv); program (s, head) computes one head's centre of the s-th new sequence
-    # (``key_centres_ref``), its first chunk's tokens as the rows of one tile: one short chain,
-    # where a walk over the tokens would be ~63 dependent loads.
+    # (``key_centres_ref``) from its first chunk's keys before the rotary embedding, the tokens
+    # as the rows of one tile: one short chain, where a walk over the tokens would be ~63
+    # dependent loads.
     s = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     t0 = tl.load(new_ptr + s * 3).to(tl.int64)
@@ -397,74 +462,84 @@ def _key_centre_kernel(
     d_mask = d < HALF
     mask = (r < n)[:, None] & d_mask[None, :]
     src = k_ptr + (t0 + r[:, None]) * stride_kt + head * stride_kh + d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0)
-    if ROTATE:  # as rotated_halves does, a row per token
-        pos = tl.load(pos_ptr + t0 + r, mask=r < n, other=0).to(tl.int64)
-        cs = cs_ptr + pos[:, None] * stride_cs + d[None, :]
-        cos = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
-        sin = tl.load(cs + HALF, mask=mask, other=0.0).to(tl.float32)
-        a = x1.to(tl.float32)
-        b = x2.to(tl.float32)
-        x1 = (a * cos - b * sin).to(k_ptr.dtype.element_ty)
-        x2 = (b * cos + a * sin).to(k_ptr.dtype.element_ty)
-    y1, y2 = _in_key_basis(x1, x2, b_ptr, b_scale, 2 * HALF, HALF, BLOCK_HALF, DOT_PRECISION, SYLVESTER)
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     rest = ((r >= 1) & (r < n))[:, None]
     count = tl.maximum(n - 1, 1).to(tl.float32)
-    m1 = tl.sum(tl.where(rest, y1, 0.0), 0) / count
-    m2 = tl.sum(tl.where(rest, y2, 0.0), 0) / count
+    # Every key rotated by its position and rounded to k's dtype, as the store kernel has them.
+    pos = tl.load(pos_ptr + t0 + r, mask=r < n, other=0).to(tl.int64)
+    ty = k_ptr.dtype.element_ty
+    f1, f2 = turn(x1, x2, cs_ptr, pos[:, None], stride_cs, d[None, :], HALF)
+    f1 = f1.to(ty).to(tl.float32)
+    f2 = f2.to(ty).to(tl.float32)
+    # (stored only for a first block with a row: past the table's rows there is no centre)
+    one = d_mask & (d * 0 + row < last_row)
+    m_ptr = c_ptr + row * stride_c_row + head * stride_c_h
+    if TURNED:  # m: the mean before the rotary embedding
+        m1 = (tl.sum(tl.where(rest, x1, 0.0), 0) / count).to(c_ptr.dtype.element_ty)
+        m2 = (tl.sum(tl.where(rest, x2, 0.0), 0) / count).to(c_ptr.dtype.element_ty)
+        c1 = tl.zeros([BLOCK_HALF], tl.float32)
+        c2 = tl.zeros([BLOCK_HALF], tl.float32)
+    else:  # m stays zero; the constant: the mean of the rotated keys
+        m1 = tl.zeros([BLOCK_HALF], c_ptr.dtype.element_ty)
+        m2 = tl.zeros([BLOCK_HALF], c_ptr.dtype.element_ty)
+        c1 = tl.sum(tl.where(rest, f1, 0.0), 0) / count
+        c2 = tl.sum(tl.where(rest, f2, 0.0), 0) / count
+    tl.store(m_ptr + d, m1, mask=one)
+    tl.store(m_ptr + HALF + d, m2, mask=one)
+    # The first key minus the stored m turned to its centre position, as the store kernel
+    # computes it (a), then in the key basis with the constant off (row 0 of a tile: y) and on
+    # (row 1: z); e = z - y's quantized value, so that a - e, what the store writes, is exactly
+    # that value.
+    u1, u2 = turn(m1.to(tl.float32), m2.to(tl.float32), cs_ptr, centre_position(tl.load(pos_ptr + t0).to(tl.int64),
+                  max_pos, GROUP), stride_cs, d, HALF)
     first = (r == 0)[:, None]
+    second = (r == 1)[:, None]
+    a1 = tl.sum(tl.where(first, f1, 0.0), 0) - u1
+    a2 = tl.sum(tl.where(first, f2, 0.0), 0) - u2
+    y1, y2 = _in_key_basis(tl.where(first, (a1 - c1)[None, :], tl.where(second, a1[None, :], 0.0)).to(ty),
+                           tl.where(first, (a2 - c2)[None, :], tl.where(second, a2[None, :], 0.0)).to(ty),
+                           b_ptr, b_scale, 2 * HALF, HALF, BLOCK_HALF, DOT_PRECISION, SYLVESTER)
     k1 = tl.sum(tl.where(first, y1, 0.0), 0)[None, :]
     k2 = tl.sum(tl.where(first, y2, 0.0), 0)[None, :]
-    # (stored only for a first block with a row: past the table's rows there is no centre)
-    one = (d_mask & (d * 0 + row < last_row))[None, :]
-    q1, q2, scale, zero, _ = _quantize(k1 - m1[None, :], k2 - m2[None, :], one, BITS)
+    q1, q2, scale, zero, _ = _quantize(k1, k2, one[None, :], BITS)
     sc = scale.to(tl.float32)[:, None]
     ze = zero.to(tl.float32)[:, None]
-    dst = c_ptr + row * stride_c_row + head * stride_c_h + d[None, :]
-    tl.store(dst, (k1 - (q1 * sc + ze)).to(c_ptr.dtype.element_ty), mask=one)
-    tl.store(dst + HALF, (k2 - (q2 * sc + ze)).to(c_ptr.dtype.element_ty), mask=one)
+    z1 = tl.sum(tl.where(second, y1, 0.0), 0)[None, :]
+    z2 = tl.sum(tl.where(second, y2, 0.0), 0)[None, :]
+    dst = m_ptr + stride_c_kind + d[None, :]
+    tl.store(dst, (z1 - (q1 * sc + ze)).to(c_ptr.dtype.element_ty), mask=one[None, :])
+    tl.store(dst + HALF, (z2 - (q2 * sc + ze)).to(c_ptr.dtype.element_ty), mask=one[None, :])
 
 
-def _centre_args(centring: KeyCentring | None, k_cache: torch.Tensor) -> tuple:
-    """The centre pointers and strides the store kernels take (the cache and zeros without)."""
-    if centring is None:
-        return k_cache, k_cache, 0, 0, 0, 0
-    table = centring.table
-    return table, centring.index, centring.index.stride(0), table.stride(0), table.stride(1), table.shape[0] - 1
-
-
-def _key_centres_triton(k: torch.Tensor, positions: torch.Tensor | None, cos_sin: torch.Tensor | None,
-                        centring: KeyCentring, bits: int) -> None:
-    """``key_centres_ref`` for the sequences in ``centring.new``, from k [T, Hkv, D] rotated by
-    ``positions`` here (or as it is when they are None)."""
+def _key_centres_triton(k: torch.Tensor, positions: torch.Tensor, centring: KeyCentring, bits: int) -> None:
+    """``key_centres_ref`` for the sequences in ``centring.new``, from k [T, Hkv, D] before the
+    rotary embedding."""
     new = centring.new
     if new is None or new.shape[0] == 0:
         return
     head_dim = k.shape[-1]
     half = head_dim // 2
     basis, b_scale, precision, sylvester = _basis_args(head_dim, k.device, k.dtype)
-    rotate = positions is not None
+    table, cs = centring.table, centring.cos_sin
     _key_centre_kernel[(new.shape[0], k.shape[1])](
-        k, positions if rotate else k, cos_sin if rotate else k, new, centring.table, basis, b_scale,
-        k.stride(0), k.stride(1), cos_sin.stride(0) if rotate else 0,
-        centring.table.stride(0), centring.table.stride(1), centring.table.shape[0] - 1,
-        HALF=half, BLOCK_HALF=max(16, next_pow2(half)), BLOCK_T=CENTRE_TOKENS, BITS=bits, ROTATE=rotate,
-        DOT_PRECISION=precision, SYLVESTER=sylvester, num_warps=4,
+        k, positions, new, table, cs, basis, b_scale, k.stride(0), k.stride(1), cs.stride(0),
+        table.stride(0), table.stride(1), table.stride(2), table.shape[0] - 1, cs.shape[0],
+        HALF=half, BLOCK_HALF=max(16, next_pow2(half)), BLOCK_T=CENTRE_TOKENS, BITS=bits, GROUP=CENTRE_GROUP,
+        DOT_PRECISION=precision, SYLVESTER=sylvester, TURNED=turned_centres(bits), num_warps=4,
     )
 
 
 @jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, b_ptr, b_scale, c_ptr, ci_ptr,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, b_ptr, b_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kc_blk, stride_kc_slot, stride_kc_h,
     stride_vc_blk, stride_vc_slot, stride_vc_h,
     stride_s_blk, stride_s_slot, stride_s_h,
-    stride_ci, stride_c_row, stride_c_h, last_row,
     num_kv_heads,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BITS: tl.constexpr, DOT_PRECISION: tl.constexpr, SYLVESTER: tl.constexpr, CENTRED: tl.constexpr,
+    BITS: tl.constexpr, DOT_PRECISION: tl.constexpr, SYLVESTER: tl.constexpr,
 ):
     # Grid: (T,); one program copies (or quantizes) all kv heads of one token (a few KiB: enough
     # per program).
@@ -484,9 +559,6 @@ def _store_kv_kernel(
         sz = blk * stride_s_blk + off * stride_s_slot
         k1, k2 = _in_key_basis(tl.load(ks, mask=mask, other=0.0), tl.load(ks + HALF, mask=mask, other=0.0),
                                b_ptr, b_scale, HEAD_DIM, HALF, BLOCK_D, DOT_PRECISION, SYLVESTER)
-        if CENTRED:
-            k1, k2 = _minus_centre(k1, k2, mask, c_ptr, ci_ptr, t, stride_ci, stride_c_row, stride_c_h, last_row,
-                                   d, HALF, BLOCK_H)
         _quantize_store(k1, k2, mask, kc, ks_ptr + sz, stride_kc_h, stride_s_h, d, HALF, BLOCK_H, BITS)
         _quantize_store(tl.load(vs, mask=mask, other=0.0), tl.load(vs + HALF, mask=mask, other=0.0), mask,
                         vc, vs_ptr + sz, stride_vc_h, stride_s_h, d, HALF, BLOCK_H, BITS)
@@ -536,9 +608,11 @@ def _check_cache_store(
         assert k_scales.stride(-1) == 1, "scales need a unit stride along their last dimension"
         if centring is not None:
             table = centring.table
-            assert table.shape[1:] == (k.shape[1], k.shape[2]) and table.dtype == SCALE_DTYPE, \
-                "key centres: fp16 [rows + 1, Hkv, D]"
+            assert table.shape[1:] == (2, k.shape[1], k.shape[2]) and table.dtype == SCALE_DTYPE, \
+                "key centres: fp16 [rows + 1, 2, Hkv, D]"
             assert table.stride(-1) == 1 and centring.index.shape == slot_mapping.shape, "one centre row a token"
+            assert centring.cos_sin.dim() == 2 and centring.cos_sin.shape[1] == k.shape[2] \
+                and centring.cos_sin.stride(-1) == 1, "the rotary cos_sin_cache: [max_position, D]"
             assert centring.new is None or (centring.new.dim() == 2 and centring.new.shape[1] == 3
                                             and centring.new.dtype == torch.int32 and centring.new.is_contiguous())
     else:
@@ -559,45 +633,42 @@ def _scale_args(k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: 
 
 def store_kv_triton(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, centring: KeyCentring | None = None,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> None:
     """Triton launcher for :func:`store_kv_ref`; k/v may be strided views (e.g. of a fused qkv)."""
     devices = {t.device for t in (k, v, k_cache, v_cache, slot_mapping)}
     assert len(devices) == 1, f"tensors on several devices: {devices}"
-    k, v, bits = _check_cache_store(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales, centring)
+    k, v, bits = _check_cache_store(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     ks, vs, s_strides = _scale_args(k_cache, k_scales, v_scales)
     basis, b_scale, precision, sylvester = _basis_args(head_dim, k.device, k.dtype) if bits else (k, 1.0, "ieee", False)
-    if centring is not None:
-        _key_centres_triton(k, None, None, centring, bits)
-    table, index, *c_strides = _centre_args(centring, k_cache)
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, ks, vs, slot_mapping, basis, b_scale, table, index,
+        k, v, k_cache, v_cache, ks, vs, slot_mapping, basis, b_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *s_strides, *c_strides, num_kv_heads,
+        *s_strides, num_kv_heads,
         # A quantized store multiplies keys by the basis with tl.dot: at least 16 rows and columns.
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_H=max(16, next_pow2(num_kv_heads)) if bits else next_pow2(num_kv_heads),
         BLOCK_D=max(16, next_pow2(head_dim // 2)) if bits else next_pow2(head_dim),
-        BITS=bits, DOT_PRECISION=precision, SYLVESTER=sylvester, CENTRED=centring is not None, num_warps=4,
+        BITS=bits, DOT_PRECISION=precision, SYLVESTER=sylvester, num_warps=4,
     )
 
 
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, centring: KeyCentring | None = None,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> None:
     """Scatter k, v [T, Hkv, D] into the paged caches at ``slot_mapping`` [T] (negative: skip),
-    quantized when the caches hold codes (with ``k_scales`` / ``v_scales``, keys centred with
-    ``centring``: the module doc).
+    quantized when the caches hold codes (with ``k_scales`` / ``v_scales``: the module doc; keys
+    that arrive rotated are stored uncentred, as their centre needs their positions).
 
     Triton on CUDA, else the reference.
     """
-    args = (k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales, centring)
+    args = (k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
     if triton_takes("store_kv", (k, v, k_cache, v_cache), _cache_problem, k, v, k_cache, v_cache, k_scales, v_scales):
         store_kv_triton(*args)
     else:
@@ -608,29 +679,41 @@ def rotate_and_store_kv_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, centring: KeyCentring | None = None,
+    model_queries: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q [T, H, D] and k [T, Hkv, D] (``apply_rotary_ref``), store rotated k and v at
-    ``slot_mapping`` (``store_kv_ref``, keys centred with ``centring``); returns the rotated q, for a quantized cache in the key
-    basis (``to_key_basis``). The inputs are left untouched."""
+    ``slot_mapping`` (``store_kv_ref``, keys centred with ``centring``: ``key_shifts_ref``);
+    returns the rotated q, for a quantized cache in the key basis (``to_key_basis``), and writes
+    it before that basis into ``model_queries`` when given (``KeyCentres.queries``). The inputs
+    are left untouched."""
     q_rot, k_rot = apply_rotary_ref(q, k, positions, cos_sin_cache)
-    store_kv_ref(k_rot, v, k_cache, v_cache, slot_mapping, k_scales, v_scales, centring)
+    if model_queries is not None:
+        model_queries.copy_(q_rot)
+    shifts = None
+    if centring is not None:
+        assert k_scales is not None, "key centres belong to a quantized cache"
+        if centring.new is not None:
+            key_centres_ref(k, positions, centring.new, centring.table, cache_bits(k_cache, k.shape[-1]),
+                            centring.cos_sin)
+        shifts = key_shifts_ref(centring.table, centring.index, positions, centring.cos_sin)
+    store_kv_ref(k_rot, v, k_cache, v_cache, slot_mapping, k_scales, v_scales, shifts)
     return q_rot if k_scales is None else to_key_basis(q_rot)
 
 
 @jit
 def _rotate_and_store_kv_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, slot_ptr, q_out_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, b_ptr, b_scale,
-    c_ptr, ci_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, slot_ptr, q_out_ptr, qm_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+    b_ptr, b_scale, c_ptr, ci_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_qot, stride_qoh, stride_cs,
+    stride_qot, stride_qoh, stride_qmt, stride_qmh, stride_cs,
     stride_kc_blk, stride_kc_slot, stride_kc_h,
     stride_vc_blk, stride_vc_slot, stride_vc_h,
     stride_s_blk, stride_s_slot, stride_s_h,
-    stride_ci, stride_c_row, stride_c_h, last_row,
+    stride_ci, stride_c_row, stride_c_kind, stride_c_h, last_row, max_pos,
     num_q_heads, num_kv_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr, SYLVESTER: tl.constexpr,
-    CENTRED: tl.constexpr,
+    CENTRED: tl.constexpr, GROUP: tl.constexpr, TURNED: tl.constexpr, MODEL_QUERIES: tl.constexpr,
 ):
     # Grid: (T, 3); program (t, part) handles every head of token t's queries (part 0), keys (1)
     # or values (2). The rotated key goes straight to its cache slot (rounded to k's dtype first),
@@ -645,6 +728,10 @@ def _rotate_and_store_kv_kernel(
         if BITS:
             q1, q2, qmask = rotated_halves(q_ptr + t * stride_qt, stride_qh, num_q_heads, d, d_mask, cos, sin,
                                            HALF, BLOCK_HQ)
+            if MODEL_QUERIES:  # the queries before the key basis too, for the centres' scores (KeyCentres)
+                qm = qm_ptr + t * stride_qmt + tl.arange(0, BLOCK_HQ)[:, None] * stride_qmh + d[None, :]
+                tl.store(qm, q1.to(qm_ptr.dtype.element_ty), mask=qmask)
+                tl.store(qm + HALF, q2.to(qm_ptr.dtype.element_ty), mask=qmask)
             q1, q2 = _in_key_basis(q1, q2, b_ptr, b_scale, 2 * HALF, HALF, BLOCK_HALF, DOT_PRECISION, SYLVESTER)
             qo = q_out_ptr + t * stride_qot + tl.arange(0, BLOCK_HQ)[:, None] * stride_qoh + d[None, :]
             tl.store(qo, q1.to(q_out_ptr.dtype.element_ty), mask=qmask)
@@ -661,11 +748,25 @@ def _rotate_and_store_kv_kernel(
             if BITS:
                 k1, k2, kmask = rotated_halves(k_ptr + t * stride_kt, stride_kh, heads, d, d_mask, cos, sin,
                                                HALF, BLOCK_HK)
+                if CENTRED:
+                    row = tl.minimum(tl.load(ci_ptr + t * stride_ci).to(tl.int64), last_row)
+                    c_row = c_ptr + row * stride_c_row + tl.arange(0, BLOCK_HK)[:, None] * stride_c_h
+                if CENTRED and TURNED:
+                    # Minus the sequence's mean key turned to this key's centre position, before the
+                    # key basis; minus the shift e after it (KeyCentring; key_shifts_ref).
+                    p = centre_position(tl.load(pos_ptr + t).to(tl.int64), max_pos, GROUP)
+                    u1, u2 = turn(tl.load(c_row + d[None, :], mask=kmask, other=0.0).to(tl.float32),
+                                  tl.load(c_row + HALF + d[None, :], mask=kmask, other=0.0).to(tl.float32),
+                                  cs_ptr, p, stride_cs, d[None, :], HALF)
+                    ty = k_ptr.dtype.element_ty
+                    k1 = (k1.to(tl.float32) - u1).to(ty)
+                    k2 = (k2.to(tl.float32) - u2).to(ty)
                 k1, k2 = _in_key_basis(k1, k2, b_ptr, b_scale, 2 * HALF, HALF, BLOCK_HALF, DOT_PRECISION,
                                        SYLVESTER)
                 if CENTRED:
-                    k1, k2 = _minus_centre(k1, k2, kmask, c_ptr, ci_ptr, t, stride_ci, stride_c_row, stride_c_h,
-                                           last_row, d, HALF, BLOCK_HK)
+                    e_row = c_row + stride_c_kind + d[None, :]
+                    k1 = k1 - tl.load(e_row, mask=kmask, other=0.0).to(tl.float32)
+                    k2 = k2 - tl.load(e_row + HALF, mask=kmask, other=0.0).to(tl.float32)
                 _quantize_store(k1, k2, kmask, kc, ks_ptr + sz, stride_kc_h, stride_s_h, d, HALF, BLOCK_HK, BITS)
             else:
                 rotate_heads(k_ptr + t * stride_kt, kc, stride_kh, stride_kc_h, heads, d, d_mask, cos, sin,
@@ -689,6 +790,7 @@ def rotate_and_store_kv_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, centring: KeyCentring | None = None,
+    model_queries: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton launcher for :func:`rotate_and_store_kv_ref`; q/k/v may be strided views of a fused qkv."""
     q, k, cs, constexprs, num_warps = rotary_launch(q, k, positions, cos_sin_cache)
@@ -700,18 +802,26 @@ def rotate_and_store_kv_triton(
     if bits:  # the basis products are tl.dot: at least 16 rows (heads) and columns
         half, block_half, block_hq, block_hk = constexprs
         constexprs = (half, max(16, block_half), max(16, block_hq), max(16, block_hk))
+    centred = centring is not None
+    assert model_queries is None or (centred and model_queries.shape == q.shape and model_queries.stride(-1) == 1), \
+        "the queries before the key basis are written for centred keys (KeyCentres)"
     if q.shape[0]:
-        if centring is not None:
-            _key_centres_triton(k, positions, cs, centring, bits)
-        table, index, *c_strides = _centre_args(centring, k_cache)
+        if centred:
+            _key_centres_triton(k, positions, centring, bits)
+            table, index = centring.table, centring.index
+            c_args = (index.stride(0), table.stride(0), table.stride(1), table.stride(2), table.shape[0] - 1)
+            qm = q_out if model_queries is None else model_queries
+        else:
+            table, index, c_args, qm = k_cache, k_cache, (0, 0, 0, 0, 0), q_out
         _rotate_and_store_kv_kernel[(q.shape[0], 3)](
-            q, k, v, positions, cs, slot_mapping, q_out, k_cache, v_cache, ks, vs, basis, b_scale, table, index,
+            q, k, v, positions, cs, slot_mapping, q_out, qm, k_cache, v_cache, ks, vs, basis, b_scale, table, index,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            q_out.stride(0), q_out.stride(1), cs.stride(0),
+            q_out.stride(0), q_out.stride(1), qm.stride(0), qm.stride(1), cs.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            *s_strides, *c_strides, q.shape[1], k.shape[1], *constexprs, BLOCK_SIZE=k_cache.shape[1], BITS=bits,
-            DOT_PRECISION=precision, SYLVESTER=sylvester, CENTRED=centring is not None, num_warps=num_warps,
+            *s_strides, *c_args, cs.shape[0], q.shape[1], k.shape[1], *constexprs, BLOCK_SIZE=k_cache.shape[1],
+            BITS=bits, DOT_PRECISION=precision, SYLVESTER=sylvester, CENTRED=centred, GROUP=CENTRE_GROUP,
+            TURNED=turned_centres(bits), MODEL_QUERIES=model_queries is not None, num_warps=num_warps,
         )
     return q_out
 
@@ -727,12 +837,15 @@ def rotate_and_store_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, centring: KeyCentring | None = None,
+    model_queries: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q and k by ``positions``, write rotated k and v into the paged caches at
     ``slot_mapping`` (negative: skip), quantized when the caches hold codes (keys centred with
     ``centring``); returns the rotated q (for a quantized cache, in the key basis:
-    ``to_key_basis``). Triton on CUDA, else the reference."""
-    args = (q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scales, v_scales, centring)
+    ``to_key_basis``), and writes it before that basis into ``model_queries`` when given.
+    Triton on CUDA, else the reference."""
+    args = (q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scales, v_scales, centring,
+            model_queries)
     if triton_takes("rotate_and_store_kv", (q, k, v, k_cache, v_cache), _rotate_and_store_problem,
                     q, k, v, cos_sin_cache, k_cache, v_cache, k_scales, v_scales):
         return rotate_and_store_kv_triton(*args)

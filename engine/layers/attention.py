@@ -9,7 +9,7 @@ from torch import nn
 
 from ..attention_metadata import AttentionMetadata, get_attention_metadata
 from ...kernels import apply_rotary, paged_attention, store_kv
-from ...kernels.kv_cache import KeyCentring, rotate_and_store_kv, to_key_basis
+from ...kernels.kv_cache import KeyCentres, KeyCentring, cache_bits, rotate_and_store_kv, to_key_basis, turned_centres
 
 
 @dataclass
@@ -25,6 +25,11 @@ class MixedBatchMetadata(AttentionMetadata):
     num_decode_tokens: int = 0
     decode: AttentionMetadata | None = None
     prefill: AttentionMetadata | None = None
+
+
+def _rows(centres: KeyCentres | None, start: int, end: int) -> KeyCentres | None:
+    """``centres`` for the query rows [start, end) of the step."""
+    return None if centres is None else centres._replace(queries=centres.queries[start:end])
 
 
 class Attention(nn.Module):
@@ -64,34 +69,42 @@ class Attention(nn.Module):
                 q, k = apply_rotary(q, k, positions, cos_sin_cache)
             out = self._attend_without_cache(q, k, v, meta)
         else:
-            centring = None
-            if self.k_centres is not None:
-                if meta.centre_index is None:  # keys stored uncentred would be read with centred ones
-                    raise RuntimeError("a quantized KV cache needs AttentionMetadata.centre_index (each token's "
-                                       "sequence's first block)")
-                centring = KeyCentring(self.k_centres, meta.centre_index, meta.new_centres)
+            centres = None
             if rotate:
+                centring = None
+                if self.k_centres is not None:
+                    if meta.centre_index is None:  # keys stored uncentred would be read with centred ones
+                        raise RuntimeError("a quantized KV cache needs AttentionMetadata.centre_index (each "
+                                           "token's sequence's first block)")
+                    centring = KeyCentring(self.k_centres, meta.centre_index, cos_sin_cache, meta.new_centres)
+                # int4's centres are turned to each key's position: attention adds their scores back
+                # and needs the queries before the key basis for that (int8's, constant, need nothing).
+                turned = centring is not None and turned_centres(cache_bits(self.k_cache, self.head_dim))
+                q_model = torch.empty_like(q) if turned else None
                 q = rotate_and_store_kv(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache,
-                                        meta.slot_mapping, self.k_scales, self.v_scales, centring)
+                                        meta.slot_mapping, self.k_scales, self.v_scales, centring, q_model)
+                if turned:
+                    centres = KeyCentres(self.k_centres, cos_sin_cache, q_model)
             else:
-                store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scales, self.v_scales,
-                         centring)
+                # Keys that arrive rotated are stored uncentred: their centre needs their positions.
+                store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scales, self.v_scales)
                 if self.k_scales is not None:  # the cache holds keys in the key basis: queries alike
                     q = to_key_basis(q)
             if isinstance(meta, MixedBatchMetadata) and meta.decode is not None and meta.prefill is not None:
                 n = meta.num_decode_tokens
-                out = torch.cat([self._attend(q[:n], meta.decode), self._attend(q[n:], meta.prefill)])
+                out = torch.cat([self._attend(q[:n], meta.decode, _rows(centres, 0, n)),
+                                 self._attend(q[n:], meta.prefill, _rows(centres, n, q.shape[0]))])
             else:
-                out = self._attend(q, meta)
+                out = self._attend(q, meta, centres)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
-    def _attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, meta: AttentionMetadata, centres: KeyCentres | None = None) -> torch.Tensor:
         # The maxima come from the host-side metadata: the kernels then never read them from
         # the device (a sync per layer), and a CUDA-graph capture sees fixed upper bounds.
         return paged_attention(
             q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seqlens_k, self.scale,
             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-            k_scales=self.k_scales, v_scales=self.v_scales,
+            k_scales=self.k_scales, v_scales=self.v_scales, key_centres=centres,
         )
 
     def _attend_without_cache(
