@@ -1,8 +1,8 @@
 """Writing new keys and values into the paged KV cache, quantized or not (``quant_policy``).
 
-Two entry points: ``store_kv`` writes already-rotated keys; ``rotate_and_store_kv`` applies the
-rotary embedding to q and k and writes k and v in the same kernel (one launch per layer fewer
-than rotary then store: at batch 1 each launch is latency, and a long prefill is launched kernel
+Two entry points: ``store_kv`` writes already-rotated keys (uncentred: a centre needs positions);
+``rotate_and_store_kv`` applies the rotary embedding to q and k and writes k and v in the same
+kernel (one launch per layer fewer than rotary then store: at batch 1 each launch is latency, and a long prefill is launched kernel
 by kernel, so launches cost host time too). Its rotation is ``rotary.py``'s own.
 
 **Quantized caches** (LMDeploy's ``quant_policy`` 8 and 4: online, per token and per KV head,
@@ -30,21 +30,37 @@ basis costs the rotary kernel two [heads, D] x [D, D] products a token (H200, Ll
 batch-1 decode: 13 us a layer against 5 unrotated and 3.6 for the 16-bit cache's kernel).
 
 **Keys are centred per sequence.** The keys of a head share a large offset (on SmolLM2-135M their
-mean over tokens holds 44-63 % of their energy), and each per-vector range must span it. Softmax
-ignores a constant added to every score of a query, and ``q . (k - c)`` differs from ``q . k`` by
-the same ``q . c`` for every key, so a sequence's keys are stored minus one centre ``c`` per layer
-and kv head, and neither the queries nor the attention kernels change. Two rules keep it exact:
-every key of a sequence is stored with the same ``c``, and ``c`` is fixed before the first one is.
-``c`` is computed when a sequence's first chunk is written (``key_centres_ref``): the mean of that
-chunk's keys at positions 1 .. ``CENTRE_TOKENS`` - 1, then moved by the quantization error of the
-key at position 0, so that this key (the attention sink, which every later query weighs heavily)
-is stored exactly. It lives in a per-layer table at the row of the sequence's first block
-(``KeyCentring``): a sequence that reuses cached blocks reuses that first block, hence its centre.
-The table has rows for the first R blocks only, which the block manager hands out as first
+mean over tokens holds 44-63 % of their energy), and each per-vector range must span it. A
+sequence's keys are stored minus a centre, and attention gives it back. Softmax ignores a constant
+added to every score of a query, so a constant centre ``c`` needs nothing back: ``q . (k - c)``
+differs from ``q . k`` by the same ``q . c`` for every key. But the offset is in the keys *before*
+the rotary embedding, which turns it by each key's position: a constant fitted to the first chunk
+fits later keys less and less (its mid-frequency dim pairs turn away). So the centre of a key at
+position t is ``B R(p) m + e`` (``key_shifts_ref``):
+
+* ``m``: the mean of the sequence's first chunk's keys before the rotary embedding, at positions
+  1 .. ``CENTRE_TOKENS`` - 1; ``R(p)`` the rotary embedding at ``p``, the middle of the key's group
+  of ``CENTRE_GROUP`` positions (one turned centre per 16 keys: attention adds its score once a
+  group); ``B`` the key basis;
+* ``e``: a constant in the key basis, set so that the key at position 0 (the attention sink, which
+  every later query weighs heavily) is stored exactly. Being constant, it cancels in the softmax.
+
+Attention adds back ``q . B R(p) m = (q B^T) . R(p) m``: the rotary kernel also writes the queries
+before the key basis (``KeyCentres.queries``), and the attention kernels add per key group
+``sum(a cos(p w) + b sin(p w))`` over the dim pairs, with ``a``, ``b`` from that query and ``m``
+(``_centre_coeffs``). Only int4 does this (``turned_centres``): int8 keeps ``m`` zero and folds the
+mean of the first chunk's keys as rotated into ``e``, a constant, which needs nothing back (its
+error is small enough without, and the added scores cost ~10 % of ShareGPT throughput when both
+policies took them). Two rules keep it exact: every key of a sequence is stored with the same row,
+and the row is fixed before the first key is. It is computed when a sequence's first chunk is
+written (``key_centres_ref``) and lives in a per-layer table at the row of the sequence's first
+block (``KeyCentring``): a sequence that reuses cached blocks reuses that first block, hence its
+centre. The table has rows for the first R blocks only, which the block manager hands out as first
 blocks while any is free (R = 2 x max_batch_size: a row for every block cost 1.5 % of int8's
 capacity and 3.4 % of int4's); a sequence that starts elsewhere is stored uncentred.
-Dev corpus (licence texts, SmolLM2-135M, int4): perplexity +9.0 % uncentred, +5.2 % centred
-with the sink exact; int8 greedy answers to 20 dev prompts: 13 identical uncentred, 17 centred.
+Dev corpus (licence texts, SmolLM2-135M, int4): perplexity +9.0 % uncentred, +4.8 % with a constant
+centre and the sink exact, +3.4 % turned; int8 greedy answers to 20 dev prompts: 13 identical
+uncentred, 17 centred.
 
 ``KVCacheLayout`` is the one place that says which tensors a policy allocates and how many bytes
 a token costs; the attention kernels tell the policy from the cache tensors (``cache_bits``).
