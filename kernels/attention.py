@@ -51,7 +51,7 @@ from ._triton import (
     triton_takes,
 )
 from .kv_cache import (CENTRE_GROUP, SCALE_DTYPE, KeyCentres, cache_bits, centre_position, dequantize_kv_ref,
-                       key_shifts_ref)
+                       key_shifts_ref, turn)
 
 
 def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -79,6 +79,7 @@ def paged_attention_ref(
     assert q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
     bits = cache_bits(k_cache, q.shape[-1])
     assert (k_scales is not None) == (v_scales is not None) == bool(bits), "codes and scales go together"
+    assert key_centres is None or bits, "key centres belong to a quantized cache: pass them with its scales"
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
     group = num_heads // num_kv_heads
@@ -702,12 +703,9 @@ def _centre_scores_dot(qm_lo, qm_hi, m1, m2, cs_ptr, stride_cs, n, max_pos, j, H
     makes an extra [D, N] key tile in q's dtype. For the prefill kernel, whose query tiles are
     too large for ``_centre_coeffs``' [M, HALF] pairs in registers."""
     p = centre_position(n.to(tl.int64), max_pos, GROUP)
-    row = cs_ptr + p[None, :] * stride_cs + j[:, None]
-    cos = tl.load(row).to(tl.float32)
-    sin = tl.load(row + HALF).to(tl.float32)
-    u1 = (m1[:, None] * cos - m2[:, None] * sin).to(qm_lo.dtype)
-    u2 = (m2[:, None] * cos + m1[:, None] * sin).to(qm_lo.dtype)
-    return tl.dot(qm_hi, u2, tl.dot(qm_lo, u1, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+    u1, u2 = turn(m1[:, None], m2[:, None], cs_ptr, p[None, :], stride_cs, j[:, None], HALF)  # [HALF, N]
+    return tl.dot(qm_hi, u2.to(qm_lo.dtype), tl.dot(qm_lo, u1.to(qm_lo.dtype), input_precision=DOT_PRECISION),
+                  input_precision=DOT_PRECISION)
 
 
 @jit
@@ -997,9 +995,9 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    HALF: tl.constexpr = HEAD_DIM // 2
-    jc = tl.arange(0, HALF)
     if CENTRED:  # the queries before the key basis and the sequence's mean key (_centre_scores_dot)
+        HALF: tl.constexpr = HEAD_DIM // 2
+        jc = tl.arange(0, HALF)
         qm_rows = qm_ptr + rows[:, None] * stride_qmt + head * stride_qmh
         qm_lo = tl.load(qm_rows + jc[None, :], mask=m_mask[:, None], other=0.0)
         qm_hi = tl.load(qm_rows + HALF + jc[None, :], mask=m_mask[:, None], other=0.0)

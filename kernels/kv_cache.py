@@ -2,8 +2,9 @@
 
 Two entry points: ``store_kv`` writes already-rotated keys (uncentred: a centre needs positions);
 ``rotate_and_store_kv`` applies the rotary embedding to q and k and writes k and v in the same
-kernel (one launch per layer fewer than rotary then store: at batch 1 each launch is latency, and a long prefill is launched kernel
-by kernel, so launches cost host time too). Its rotation is ``rotary.py``'s own.
+kernel (one launch per layer fewer than rotary then store: at batch 1 each launch is latency, and
+a long prefill is launched kernel by kernel, so launches cost host time too). Its rotation is
+``rotary.py``'s own.
 
 **Quantized caches** (LMDeploy's ``quant_policy`` 8 and 4: online, per token and per KV head,
 asymmetric, no calibration). Each head vector ``x[0..D)`` of a key or value is stored as codes
@@ -159,12 +160,11 @@ class KeyCentring(NamedTuple):
     tokens to use, first block) of each sequence whose first chunk this step writes, whose centre
     is computed first. Only blocks below R have a row (the block manager hands those out as
     first blocks while it can); a sequence whose first block is R or more reads the last row,
-    which stays zero: it is stored uncentred, consistently. ``cos_sin`` is the rotary
-    embedding's ``cos_sin_cache`` that turns ``m`` to a key's position (``centre_positions``)."""
+    which stays zero: it is stored uncentred, consistently. ``m`` turns to a key's position with
+    the rotary embedding's own ``cos_sin_cache`` (``centre_positions``), the store's argument."""
 
     table: torch.Tensor
     index: torch.Tensor
-    cos_sin: torch.Tensor
     new: torch.Tensor | None = None
 
 
@@ -528,7 +528,8 @@ def _key_centre_kernel(
     tl.store(dst + HALF, (z2 - (q2 * sc + ze)).to(c_ptr.dtype.element_ty), mask=one[None, :])
 
 
-def _key_centres_triton(k: torch.Tensor, positions: torch.Tensor, centring: KeyCentring, bits: int) -> None:
+def _key_centres_triton(k: torch.Tensor, positions: torch.Tensor, cs: torch.Tensor, centring: KeyCentring,
+                        bits: int) -> None:
     """``key_centres_ref`` for the sequences in ``centring.new``, from k [T, Hkv, D] before the
     rotary embedding."""
     new = centring.new
@@ -537,7 +538,7 @@ def _key_centres_triton(k: torch.Tensor, positions: torch.Tensor, centring: KeyC
     head_dim = k.shape[-1]
     half = head_dim // 2
     basis, b_scale, precision, sylvester = _basis_args(head_dim, k.device, k.dtype)
-    table, cs = centring.table, centring.cos_sin
+    table = centring.table
     _key_centre_kernel[(new.shape[0], k.shape[1])](
         k, positions, new, table, cs, basis, b_scale, k.stride(0), k.stride(1), cs.stride(0),
         table.stride(0), table.stride(1), table.stride(2), table.shape[0] - 1, cs.shape[0],
@@ -627,8 +628,6 @@ def _check_cache_store(
             assert table.shape[1:] == (2, k.shape[1], k.shape[2]) and table.dtype == SCALE_DTYPE, \
                 "key centres: fp16 [rows + 1, 2, Hkv, D]"
             assert table.stride(-1) == 1 and centring.index.shape == slot_mapping.shape, "one centre row a token"
-            assert centring.cos_sin.dim() == 2 and centring.cos_sin.shape[1] == k.shape[2] \
-                and centring.cos_sin.stride(-1) == 1, "the rotary cos_sin_cache: [max_position, D]"
             assert centring.new is None or (centring.new.dim() == 2 and centring.new.shape[1] == 3
                                             and centring.new.dtype == torch.int32 and centring.new.is_contiguous())
     else:
@@ -702,6 +701,8 @@ def rotate_and_store_kv_ref(
     returns the rotated q, for a quantized cache in the key basis (``to_key_basis``), and writes
     it before that basis into ``model_queries`` when given (``KeyCentres.queries``). The inputs
     are left untouched."""
+    assert model_queries is None or centring is not None, \
+        "the queries before the key basis are written for centred keys (KeyCentres)"
     q_rot, k_rot = apply_rotary_ref(q, k, positions, cos_sin_cache)
     if model_queries is not None:
         model_queries.copy_(q_rot)
@@ -710,8 +711,8 @@ def rotate_and_store_kv_ref(
         assert k_scales is not None, "key centres belong to a quantized cache"
         if centring.new is not None:
             key_centres_ref(k, positions, centring.new, centring.table, cache_bits(k_cache, k.shape[-1]),
-                            centring.cos_sin)
-        shifts = key_shifts_ref(centring.table, centring.index, positions, centring.cos_sin)
+                            cos_sin_cache)
+        shifts = key_shifts_ref(centring.table, centring.index, positions, cos_sin_cache)
     store_kv_ref(k_rot, v, k_cache, v_cache, slot_mapping, k_scales, v_scales, shifts)
     return q_rot if k_scales is None else to_key_basis(q_rot)
 
@@ -823,7 +824,7 @@ def rotate_and_store_kv_triton(
         "the queries before the key basis are written for centred keys (KeyCentres)"
     if q.shape[0]:
         if centred:
-            _key_centres_triton(k, positions, centring, bits)
+            _key_centres_triton(k, positions, cs, centring, bits)
             table, index = centring.table, centring.index
             c_args = (index.stride(0), table.stride(0), table.stride(1), table.stride(2), table.shape[0] - 1)
             qm = q_out if model_queries is None else model_queries

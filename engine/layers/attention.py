@@ -76,7 +76,7 @@ class Attention(nn.Module):
                     if meta.centre_index is None:  # keys stored uncentred would be read with centred ones
                         raise RuntimeError("a quantized KV cache needs AttentionMetadata.centre_index (each "
                                            "token's sequence's first block)")
-                    centring = KeyCentring(self.k_centres, meta.centre_index, cos_sin_cache, meta.new_centres)
+                    centring = KeyCentring(self.k_centres, meta.centre_index, meta.new_centres)
                 # int4's centres are turned to each key's position: attention adds their scores back
                 # and needs the queries before the key basis for that (int8's, constant, need nothing).
                 turned = centring is not None and turned_centres(cache_bits(self.k_cache, self.head_dim))

@@ -289,9 +289,9 @@ def test_centred_stores(bits: int, h: int, hkv: int, d: int, block_size: int, se
     c = _caches(bits, blocks, block_size, hkv, d, 6)
     qm = [torch.full_like(q, float("nan")) for _ in range(2)]
     out_q = rotate_and_store_kv(q, k, v, positions, cos_sin, c[0][0], c[1][0], slots, c[0][1], c[1][1],
-                                KeyCentring(tables[0], index, cos_sin, new), qm[0])
+                                KeyCentring(tables[0], index, new), qm[0])
     ref_q = rotate_and_store_kv_ref(q, k, v, positions, cos_sin, c[2][0], c[3][0], slots, c[2][1], c[3][1],
-                                    KeyCentring(tables[1], index, cos_sin, new), qm[1])
+                                    KeyCentring(tables[1], index, new), qm[1])
     assert_close(out_q, ref_q, 1e-5)
     assert_close(qm[0], qm[1], 1e-5)
     assert_close(qm[0], apply_rotary(q, k, positions, cos_sin)[0], 1e-5)
@@ -321,9 +321,9 @@ def test_first_blocks_past_the_centre_rows_store_uncentred(bits: int, seed: int,
     tables = [torch.zeros(4, 2, hkv, d, dtype=torch.float16) for _ in range(2)]
     qm = torch.empty_like(q)
     rotate_and_store_kv(q, k, v, positions, cos_sin, c[0][0], c[1][0], slots, c[0][1], c[1][1],
-                        KeyCentring(tables[0], index, cos_sin, new), qm)
+                        KeyCentring(tables[0], index, new), qm)
     rotate_and_store_kv_ref(q, k, v, positions, cos_sin, c[2][0], c[3][0], slots, c[2][1], c[3][1],
-                            KeyCentring(tables[1], index, cos_sin, new), qm)
+                            KeyCentring(tables[1], index, new), qm)
     rotate_and_store_kv_ref(q, k, v, positions, cos_sin, c[4][0], c[5][0], slots, c[4][1], c[5][1])  # uncentred
     assert_same_codes(c[0], c[2], bits, exact=False)
     assert torch.equal(tables[0][3], torch.zeros(2, hkv, d, dtype=torch.float16)) and tables[0][1].abs().max() > 0
@@ -350,7 +350,7 @@ def test_centred_keys_keep_scores_and_store_the_first_key_exactly(bits: int, see
     slots = torch.arange(t)
     blocks = -(-t // block_size)
     table = torch.zeros(blocks + 1, 2, hkv, d, dtype=torch.float16)
-    centring = KeyCentring(table, torch.zeros(t, dtype=torch.int32), cos_sin, torch.tensor([[0, t, 0]], dtype=torch.int32))
+    centring = KeyCentring(table, torch.zeros(t, dtype=torch.int32), torch.tensor([[0, t, 0]], dtype=torch.int32))
     (kc, ks), (vc, vs), (kp, kps), (vp, vps) = _caches(bits, blocks, block_size, hkv, d, 4)
     qm = torch.empty_like(q)
     rotate_and_store_kv_ref(q, k, v, positions, cos_sin, kc, vc, slots, ks, vs, centring, qm)
@@ -375,6 +375,20 @@ def test_centred_keys_keep_scores_and_store_the_first_key_exactly(bits: int, see
     assert_close(out, paged_attention_ref(qb, kc, vc, bt, cu, sk, 0.125, ks, vs, KeyCentres(no_shift, cos_sin)), 1e-4)
 
 
+def test_centre_arguments_refused_where_they_cannot_act() -> None:
+    """Key centres for an unquantized cache, or queries before the key basis without centred
+    keys to read them: refused, not ignored."""
+    q, kc, vc, bt, cu, sk = paged_batch([1], [20], 4, 2, 64, 16, 0)
+    with pytest.raises(AssertionError, match="quantized cache"):
+        paged_attention_ref(q, kc, vc, bt, cu, sk, 0.1,
+                            key_centres=KeyCentres(torch.zeros(2, 2, 2, 64), rope_table(64, 32)))
+    c = _caches(8, 2, 16, 2, 64, 2)
+    q, k = torch.randn(3, 4, 64), torch.randn(3, 2, 64)
+    with pytest.raises(AssertionError, match="centred keys"):
+        rotate_and_store_kv_ref(q, k, k, torch.arange(3), rope_table(64, 8), c[0][0], c[1][0], torch.arange(3),
+                                c[0][1], c[1][1], model_queries=torch.empty_like(q))
+
+
 def test_centre_of_a_one_token_first_chunk() -> None:
     """A first chunk of one token has no other keys to average: its mean is zero and its shift
     the first key's own quantization error, so that key still comes back exact."""
@@ -385,7 +399,7 @@ def test_centre_of_a_one_token_first_chunk() -> None:
     cos_sin, positions = rope_table(64, 16), torch.zeros(1, dtype=torch.long)
     index = torch.tensor([1], dtype=torch.int32)
     rotate_and_store_kv_ref(q, k, k, positions, cos_sin, c[0][0], c[1][0], torch.tensor([16]), c[0][1], c[1][1],
-                            KeyCentring(table, index, cos_sin, torch.tensor([[0, 1, 1]], dtype=torch.int32)))
+                            KeyCentring(table, index, torch.tensor([[0, 1, 1]], dtype=torch.int32)))
     back = dequantize_kv_ref(c[0][0].view(-1, 2, 32)[16], c[0][1].view(-1, 2, 2)[16], 4)
     back = back + key_shifts_ref(table, index, positions, cos_sin)[0]
     assert_close(back, to_key_basis(k)[0], 2e-3)
@@ -567,8 +581,8 @@ def test_gpu_quantized_stores(dtype: torch.dtype, bits: int, centred: bool, seed
     gpu_c = _caches(bits, blocks, bs, hkv, d, 2, "cuda")
     cpu_c = _caches(bits, blocks, bs, hkv, d, 2)
     table, index, new = _centring_case(t, hkv, d, blocks, gen, bits)
-    gpu_centres = KeyCentring(table.cuda(), index.cuda(), cos_sin, new.cuda()) if centred else None
-    cpu_centres = KeyCentring(table.clone(), index, cos_sin.cpu(), new) if centred else None
+    gpu_centres = KeyCentring(table.cuda(), index.cuda(), new.cuda()) if centred else None
+    cpu_centres = KeyCentring(table.clone(), index, new) if centred else None
     qm = torch.empty_like(q) if centred else None
     out_q = rotate_and_store_kv(q, k, v, positions, cos_sin, gpu_c[0][0], gpu_c[1][0], slots, gpu_c[0][1], gpu_c[1][1],
                                 gpu_centres, qm)
@@ -578,7 +592,8 @@ def test_gpu_quantized_stores(dtype: torch.dtype, bits: int, centred: bool, seed
     if centred:
         assert_close(qm.float().cpu(), apply_rotary(q.cpu().float(), k.cpu().float(), positions.cpu(),
                                                     cos_sin.cpu())[0], GPU_TOL[dtype])
-        near = (gpu_centres.table.float().cpu() - cpu_centres.table.float()).abs() <= 2e-2 * (1 + cpu_centres.table.float().abs())
+        ref_table = cpu_centres.table.float()
+        near = (gpu_centres.table.float().cpu() - ref_table).abs() <= 2e-2 * (1 + ref_table.abs())
         assert near.float().mean() > 0.99
 
     # The rotation itself rounds to the model's dtype on the GPU: compare the keys they read back
