@@ -127,6 +127,14 @@ def test_prefix_cache_reuses_blocks_and_keeps_tokens(prefix_pipe, pipe):
     assert prefix_pipe._stack.call(lambda e: e.stats()).prefix_hit_tokens >= second.num_cached_tokens
 
 
+def test_chat_turn_returns_a_logprob_entry_per_token(pipe):
+    """A non-streamed chat turn gathers every streamed piece's logprobs, not only the last one's."""
+    sess = pipe.chat("Say hello.", gen_config=GenerationConfig(max_new_tokens=8, top_k=1, logprobs=3))
+    assert len(sess.response.logprobs) == len(sess.response.token_ids) > 1
+    assert all(len(lp) >= 1 for lp in sess.response.logprobs)
+    sess.close()
+
+
 def test_multi_turn_session_equals_full_history(pipe, hf):
     tok, _ = hf
     gen = GenerationConfig(max_new_tokens=32, top_k=1)
