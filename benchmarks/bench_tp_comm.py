@@ -5,8 +5,9 @@
 * All-reduce (GPU, one process per GPU, ``--world`` of them, default all visible): the latency of
   one all-reduce of ``[batch, hidden]`` fp16 for decode batches 1..256, through
   ``torch.distributed`` (NCCL) eagerly and replayed inside a CUDA graph (100 captured back to
-  back, the way the decode graphs hold them), and through cupy's NCCL bindings eagerly. The
-  engine uses ``torch.distributed``: it is what the CUDA graphs capture with no glue.
+  back, the way the decode graphs hold them), and with ``--cupy`` through cupy's NCCL bindings
+  eagerly. The engine uses ``torch.distributed``: it is what the CUDA graphs capture with no
+  glue. Rank 0 prints each batch's row as soon as it is measured.
 * Step plan (CPU): what rank 0 pays per step to hand a decode plan of ``batch`` sequences to
   another rank: msgpack encode + ZeroMQ ipc send + receive + decode, measured as half a
   ping-pong round trip between two processes; against the same bytes sent by a gloo broadcast
@@ -30,7 +31,7 @@ import torch
 BATCHES = (1, 8, 32, 64, 128, 256)
 
 
-def _allreduce_rank(rank: int, world: int, port: int, hidden: int, queue) -> None:
+def _allreduce_rank(rank: int, world: int, port: int, hidden: int, queue, with_cupy: bool) -> None:
     import torch.distributed as dist
 
     from benchmarks.common import cuda_time_us
@@ -38,8 +39,10 @@ def _allreduce_rank(rank: int, world: int, port: int, hidden: int, queue) -> Non
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, device_id=dev)
-    rows = []
+    comm = None
     try:
+        if not with_cupy:
+            raise RuntimeError("not asked for (--cupy)")
         from cupy.cuda import nccl
 
         uid = nccl.get_unique_id() if rank == 0 else None
@@ -48,7 +51,7 @@ def _allreduce_rank(rank: int, world: int, port: int, hidden: int, queue) -> Non
         comm = nccl.NcclCommunicator(world, box[0], rank)
     except Exception as exc:  # noqa: BLE001 - cupy's NCCL is optional here
         comm = None
-        if rank == 0:
+        if rank == 0 and with_cupy:
             print(f"cupy NCCL unavailable: {exc}")
     for batch in BATCHES:
         x = torch.randn(batch, hidden, dtype=torch.float16, device=dev)
@@ -76,12 +79,13 @@ def _allreduce_rank(rank: int, world: int, port: int, hidden: int, queue) -> Non
             for _ in range(20):
                 cupy_allreduce()
             cupy_us = cuda_time_us(cupy_allreduce, 1, calls=200)
-        rows.append(dict(batch=batch, bytes=x.numel() * 2, torch_eager_us=eager, torch_graph_us=in_graph,
-                         cupy_eager_us=cupy_us))
+        if rank == 0:  # each row as soon as measured: a hang later loses nothing
+            queue.put(dict(batch=batch, bytes=x.numel() * 2, torch_eager_us=eager, torch_graph_us=in_graph,
+                           cupy_eager_us=cupy_us))
     if rank == 0:
-        queue.put(rows)
+        queue.put(None)
     dist.barrier()
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # collective under NCCL: every rank calls it
 
 
 def _plan_echo(address: str) -> None:
@@ -194,6 +198,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=None, help="GPUs (default: all visible; 0: skip the all-reduce)")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--name", default=None)
+    ap.add_argument("--cupy", action="store_true", help="also time cupy's NCCL bindings (eager)")
     args = ap.parse_args()
     world = args.world if args.world is not None else torch.cuda.device_count()
     records = []
@@ -204,20 +209,25 @@ def main() -> None:
         records.append(record(benchmark="tp_step_plan", batch=batch, latency_us=us, gloo_latency_us=gloo_us,
                               tp=world or 1))
     if world:
-        queue = mp.get_context("spawn").SimpleQueue()
+        spawn = mp.get_context("spawn")
+        queue = spawn.Queue()
         port = free_port()
-        procs = [mp.get_context("spawn").Process(target=_allreduce_rank, args=(r, world, port, args.hidden, queue))
-                 for r in range(world)]
+        procs = [spawn.Process(target=_allreduce_rank, daemon=True,
+                               args=(r, world, port, args.hidden, queue, args.cupy)) for r in range(world)]
         for p in procs:
             p.start()
-        rows = queue.get()
-        for p in procs:
-            p.join(120)
-        print(f"all-reduce over {world} GPU(s), [batch, {args.hidden}] fp16: torch eager / torch in a CUDA graph / cupy eager (us)")
-        for row in rows:
+        print(f"all-reduce over {world} GPU(s), [batch, {args.hidden}] fp16: torch eager / torch in a CUDA graph / "
+              "cupy eager (us)", flush=True)
+        while (row := queue.get(timeout=300)) is not None:
+            cupy_us = row["cupy_eager_us"]
             print(f"  batch {row['batch']:4d} ({row['bytes'] / 1024:7.1f} KiB): {row['torch_eager_us']:7.1f} "
-                  f"{row['torch_graph_us']:7.1f} {row['cupy_eager_us'] if row['cupy_eager_us'] is None else round(row['cupy_eager_us'], 1)}")
+                  f"{row['torch_graph_us']:7.1f} {cupy_us if cupy_us is None else round(cupy_us, 1)}", flush=True)
             records.append(record(benchmark="tp_allreduce", tp=world, model_format="hf", **row))
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                print(f"all-reduce rank (pid {p.pid}) still running 30 s after the last row: killed")
+                p.kill()
     save(records, args.name or f"bench_tp_comm_w{world}")
 
 

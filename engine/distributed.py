@@ -91,6 +91,10 @@ def init_tp(rank: int, size: int, init_method: str, device: torch.device) -> TPG
         raise EngineConfigError(
             "torch.distributed is already initialized in this process; tensor parallel needs its own "
             "process group: run the engine in a process of its own (conveyor serve api_server --tp N)")
+    if device.type == "cuda":
+        # Triton launches and CUDA graphs work on the current device, not the tensors': a rank on
+        # cuda:1 whose current device is still cuda:0 fails its first kernel ("cannot be accessed").
+        torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
@@ -102,12 +106,29 @@ def init_tp(rank: int, size: int, init_method: str, device: torch.device) -> TPG
     return _GROUP
 
 
-def close_tp() -> None:
-    """Leave the process group (the engine's shutdown); the single-rank group is back."""
+def close_tp(abort: bool = False) -> None:
+    """Leave the process group (the engine's shutdown); the single-rank group is back.
+
+    NCCL's destroy is collective (torch >= 2.6 flushes with ``ncclCommFinalize``): a rank that
+    calls it waits until every rank has, so the ranks must leave together, never one after
+    another has exited. With a peer dead or stuck (``abort``), the communicators are aborted
+    instead, which waits for no one. gloo's destroy waits for no one either way."""
     global _GROUP
     if _GROUP.group is not None and dist.is_initialized():
-        dist.destroy_process_group()
+        if abort:
+            abort_tp()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     _GROUP = TPGroup()
+
+
+def abort_tp() -> None:
+    """Abort this process's NCCL communicators, so a collective waiting on a dead peer returns
+    (the workers' watchdog calls it from its own thread). A no-op for gloo, whose collectives
+    raise once a peer is gone, and where torch lacks the call."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None and dist.is_initialized() and dist.get_backend() == "nccl":
+        abort()
 # torch renamed all_gather_into_tensor (deprecated in newer releases; the device's 2.11 may lack the new name).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

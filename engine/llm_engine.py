@@ -151,13 +151,22 @@ class LLMEngine:
         self._tp_group = init_tp(0, self.config.tp, init_method, self.device)
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks and leave the process group (nothing to do at tp=1)."""
+        """Stop the tensor-parallel ranks and leave the process group (nothing to do at tp=1).
+
+        The order matters under NCCL, whose group destroy is collective: the ranks are told to
+        stop (each then leaves the group), rank 0 leaves it at the same time, and only then are
+        the ranks' processes waited for. Waiting first would deadlock: each rank waits in its
+        destroy for rank 0, rank 0 waits for the ranks to exit, kills them, and then its own
+        destroy waits forever for ranks that are gone."""
+        healthy = True
+        if self.tp_workers is not None:
+            healthy = self.tp_workers.stop()
+        if self._tp_group is not None:
+            close_tp(abort=not healthy)
+            self._tp_group = None
         if self.tp_workers is not None:
             self.tp_workers.close()
             self.tp_workers = None
-        if self._tp_group is not None:
-            close_tp()
-            self._tp_group = None
 
     @property
     def has_work(self) -> bool:

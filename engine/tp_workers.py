@@ -10,10 +10,15 @@ plan itself; the ranks meet in the step's collectives (``engine/distributed.py``
 Failure. Every rank sends a heartbeat each ``HEARTBEAT_S`` from a thread of its own, so a rank
 that is alive but busy keeps beating. Rank 0's watchdog thread calls it failed when its process
 exits, when it reports an error, or when its beats stop for ``hang_timeout`` seconds (a frozen
-process). It then kills every rank (a collective that waits on a dead peer never returns: with
-the peers gone, gloo's raises) and calls ``on_failure``: the engine process exits there, so the
-launcher fails the requests in flight and restarts the stage; in-process (the pipeline) the next
-step raises. A rank whose parent (rank 0) dies exits by itself: no process outlives the engine.
+process). It then kills every rank and aborts rank 0's NCCL communicators (a collective that
+waits on a dead peer never returns: with the peers gone, gloo's raises; NCCL's returns once
+aborted) and calls ``on_failure``: the engine process exits there, so the launcher fails the
+requests in flight and restarts the stage; in-process (the pipeline) the next step raises. A
+rank whose parent (rank 0) dies exits by itself: no process outlives the engine.
+
+Stopping. ``stop`` sends every rank a STOP plan, on which it leaves the process group and exits;
+rank 0 leaves the group at the same time (``LLMEngine.close``), since NCCL's destroy is
+collective; ``close`` then waits for the processes.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from ..protocol.codec import Codec
 from ..protocol.errors import EngineConfigError
 from ..protocol.tp import HEARTBEAT_S, RankIn, RankOut, RankStatus, StepKind, StepPlan
 from .config import EngineConfig
+from .distributed import abort_tp
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +83,8 @@ class TPWorkers:
         self._beats: dict[int, float] = {}  # last heartbeat per rank (none yet: still importing)
         self._closing = False
         self._failing = False
+        self._stopping = False
+        self._stopped_whole = False
         level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         spawn = mp.get_context("spawn")
         for rank in range(1, self.size):
@@ -130,8 +138,8 @@ class TPWorkers:
                     logger.info("tensor-parallel rank %d ready (pid %d)", msg.rank, msg.pid)
                 elif msg.state == "failed":
                     self._fail(f"rank {msg.rank} failed: {msg.error}")
-            if self._closing or self._failing:
-                continue
+            if self._stopping or self._failing:
+                continue  # once told to stop, ranks exit by design
             now = time.monotonic()
             for rank, proc in enumerate(self.procs, start=1):
                 if not proc.is_alive():
@@ -144,11 +152,12 @@ class TPWorkers:
                     break
 
     def _fail(self, why: str) -> None:
-        if self._failing or self._closing:
+        if self._failing or self._stopping:
             return
         self._failing = True
         logger.error("tensor parallel: %s; stopping every rank", why)
         self._kill_all()
+        abort_tp()  # under NCCL, a collective rank 0 waits in would otherwise wait for the dead
         self.failure = why  # set once every rank is gone: whoever reads it finds none left
         if self.on_failure is not None:
             self.on_failure(why)
@@ -161,15 +170,27 @@ class TPWorkers:
             proc.join(5)
 
     # ---- stopping ---------------------------------------------------------------------------------
-    def close(self, timeout: float = 10.0) -> None:
-        """Tell every rank to stop, wait for them (killing what is left), release the sockets."""
-        if self._closing:
-            return
-        self._closing = True
+    def stop(self) -> bool:
+        """Tell every rank to stop: each leaves the process group and exits. Returns whether the
+        group is whole (every rank started and none failed), i.e. whether the ranks will leave
+        the group with rank 0; if not, rank 0 must abort it rather than wait for them."""
+        if self._stopping:
+            return self._stopped_whole
+        self._stopping = True
+        self._stopped_whole = self.failure is None and len(self._ready) == self.size - 1
         if self.failure is None:
             stop = self._codec.encode(StepPlan(StepKind.STOP))
             for sock in self._plans:
                 sock.send(stop, copy=False)
+        return self._stopped_whole
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every rank (``stop`` if not done), wait for them (killing what is left), release
+        the sockets."""
+        if self._closing:
+            return
+        self.stop()
+        self._closing = True
         deadline = time.monotonic() + timeout
         for proc in self.procs:
             proc.join(max(deadline - time.monotonic(), 0.1))

@@ -134,7 +134,51 @@ def test_a_model_the_ranks_cannot_split_is_refused_before_anything_starts(dense_
         engine(dense_dir, tp=3)
 
 
-def test_a_frozen_rank_is_found_and_every_rank_stopped(dense_dir) -> None:
+def test_init_tp_makes_the_rank_s_gpu_current_before_joining(monkeypatch) -> None:
+    """Triton launches and CUDA graphs act on the current device: rank 1 on cuda:1 with cuda:0
+    current fails its first kernel (seen on two H200s)."""
+    import torch.distributed as dist
+
+    from conveyor.engine import distributed
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend)))
+    monkeypatch.setattr(distributed.TPGroup, "all_reduce", lambda self, x: x)
+    monkeypatch.setattr(torch, "zeros", lambda *a, **kw: None)
+    monkeypatch.setattr(distributed, "_GROUP", distributed.TPGroup())
+    distributed.init_tp(1, 2, "tcp://127.0.0.1:1", torch.device("cuda", 1))
+    assert calls == [("set_device", torch.device("cuda", 1)), ("init", "nccl")]
+
+
+def test_close_lets_the_ranks_leave_the_group_with_rank_0(dense_dir, monkeypatch) -> None:
+    """NCCL's group destroy is collective: rank 0 must leave the group while the ranks do (told
+    to stop, not yet waited for), and the ranks then exit by themselves, not killed."""
+    from conveyor.engine import llm_engine
+
+    seen = []
+    real_close_tp = llm_engine.close_tp
+
+    def close_tp(abort=False):
+        workers = eng.tp_workers
+        seen.append((abort, workers is not None and workers._stopping, workers is not None and workers._closing))
+        real_close_tp(abort)
+
+    monkeypatch.setattr(llm_engine, "close_tp", close_tp)
+    eng = engine(dense_dir, tp=2)
+    procs = list(eng.tp_workers.procs)
+    eng.close()
+    assert seen == [(False, True, False)]  # stopped, not aborted, not yet waited for
+    assert [p.exitcode for p in procs] == [0]
+
+
+def test_a_frozen_rank_is_found_and_every_rank_stopped(dense_dir, monkeypatch) -> None:
+    from conveyor.engine import llm_engine
+
+    aborts = []
+    real_close_tp = llm_engine.close_tp
+    monkeypatch.setattr(llm_engine, "close_tp", lambda abort=False: (aborts.append(abort), real_close_tp(abort)))
     eng = engine(dense_dir, tp=2)
     try:
         workers = eng.tp_workers
@@ -151,6 +195,7 @@ def test_a_frozen_rank_is_found_and_every_rank_stopped(dense_dir) -> None:
             eng.step()
     finally:
         eng.close()
+    assert aborts == [True]  # a group with a dead rank is aborted, not destroyed with it
 
 
 @pytest.mark.gpu
