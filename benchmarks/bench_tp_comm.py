@@ -4,10 +4,12 @@
 
 * All-reduce (GPU, one process per GPU, ``--world`` of them, default all visible): the latency of
   one all-reduce of ``[batch, hidden]`` fp16 for decode batches 1..256, through
-  ``torch.distributed`` (NCCL) eagerly and replayed inside a CUDA graph (100 captured back to
-  back, the way the decode graphs hold them), and with ``--cupy`` through cupy's NCCL bindings
-  eagerly. The engine uses ``torch.distributed``: it is what the CUDA graphs capture with no
-  glue. Rank 0 prints each batch's row as soon as it is measured.
+  ``torch.distributed`` (NCCL) and through the peer-read paths (``engine/peer_all_reduce.py``:
+  one_shot, two_shot; their sums checked against NCCL's), each eagerly and replayed inside a
+  CUDA graph (100 captured back to back, the way the decode graphs hold them), and with
+  ``--cupy`` through cupy's NCCL bindings eagerly. The engine uses ``torch.distributed`` unless
+  ``CONVEYOR_TP_ALLREDUCE`` picks a peer path for small tensors. Rank 0 prints each batch's row
+  as soon as it is measured.
 * Step plan (CPU): what rank 0 pays per step to hand a decode plan of ``batch`` sequences to
   another rank: msgpack encode + ZeroMQ ipc send + receive + decode, measured as half a
   ping-pong round trip between two processes; against the same bytes sent by a gloo broadcast
@@ -53,23 +55,48 @@ def _allreduce_rank(rank: int, world: int, port: int, hidden: int, queue, with_c
         comm = None
         if rank == 0 and with_cupy:
             print(f"cupy NCCL unavailable: {exc}")
-    for batch in BATCHES:
-        x = torch.randn(batch, hidden, dtype=torch.float16, device=dev)
+    peers = {}
+    for kind in ("one_shot", "two_shot"):
+        try:
+            from conveyor.engine.peer_all_reduce import PeerAllReduce
+
+            peers[kind] = PeerAllReduce(kind, dist.group.WORLD, dev)
+        except Exception as exc:  # noqa: BLE001 - report, time the rest
+            if rank == 0:
+                print(f"{kind} peer all-reduce unavailable: {type(exc).__name__}: {exc}", flush=True)
+
+    def timed(all_reduce, x):
+        """(eager µs, µs each of 100 replayed from one CUDA graph) of ``all_reduce(x)``."""
         for _ in range(20):
-            dist.all_reduce(x)
-        eager = cuda_time_us(lambda: dist.all_reduce(x), 1, calls=200)
+            all_reduce(x)
+        eager = cuda_time_us(lambda: all_reduce(x), 1, calls=200)
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            dist.all_reduce(x)
+            all_reduce(x)
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(graph):
             for _ in range(100):
-                dist.all_reduce(x)
+                all_reduce(x)
         graph.replay()
-        in_graph = cuda_time_us(graph.replay, 1, calls=10) / 100
-        cupy_us = None
+        return eager, cuda_time_us(graph.replay, 1, calls=10) / 100
+
+    for batch in BATCHES:
+        x = torch.randn(batch, hidden, dtype=torch.float16, device=dev)
+        row = dict(batch=batch, bytes=x.numel() * 2)
+        row["torch_eager_us"], row["torch_graph_us"] = timed(lambda t: dist.all_reduce(t), x)
+        for kind, peer in peers.items():
+            if not peer.fits(x):
+                continue
+            # The same sum as NCCL's, within fp16 rounding of a different order of adds.
+            a = torch.randn(batch, hidden, dtype=torch.float16, device=dev)
+            want, got = a.clone(), a.clone()
+            dist.all_reduce(want)
+            peer(got)
+            row[f"{kind}_max_err"] = float((got.float() - want.float()).abs().max())
+            row[f"{kind}_eager_us"], row[f"{kind}_graph_us"] = timed(peer, x)
+        row["cupy_eager_us"] = None
         if comm is not None:
             s = torch.cuda.current_stream().cuda_stream
 
@@ -78,10 +105,9 @@ def _allreduce_rank(rank: int, world: int, port: int, hidden: int, queue, with_c
 
             for _ in range(20):
                 cupy_allreduce()
-            cupy_us = cuda_time_us(cupy_allreduce, 1, calls=200)
+            row["cupy_eager_us"] = cuda_time_us(cupy_allreduce, 1, calls=200)
         if rank == 0:  # each row as soon as measured: a hang later loses nothing
-            queue.put(dict(batch=batch, bytes=x.numel() * 2, torch_eager_us=eager, torch_graph_us=in_graph,
-                           cupy_eager_us=cupy_us))
+            queue.put(row)
     if rank == 0:
         queue.put(None)
     dist.barrier()
@@ -216,12 +242,18 @@ def main() -> None:
                                args=(r, world, port, args.hidden, queue, args.cupy)) for r in range(world)]
         for p in procs:
             p.start()
-        print(f"all-reduce over {world} GPU(s), [batch, {args.hidden}] fp16: torch eager / torch in a CUDA graph / "
-              "cupy eager (us)", flush=True)
+        print(f"all-reduce over {world} GPU(s), [batch, {args.hidden}] fp16, µs eager / in a CUDA graph: NCCL "
+              "(torch.distributed), one_shot and two_shot (peer reads, max |error| against NCCL), cupy eager",
+              flush=True)
         while (row := queue.get(timeout=300)) is not None:
-            cupy_us = row["cupy_eager_us"]
-            print(f"  batch {row['batch']:4d} ({row['bytes'] / 1024:7.1f} KiB): {row['torch_eager_us']:7.1f} "
-                  f"{row['torch_graph_us']:7.1f} {cupy_us if cupy_us is None else round(cupy_us, 1)}", flush=True)
+            cells = [f"NCCL {row['torch_eager_us']:6.1f} / {row['torch_graph_us']:6.1f}"]
+            for kind in ("one_shot", "two_shot"):
+                if f"{kind}_graph_us" in row:
+                    cells.append(f"{kind} {row[f'{kind}_eager_us']:6.1f} / {row[f'{kind}_graph_us']:6.1f} "
+                                 f"(err {row[f'{kind}_max_err']:.3g})")
+            if row["cupy_eager_us"] is not None:
+                cells.append(f"cupy {row['cupy_eager_us']:6.1f}")
+            print(f"  batch {row['batch']:4d} ({row['bytes'] / 1024:7.1f} KiB): " + "; ".join(cells), flush=True)
             records.append(record(benchmark="tp_allreduce", tp=world, model_format="hf", **row))
         for p in procs:
             p.join(30)

@@ -10,7 +10,7 @@
 # STAGE "ab BEFORE_DIR": batch-1 decode and the ShareGPT-shaped workload for the tree in
 #   BEFORE_DIR (an older commit, run the way that commit's own run_h100.sh ran it) and for this
 #   tree, alternating, in one call: a before/after comparison free of machine-to-machine spread.
-# STAGE "tp BEFORE_DIR" / "tp2": tensor parallel (see their blocks below).
+# STAGE "tp BEFORE_DIR" / "tp2": tensor parallel (see their blocks below; tp2 packs its output into $OUT/tp2.tgz).
 # STAGE "bench": this tree's Llama-2-7B grid and ShareGPT run.
 # STAGE "served": offline against served throughput (see its block below).
 # STAGE "quant": the W4A16/W8A8 kernel tests and microbenchmarks, then Llama-2-7B fp16 and AWQ
@@ -140,29 +140,40 @@ if [ "$STAGE" = tp ]; then
   done
 fi
 
-# STAGE "tp2": issue 15 on a machine of two GPUs (kind nvidia-h200-x2); records land in
-#   benchmarks/results/h200x2/. Correctness (a Llama-2-7B-shape checkpoint cut to 4 layers,
-#   tp=2 against tp=1 on the same weights), the tensor-parallel tests, the all-reduce across
-#   both GPUs, then Llama-2-7B generation at tp=1 and tp=2 alternating (batch 1 128/512, batch
-#   64 128/128), the ShareGPT-shaped workload at tp=2, and Llama-2-70B (does not fit one GPU) at
-#   tp=2. Each part can be skipped: SKIP_CHECK, SKIP_TESTS, SKIP_GEN, SKIP_SHAREGPT, SKIP_70B.
+# STAGE "tp2": issue 15 on a machine of two GPUs (kind nvidia-h200-x2). Each part writes its
+#   output to a log and its records under /tmp/tp2, and after each part everything is packed into
+#   $OUT/tp2.tgz (the device returns at most 8 files a call, and a part cut off by its timeout
+#   loses nothing before it). Parts, in order (TP2_PARTS, default "comm gen check tests"; also
+#   "sharegpt" and "70b", best in a call of their own):
+#   comm: the all-reduce across both GPUs (NCCL and the peer paths) and the step plan;
+#   gen: Llama-2-7B batch 1 128/512 and batch 64 128/128 at tp=1, tp=2 with each all-reduce path
+#     in $TP2_ALLREDUCE (default "nccl one_shot"), then tp=1 again (records tp<N>_<path>_b<B>);
+#   check: a Llama-2-7B-shape checkpoint cut to 4 layers, tp=2 against tp=1 on the same weights;
+#   tests: the tensor-parallel tests (the GPU ones at world size 1);
+#   sharegpt: the ShareGPT-shaped workload at tp=2; 70b: Llama-2-70B shape (too big for one GPU).
 if [ "$STAGE" = tp2 ]; then
-  export NCCL_NVLS_ENABLE=0  # the device notes: NVLink multicast stays off
-  [ -n "${SKIP_CHECK:-}" ] || timeout 300 python3 -m benchmarks.tp_correctness --model llama2-7b --layers 4 --tp 2
-  [ -n "${SKIP_TESTS:-}" ] || pytest_here 200 tests/unit/test_tensor_parallel.py
-  timeout 150 python3 -m benchmarks.bench_tp_comm --world 2
-  if [ -z "${SKIP_GEN:-}" ]; then
-    G1="benchmarks.profile_generation --model llama2-7b -b 1 -c 128:512"
-    G64="benchmarks.profile_generation --model llama2-7b -b 64 -c 128:128"
-    for tp in 1 2 2 1; do
-      n=$([ -f "$BENCH_OUT/tp${tp}_b1.json" ] && echo 2 || echo "")
-      timeout 200 python3 -m $G1 --tp $tp --name "tp${tp}_b1${n}"
-      timeout 200 python3 -m $G64 --tp $tp --name "tp${tp}_b64${n}"
-    done
-  fi
-  [ -n "${SKIP_SHAREGPT:-}" ] || timeout 400 python3 -m benchmarks.profile_throughput --model llama2-7b --tp 2 --name tp2_sharegpt
-  [ -n "${SKIP_70B:-}" ] || timeout 580 python3 -m benchmarks.profile_generation --model llama2-70b --tp 2 \
-    -b 1 -b 64 -c 128:512 -c 128:128 --name tp2_llama2_70b
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the device notes
+  W=/tmp/tp2; mkdir -p $W; export BENCH_OUT=$W
+  part() {  # part NAME TIMEOUT COMMAND...: run, log, print the log's tail, pack
+    local name=$1 t=$2; shift 2; local s=$(date +%s)
+    timeout "$t" "$@" > "$W/$name.log" 2>&1; echo "== $name: rc=$? in $(( $(date +%s) - s )) s"
+    grep -v -E "^\s*$|Warning|warn\(" "$W/$name.log" | tail -${TAIL:-12}
+    tar czf "${OUT:-/tmp/out}/tp2.tgz" -C $W .
+  }
+  G="python3 -m benchmarks.profile_generation --model llama2-7b"
+  for p in ${TP2_PARTS:-comm gen check tests}; do case $p in
+    comm) part comm 150 python3 -m benchmarks.bench_tp_comm --world 2 ;;
+    gen) for run in 1:nccl $(for k in ${TP2_ALLREDUCE:-nccl one_shot}; do echo 2:$k; done) 1:nccl_again; do
+           tp=${run%%:*}; k=${run##*:}
+           CONVEYOR_TP_ALLREDUCE=${k%_again} part gen_tp${tp}_${k}_b1 100 $G -b 1 -c 128:512 --tp $tp --name tp${tp}_${k}_b1
+           CONVEYOR_TP_ALLREDUCE=${k%_again} part gen_tp${tp}_${k}_b64 100 $G -b 64 -c 128:128 --tp $tp --name tp${tp}_${k}_b64
+         done ;;
+    check) part check 240 python3 -m benchmarks.tp_correctness --model llama2-7b --layers 4 --tp 2 ;;
+    tests) part tests 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_tensor_parallel.py ;;
+    sharegpt) part sharegpt 200 python3 -m benchmarks.profile_throughput --model llama2-7b --tp 2 --name tp2_sharegpt ;;
+    70b) part 70b 250 python3 -m benchmarks.profile_generation --model llama2-70b --tp 2 -b 1 -b 64 -c 128:512 \
+           -c 128:128 --name tp2_llama2_70b ;;
+  esac; done
 fi
 
 # STAGE "served": issue 14, part 4. The ShareGPT-shaped workload offline (profile_throughput,

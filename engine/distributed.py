@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..protocol.errors import EngineConfigError
+from .peer_all_reduce import PeerAllReduce, allreduce_kind
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: object | None = None
+    peer: object | None = None  # a PeerAllReduce for small tensors (engine/peer_all_reduce.py), or None
 
     @property
     def active(self) -> bool:
@@ -44,6 +46,8 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns it."""
+        if self.peer is not None and self.peer.fits(x):
+            return self.peer(x)
         if self.group is not None:
             dist.all_reduce(x, group=self.group)
         return x
@@ -91,6 +95,7 @@ def init_tp(rank: int, size: int, init_method: str, device: torch.device) -> TPG
         raise EngineConfigError(
             "torch.distributed is already initialized in this process; tensor parallel needs its own "
             "process group: run the engine in a process of its own (conveyor serve api_server --tp N)")
+    kind = allreduce_kind(device)
     if device.type == "cuda":
         # Triton launches and CUDA graphs work on the current device, not the tensors': a rank on
         # cuda:1 whose current device is still cuda:0 fails its first kernel ("cannot be accessed").
@@ -102,7 +107,9 @@ def init_tp(rank: int, size: int, init_method: str, device: torch.device) -> TPG
     _GROUP = TPGroup(rank, size, dist.group.WORLD)
     # The first NCCL collective sets up the communicator: do it now, not inside a graph capture.
     _GROUP.all_reduce(torch.zeros(1, device=device))
-    logger.info("tensor parallel: rank %d of %d (%s)", rank, size, backend)
+    if kind != "nccl":
+        _GROUP = TPGroup(rank, size, dist.group.WORLD, PeerAllReduce(kind, dist.group.WORLD, device))
+    logger.info("tensor parallel: rank %d of %d (%s, small all-reduces: %s)", rank, size, backend, kind)
     return _GROUP
 
 

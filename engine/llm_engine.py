@@ -143,8 +143,10 @@ class LLMEngine:
         self.generated_tokens = 0
 
     def _start_tensor_parallel(self) -> None:
+        from .peer_all_reduce import allreduce_kind
         from .tp_workers import TPWorkers, free_port
 
+        allreduce_kind(self.device)  # refuse a wrong CONVEYOR_TP_ALLREDUCE before any rank starts
         if self.config.tp > 1:
             self.tp_workers = TPWorkers(self.model_path, self.config)
         init_method = self.tp_workers.init_method if self.tp_workers else f"tcp://127.0.0.1:{free_port()}"

@@ -198,11 +198,47 @@ def test_a_frozen_rank_is_found_and_every_rank_stopped(dense_dir, monkeypatch) -
     assert aborts == [True]  # a group with a dead rank is aborted, not destroyed with it
 
 
+@pytest.mark.parametrize("value, error", [("bogus", "not one of nccl, one_shot, two_shot"),
+                                          ("one_shot", "needs CUDA devices")])
+def test_a_wrong_all_reduce_path_is_refused_before_any_rank_starts(dense_dir, monkeypatch, value, error) -> None:
+    import multiprocessing
+
+    monkeypatch.setenv("CONVEYOR_TP_ALLREDUCE", value)
+    before = multiprocessing.active_children()
+    with pytest.raises(EngineConfigError, match=error):
+        engine(dense_dir, tp=2)
+    assert multiprocessing.active_children() == before
+
+
+def test_small_all_reduces_take_the_peer_path_and_large_ones_the_group() -> None:
+    from conveyor.engine.distributed import TPGroup
+
+    class Peer:
+        def __init__(self):
+            self.summed = []
+
+        def fits(self, x):
+            return x.numel() <= 8
+
+        def __call__(self, x):
+            self.summed.append(x.numel())
+            return x.mul_(2)
+
+    peer = Peer()
+    group = TPGroup(0, 2, None, peer)
+    small, large = torch.ones(2, 4), torch.ones(3, 4)
+    assert group.all_reduce(small) is small and small.eq(2).all()
+    assert group.all_reduce(large) is large and large.eq(1).all()  # no process group here: unchanged
+    assert peer.summed == [8]
+
+
 @pytest.mark.gpu
-def test_the_nccl_path_at_world_size_1_runs_inside_the_decode_graphs(dense_dir, monkeypatch) -> None:
-    """Tensor parallel's collectives (an NCCL all-reduce in every row-parallel layer and the
-    embedding, the LM head's all-gather, the sampled ids' broadcast) captured in the decode CUDA
-    graphs and replayed: the same tokens and logprobs as the engine without a process group."""
+@pytest.mark.parametrize("allreduce", ["nccl", "one_shot", "two_shot"])
+def test_the_nccl_path_at_world_size_1_runs_inside_the_decode_graphs(dense_dir, monkeypatch, allreduce) -> None:
+    """Tensor parallel's collectives (an all-reduce in every row-parallel layer and the embedding,
+    by NCCL or by peer reads, CONVEYOR_TP_ALLREDUCE; the LM head's all-gather, the sampled ids'
+    broadcast) captured in the decode CUDA graphs and replayed: the same tokens and logprobs as
+    the engine without a process group."""
     import torch.distributed as dist
 
     from conveyor.engine.config import EngineConfig
@@ -220,9 +256,11 @@ def test_the_nccl_path_at_world_size_1_runs_inside_the_decode_graphs(dense_dir, 
     finally:
         plain.close()
     monkeypatch.setenv("CONVEYOR_TP_INIT", "1")
+    monkeypatch.setenv("CONVEYOR_TP_ALLREDUCE", allreduce)
     eng = gpu_engine()
     try:
         assert tp_group().active and dist.get_backend() == "nccl"
+        assert (tp_group().peer is None) == (allreduce == "nccl")
         assert eng.runner.decode_graphs.captured and eng.runner.use_cuda_graphs
         replays = []
         eng.runner.step_hooks.append(type("Hook", (), {"begin": lambda self, graph: replays.append(graph),

@@ -1,0 +1,78 @@
+"""All-reduce of decode-sized tensors by direct reads of the peers' GPU memory (NVLink).
+
+Why: at batch 1 a Llama-2-7B decode step at tp=2 runs ~67 collectives. On two H200s a step took
+3.24 ms against ~2.1 ms estimated for the halved kernels alone (docs/benchmarks.md, session 13),
+i.e. ~16 µs a collective inside the CUDA graph (an estimate from step times; ``python -m
+benchmarks.bench_tp_comm`` measures both paths). torch's symmetric-memory kernels do the sum in
+one launch with an in-kernel barrier: every rank's buffer is mapped into every other rank's
+address space.
+
+* ``one_shot``: each rank reads every peer's whole buffer and sums (lowest latency; each byte
+  crosses the link ``world - 1`` times, fine at a few hundred KiB).
+* ``two_shot``: reduce-scatter then all-gather through the same buffers (less traffic, two
+  barriers); in place.
+
+Chosen with ``CONVEYOR_TP_ALLREDUCE`` (``nccl``, the default, ``one_shot`` or ``two_shot``).
+Only tensors up to ``PEER_ALLREDUCE_MAX_BYTES`` take this path; larger ones (prefill) stay on
+NCCL, whose bandwidth wins there. The input is copied into the registered buffer and the sum
+copied back: two small copies, captured in the decode graphs with the rest.
+
+NVLink multicast (``multimem_*`` kernels) is never used: the device notes forbid it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..protocol.errors import EngineConfigError
+
+ALLREDUCE_ENV = "CONVEYOR_TP_ALLREDUCE"
+ALLREDUCE_KINDS = ("nccl", "one_shot", "two_shot")
+PEER_ALLREDUCE_MAX_BYTES = 1 << 20  # [128, 4096] fp16: every decode batch up to 128 of a 7B model
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def allreduce_kind(device: torch.device) -> str:
+    """The all-reduce path asked for in the environment (``nccl`` unless set) for a rank on
+    ``device``; refuses an unknown one, and a peer path off the GPU."""
+    kind = os.environ.get(ALLREDUCE_ENV, "nccl").strip().lower() or "nccl"
+    if kind not in ALLREDUCE_KINDS:
+        raise EngineConfigError(f"{ALLREDUCE_ENV}={kind!r} is not one of {', '.join(ALLREDUCE_KINDS)}")
+    if kind != "nccl" and device.type != "cuda":
+        raise EngineConfigError(f"{ALLREDUCE_ENV}={kind} reads peer GPUs' memory: it needs CUDA devices (the "
+                                f"engine is on {device}); unset it to use the process group's all-reduce")
+    return kind
+
+
+class PeerAllReduce:
+    """Sums small tensors over the group through one registered (symmetric-memory) buffer."""
+
+    def __init__(self, kind: str, group, device: torch.device, max_bytes: int = PEER_ALLREDUCE_MAX_BYTES):
+        if kind not in ALLREDUCE_KINDS[1:]:
+            raise EngineConfigError(f"no peer all-reduce called {kind!r}: pick one of {', '.join(ALLREDUCE_KINDS[1:])}")
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.kind = kind
+        self.name = group.group_name
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # needed before rendezvous in torch < 2.8, harmless after
+            enable(self.name)
+        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(self.buffer, group=self.name)  # collective: every rank maps every buffer
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` goes this way (else the process group's all-reduce takes it)."""
+        return x.dtype in _DTYPES and x.is_contiguous() and x.numel() * x.element_size() <= self.buffer.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; returns it."""
+        buf = self.buffer[: x.numel() * x.element_size()].view(x.dtype)
+        buf.copy_(x.view(-1))
+        if self.kind == "one_shot":
+            x.copy_(torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.name).view_as(x))
+        else:
+            torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.name)
+            x.copy_(buf.view_as(x))
+        return x
