@@ -217,7 +217,9 @@ class Scheduler:
         recomputes them. Returns how many were released."""
         released = 0
         for session_id in list(self.parked):  # in park order, so parked_at only grows
-            if now - self.parked_at[session_id] < idle_s:
+            # The deadline, not the difference: (t + idle_s) - t can round to just below idle_s,
+            # so a session checked exactly at its deadline would not count as idle.
+            if now < self.parked_at[session_id] + idle_s:
                 break
             self._release(session_id)
             released += 1

@@ -128,6 +128,19 @@ def test_only_sessions_idle_past_the_timeout_are_released(model_dir):
     assert_idle_and_empty(engine)
 
 
+def test_a_session_checked_exactly_at_its_deadline_is_released(model_dir):
+    """(t + 600) - t rounds to just below 600 for some clock readings t (this one was CI's): the
+    deadline t + 600 must still count as idle for 600 s."""
+    engine = make_engine(model_dir)
+    parked = 3513.47000136
+    assert (parked + TIMEOUT) - parked < TIMEOUT
+    engine.scheduler.clock = lambda: parked
+    turn(engine, FIRST, session_id=1)
+    assert engine.release_idle_sessions(now=parked + TIMEOUT) == 1
+    engine.end_session(1)
+    assert_idle_and_empty(engine)
+
+
 @pytest.mark.parametrize("timeout", [None, 0])
 def test_no_timeout_keeps_idle_sessions(model_dir, timeout):
     engine = make_engine(model_dir, session_idle_timeout=timeout)
