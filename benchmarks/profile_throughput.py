@@ -16,12 +16,17 @@ span the GPU can still wait on kernel launches (eager prefill), so it is an uppe
 
 ``--profile START:COUNT`` runs those steps under torch.profiler and prints (and records) their
 kernels by GPU time and how long the host blocked on the GPU; the profiler slows the run.
+
+``CONVEYOR_TP_RANK_TIMING=DIR`` (tensor parallel): every rank logs each step's wait for its plan,
+host time building and launching it, and GPU span (``engine/rank_timing.py``); the table per rank
+and step kind is printed at the end and saved in the record (``rank_timing``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -32,6 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from conveyor.engine.config import parse_cache_size
 from benchmarks.common import StepTimer, drain, dummy_engine, percentile, random_prompt, record, save
+from conveyor.engine.rank_timing import RANK_TIMING_ENV, RankTiming, StepHook, busy_seconds, read_all, table
 from benchmarks.profile_step import kernel_table
 from conveyor.protocol.sampling import SamplingParams
 
@@ -73,25 +79,6 @@ def profile_window(text: str) -> tuple[int, int]:
     return start, count
 
 
-def busy_seconds(spans) -> float:
-    """Seconds in which the GPU held some step's work: the union of the (start, end) event
-    spans. With overlapped steps the next step's span opens (on the GPU's clock) as soon as the
-    stream reaches it, so spans may touch or overlap; a gap means the GPU waited for the host."""
-    spans = [(s, e) for s, e in spans if s is not e]
-    if not spans:
-        return 0.0
-    origin = spans[0][0]
-    intervals = sorted((origin.elapsed_time(s), origin.elapsed_time(e)) for s, e in spans)
-    total, (lo, hi) = 0.0, intervals[0]
-    for a, b in intervals[1:]:
-        if a > hi:
-            total += hi - lo
-            lo, hi = a, b
-        else:
-            hi = max(hi, b)
-    return (total + hi - lo) / 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama2-7b")
@@ -120,6 +107,10 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [random_prompt(rng, i, vocab) for i, _ in work]
     timer = StepTimer().attach(engine)
+    timing_dir = os.environ.get(RANK_TIMING_ENV)  # every rank's step times (tensor parallel's profile)
+    rank0 = StepHook(RankTiming(0, Path(timing_dir), engine.device)) if timing_dir else None
+    if rank0 is not None:
+        engine.runner.step_hooks.append(rank0)
     preempted = [0]
     schedule = engine.scheduler.schedule
 
@@ -198,8 +189,15 @@ def main() -> None:
     rec = record(engine="conveyor", model=args.model, precision=args.dtype, benchmark="profile_throughput",
                  batch=args.max_batch_size, quant_policy=args.quant_policy, tp=args.tp, dataset=args.dataset.name, **result)
     path = save([rec], args.name or f"profile_throughput_{args.model}")
-    engine.close()  # tensor parallel: stops the other ranks
-    print(f"saved {path}")
+    print(f"saved {path}", flush=True)
+    if rank0 is not None:
+        engine.runner.step_hooks.remove(rank0)
+        rank0.timing.write()
+    engine.close()  # tensor parallel: stops the other ranks (which write their step times as they stop)
+    if rank0 is not None:
+        rec["rank_timing"] = read_all(Path(timing_dir))
+        print(table(rec["rank_timing"]))
+        print(f"saved {save([rec], args.name or f'profile_throughput_{args.model}')} (with every rank's step times)")
 
 
 if __name__ == "__main__":

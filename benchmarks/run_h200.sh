@@ -150,7 +150,8 @@ fi
 #     in $TP2_ALLREDUCE (default "nccl one_shot"), then tp=1 again (records tp<N>_<path>_b<B>);
 #   check: a Llama-2-7B-shape checkpoint cut to 4 layers, tp=2 against tp=1 on the same weights;
 #   tests: the tensor-parallel tests (the GPU ones at world size 1);
-#   sharegpt: the ShareGPT-shaped workload at tp=2; 70b: Llama-2-70B shape (too big for one GPU).
+#   sharegpt: the ShareGPT-shaped workload at tp=2, with every rank's step times (wait, host, GPU;
+#     engine/rank_timing.py); 70b: Llama-2-70B shape (too big for one GPU).
 if [ "$STAGE" = tp2 ]; then
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the device notes
   W=/tmp/tp2; mkdir -p $W; export BENCH_OUT=$W
@@ -170,7 +171,8 @@ if [ "$STAGE" = tp2 ]; then
          done ;;
     check) part check 240 python3 -m benchmarks.tp_correctness --model llama2-7b --layers 4 --tp 2 ;;
     tests) part tests 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_tensor_parallel.py ;;
-    sharegpt) part sharegpt 200 python3 -m benchmarks.profile_throughput --model llama2-7b --tp 2 --name tp2_sharegpt ;;
+    sharegpt) CONVEYOR_TP_RANK_TIMING=$W/rank_timing part sharegpt 200 python3 -m benchmarks.profile_throughput \
+                --model llama2-7b --tp 2 --name tp2_sharegpt ;;
     70b) part 70b 250 python3 -m benchmarks.profile_generation --model llama2-70b --tp 2 -b 1 -b 64 -c 128:512 \
            -c 128:128 --name tp2_llama2_70b ;;
   esac; done

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import StepTimer
-from benchmarks.profile_throughput import busy_seconds
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.rank_timing import busy_seconds
 
 WRITE_EVERY_S = 5.0
 

@@ -43,9 +43,11 @@ from ..protocol.errors import EngineConfigError
 from ..protocol.tp import HEARTBEAT_S, RankIn, RankOut, RankStatus, StepKind, StepPlan
 from .config import EngineConfig
 from .distributed import abort_tp
+from .rank_timing import RankTiming
 
 logger = logging.getLogger(__name__)
 
+_KIND_NAMES = {StepKind.GRAPH: "graph", StepKind.FORWARD: "eager", StepKind.SCORE: "score"}
 HANG_TIMEOUT_ENV = "CONVEYOR_TP_HANG_S"
 DEFAULT_HANG_TIMEOUT_S = 30.0  # a rank whose heartbeat thread is silent this long is frozen
 READY_TIMEOUT_S = 1800.0  # loading a large checkpoint and capturing graphs takes minutes
@@ -254,13 +256,24 @@ def run_tp_rank(rank: int, size: int, init_method: str, plan_address: str, statu
         path, model_config, device, dtype = resolve_engine_inputs(model_path, config, rank)
         init_tp(rank, size, init_method, device)
         runner = ModelRunner(path, model_config, config, device, dtype)
+        timing = RankTiming.from_env(rank, device)  # benchmarks only (CONVEYOR_TP_RANK_TIMING)
         out_codec.send(status, RankStatus(rank, "ready", os.getpid()))
         prev_ids = None
         while True:
+            t_wait = time.perf_counter()
             plan = in_codec.recv(plans)
             if plan.kind == StepKind.STOP:
                 break
+            if timing is None:
+                prev_ids = runner.follow(plan, prev_ids)
+                continue
+            t_host = time.perf_counter()
+            timing.begin()
             prev_ids = runner.follow(plan, prev_ids)
+            timing.end(_KIND_NAMES.get(plan.kind, str(plan.kind)), len(plan.input_ids), t_host - t_wait,
+                       time.perf_counter() - t_host)
+        if timing is not None:
+            timing.write()
         close_tp()
     except Exception as exc:  # noqa: BLE001 - report to rank 0, then exit
         logger.exception("tensor-parallel rank %d failed", rank)

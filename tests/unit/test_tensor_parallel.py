@@ -129,6 +129,29 @@ def test_tp_on_a_w8a8_checkpoint(tmp_path) -> None:
     _same(ref, got, atol=0.1)
 
 
+def test_every_rank_logs_its_step_times_when_asked(dense_dir, monkeypatch, tmp_path) -> None:
+    """CONVEYOR_TP_RANK_TIMING: rank 1 writes, as it stops, each step kind's wait for the plan and
+    host time (the GPU span off a GPU: none); rank 0's hook logs the same steps."""
+    from conveyor.engine.rank_timing import RankTiming, StepHook, read_all, table
+
+    monkeypatch.setenv("CONVEYOR_TP_RANK_TIMING", str(tmp_path))
+    eng = engine(dense_dir, tp=2)
+    rank0 = StepHook(RankTiming(0, tmp_path, eng.device))
+    eng.runner.step_hooks.append(rank0)
+    try:
+        _trace(eng, n=4)
+        rank0.timing.write()
+    finally:
+        eng.close()
+    summaries = read_all(tmp_path)
+    assert [s["rank"] for s in summaries] == [0, 1]
+    assert summaries[0]["steps"] == summaries[1]["steps"] > 0  # rank 1 followed every step rank 0 ran
+    eager = summaries[1]["by_kind"]["eager"]
+    assert eager["mean_tokens"] > 0 and eager["mean_host_ms"] > 0 and eager["mean_wait_ms"] >= 0
+    assert eager["mean_gpu_ms"] is None and summaries[1]["gpu_busy_s"] is None
+    assert "eager" in table(summaries)
+
+
 def test_a_model_the_ranks_cannot_split_is_refused_before_anything_starts(dense_dir) -> None:
     with pytest.raises(EngineConfigError, match="num_attention_heads|tp=3"):
         engine(dense_dir, tp=3)
