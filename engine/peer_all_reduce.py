@@ -1,9 +1,10 @@
 """All-reduce of decode-sized tensors by direct reads of the peers' GPU memory (NVLink).
 
 Why: at batch 1 a Llama-2-7B decode step at tp=2 runs ~67 collectives. On two H200s a step took
-3.24 ms against ~2.1 ms estimated for the halved kernels alone (docs/benchmarks.md, session 13),
-i.e. ~16 µs a collective inside the CUDA graph (an estimate from step times; ``python -m
-benchmarks.bench_tp_comm`` measures both paths). torch's symmetric-memory kernels do the sum in
+3.24 ms against at most ~2.1 ms for tp=1's step halved (docs/benchmarks.md, session 13), so a
+collective costs at most ~16 µs inside the CUDA graph (an estimate from step times, which also
+hold per-kernel costs that do not halve; ``python -m benchmarks.bench_tp_comm`` measures both
+paths). torch's symmetric-memory kernels do the sum in
 one launch with an in-kernel barrier: every rank's buffer is mapped into every other rank's
 address space.
 
