@@ -45,7 +45,8 @@ class TPGroup:
         return self.group is not None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place; returns it."""
+        """The sum of ``x`` over the ranks: ``x`` itself, summed in place, or (the peer path) a
+        new tensor, with ``x`` left as it was. Callers use the returned tensor."""
         if self.peer is not None and self.peer.fits(x):
             return self.peer(x)
         if self.group is not None:

@@ -15,8 +15,9 @@ address space.
 
 Chosen with ``CONVEYOR_TP_ALLREDUCE`` (``nccl``, the default, ``one_shot`` or ``two_shot``).
 Only tensors up to ``PEER_ALLREDUCE_MAX_BYTES`` take this path; larger ones (prefill) stay on
-NCCL, whose bandwidth wins there. The input is copied into the registered buffer and the sum
-copied back: two small copies, captured in the decode graphs with the rest.
+NCCL, whose bandwidth wins there. The input is copied into the registered buffer (a small copy,
+captured in the decode graphs with the rest); ``one_shot``'s sum comes back as a new tensor,
+which the caller uses without a copy back; ``two_shot``'s is copied back into the input.
 
 NVLink multicast (``multimem_*`` kernels) is never used: the device notes forbid it.
 """
@@ -68,12 +69,12 @@ class PeerAllReduce:
         return x.dtype in _DTYPES and x.is_contiguous() and x.numel() * x.element_size() <= self.buffer.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place; returns it."""
+        """The sum of ``x`` over the ranks: a new tensor (``one_shot``, ``x`` left as it was), or
+        ``x`` summed in place (``two_shot``: the sum lands in the shared buffer, which the next
+        all-reduce overwrites while the residual stream may still hold it, so it is copied out)."""
         buf = self.buffer[: x.numel() * x.element_size()].view(x.dtype)
         buf.copy_(x.view(-1))
         if self.kind == "one_shot":
-            x.copy_(torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.name).view_as(x))
-        else:
-            torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.name)
-            x.copy_(buf.view_as(x))
-        return x
+            return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.name).view_as(x)
+        torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.name)
+        return x.copy_(buf.view_as(x))
