@@ -102,7 +102,10 @@ class EngineService:
         codec = Codec(DetokenizerIn)
         try:
             while (msg := self._outbox.get()) is not None:
-                codec.send(sock, msg)
+                try:
+                    codec.send(sock, msg)
+                except zmq.ContextTerminated:  # the owner is shutting down: nobody reads any more
+                    return
         finally:
             sock.close()
 

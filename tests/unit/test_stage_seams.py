@@ -319,3 +319,32 @@ async def _until(predicate) -> None:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+def test_the_output_thread_ends_quietly_when_the_context_is_terminated(monkeypatch):
+    """Shutting down terminates the ZeroMQ context while the engine's output thread may still
+    hold a message: its send raises ContextTerminated, which ends the thread, not as an error."""
+    errors = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_type))
+    ctx = zmq.Context()
+    service = EngineService(FakeEngine([11, 12, 13], session_len=64, num_blocks=100), ctx, Addresses.inproc())
+    thread = threading.Thread(target=service._output_loop, daemon=True)
+    thread.start()
+    probe = ctx.socket(zmq.PAIR)  # raises ContextTerminated once term() has begun
+
+    def terminating() -> bool:
+        try:
+            probe.poll(0)
+        except zmq.ContextTerminated:
+            return True
+        return False
+
+    term = threading.Thread(target=ctx.term, daemon=True)  # returns once every socket is closed
+    term.start()
+    wait_for(terminating, what="the context to start terminating")
+    probe.close(0)
+    service._outbox.put(LoadReport("ingress-0", 0.0))
+    thread.join(DEADLINE)
+    term.join(DEADLINE)
+    assert not thread.is_alive() and not term.is_alive()
+    assert errors == []
