@@ -34,6 +34,7 @@ from ..protocol.sampling import SamplingParams, validate
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .distributed import check_tp_shapes, close_tp, init_tp
+from .peer_all_reduce import allreduce_kind
 from .model_config import ModelConfig, parse_dtype
 from .quant_format import resolve_quant_format
 from .model_runner import LaunchedStep, ModelRunner
@@ -117,7 +118,9 @@ class LLMEngine:
         self.tp_workers = None
         self._tp_group = None  # the process group this engine joined, which close() leaves
         try:
-            if config.tp > 1 or os.environ.get(TP_INIT_ENV) == "1":
+            tensor_parallel = config.tp > 1 or os.environ.get(TP_INIT_ENV) == "1"
+            allreduce_kind(self.device, tensor_parallel)  # a wrong CONVEYOR_TP_ALLREDUCE, before any rank starts
+            if tensor_parallel:
                 self._start_tensor_parallel()
             self.runner = ModelRunner(self.model_path, self.model_config, config, self.device, self.dtype)
             if self.tp_workers is not None:
@@ -143,10 +146,8 @@ class LLMEngine:
         self.generated_tokens = 0
 
     def _start_tensor_parallel(self) -> None:
-        from .peer_all_reduce import allreduce_kind
         from .tp_workers import TPWorkers, free_port
 
-        allreduce_kind(self.device)  # refuse a wrong CONVEYOR_TP_ALLREDUCE before any rank starts
         if self.config.tp > 1:
             self.tp_workers = TPWorkers(self.model_path, self.config)
         init_method = self.tp_workers.init_method if self.tp_workers else f"tcp://127.0.0.1:{free_port()}"

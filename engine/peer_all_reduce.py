@@ -36,12 +36,16 @@ PEER_ALLREDUCE_MAX_BYTES = 1 << 20  # [128, 4096] fp16: every decode batch up to
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def allreduce_kind(device: torch.device) -> str:
+def allreduce_kind(device: torch.device, tensor_parallel: bool = True) -> str:
     """The all-reduce path asked for in the environment (``nccl`` unless set) for a rank on
-    ``device``; refuses an unknown one, and a peer path off the GPU."""
+    ``device``; refuses an unknown one, a peer path off the GPU, and a peer path for an engine
+    that runs no all-reduce (``tensor_parallel`` False: tp=1 without a process group)."""
     kind = os.environ.get(ALLREDUCE_ENV, "nccl").strip().lower() or "nccl"
     if kind not in ALLREDUCE_KINDS:
         raise EngineConfigError(f"{ALLREDUCE_ENV}={kind!r} is not one of {', '.join(ALLREDUCE_KINDS)}")
+    if kind != "nccl" and not tensor_parallel:
+        raise EngineConfigError(f"{ALLREDUCE_ENV}={kind} picks tensor parallel's all-reduce, and this engine runs "
+                                "tp=1 with none: unset it, or split the model with tp=N")
     if kind != "nccl" and device.type != "cuda":
         raise EngineConfigError(f"{ALLREDUCE_ENV}={kind} reads peer GPUs' memory: it needs CUDA devices (the "
                                 f"engine is on {device}); unset it to use the process group's all-reduce")

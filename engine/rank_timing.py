@@ -12,11 +12,14 @@ GPU span is launch-bound, and the others wait for it in every collective.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 RANK_TIMING_ENV = "CONVEYOR_TP_RANK_TIMING"
 
@@ -90,9 +93,15 @@ class RankTiming:
         return {"rank": self.rank, "wall_s": time.perf_counter() - self._t0, "steps": len(self.steps),
                 "gpu_busy_s": busy_seconds(self.spans) if self.cuda else None, "by_kind": kinds}
 
-    def write(self) -> Path:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.summary(), indent=1))
+    def write(self) -> Path | None:
+        """Save the summary; a directory that cannot be written is logged, not raised: the rank
+        must still leave its process group with the others."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.summary(), indent=1))
+        except OSError as exc:
+            logger.warning("%s=%s: could not write %s: %s", RANK_TIMING_ENV, self.path.parent, self.path.name, exc)
+            return None
         return self.path
 
 

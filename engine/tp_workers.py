@@ -272,9 +272,9 @@ def run_tp_rank(rank: int, size: int, init_method: str, plan_address: str, statu
             prev_ids = runner.follow(plan, prev_ids)
             timing.end(_KIND_NAMES.get(plan.kind, str(plan.kind)), len(plan.input_ids), t_host - t_wait,
                        time.perf_counter() - t_host)
+        close_tp()  # with rank 0, which is leaving the group now
         if timing is not None:
             timing.write()
-        close_tp()
     except Exception as exc:  # noqa: BLE001 - report to rank 0, then exit
         logger.exception("tensor-parallel rank %d failed", rank)
         error = f"{type(exc).__name__}: {exc}" if isinstance(exc, EngineConfigError) else traceback.format_exc(limit=3)

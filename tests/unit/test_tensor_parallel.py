@@ -221,16 +221,33 @@ def test_a_frozen_rank_is_found_and_every_rank_stopped(dense_dir, monkeypatch) -
     assert aborts == [True]  # a group with a dead rank is aborted, not destroyed with it
 
 
-@pytest.mark.parametrize("value, error", [("bogus", "not one of nccl, one_shot, two_shot"),
-                                          ("one_shot", "needs CUDA devices")])
-def test_a_wrong_all_reduce_path_is_refused_before_any_rank_starts(dense_dir, monkeypatch, value, error) -> None:
+@pytest.mark.parametrize("value, tp, error", [("bogus", 2, "not one of nccl, one_shot, two_shot"),
+                                              ("one_shot", 2, "needs CUDA devices"),
+                                              ("two_shot", 1, "runs tp=1 with none")])
+def test_a_wrong_all_reduce_path_is_refused_before_any_rank_starts(dense_dir, monkeypatch, value, tp, error) -> None:
     import multiprocessing
 
     monkeypatch.setenv("CONVEYOR_TP_ALLREDUCE", value)
     before = multiprocessing.active_children()
     with pytest.raises(EngineConfigError, match=error):
-        engine(dense_dir, tp=2)
+        engine(dense_dir, tp=tp)
     assert multiprocessing.active_children() == before
+
+
+def test_an_unwritable_timing_directory_loses_nothing(dense_dir, monkeypatch, tmp_path) -> None:
+    """The step times cannot be saved (the directory is a file): the ranks still answer, leave
+    the group with rank 0 and exit by themselves."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("CONVEYOR_TP_RANK_TIMING", str(blocker))
+    eng = engine(dense_dir, tp=2)
+    procs = list(eng.tp_workers.procs)
+    try:
+        tokens, _ = _trace(eng, n=3)
+        assert all(len(t) == 3 for t in tokens.values())
+    finally:
+        eng.close()
+    assert [p.exitcode for p in procs] == [0]
 
 
 def test_small_all_reduces_take_the_peer_path_and_large_ones_the_group() -> None:
