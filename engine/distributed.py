@@ -105,11 +105,10 @@ def init_tp(rank: int, size: int, init_method: str, device: torch.device) -> TPG
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kwargs)
-    _GROUP = TPGroup(rank, size, dist.group.WORLD)
+    group = dist.group.WORLD
     # The first NCCL collective sets up the communicator: do it now, not inside a graph capture.
-    _GROUP.all_reduce(torch.zeros(1, device=device))
-    if kind != "nccl":
-        _GROUP = TPGroup(rank, size, dist.group.WORLD, PeerAllReduce(kind, dist.group.WORLD, device))
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    _GROUP = TPGroup(rank, size, group, None if kind == "nccl" else PeerAllReduce(kind, group, device))
     logger.info("tensor parallel: rank %d of %d (%s, small all-reduces: %s)", rank, size, backend, kind)
     return _GROUP
 

@@ -86,7 +86,6 @@ class TPWorkers:
         self._closing = False
         self._failing = False
         self._stopping = False
-        self._stopped_whole = False
         level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         spawn = mp.get_context("spawn")
         for rank in range(1, self.size):
@@ -176,15 +175,14 @@ class TPWorkers:
         """Tell every rank to stop: each leaves the process group and exits. Returns whether the
         group is whole (every rank started and none failed), i.e. whether the ranks will leave
         the group with rank 0; if not, rank 0 must abort it rather than wait for them."""
-        if self._stopping:
-            return self._stopped_whole
-        self._stopping = True
-        self._stopped_whole = self.failure is None and len(self._ready) == self.size - 1
-        if self.failure is None:
-            stop = self._codec.encode(StepPlan(StepKind.STOP))
-            for sock in self._plans:
-                sock.send(stop, copy=False)
-        return self._stopped_whole
+        whole = self.failure is None and len(self._ready) == self.size - 1
+        if not self._stopping:
+            self._stopping = True  # from here the watchdog takes an exiting rank for a stopping one
+            if self.failure is None:
+                stop = self._codec.encode(StepPlan(StepKind.STOP))
+                for sock in self._plans:
+                    sock.send(stop, copy=False)
+        return whole
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop every rank (``stop`` if not done), wait for them (killing what is left), release
