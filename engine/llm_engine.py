@@ -119,7 +119,7 @@ class LLMEngine:
         self._tp_group = None  # the process group this engine joined, which close() leaves
         try:
             tensor_parallel = config.tp > 1 or os.environ.get(TP_INIT_ENV) == "1"
-            allreduce_kind(self.device, tensor_parallel)  # a wrong CONVEYOR_TP_ALLREDUCE, before any rank starts
+            allreduce_kind(self.device, tensor_parallel, self.dtype)  # a wrong CONVEYOR_TP_ALLREDUCE, before any rank starts
             if tensor_parallel:
                 self._start_tensor_parallel()
             self.runner = ModelRunner(self.model_path, self.model_config, config, self.device, self.dtype)

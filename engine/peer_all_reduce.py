@@ -33,13 +33,16 @@ from ..protocol.errors import EngineConfigError
 ALLREDUCE_ENV = "CONVEYOR_TP_ALLREDUCE"
 ALLREDUCE_KINDS = ("nccl", "one_shot", "two_shot")
 PEER_ALLREDUCE_MAX_BYTES = 1 << 20  # [128, 4096] fp16: every decode batch up to 128 of a 7B model
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# What torch's symmetric-memory all-reduce kernels are built for: no float16 (on the H200, torch
+# 2.11 answers '"one_shot_all_reduce" not implemented for 'Half'').
+_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def allreduce_kind(device: torch.device, tensor_parallel: bool = True) -> str:
+def allreduce_kind(device: torch.device, tensor_parallel: bool = True, dtype: torch.dtype | None = None) -> str:
     """The all-reduce path asked for in the environment (``nccl`` unless set) for a rank on
-    ``device``; refuses an unknown one, a peer path off the GPU, and a peer path for an engine
-    that runs no all-reduce (``tensor_parallel`` False: tp=1 without a process group)."""
+    ``device`` whose activations are ``dtype``; refuses an unknown one, a peer path off the GPU
+    or for a dtype its kernels lack, and a peer path for an engine that runs no all-reduce
+    (``tensor_parallel`` False: tp=1 without a process group)."""
     kind = os.environ.get(ALLREDUCE_ENV, "nccl").strip().lower() or "nccl"
     if kind not in ALLREDUCE_KINDS:
         raise EngineConfigError(f"{ALLREDUCE_ENV}={kind!r} is not one of {', '.join(ALLREDUCE_KINDS)}")
@@ -49,6 +52,9 @@ def allreduce_kind(device: torch.device, tensor_parallel: bool = True) -> str:
     if kind != "nccl" and device.type != "cuda":
         raise EngineConfigError(f"{ALLREDUCE_ENV}={kind} reads peer GPUs' memory: it needs CUDA devices (the "
                                 f"engine is on {device}); unset it to use the process group's all-reduce")
+    if kind != "nccl" and dtype is not None and dtype not in _DTYPES:
+        raise EngineConfigError(f"{ALLREDUCE_ENV}={kind} runs torch's symmetric-memory kernels, which have no {dtype}: "
+                                "load the model with dtype='bfloat16' (--dtype bfloat16), or unset it for NCCL")
     return kind
 
 

@@ -234,6 +234,19 @@ def test_a_wrong_all_reduce_path_is_refused_before_any_rank_starts(dense_dir, mo
     assert multiprocessing.active_children() == before
 
 
+def test_a_peer_path_refuses_float16_which_its_kernels_lack() -> None:
+    from conveyor.engine.peer_all_reduce import allreduce_kind
+
+    cuda = torch.device("cuda", 0)  # only checked, never touched
+    for kind in ("one_shot", "two_shot"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("CONVEYOR_TP_ALLREDUCE", kind)
+            with pytest.raises(EngineConfigError, match="no torch.float16.*bfloat16"):
+                allreduce_kind(cuda, True, torch.float16)
+            assert allreduce_kind(cuda, True, torch.bfloat16) == kind
+    assert allreduce_kind(cuda, True, torch.float16) == "nccl"  # NCCL sums any dtype
+
+
 def test_an_unwritable_timing_directory_loses_nothing(dense_dir, monkeypatch, tmp_path) -> None:
     """The step times cannot be saved (the directory is a file): the ranks still answer, leave
     the group with rank 0 and exit by themselves."""
@@ -286,7 +299,8 @@ def test_the_nccl_path_at_world_size_1_runs_inside_the_decode_graphs(dense_dir, 
     from conveyor.engine.llm_engine import LLMEngine
 
     def gpu_engine():
-        return LLMEngine(dense_dir, EngineConfig(device="cuda", dtype="float16", cache_max_entry_count=64,
+        # bfloat16: the peer paths' kernels have no float16 (test above)
+        return LLMEngine(dense_dir, EngineConfig(device="cuda", dtype="bfloat16", cache_max_entry_count=64,
                                                  block_size=16, max_batch_size=8))
 
     plain = gpu_engine()
