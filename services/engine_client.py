@@ -9,7 +9,10 @@ result addressed to it, dispatched on the message type:
 * ``Admitted``: the engine took the request. A request whose consumer left before this is
   aborted now (an Abort sent earlier could overtake the request at the tokenizer and be lost);
   a request not admitted ``admit_timeout`` seconds after it was sent (its tokenizer worker
-  died) is sent again, up to ``max_resends`` times (the engine admits a request id once).
+  died) is sent again, up to ``max_resends`` times (the engine admits a request id once). Not
+  while the last ``LoadReport`` shows requests waiting for the engine's step loop
+  (``engine_backlog``): one long step, such as a kernel compiling on first use, holds every new
+  request back without losing any, and resending them would end them with a false 503.
 * ``TextBatch``: new text; a finish ends the request.
 * ``ErrorOut``: the request was refused or failed.
 * ``LoadReport``: a Ping that went round the whole ring. When none comes back for
@@ -330,11 +333,14 @@ class EngineClient:
                 logger.error("no answer from the stage ring for %.1fs: failing in-flight requests", self.dead_after)
                 self.fail_all("the engine stopped answering; retry later")
             was_healthy = self.healthy
+            backlog = self.load is not None and self.load.stage_stats.get("engine_backlog", 0) > 0
             for rid, request in list(self._requests.items()):
                 if request.left_at is not None and now - request.left_at > self.forget_after:
                     self._end(rid)  # the engine never confirmed the abort: stop waiting for it
                 elif request.admitted or now - request.sent_at < self.admit_timeout:
                     continue
+                elif backlog:
+                    request.sent_at = now  # it may be in that backlog: its wait starts again once it clears
                 elif request.resends >= self.max_resends:
                     self._end(rid, _unavailable("no tokenizer worker took the request; retry later"))
                 else:

@@ -72,6 +72,10 @@ class EngineService:
         self._in_codec = Codec(EngineIn)
         self.draining = False
         self._busy, self._steps = 0.0, 0  # seconds spent stepping and batching, and steps
+        # Requests that reached the input thread, and those the engine thread has taken: their
+        # difference, reported on Pings, tells clients that an unadmitted request is waiting
+        # behind a long step (a kernel compiling on first use), not lost (engine_client.py).
+        self._arrived, self._taken = 0, 0
         self._next_release = 0.0  # perf_counter() time of the next release_idle_sessions()
 
     # ---- IO threads ----------------------------------------------------------------------------
@@ -89,9 +93,10 @@ class EngineService:
                 for msg in codec.recv_all(sock):
                     if isinstance(msg, Ping):  # answered here, even while a long step runs
                         stats = {**msg.stage_stats, "engine_busy_s": self._busy, "engine_steps": self._steps,
-                                 "engine_bad_frames": codec.dropped}
+                                 "engine_bad_frames": codec.dropped, "engine_backlog": self._arrived - self._taken}
                         self._outbox.put(LoadReport(msg.reply_to, msg.sent_at, self._snapshot, self.draining, stats))
                     else:
+                        self._arrived += isinstance(msg, TokenizedReq)
                         self._inbox.put(msg)
         finally:
             sock.close(linger=0)
@@ -181,6 +186,7 @@ class EngineService:
 
     def _add(self, msg: TokenizedReq) -> None:
         """Admit a request (Admitted goes out before any of its tokens) or refuse it (ErrorOut)."""
+        self._taken += 1
         if msg.rid in self._seen:
             return  # a resend of a request already admitted or refused
         self._seen[msg.rid] = None

@@ -198,7 +198,30 @@ def test_ping_is_answered_with_the_engine_stats(ring) -> None:
     report = ring.until(lambda got: next((m for m in got if isinstance(m, LoadReport)), None), "a LoadReport")
     assert report.reply_to == "inproc://ingress" and report.sent_at == 12.5
     assert report.engine.num_blocks == 100 and report.stage_stats["tokenizer_busy_s"] == 0.25
-    assert "engine_busy_s" in report.stage_stats
+    assert "engine_busy_s" in report.stage_stats and report.stage_stats["engine_backlog"] == 0
+
+
+def test_pings_report_requests_waiting_behind_a_long_step(ring) -> None:
+    """The engine thread is held in one long call (as by a kernel compiling on first use): a
+    request that arrives meanwhile counts in the backlog the input thread reports, until taken."""
+    entered, release = threading.Event(), threading.Event()
+    held = threading.Thread(target=ring.service.call, args=(lambda engine: entered.set() or release.wait(DEADLINE),),
+                            daemon=True)
+    held.start()
+    assert entered.wait(DEADLINE)
+    ring.send(_req("late"))
+
+    def backlog(n: int):
+        ring.received.clear()
+        ring.send(Ping("inproc://ingress", 1.0))
+        report = ring.until(lambda got: next((m for m in got if isinstance(m, LoadReport)), None), "a LoadReport")
+        return report.stage_stats["engine_backlog"] == n
+
+    wait_for(lambda: backlog(1), what="the request in the backlog")
+    release.set()
+    ring.until(lambda got: any(isinstance(m, Admitted) and m.rid == "late" for m in got), "the admission")
+    wait_for(lambda: backlog(0), what="an empty backlog")
+    held.join(DEADLINE)
 
 
 def test_engine_calls_run_between_steps(ring) -> None:
@@ -284,6 +307,31 @@ async def test_client_resends_an_unadmitted_request_then_gives_up() -> None:
         with pytest.raises(RequestError) as err:
             await asyncio.wait_for(task, DEADLINE)
         assert err.value.status == 503 and client.num_inflight == 0
+
+
+@pytest.mark.anyio
+async def test_client_does_not_resend_while_the_engine_reports_a_backlog() -> None:
+    """A request unadmitted past ``admit_timeout`` (0.2 s here) while the engine's step loop has
+    requests waiting is waiting too, not lost: no resend, no 503, until the backlog clears."""
+    async with _client_ring() as (client, feed, _, reply):
+        await reply(LoadReport(client.reply_to, 0.0, stage_stats={"engine_backlog": 1.0}))
+        await asyncio.wait_for(_until(lambda: client.load.stage_stats.get("engine_backlog") == 1.0), DEADLINE)
+
+        async def run():
+            async for _ in client.generate(GenerateReq("r4", "", SamplingParams())):
+                pass
+
+        task = asyncio.ensure_future(run())
+        codec = Codec(TokenizerIn)
+        assert (await _recv(feed, codec, lambda m: isinstance(m, GenerateReq))).rid == "r4"
+        with pytest.raises(asyncio.TimeoutError):  # without the backlog: resent by 0.2 s, failed by 0.4 s
+            await _recv(feed, codec, lambda m: isinstance(m, GenerateReq), timeout=1.0)
+        assert not task.done()
+        await reply(LoadReport(client.reply_to, 0.0))  # the backlog cleared and r4 was not admitted: lost
+        assert (await _recv(feed, codec, lambda m: isinstance(m, GenerateReq))).rid == "r4"
+        with pytest.raises(RequestError) as err:
+            await asyncio.wait_for(task, DEADLINE)
+        assert err.value.status == 503
 
 
 @pytest.mark.anyio
