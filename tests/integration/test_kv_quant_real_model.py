@@ -14,6 +14,15 @@ may part, provided the other run took one of the single run's top candidates wit
 ``NEAR_TIE`` nats of its best. A real fault (a wrong slot, block or scale) breaks a confident token.
 How close the quantized cache stays to the unquantized one is measured by perplexity in
 ``benchmarks/kv_quant_quality.py``.
+
+Every engine here runs in float32, on the GPU as on the CPU: the cases test the cache's
+bookkeeping, and bfloat16 would bury it in rounding noise. Two runs whose keys differ only by
+bf16 rounding (one prefill against decode steps) flip enough int4 codes to move a logit by more
+than 1.5 nats. Measured on the H200 (session 14): the evicted session's token 5 lies at a near tie
+of the model itself (three tokens within 0.6 nats with the unquantized cache). In bf16 the int4
+runs there picked 11081, 9563 or 9101 as only the prefill chunks changed (whole, 13, 7 tokens).
+In float32 the unquantized cache gave the same logits on every path, to three decimals. The
+kernels' bf16 and fp16 paths are tested against their references in ``tests/unit``.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ SOME = PROMPTS[:5]
 # an int4 code step is 17x an int8 one, and so are the logit shifts a flipped code causes
 # (measured: up to ~0.05 nats with int8 and ~0.75 with int4, SmolLM2).
 NEAR_TIE = {8: 0.25, 4: 1.5}
+DTYPE = "float32"  # module doc
 
 
 def assert_agrees(tokens: list[int], ref: tuple[list[int], list[dict], int], what: str) -> None:
@@ -57,7 +67,7 @@ def policy(request) -> int:
 
 
 def _alone(smollm2_dir, policy, **config):
-    cfg = EngineConfig(quant_policy=policy, cache_max_entry_count=256, block_size=16, **config)
+    cfg = EngineConfig(quant_policy=policy, dtype=DTYPE, cache_max_entry_count=256, block_size=16, **config)
     with pipeline(str(smollm2_dir), cfg) as p:
         out = {}
         for prompt in SOME:
@@ -82,7 +92,7 @@ def alone_in_chunks(smollm2_dir, policy):
 
 
 def test_policy_reaches_the_cache(smollm2_dir, policy):
-    cfg = EngineConfig(quant_policy=policy, cache_max_entry_count=8, block_size=16)
+    cfg = EngineConfig(quant_policy=policy, dtype=DTYPE, cache_max_entry_count=8, block_size=16)
     with pipeline(str(smollm2_dir), cfg) as p:
         runner = p.engine.runner
         assert runner.k_cache.dtype.is_floating_point is False and runner.k_scales is not None
@@ -93,8 +103,8 @@ def test_batched_chunked_and_prefix_cached_runs_equal_single_runs(smollm2_dir, p
     """One batch, prompts cut into 7-token chunks that straddle 16-token blocks, the chat
     template's shared system prompt served from the prefix cache: the same tokens as alone."""
     alone = alone_in_chunks
-    cfg = EngineConfig(quant_policy=policy, cache_max_entry_count=256, block_size=16, max_prefill_token_num=7,
-                       enable_prefix_caching=True)
+    cfg = EngineConfig(quant_policy=policy, dtype=DTYPE, cache_max_entry_count=256, block_size=16,
+                       max_prefill_token_num=7, enable_prefix_caching=True)
     with pipeline(str(smollm2_dir), cfg) as p:
         first = p(SOME, GREEDY)
         again = p(SOME, GREEDY)  # every prompt now a full prefix-cache hit up to its last block
@@ -108,7 +118,7 @@ def test_batched_chunked_and_prefix_cached_runs_equal_single_runs(smollm2_dir, p
 def test_preemption_and_session_eviction(smollm2_dir, policy, alone):
     """A cache too small for the batch preempts and recomputes; a session evicted between turns
     is recomputed from its token ids. Both give the tokens of runs that were never interrupted."""
-    tiny = EngineConfig(quant_policy=policy, cache_max_entry_count=10, block_size=16, max_batch_size=8)
+    tiny = EngineConfig(quant_policy=policy, dtype=DTYPE, cache_max_entry_count=10, block_size=16, max_batch_size=8)
     gen = GenerationConfig(max_new_tokens=8, top_k=1)
     with pipeline(str(smollm2_dir), tiny) as p:
         out = p(SOME, GREEDY)
@@ -121,7 +131,7 @@ def test_preemption_and_session_eviction(smollm2_dir, policy, alone):
         a.close()
         b.close()
         assert _free_all(p)
-    roomy = EngineConfig(quant_policy=policy, cache_max_entry_count=256, block_size=16)
+    roomy = EngineConfig(quant_policy=policy, dtype=DTYPE, cache_max_entry_count=256, block_size=16)
     with pipeline(str(smollm2_dir), roomy) as p:
         a = p.chat("Say hello.", gen_config=gen)
         a = p.chat("Say goodbye.", session=a, gen_config=GenerationConfig(max_new_tokens=8, top_k=1, logprobs=5))
@@ -135,8 +145,8 @@ def test_overlap_on_and_off_agree(smollm2_dir, policy):
     from test_overlap_real_model import _run, _workload
 
     def make(overlap: bool) -> LLMEngine:
-        return LLMEngine(smollm2_dir, EngineConfig(quant_policy=policy, cache_max_entry_count=64, block_size=16,
-                                                   max_prefill_token_num=48, enable_prefix_caching=True,
+        return LLMEngine(smollm2_dir, EngineConfig(quant_policy=policy, dtype=DTYPE, cache_max_entry_count=64,
+                                                   block_size=16, max_prefill_token_num=48, enable_prefix_caching=True,
                                                    overlap_schedule=overlap))
 
     on, off = make(True), make(False)
@@ -150,7 +160,7 @@ def test_int8_greedy_answers_mostly_match_the_unquantized_cache(smollm2_dir, pol
     """A floor, not the measurement (benchmarks/kv_quant_quality.py): int8 keeps most answers."""
     if policy != 8:
         pytest.skip("int4 changes more answers; its quality is measured as perplexity")
-    with pipeline(str(smollm2_dir), EngineConfig(cache_max_entry_count=256, block_size=16)) as p:
+    with pipeline(str(smollm2_dir), EngineConfig(dtype=DTYPE, cache_max_entry_count=256, block_size=16)) as p:
         same = sum(p(prompt, GREEDY).token_ids == alone[prompt][0] for prompt in SOME)
     assert same >= len(SOME) - 2
 

@@ -1,6 +1,7 @@
 """Tensor parallel on SmolLM2-135M-Instruct (9 heads, 3 kv heads) at tp=3 on the CPU (gloo):
 the same greedy tokens as tp=1, batched, streaming, with prefix caching and a session; and on
-a real server, a rank killed mid-request and SIGTERM with every rank running."""
+a real server, a rank killed mid-request and SIGTERM with every rank running. Every engine here
+is pinned to the CPU, also where a GPU is visible: three ranks need three GPUs."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ PROMPTS_USED = PROMPTS[:10]
 
 
 def _answers(smollm2_dir, tp: int) -> dict:
-    cfg = EngineConfig(tp=tp, cache_max_entry_count=256, block_size=16, enable_prefix_caching=True)
+    cfg = EngineConfig(tp=tp, device="cpu", cache_max_entry_count=256, block_size=16, enable_prefix_caching=True)
     out = {}
     with pipeline(str(smollm2_dir), cfg) as pipe:
         out["batched"] = [r.token_ids for r in pipe(PROMPTS_USED, GREEDY)]
@@ -81,8 +82,8 @@ def _stream(url: str, max_tokens: int) -> tuple[int, str]:
 
 @pytest.fixture
 def tp_server(smollm2_dir, tmp_path):
-    srv = ServerProcess(smollm2_dir, "--tp", "3", "--max-restarts", "0", "--cache-max-entry-count", "128",
-                        log_dir=tmp_path, start_timeout=300)
+    srv = ServerProcess(smollm2_dir, "--tp", "3", "--device", "cpu", "--max-restarts", "0",
+                        "--cache-max-entry-count", "128", log_dir=tmp_path, start_timeout=300)
     yield srv
     srv.kill()
 
@@ -114,7 +115,7 @@ def _generating(url: str) -> bool:
 
 
 def test_new_requests_get_503_while_the_engine_is_down(smollm2_dir, tmp_path) -> None:
-    srv = ServerProcess(smollm2_dir, "--tp", "3", "--cache-max-entry-count", "128", log_dir=tmp_path,
+    srv = ServerProcess(smollm2_dir, "--tp", "3", "--device", "cpu", "--cache-max-entry-count", "128", log_dir=tmp_path,
                         start_timeout=300)
     try:
         os.kill(_rank_pids(srv)[1], signal.SIGKILL)
