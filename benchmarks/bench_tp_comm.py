@@ -3,7 +3,8 @@
     python -m benchmarks.bench_tp_comm [--world N] [--hidden 4096]
 
 * All-reduce (GPU, one process per GPU, ``--world`` of them, default all visible): the latency of
-  one all-reduce of ``[batch, hidden]`` fp16 for decode batches 1..256, through
+  one all-reduce of ``[batch, hidden]`` bf16 for decode batches 1..256 (the peer paths' kernels
+  have no fp16), through
   ``torch.distributed`` (NCCL) and through the peer-read paths (``engine/peer_all_reduce.py``:
   one_shot, two_shot; their sums checked against NCCL's), each eagerly and replayed inside a
   CUDA graph (100 captured back to back, the way the decode graphs hold them), and with
@@ -31,6 +32,8 @@ import time
 import torch
 
 BATCHES = (1, 8, 32, 64, 128, 256)
+# bf16: torch's symmetric-memory kernels (the peer paths) have no fp16; NCCL costs the same per byte.
+DTYPE = torch.bfloat16
 
 
 def _allreduce_rank(rank: int, world: int, port: int, hidden: int, queue, with_cupy: bool) -> None:
@@ -83,14 +86,14 @@ def _allreduce_rank(rank: int, world: int, port: int, hidden: int, queue, with_c
         return eager, cuda_time_us(graph.replay, 1, calls=10) / 100
 
     for batch in BATCHES:
-        x = torch.randn(batch, hidden, dtype=torch.float16, device=dev)
+        x = torch.randn(batch, hidden, dtype=DTYPE, device=dev)
         row = dict(batch=batch, bytes=x.numel() * 2)
         row["torch_eager_us"], row["torch_graph_us"] = timed(lambda t: dist.all_reduce(t), x)
         for kind, peer in peers.items():
             if not peer.fits(x):
                 continue
-            # The same sum as NCCL's, within fp16 rounding of a different order of adds.
-            a = torch.randn(batch, hidden, dtype=torch.float16, device=dev)
+            # The same sum as NCCL's, within bf16 rounding of a different order of adds.
+            a = torch.randn(batch, hidden, dtype=DTYPE, device=dev)
             want = a.clone()
             dist.all_reduce(want)
             got = peer(a.clone())  # the returned tensor holds the sum (one_shot leaves its input)
@@ -100,8 +103,10 @@ def _allreduce_rank(rank: int, world: int, port: int, hidden: int, queue, with_c
         if comm is not None:
             s = torch.cuda.current_stream().cuda_stream
 
+            bf16 = getattr(nccl, "NCCL_BFLOAT16", 9)  # ncclBfloat16 in nccl.h, for a cupy without the name
+
             def cupy_allreduce():
-                comm.allReduce(x.data_ptr(), x.data_ptr(), x.numel(), nccl.NCCL_FLOAT16, nccl.NCCL_SUM, s)
+                comm.allReduce(x.data_ptr(), x.data_ptr(), x.numel(), bf16, nccl.NCCL_SUM, s)
 
             for _ in range(20):
                 cupy_allreduce()
@@ -242,7 +247,7 @@ def main() -> None:
                                args=(r, world, port, args.hidden, queue, args.cupy)) for r in range(world)]
         for p in procs:
             p.start()
-        print(f"all-reduce over {world} GPU(s), [batch, {args.hidden}] fp16, µs eager / in a CUDA graph: NCCL "
+        print(f"all-reduce over {world} GPU(s), [batch, {args.hidden}] bf16, µs eager / in a CUDA graph: NCCL "
               "(torch.distributed), one_shot and two_shot (peer reads, max |error| against NCCL), cupy eager",
               flush=True)
         while (row := queue.get(timeout=300)) is not None:

@@ -161,7 +161,8 @@ if [ "$STAGE" = tp2 ]; then
     grep -v -E "^\s*$|Warning|warn\(" "$W/$name.log" | tail -${TAIL:-12}
     tar czf "${OUT:-/tmp/out}/tp2.tgz" -C $W .
   }
-  G="python3 -m benchmarks.profile_generation --model llama2-7b"
+  # bf16 (TP2_DTYPE): the peer all-reduce paths refuse fp16, which torch's kernels lack.
+  G="python3 -m benchmarks.profile_generation --model llama2-7b --dtype ${TP2_DTYPE:-bfloat16}"
   for p in ${TP2_PARTS:-comm gen check}; do case $p in
     comm) part comm 150 python3 -m benchmarks.bench_tp_comm --world 2 ;;
     gen) for run in 1:nccl $(for k in ${TP2_ALLREDUCE:-nccl one_shot}; do echo 2:$k; done) 1:nccl_again; do
