@@ -1,7 +1,10 @@
 """Emulation (CPU reference path): would an exact first-token value (the attention sink) close
-int8's greedy-answer gap? Dev prompts and a dev text only (not the tests' prompts, not time_machine)."""
+int8's greedy-answer gap? Dev prompts and a dev text only (not the tests' prompts, not time_machine).
+
+    PYTHONPATH=. python benchmarks/results/quality/s14_sink_value_emulation.py MODEL_DIR DEV_TEXT 12288
+
+DEV_TEXT here: /usr/share/common-licenses/GPL-3 then GFDL-1.3, concatenated."""
 import json
-import math
 import sys
 import time
 
