@@ -32,7 +32,7 @@ from ..protocol.errors import EngineConfigError
 
 ALLREDUCE_ENV = "CONVEYOR_TP_ALLREDUCE"
 ALLREDUCE_KINDS = ("nccl", "one_shot", "two_shot")
-PEER_ALLREDUCE_MAX_BYTES = 1 << 20  # [128, 4096] fp16: every decode batch up to 128 of a 7B model
+PEER_ALLREDUCE_MAX_BYTES = 1 << 20  # [128, 4096] bf16: every decode batch up to 128 of a 7B model
 # What torch's symmetric-memory all-reduce kernels are built for: no float16 (on the H200, torch
 # 2.11 answers '"one_shot_all_reduce" not implemented for 'Half'').
 _DTYPES = (torch.bfloat16, torch.float32)

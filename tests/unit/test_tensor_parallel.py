@@ -234,16 +234,16 @@ def test_a_wrong_all_reduce_path_is_refused_before_any_rank_starts(dense_dir, mo
     assert multiprocessing.active_children() == before
 
 
-def test_a_peer_path_refuses_float16_which_its_kernels_lack() -> None:
+def test_a_peer_path_refuses_float16_which_its_kernels_lack(monkeypatch) -> None:
     from conveyor.engine.peer_all_reduce import allreduce_kind
 
     cuda = torch.device("cuda", 0)  # only checked, never touched
     for kind in ("one_shot", "two_shot"):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("CONVEYOR_TP_ALLREDUCE", kind)
-            with pytest.raises(EngineConfigError, match="no torch.float16.*bfloat16"):
-                allreduce_kind(cuda, True, torch.float16)
-            assert allreduce_kind(cuda, True, torch.bfloat16) == kind
+        monkeypatch.setenv("CONVEYOR_TP_ALLREDUCE", kind)
+        with pytest.raises(EngineConfigError, match="no torch.float16.*bfloat16"):
+            allreduce_kind(cuda, True, torch.float16)
+        assert allreduce_kind(cuda, True, torch.bfloat16) == kind
+    monkeypatch.delenv("CONVEYOR_TP_ALLREDUCE")
     assert allreduce_kind(cuda, True, torch.float16) == "nccl"  # NCCL sums any dtype
 
 
