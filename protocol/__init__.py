@@ -26,6 +26,7 @@ from .messages import (
     ErrorOut,
     Finish,
     GenerateReq,
+    IngressGone,
     IngressIn,
     LauncherIn,
     LoadReport,
@@ -46,7 +47,7 @@ from .security import CurveKeys, SecurityError
 __all__ = [
     "FINISH_REASONS", "Abort", "Addresses", "Admitted", "CancelSession", "Codec", "ConveyorError", "CurveKeys",
     "DetokenizerIn", "EngineConfigError", "EngineIn", "EngineStats", "Endpoint", "ErrorOut", "Finish",
-    "GenerateReq", "IngressIn", "InvalidRequestError", "LauncherIn", "LoadReport", "Ping",
+    "GenerateReq", "IngressGone", "IngressIn", "InvalidRequestError", "LauncherIn", "LoadReport", "Ping",
     "PromptTooLongError", "Ready", "SamplingParams", "SecurityError", "SessionBusyError", "SessionEnd", "Stage", "StageStatus", "StopReq", "TextBatch",
     "TokenBatch", "TokenizedReq", "TokenizerIn", "UnsupportedModelError", "error_code", "rebuild_error",
     "validate",

@@ -11,6 +11,7 @@ lets the stages that connect out to it refuse any address that is not an ingress
 
 from __future__ import annotations
 
+import hmac
 import os
 import socket
 import tempfile
@@ -41,6 +42,10 @@ class Addresses:
     base_port: int = 0  # tcp only: the ingress's reply port is base_port + 10
     curve: CurveKeys | None = None  # tcp only: the deployment's keys; every socket is a CURVE socket
     ingress_hosts: tuple[str, ...] = field(default=())  # tcp only: where ingress reply addresses may live
+    # A secret the launcher makes and hands its stages (through the process pipe, not argv or the
+    # environment): its notices (StageStatus, IngressGone) and the stages' Ready carry it, so a
+    # peer that can only write to a socket cannot fake a stage's death or birth. Empty: no launcher.
+    launcher_token: str = field(default="", repr=False)
 
     @classmethod
     def inproc(cls) -> "Addresses":
@@ -92,6 +97,10 @@ class Addresses:
         host = host or (self.ingress_hosts[0] if self.ingress_hosts else "ingress")
         port = port or self.base_port + 10
         return Endpoint(f"tcp://{_bind_host(host)}:{port}", f"tcp://{host}:{port}")
+
+    def is_launcher_token(self, token: str) -> bool:
+        """Whether ``token`` is this deployment's launcher token (never, when it has no launcher)."""
+        return bool(self.launcher_token) and hmac.compare_digest(token.encode(), self.launcher_token.encode())
 
     def is_reply_address(self, address: str) -> bool:
         """Whether ``address`` can be an ingress's reply address in this deployment. A request

@@ -3,7 +3,8 @@
 Sockets and what they carry (see addresses.py for where each is bound):
   ingress      -> tokenizer    GenerateReq, Ping
   tokenizer    -> engine       TokenizedReq, Ping
-  ingress      -> engine       Abort, SessionEnd, CancelSession
+  ingress      -> engine       Abort, SessionEnd, CancelSession, Ping (heartbeat)
+  launcher     -> engine       IngressGone
   detokenizer  -> engine       StopReq
   engine       -> detokenizer  Admitted, TokenBatch, ErrorOut (refusals), LoadReport
   detokenizer  -> ingress      Admitted, TextBatch, ErrorOut, LoadReport
@@ -114,7 +115,12 @@ class StopReq(msgspec.Struct, tag=6, **_TAG):
 
 
 class Ping(msgspec.Struct, tag=7, **_TAG):
-    """Travels the ring ingress -> tokenizer -> engine -> detokenizer -> ingress; proves it works."""
+    """Travels the ring ingress -> tokenizer -> engine -> detokenizer -> ingress; proves it works.
+
+    An ingress also sends it straight to the engine: that is its heartbeat. The engine aborts the
+    requests of a ``reply_to`` it stops hearing from (their client is gone), and the ingress
+    knows the engine answers even while no tokenizer worker is up.
+    """
 
     reply_to: str
     sent_at: float
@@ -200,11 +206,16 @@ class ErrorOut(msgspec.Struct, tag=12, **_TAG):
 
 
 class Ready(msgspec.Struct, tag=13, **_TAG):
-    """A stage finished starting and accepts traffic (the launcher waits for every one)."""
+    """A stage finished starting and accepts traffic (the launcher waits for every one).
+
+    ``token``: the deployment's launcher token (``Addresses.launcher_token``); the launcher takes
+    a Ready only from a process it started that knows it.
+    """
 
     stage: Stage
     pid: int
     info: dict[str, Any] = {}
+    token: str = ""
 
 
 class StageStatus(msgspec.Struct, tag=14, **_TAG):
@@ -214,11 +225,19 @@ class StageStatus(msgspec.Struct, tag=14, **_TAG):
     up: bool
     pid: int
     restarts: int = 0
+    token: str = ""  # the launcher token: the ingress ignores a notice without it
+
+
+class IngressGone(msgspec.Struct, tag=15, **_TAG):
+    """The launcher saw the ingress at ``reply_to`` die: the engine aborts every request it sent."""
+
+    reply_to: str
+    token: str = ""  # the launcher token: the engine ignores a notice without it
 
 
 # One union per receiving socket.
 TokenizerIn = Union[GenerateReq, Ping]
-EngineIn = Union[TokenizedReq, Abort, SessionEnd, CancelSession, StopReq, Ping]
+EngineIn = Union[TokenizedReq, Abort, SessionEnd, CancelSession, StopReq, Ping, IngressGone]
 DetokenizerIn = Union[Admitted, TokenBatch, ErrorOut, LoadReport]
 IngressIn = Union[Admitted, TextBatch, ErrorOut, LoadReport, StageStatus]
 LauncherIn = Ready

@@ -15,14 +15,22 @@ result addressed to it, dispatched on the message type:
   request back without losing any, and resending them would end them with a false 503.
 * ``TextBatch``: new text; a finish ends the request.
 * ``ErrorOut``: the request was refused or failed.
-* ``LoadReport``: a Ping that went round the whole ring. When none comes back for
-  ``dead_after`` seconds the client is unhealthy and every waiting request fails with 503.
-* ``StageStatus``: the launcher saw a stage die or come back. While the engine or the
-  detokenizer is down the client is unhealthy at once, and the requests in flight fail (their
-  state died with the stage); a tokenizer worker's requests are resent to the others.
+* ``LoadReport``: the answer to a Ping. Every ``ping_interval`` one Ping goes round the ring
+  (through a tokenizer worker, which adds its counters) and one goes straight to the engine:
+  the direct one is this client's heartbeat (the engine aborts the requests of a client it
+  stops hearing from) and keeps the client healthy while no tokenizer worker is up, which fails
+  new requests only. When no report comes back for ``dead_after`` seconds the client is
+  unhealthy and every waiting request fails with 503.
+* ``StageStatus``: the launcher saw a stage die or come back (a notice without the launcher's
+  token is ignored). While the engine or the detokenizer is down the client is unhealthy at
+  once, and the requests in flight fail (their state died with the stage); a tokenizer worker's
+  requests are resent to the others.
 
 A request stays known until the engine has ended it, also after its consumer left, so that
-``wait_ended`` can tell when its KV blocks are free.
+``wait_ended`` can tell when its KV blocks are free. Whatever this client stops waiting for,
+the engine is told to abort: a request it fails, and any request the engine admits or answers
+that this client does not know (failed before it was admitted, or sent by an earlier ingress at
+the same address), so that no generation outlives the one waiting for it.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -92,6 +101,7 @@ class RequestError(Exception):
 
 _TIMED_OUT = object()  # put in a request's queue when it has run past the request timeout
 RETRY_AFTER_S = 5  # what a 503 asks the client to wait
+_RECENT_ABORTS = 4096  # unknown request ids already aborted, so a running one is not aborted every step
 
 
 def _needed_by_all(stage: str) -> bool:
@@ -144,6 +154,8 @@ class EngineClient:
         self.load: LoadReport | None = None
         self.stages: dict[str, StageStatus] = {}  # what the launcher last said of each restarted stage
         self._tasks: list[asyncio.Task] = []
+        self._aborted_unknown: OrderedDict[str, None] = OrderedDict()
+        self.refused_notices = 0  # StageStatus frames without the launcher's token
 
     # ---- lifetime ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -278,15 +290,21 @@ class EngineClient:
 
     async def _dispatch(self, msg) -> None:
         if isinstance(msg, TextBatch):
-            self._route_texts(msg)
+            await self._route_texts(msg)
         elif isinstance(msg, Admitted):
             await self._admitted(msg)
         elif isinstance(msg, ErrorOut):
             self._end(msg.rid, RequestError.from_wire(msg))
         elif isinstance(msg, LoadReport):
             self._last_ring = time.monotonic()
+            if self.load is not None:  # a direct report lacks the tokenizer's counters: keep the last ones
+                msg.stage_stats = {**self.load.stage_stats, **msg.stage_stats}
             self.load = msg
         elif isinstance(msg, StageStatus):
+            if not self.addresses.is_launcher_token(msg.token):
+                self.refused_notices += 1
+                logger.warning("ignored a stage notice without the launcher's token (%d so far)", self.refused_notices)
+                return
             self.stages[msg.name] = msg
             if not msg.up and _needed_by_all(msg.name):
                 logger.error("stage %s (pid %d) stopped: failing the requests in flight", msg.name, msg.pid)
@@ -294,19 +312,31 @@ class EngineClient:
 
     async def _admitted(self, msg: Admitted) -> None:
         request = self._requests.get(msg.rid)
-        if request is None:
+        if request is None:  # failed or forgotten here before the engine took it
+            await self._abort_unknown(msg.rid)
             return
         request.admitted = True
         request.history_tokens = msg.history_tokens
         if request.left_at is not None:
             await self._send_to_engine(Abort(msg.rid))
 
-    def _route_texts(self, batch: TextBatch) -> None:
+    async def _abort_unknown(self, rid: str) -> None:
+        """Abort a request the engine runs for nobody here (once: later steps may still name it)."""
+        if rid in self._aborted_unknown:
+            return
+        self._aborted_unknown[rid] = None
+        while len(self._aborted_unknown) > _RECENT_ABORTS:
+            self._aborted_unknown.popitem(last=False)
+        await self._send_to_engine(Abort(rid))
+
+    async def _route_texts(self, batch: TextBatch) -> None:
         for i, rid in enumerate(batch.rids):
             request = self._requests.get(rid)
-            if request is None:
-                continue
             finish = batch.finish[i]
+            if request is None:
+                if finish < 0:
+                    await self._abort_unknown(rid)
+                continue
             out = RequestOutput(
                 text=batch.texts[i],
                 token_ids=batch.token_ids[i],
@@ -328,9 +358,10 @@ class EngineClient:
         while True:
             await asyncio.sleep(self.ping_interval)
             await self._send_to_tokenizer(Ping(self.reply_to, time.time()))  # dropped if none is connected
+            await self._send_to_engine(Ping(self.reply_to, time.time()))  # the heartbeat
             now = time.monotonic()
             if was_healthy and not self.healthy:
-                logger.error("no answer from the stage ring for %.1fs: failing in-flight requests", self.dead_after)
+                logger.error("no answer from the engine for %.1fs: failing in-flight requests", self.dead_after)
                 self.fail_all("the engine stopped answering; retry later")
             was_healthy = self.healthy
             backlog = self.load is not None and self.load.stage_stats.get("engine_backlog", 0) > 0
@@ -350,6 +381,22 @@ class EngineClient:
                     await self._send_to_tokenizer(request.req)  # not taken: tried again next time
 
     def fail_all(self, why: str) -> None:
-        """End every waiting request with a 503 (the ring is down or the client closes)."""
+        """End every waiting request with a 503 (the ring is down or the client closes), and tell
+        the engine to abort them: a stage that died (the detokenizer) may leave the engine
+        generating for nobody. A request not yet admitted is aborted when its Admitted comes."""
+        admitted = [rid for rid, r in self._requests.items() if r.admitted]
         for rid in list(self._requests):
             self._end(rid, _unavailable(why))
+        for rid in admitted:
+            self._aborted_unknown[rid] = None  # its later outputs need no second Abort
+            self._send_to_engine_now(Abort(rid))
+
+    def _send_to_engine_now(self, msg) -> None:
+        """``_send_to_engine`` for synchronous callers (a NOBLOCK send is done at once; its
+        future holds the outcome)."""
+        try:
+            sent = self._to_engine.send(self._to_engine_codec.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:  # closed: the client is shutting down
+            return
+        if sent.done() and sent.exception() is not None:
+            logger.warning("engine socket full or unreachable; dropped %s", type(msg).__name__)

@@ -8,13 +8,19 @@ error (their state died with the stage); /health names the stages that are down.
 dies more than RESTART_BUDGET times in RESTART_WINDOW_S makes the launcher stop everything and
 exit 1, so that an outer supervisor (systemd, compose ``restart:``) sees it.
 SIGTERM/SIGINT drains the ingress (in-flight requests finish, new ones get 503), then stops
-every other stage and exits 0.
+every other stage and exits 0. When the ingress dies, the engine is told at once (IngressGone)
+and aborts the requests it sent. The launcher hands every stage a secret token
+(``Addresses.launcher_token``): it takes a READY only from a process it started that carries it,
+and its own notices carry it, so a peer that can write to a socket cannot fake a stage's birth
+or death. Stages end when the launcher does, however it ended (``stage.exit_with_launcher``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
+import secrets
 import shutil
 import signal
 import threading
@@ -24,7 +30,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from ..engine.config import EngineConfig
-from ..protocol import Addresses, Codec, IngressIn, LauncherIn, Stage, StageStatus, security
+from ..protocol import Addresses, Codec, EngineIn, IngressGone, IngressIn, LauncherIn, Stage, StageStatus, security
 from .detokenizer.process import run_detokenizer_process
 from .engine.process import run_engine_process
 from .ingress.limits import IngressLimits
@@ -58,6 +64,7 @@ class ServerArgs:
     limits: IngressLimits = field(default_factory=IngressLimits)  # what one client may ask of the ingress
     qos: QosConfig | None = None  # user groups: priorities and quotas (--qos-config-path)
     proxy_url: str | None = None  # a proxy (conveyor serve proxy) the ingress joins while it serves
+    proxy_admin_key: str | None = field(default=None, repr=False)  # the proxy's admin key it joins with
     # "module:callable" building the engine instead of LLMEngine (the stack benchmark and fault
     # tests use benchmarks.fake_engine:build, an engine without a model)
     engine_factory: str | None = None
@@ -68,7 +75,10 @@ class Deployment:
 
     def __init__(self, args: ServerArgs, addresses: Addresses | None = None):
         self.args = args
-        self.addresses = addresses or Addresses.ipc()
+        addresses = addresses or Addresses.ipc()
+        if not addresses.launcher_token:
+            addresses = dataclasses.replace(addresses, launcher_token=secrets.token_hex(16))
+        self.addresses = addresses
         self._mp = mp.get_context("spawn")
         self.procs: dict[str, mp.Process] = {}
         self._ctx = zmq.Context()
@@ -80,6 +90,11 @@ class Deployment:
         self._restart_at: dict[str, float] = {}  # dead stages waiting out their backoff
         self._to_ingress: zmq.Socket | None = None  # StageStatus to the ingress's reply address
         self._status_codec = Codec(IngressIn)
+        self._ingress_reply_to: str | None = None  # the running ingress's address (IngressGone names it)
+        self._to_engine = open_socket(self._ctx, zmq.PUSH, connect=self.addresses.engine_in.connect,
+                                      curve=self.addresses.curve)
+        self._engine_codec = Codec(EngineIn)
+        self.refused_ready = 0  # READY frames from a process that is not a stage of ours, or without the token
 
     def _spawn(self, name: str, target, *args) -> None:
         self._specs[name] = (target, args)
@@ -88,8 +103,18 @@ class Deployment:
         self.procs[name] = proc
         logger.info("started stage %s (pid %d)", name, proc.pid)
 
-    def _on_ready(self, msg) -> None:
-        """A stage said READY: log it, and for the ingress, where to send stage news."""
+    def _on_ready(self, msg) -> bool:
+        """A stage said READY: log it, and for the ingress, where to send stage news. False: the
+        message was not from a stage of ours (ignored)."""
+        name = next((n for n, p in self.procs.items() if p.pid == msg.pid), None)
+        why = ("not a stage of this launcher" if name is None
+               else "without the launcher token" if not self.addresses.is_launcher_token(msg.token)
+               else f"naming stage {msg.stage.name} for {name}" if name.split("-")[0] != msg.stage.name.lower()
+               else None)
+        if why is not None:
+            self.refused_ready += 1
+            logger.warning("ignored a READY from pid %d: %s (%d so far)", msg.pid, why, self.refused_ready)
+            return False
         logger.info("%s ready (pid %d)", msg.stage.name.lower(), msg.pid)
         if msg.stage == Stage.ENGINE:
             self.engine_info = dict(msg.info)
@@ -98,19 +123,32 @@ class Deployment:
                 self._to_ingress.close(linger=0)
             if not self.addresses.is_reply_address(msg.info["reply_to"]):
                 logger.warning("ingress named %r as its address, not one of this deployment's", msg.info["reply_to"])
-                return
+                return True
             self._to_ingress = open_socket(self._ctx, zmq.PUSH, connect=msg.info["reply_to"], curve=self.addresses.curve)
-        name = next((n for n, p in self.procs.items() if p.pid == msg.pid), None)
-        if name is not None and self._restarts.get(name):
+            self._ingress_reply_to = msg.info["reply_to"]
+        if self._restarts.get(name):
             self._tell_ingress(name, True, msg.pid)
+        return True
 
     def _tell_ingress(self, name: str, up: bool, pid: int) -> None:
         if self._to_ingress is not None:
             try:
-                self._status_codec.send(self._to_ingress, StageStatus(name, up, pid, len(self._restarts.get(name, []))),
-                                        zmq.NOBLOCK)
+                self._status_codec.send(self._to_ingress, StageStatus(name, up, pid, len(self._restarts.get(name, [])),
+                                                                      self.addresses.launcher_token), zmq.NOBLOCK)
             except zmq.Again:
                 logger.warning("could not tell the ingress that %s is %s", name, "up" if up else "down")
+
+    def _ingress_died(self) -> None:
+        """The ingress is gone: the engine aborts what it sent (nobody reads those answers now),
+        rather than generating each to its max_tokens while holding KV blocks and batch slots."""
+        if self._ingress_reply_to is None:
+            return
+        try:
+            self._engine_codec.send(self._to_engine, IngressGone(self._ingress_reply_to, self.addresses.launcher_token),
+                                    zmq.NOBLOCK)
+        except zmq.Again:  # the engine is down too: its requests died with it
+            logger.warning("could not tell the engine that the ingress is gone")
+        self._ingress_reply_to = None
 
     def _wait_ready(self, expected: dict[Stage, int]) -> None:
         deadline = time.monotonic() + self.args.start_timeout
@@ -123,8 +161,8 @@ class Deployment:
                 raise RuntimeError(f"stages not ready after {self.args.start_timeout}s: {remaining}")
             if self._ready.poll(200):
                 for msg in self._codec.recv_all(self._ready):
-                    remaining[msg.stage] = remaining.get(msg.stage, 0) - 1
-                    self._on_ready(msg)
+                    if self._on_ready(msg):
+                        remaining[msg.stage] = remaining.get(msg.stage, 0) - 1
 
     def start(self) -> None:
         """Start every stage and wait until each said READY."""
@@ -143,7 +181,7 @@ class Deployment:
         name = args.served_model_name or args.model_path.rstrip("/").split("/")[-1]
         self._spawn("ingress", run_ingress_process, a, args.model_path, name, session_len, args.server_name,
                     args.server_port, args.api_keys, launcher, args.log_level, args.drain_timeout, args.limits,
-                    args.qos, args.proxy_url)
+                    args.qos, args.proxy_url, args.proxy_admin_key)
         self._wait_ready({Stage.INGRESS: 1})
         logger.info("serving %s on http://%s:%d", name, args.server_name, args.server_port)
 
@@ -163,6 +201,7 @@ class Deployment:
                 proc.kill()
                 proc.join()
         self._ready.close(linger=0)
+        self._to_engine.close(linger=0)
         if self._to_ingress is not None:
             self._to_ingress.close(linger=0)
         security.release(self._ctx)
@@ -182,6 +221,8 @@ class Deployment:
                     continue
                 recent = [t for t in self._restarts.get(name, []) if now - t < RESTART_WINDOW_S]
                 self._restarts[name] = recent
+                if name == "ingress":
+                    self._ingress_died()
                 self._tell_ingress(name, False, proc.pid)
                 if len(recent) >= self.args.max_restarts:
                     logger.error("stage %s (pid %d) exited with code %s, its %d restart in %.0fs: giving up",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
+import shutil
 import signal
 import threading
 
@@ -23,15 +25,15 @@ def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
 
 
-def announce_ready(ctx: zmq.Context, launcher_address: str | None, stage: Stage, curve: CurveKeys | None = None,
+def announce_ready(ctx: zmq.Context, launcher_address: str | None, stage: Stage, addresses: Addresses,
                    **info) -> None:
     """Tell the launcher this stage accepts traffic (no launcher: nothing to do)."""
     if not launcher_address:
         return
     # A READY dropped at close leaves a restarted stage unannounced for good; on a starved 2-core
     # machine the connection can take seconds, so wait long (the launcher is there: it started us).
-    sock = open_socket(ctx, zmq.PUSH, connect=launcher_address, linger_ms=30_000, curve=curve)
-    Codec(LauncherIn).send(sock, Ready(stage, os.getpid(), info))
+    sock = open_socket(ctx, zmq.PUSH, connect=launcher_address, linger_ms=30_000, curve=addresses.curve)
+    Codec(LauncherIn).send(sock, Ready(stage, os.getpid(), info, addresses.launcher_token))
     sock.close()
 
 
@@ -65,12 +67,47 @@ def internal_error(rid: str, stage: str) -> ErrorOut:
                               f"request id {rid}", type="internal_error", code="internal_error")
 
 
-def begin_stage_process(name: str, log_level: str) -> None:
+def begin_stage_process(name: str, log_level: str, addresses: Addresses | None = None,
+                        launcher: str | None = None) -> None:
     """What a stage process does first: its log format, its title for ps (``conveyor: NAME``),
-    and, when ``CONVEYOR_STACK_SAMPLES`` asks for it, a stack sampler (``stack_sampler``)."""
+    when ``CONVEYOR_STACK_SAMPLES`` asks for it a stack sampler (``stack_sampler``), and, when a
+    launcher started it, a watch that ends the stage with its launcher (``exit_with_launcher``)."""
     setup_logging(log_level)
     set_process_title(f"conveyor: {name}")
     stack_sampler.start_from_env(name)
+    if launcher and addresses is not None:
+        exit_with_launcher(name, addresses)
+
+
+ORPHAN_GRACE_S = 15.0  # after its launcher died, how long a stage may take to stop before it is ended
+
+
+def exit_with_launcher(name: str, addresses: Addresses, grace_s: float = ORPHAN_GRACE_S) -> threading.Thread | None:
+    """End this stage when the launcher that started it dies, however it died (``kill -9``
+    included: no signal reaches the stages then, and they would go on serving, re-parented to
+    init, with nobody to restart or stop them). A thread waits on the launcher's process
+    sentinel; when it fires, the socket directory is removed (its owner is gone) and the stage
+    gets SIGTERM, stopping as it would on the launcher's word; if it has not exited after
+    ``grace_s`` it is ended. A stage not started by ``multiprocessing`` (compose) has nothing to
+    watch."""
+    parent = mp.parent_process()
+    if parent is None:
+        return None
+
+    def watch() -> None:
+        parent.join()  # returns when the launcher's process has ended
+        logger.error("%s: the launcher (pid %s) is gone; stopping this stage", name, parent.pid)
+        if addresses.kind == "ipc" and addresses.run_dir:
+            shutil.rmtree(addresses.run_dir, ignore_errors=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        threading.Event().wait(grace_s)
+        logger.error("%s did not stop %.0fs after its launcher died; ending it", name, grace_s)
+        logging.shutdown()
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def set_process_title(title: str) -> None:

@@ -2,7 +2,8 @@
 
 Admitted starts a request's state and is forwarded to its ingress; a TokenBatch becomes text
 for each ingress (and StopReq to the engine for stop strings); an ErrorOut (a refusal) is
-forwarded; a LoadReport gets this stage's counters and goes on to the ingress that pinged.
+forwarded; a LoadReport gets this stage's counters and goes on to the ingress that pinged. A
+message that fails its checks (``protocol/checks.py``) is dropped whole and counted.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ...protocol import (
     StopReq,
     TokenBatch,
 )
+from ...protocol.checks import MalformedMessageError, check_error_out
 from ..stage import (SEND_TIMEOUT_MS, ReplySockets, announce_ready, begin_stage_process, open_socket,
                      stop_on_sigterm)
 from ..tokenizer.preprocess import load_tokenizer
@@ -41,7 +43,7 @@ def serve_detokenizer(ctx: zmq.Context, addresses: Addresses, detok: Detokenizer
                          curve=addresses.curve)
     replies = ReplySockets(ctx, addresses)
     in_codec, engine_codec = Codec(DetokenizerIn), Codec(EngineIn)
-    announce_ready(ctx, launcher, Stage.DETOKENIZER, addresses.curve)
+    announce_ready(ctx, launcher, Stage.DETOKENIZER, addresses)
     busy, tokens, bad_messages = 0.0, 0, 0  # reported on LoadReports
 
     def handle(msg) -> int:
@@ -54,9 +56,11 @@ def serve_detokenizer(ctx: zmq.Context, addresses: Addresses, detok: Detokenizer
                 replies.send(addr, tb)
             return len(msg.rids)
         if isinstance(msg, Admitted):
+            errors = detok.admit(msg)  # first: a malformed one raises and is not forwarded either
             replies.send(msg.reply_to, msg)
-            fail(detok.admit(msg))
+            fail(errors)
         elif isinstance(msg, ErrorOut):
+            check_error_out(msg)
             replies.send(msg.reply_to, msg)
         elif isinstance(msg, LoadReport):
             msg.stage_stats.update(detokenizer_busy_s=busy, detokenizer_tokens=tokens,
@@ -84,6 +88,10 @@ def serve_detokenizer(ctx: zmq.Context, addresses: Addresses, detok: Detokenizer
                 start = time.perf_counter()
                 try:
                     tokens += handle(msg)
+                except MalformedMessageError as exc:  # checked before any of it was applied
+                    bad_messages += 1
+                    if bad_messages & (bad_messages - 1) == 0:  # 1st, 2nd, 4th, ...: a flood logs little
+                        logger.warning("dropped a malformed message (%d so far): %s", bad_messages, exc)
                 except Exception:  # noqa: BLE001 - an inconsistent message must not stop the stage
                     bad_messages += 1
                     logger.exception("dropped a %s that could not be applied", type(msg).__name__)
@@ -97,6 +105,6 @@ def serve_detokenizer(ctx: zmq.Context, addresses: Addresses, detok: Detokenizer
 def run_detokenizer_process(name: str, addresses: Addresses, model_path: str, launcher: str | None,
                             log_level: str = "INFO") -> None:
     """Entry point of the detokenizer process."""
-    begin_stage_process(name, log_level)
+    begin_stage_process(name, log_level, addresses, launcher)
     stop = stop_on_sigterm()
     serve_detokenizer(zmq.Context(), addresses, Detokenizer(load_tokenizer(model_path)), stop, launcher)

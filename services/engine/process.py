@@ -39,7 +39,7 @@ def load_engine_factory(spec: str) -> Callable[[str, EngineConfig], Engine]:
 def run_engine_process(name: str, addresses: Addresses, model_path: str, config: EngineConfig, launcher: str | None,
                        log_level: str = "INFO", engine_factory: str | None = None) -> None:
     """Entry point of the engine process."""
-    begin_stage_process(name, log_level)
+    begin_stage_process(name, log_level, addresses, launcher)
     stop = stop_on_sigterm()
     if engine_factory:
         engine = load_engine_factory(engine_factory)(model_path, config)

@@ -6,6 +6,10 @@ input thread decodes messages and answers Pings from the last stats snapshot; th
 encodes and sends. The engine loop only moves messages through queues, dispatching on their
 type, and blocks when it has nothing to do. Requests are idempotent by id: a TokenizedReq the
 ingress resent (its first copy was slow, not lost) is admitted once.
+
+No request outlives the ingress waiting for it: an ingress Pings the engine every half second
+(its heartbeat); the requests of an ingress not heard from for ``orphan_after_s`` are aborted,
+and at once when the launcher says that ingress died (IngressGone).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from ...protocol import (
     EngineIn,
     EngineStats,
     ErrorOut,
+    IngressGone,
     LoadReport,
     Ping,
     SessionEnd,
@@ -49,6 +54,9 @@ logger = logging.getLogger(__name__)
 _RECENT_RIDS = 100_000  # request ids remembered, so that a resent duplicate is not run twice
 PROMPT_TAIL = 8  # prompt tokens the detokenizer needs to render the first output token right
 RELEASE_IDLE_EVERY_S = 1.0  # how often idle sessions' KV blocks are looked at (the timeout is minutes)
+# An ingress silent this long is gone (it Pings every 0.5 s; its own verdict on a silent engine
+# takes 10 s): the requests it sent are aborted.
+ORPHAN_AFTER_S = 10.0
 
 
 class EngineCall:
@@ -62,7 +70,7 @@ class EngineCall:
 class EngineService:
     """Moves messages between the sockets and an Engine."""
 
-    def __init__(self, engine: Engine, ctx: zmq.Context, addresses: Addresses):
+    def __init__(self, engine: Engine, ctx: zmq.Context, addresses: Addresses, orphan_after_s: float = ORPHAN_AFTER_S):
         self.engine = engine
         self._ctx, self._addresses = ctx, addresses
         self._inbox: queue.Queue = queue.Queue()
@@ -77,6 +85,10 @@ class EngineService:
         # behind a long step (a kernel compiling on first use), not lost (engine_client.py).
         self._arrived, self._taken = 0, 0
         self._next_release = 0.0  # perf_counter() time of the next release_idle_sessions()
+        self.orphan_after_s = orphan_after_s
+        self._heard: dict[str, float] = {}  # ingress reply address -> monotonic() of its last Ping
+        self._owners: dict[str, str] = {}  # running request id -> the reply address of its ingress
+        self.orphans_aborted = 0
 
     # ---- IO threads ----------------------------------------------------------------------------
     def _input_loop(self, stop: threading.Event, bound: threading.Event) -> None:
@@ -92,8 +104,11 @@ class EngineService:
                     return
                 for msg in codec.recv_all(sock):
                     if isinstance(msg, Ping):  # answered here, even while a long step runs
+                        if self._addresses.is_reply_address(msg.reply_to):  # the ingress's heartbeat
+                            self._heard[msg.reply_to] = time.monotonic()
                         stats = {**msg.stage_stats, "engine_busy_s": self._busy, "engine_steps": self._steps,
-                                 "engine_bad_frames": codec.dropped, "engine_backlog": self._arrived - self._taken}
+                                 "engine_bad_frames": codec.dropped, "engine_backlog": self._arrived - self._taken,
+                                 "engine_orphans_aborted": self.orphans_aborted}
                         self._outbox.put(LoadReport(msg.reply_to, msg.sent_at, self._snapshot, self.draining, stats))
                     else:
                         self._arrived += isinstance(msg, TokenizedReq)
@@ -124,7 +139,7 @@ class EngineService:
         for t in threads:
             t.start()
         bound.wait()
-        announce_ready(self._ctx, launcher, Stage.ENGINE, self._addresses.curve, **(info or {}))
+        announce_ready(self._ctx, launcher, Stage.ENGINE, self._addresses, **(info or {}))
         try:
             while not stop.is_set():
                 msgs = self._take_messages(block=not self.engine.has_work)
@@ -135,8 +150,12 @@ class EngineService:
                     if outputs:
                         self._outbox.put(to_token_batch(outputs))
                         self._steps += 1
+                        for o in outputs:
+                            if o.finish_reason is not None:
+                                self._owners.pop(o.request_id, None)
                 if start >= self._next_release:  # also while idle: the loop wakes every 0.2 s
                     self.engine.release_idle_sessions()
+                    self.abort_orphans()
                     self._next_release = start + RELEASE_IDLE_EVERY_S
                 self._snapshot = self.engine.stats()
                 self._busy += time.perf_counter() - start
@@ -166,23 +185,60 @@ class EngineService:
         return call.future.result()
 
     def handle(self, msgs: list) -> None:
-        """Apply input messages to the engine, on the engine thread, by type."""
+        """Apply input messages to the engine, on the engine thread, by type. A message that
+        raises is logged and dropped: no message may stop the engine (requests are checked in
+        ``_add``; the others only name ids, which the engine looks up)."""
         for msg in msgs:
-            if isinstance(msg, TokenizedReq):
-                self._add(msg)
-            elif isinstance(msg, Abort):
-                self.engine.abort(msg.rid)
-            elif isinstance(msg, StopReq):
-                self.engine.stop(msg.rid)
-            elif isinstance(msg, CancelSession):
-                self.engine.abort_session(msg.session_id)
-            elif isinstance(msg, SessionEnd):
-                self.engine.end_session(msg.session_id)
-            elif isinstance(msg, EngineCall):
-                try:
-                    msg.future.set_result(msg.fn(self.engine))
-                except Exception as exc:  # noqa: BLE001 - the caller gets its own error
-                    msg.future.set_exception(exc)
+            try:
+                self._apply(msg)
+            except Exception:  # noqa: BLE001 - one message must not take every request down with the engine
+                logger.exception("dropped a %s that could not be applied", type(msg).__name__)
+
+    def _apply(self, msg: Any) -> None:
+        """Apply one input message, by type."""
+        if isinstance(msg, TokenizedReq):
+            self._add(msg)
+        elif isinstance(msg, Abort):
+            self.engine.abort(msg.rid)
+        elif isinstance(msg, StopReq):
+            self.engine.stop(msg.rid)
+        elif isinstance(msg, CancelSession):
+            self.engine.abort_session(msg.session_id)
+        elif isinstance(msg, SessionEnd):
+            self.engine.end_session(msg.session_id)
+        elif isinstance(msg, IngressGone):
+            if self._addresses.is_launcher_token(msg.token):
+                self._abort_requests_of(msg.reply_to, "its ingress died")
+                self._heard.pop(msg.reply_to, None)
+            else:
+                logger.warning("ignored an IngressGone without the launcher's token")
+        elif isinstance(msg, EngineCall):
+            try:
+                msg.future.set_result(msg.fn(self.engine))
+            except Exception as exc:  # noqa: BLE001 - the caller gets its own error
+                msg.future.set_exception(exc)
+
+    def abort_orphans(self, now: float | None = None) -> None:
+        """Abort the requests of every ingress silent for ``orphan_after_s`` (only of one that has
+        Pinged: a client that never does, such as a test driving this service directly, is not
+        judged). A silent ingress stays listed, so a request of it that arrives late is aborted
+        too; one silent for a hundred times longer is forgotten."""
+        now = time.monotonic() if now is None else now
+        for address, heard in list(self._heard.items()):
+            silent = now - heard
+            if silent > 100 * self.orphan_after_s:
+                self._heard.pop(address, None)
+            elif silent > self.orphan_after_s:
+                self._abort_requests_of(address, f"its ingress has been silent for {silent:.0f}s")
+
+    def _abort_requests_of(self, address: str, why: str) -> None:
+        rids = [rid for rid, owner in self._owners.items() if owner == address]
+        for rid in rids:
+            del self._owners[rid]
+            self.engine.abort(rid)
+        if rids:
+            self.orphans_aborted += len(rids)
+            logger.warning("aborted %d request(s) of %s: %s", len(rids), address, why)
 
     def _add(self, msg: TokenizedReq) -> None:
         """Admit a request (Admitted goes out before any of its tokens) or refuse it (ErrorOut)."""
@@ -205,6 +261,7 @@ class EngineService:
             err.reply_to = msg.reply_to
             self._outbox.put(err)
             return
+        self._owners[msg.rid] = msg.reply_to
         ids = req.turn_token_ids
         self._outbox.put(Admitted(msg.rid, msg.reply_to, len(ids), msg.params, ids[-PROMPT_TAIL:],
                                   req.num_history_tokens))

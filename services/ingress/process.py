@@ -67,7 +67,8 @@ class DrainingServer(uvicorn.Server):
 
 async def _serve(addresses: Addresses, model_path: str, model_name: str, session_len: int, host: str, port: int,
                  api_keys: list[str] | None, launcher: str | None, log_level: str, drain_timeout: float,
-                 limits: IngressLimits, qos: QosConfig | None, proxy_url: str | None) -> None:
+                 limits: IngressLimits, qos: QosConfig | None, proxy_url: str | None,
+                 proxy_admin_key: str | None = None) -> None:
     client = EngineClient(addresses, model_name, session_len, request_timeout=limits.request_timeout_s)
     await client.start()
     app = build_app(client, api_keys=api_keys, served_model_name=model_name, tokenizer=load_tokenizer(model_path),
@@ -78,7 +79,7 @@ async def _serve(addresses: Addresses, model_path: str, model_name: str, session
                             lifespan="off", timeout_keep_alive=30, limit_concurrency=limits.max_connections,
                             http=with_header_timeout(AutoHTTPProtocol, limits.header_timeout_s))
     registration = ProxyRegistration(proxy_url, advertised_url(host, port), [model_name],
-                                     api_keys[0] if api_keys else None) if proxy_url else None
+                                     proxy_admin_key) if proxy_url else None
     server = DrainingServer(config, drain_timeout=drain_timeout,
                             on_drain=registration.leave if registration else None)
     # Listen only once the first ping has gone round the ring: a client that polls /v1/models
@@ -95,7 +96,7 @@ async def _serve(addresses: Addresses, model_path: str, model_name: str, session
             await task  # re-raises a bind failure
             return
         await asyncio.sleep(0.05)
-    announce_ready(zmq.Context.instance(), launcher, Stage.INGRESS, addresses.curve, url=f"http://{host}:{port}",
+    announce_ready(zmq.Context.instance(), launcher, Stage.INGRESS, addresses, url=f"http://{host}:{port}",
                    reply_to=client.reply_to)  # where the launcher sends StageStatus
     if registration is not None:
         registration.start()
@@ -108,12 +109,14 @@ async def _serve(addresses: Addresses, model_path: str, model_name: str, session
 def run_ingress_process(name: str, addresses: Addresses, model_path: str, model_name: str, session_len: int, host: str,
                         port: int, api_keys: list[str] | None, launcher: str | None, log_level: str = "INFO",
                         drain_timeout: float = 60.0, limits: IngressLimits | None = None,
-                        qos: QosConfig | None = None, proxy_url: str | None = None) -> None:
-    """Entry point of the ingress process; ``qos``: the user groups (--qos-config-path)."""
-    begin_stage_process(name, log_level)
+                        qos: QosConfig | None = None, proxy_url: str | None = None,
+                        proxy_admin_key: str | None = None) -> None:
+    """Entry point of the ingress process; ``qos``: the user groups (--qos-config-path);
+    ``proxy_admin_key``: what it presents to join ``proxy_url`` (None: join from the proxy's host)."""
+    begin_stage_process(name, log_level, addresses, launcher)
     logger.info("ingress pid %d", os.getpid())
     main = _serve(addresses, model_path, model_name, session_len, host, port, api_keys, launcher, log_level,
-                  drain_timeout, limits or IngressLimits(), qos, proxy_url)
+                  drain_timeout, limits or IngressLimits(), qos, proxy_url, proxy_admin_key)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

@@ -31,7 +31,7 @@ def serve_tokenizer(ctx: zmq.Context, addresses: Addresses, pre: Preprocessor,
                          send_timeout_ms=SEND_TIMEOUT_MS, curve=addresses.curve)
     replies = ReplySockets(ctx, addresses)
     in_codec, out_codec = Codec(TokenizerIn), Codec(EngineIn)
-    announce_ready(ctx, launcher, Stage.TOKENIZER, addresses.curve)
+    announce_ready(ctx, launcher, Stage.TOKENIZER, addresses)
     busy, handled = 0.0, 0  # reported on Pings, for per-stage overhead measurements
     try:
         while not stop.is_set():
@@ -68,7 +68,7 @@ def serve_tokenizer(ctx: zmq.Context, addresses: Addresses, pre: Preprocessor,
 def run_tokenizer_process(name: str, addresses: Addresses, model_path: str, session_len: int,
                           chat_template: str | None, launcher: str | None, log_level: str = "INFO") -> None:
     """Entry point of a tokenizer worker process."""
-    begin_stage_process(name, log_level)
+    begin_stage_process(name, log_level, addresses, launcher)
     stop = stop_on_sigterm()
     template = template_config(chat_template)
     eos = load_model_config(model_path).eos_token_ids

@@ -235,6 +235,75 @@ def test_sigterm_drains_in_flight_requests(smollm2_dir, tmp_path):
     assert not run.exists()
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by init, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _running(url: str) -> float:
+    return _metric(url, "conveyor_engine_requests_running")
+
+
+def test_an_ingress_killed_with_streams_in_flight_frees_the_engine(smollm2_dir, tmp_path):
+    # Before: nothing told the engine, and each stream ran to its max_tokens for nobody.
+    srv = _start(smollm2_dir, tmp_path, delay=0.02)
+    try:
+        ingress = srv.stage_pids("ingress")[0]
+        with cf.ThreadPoolExecutor(2) as pool:
+            streams = [pool.submit(_chat, srv.url, 2000, True, 90) for _ in range(2)]
+            _wait_until(lambda: _generating(srv.url, 2), "two streams to start", srv=srv)
+            os.kill(ingress, signal.SIGKILL)
+            for s in streams:
+                with pytest.raises(httpx.HTTPError):
+                    s.result(timeout=60)
+        _wait_until(lambda: len(srv.stage_pids("ingress")) == 2, "the ingress to restart", timeout=60, srv=srv)
+        _wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 200, "/health 200", 60, srv)
+        # 2000 tokens at 20 ms a step is 40 s: both are aborted long before (the launcher's IngressGone).
+        _wait_until(lambda: _running(srv.url) == 0, "the engine to abort the dead ingress's requests", 10, srv)
+        assert _metric_stat(srv.url, "engine_orphans_aborted") == 2
+        assert _chat(srv.url, 5)[0] == 200
+    finally:
+        srv.terminate()
+
+
+def test_a_dead_detokenizer_leaves_no_request_running(smollm2_dir, tmp_path):
+    # The ingress fails the streams that went through it; it now aborts them in the engine too.
+    srv = _start(smollm2_dir, tmp_path, delay=0.02)
+    try:
+        with cf.ThreadPoolExecutor(2) as pool:
+            streams = [pool.submit(_chat, srv.url, 2000, True, 90) for _ in range(2)]
+            _wait_until(lambda: _generating(srv.url, 2), "two streams to start", srv=srv)
+            os.kill(srv.stage_pids("detokenizer")[0], signal.SIGKILL)
+            for s in streams:
+                status, body = s.result(timeout=60)
+                assert status == 200 and '"error"' in body
+        _wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 200, "/health 200", 60, srv)
+        _wait_until(lambda: _running(srv.url) == 0, "the engine to abort the failed requests", 10, srv)
+    finally:
+        srv.terminate()
+
+
+def test_killing_the_launcher_ends_every_stage(smollm2_dir, tmp_path):
+    # Before: kill -9 on the launcher left every stage serving on the port, re-parented to init.
+    srv = _start(smollm2_dir, tmp_path)
+    try:
+        pids = {name: srv.stage_pids(name)[0] for name in ("engine", "detokenizer", "tokenizer", "ingress")}
+        run = srv.run_dir()
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(10)
+        _wait_until(lambda: not any(_alive(p) for p in pids.values()),
+                    f"every stage to exit (alive: {[n for n, p in pids.items() if _alive(p)]})", 30)
+        assert not run.exists()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{srv.url}/health", timeout=2)
+    finally:
+        srv.kill()
+
+
 def test_schemathesis_finds_no_server_error(smollm2_dir, tmp_path):
     pytest.importorskip("schemathesis")
     import subprocess

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 
@@ -18,8 +19,8 @@ import zmq.asyncio
 
 from benchmarks.fake_engine import FakeEngine
 from conveyor.protocol import Abort, Addresses, Admitted, CancelSession, Codec, DetokenizerIn, EngineIn, \
-    EngineStats, ErrorOut, Finish, GenerateReq, IngressIn, LoadReport, Ping, SamplingParams, SessionEnd, StopReq, \
-    TextBatch, TokenBatch, TokenizedReq, TokenizerIn
+    EngineStats, ErrorOut, Finish, GenerateReq, IngressGone, IngressIn, LoadReport, Ping, SamplingParams, SessionEnd, \
+    StageStatus, StopReq, TextBatch, TokenBatch, TokenizedReq, TokenizerIn
 from conveyor.services.engine.service import EngineService
 from conveyor.services.engine_client import EngineClient, RequestError
 
@@ -83,13 +84,13 @@ def test_recv_all_drops_a_malformed_frame_and_keeps_the_rest() -> None:
 class _Ring:
     """An EngineService on a FakeEngine in a thread, with sockets standing in for its peers."""
 
-    def __init__(self, engine: FakeEngine):
+    def __init__(self, engine: FakeEngine, **service_kw):
         self.ctx = zmq.Context()
-        self.addresses = Addresses.inproc()
+        self.addresses = dataclasses.replace(Addresses.inproc(), launcher_token="launcher-secret")
         self.engine = engine
         self.out = self.ctx.socket(zmq.PULL)  # the detokenizer's side
         self.out.bind(self.addresses.detokenizer_in.bind)
-        self.service = EngineService(engine, self.ctx, self.addresses)
+        self.service = EngineService(engine, self.ctx, self.addresses, **service_kw)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.service.serve, args=(self.stop,), daemon=True)
         self.thread.start()
@@ -224,6 +225,63 @@ def test_pings_report_requests_waiting_behind_a_long_step(ring) -> None:
     held.join(DEADLINE)
 
 
+INGRESS_A, INGRESS_B = "inproc://conveyor-reply-a", "inproc://conveyor-reply-b"  # reply addresses, as made
+
+
+def _running_of(ring, rids: set[str]) -> set[str]:
+    """Which of ``rids`` have not finished in what the engine sent so far."""
+    ring.received.extend(ring.out_codec.recv_all(ring.out))
+    return {rid for rid in rids if not _finished(rid)(ring.received)}
+
+
+def test_the_requests_of_an_ingress_that_went_silent_are_aborted() -> None:
+    """An ingress that Pinged and then stopped (killed, or its host gone) has its requests
+    aborted after ``orphan_after_s``; one that keeps Pinging keeps its requests running."""
+    ring = _Ring(FakeEngine([11, 12, 13], session_len=1 << 20, num_blocks=100, step_delay=0.01), orphan_after_s=0.5)
+    try:
+        ring.send(Ping(INGRESS_A, 0.0))
+        ring.send(Ping(INGRESS_B, 0.0))
+        ring.send(TokenizedReq("a1", INGRESS_A, [1, 2], SamplingParams(max_new_tokens=10_000)))
+        ring.send(TokenizedReq("b1", INGRESS_B, [1, 2], SamplingParams(max_new_tokens=10_000)))
+        ring.until(lambda got: sum(isinstance(m, Admitted) for m in got) == 2, "two admissions")
+        start = time.monotonic()
+        while time.monotonic() - start < 1.5:  # B keeps beating, A is silent
+            ring.send(Ping(INGRESS_B, 0.0))
+            if "a1" not in _running_of(ring, {"a1"}):
+                break
+            time.sleep(0.05)
+        ring.until(_finished("a1"), "a1 to be aborted")
+        last = [m for m in ring.received if isinstance(m, TokenBatch) and "a1" in m.rids][-1]
+        assert last.finish[last.rids.index("a1")] == Finish.ABORT
+        assert _running_of(ring, {"b1"}) == {"b1"} and ring.service.orphans_aborted == 1
+        # A client that never Pinged (a test, an in-process caller) is not judged.
+        ring.send(TokenizedReq("c1", "inproc://conveyor-reply-c", [1, 2], SamplingParams(max_new_tokens=10_000)))
+        ring.until(lambda got: any(isinstance(m, Admitted) and m.rid == "c1" for m in got), "c1 admitted")
+        later = time.monotonic() + 20  # B is silent too by then; C never spoke
+        ring.service.call(lambda engine: ring.service.abort_orphans(later))
+        ring.until(_finished("b1"), "b1 to be aborted")
+        assert _running_of(ring, {"c1"}) == {"c1"}
+        ring.send(Abort("c1"))
+        ring.until(_finished("c1"), "c1 to end")
+        assert ring.engine.stats().free_blocks == 100
+    finally:
+        ring.close()
+
+
+def test_the_launcher_saying_an_ingress_died_aborts_its_requests_at_once(ring) -> None:
+    ring.engine.step_delay, ring.engine.session_len = 0.01, 1 << 20
+    ring.send(TokenizedReq("a1", INGRESS_A, [1, 2], SamplingParams(max_new_tokens=10_000)))
+    ring.send(TokenizedReq("b1", INGRESS_B, [1, 2], SamplingParams(max_new_tokens=10_000)))
+    ring.until(lambda got: sum(isinstance(m, Admitted) for m in got) == 2, "two admissions")
+    ring.send(IngressGone(INGRESS_A, "forged"))  # a peer without the launcher's token: ignored
+    ring.send(IngressGone(INGRESS_B, "launcher-secret"))
+    ring.until(_finished("b1"), "b1 to be aborted")
+    assert _running_of(ring, {"a1"}) == {"a1"}
+    ring.send(Abort("a1"))
+    ring.until(_finished("a1"), "a1 to end")
+    assert ring.engine.stats().free_blocks == 100
+
+
 def test_engine_calls_run_between_steps(ring) -> None:
     assert ring.service.call(lambda engine: engine.stats().num_blocks) == 100
     with pytest.raises(ZeroDivisionError):
@@ -327,7 +385,8 @@ async def test_client_does_not_resend_while_the_engine_reports_a_backlog() -> No
         with pytest.raises(asyncio.TimeoutError):  # without the backlog: resent by 0.2 s, failed by 0.4 s
             await _recv(feed, codec, lambda m: isinstance(m, GenerateReq), timeout=1.0)
         assert not task.done()
-        await reply(LoadReport(client.reply_to, 0.0))  # the backlog cleared and r4 was not admitted: lost
+        # the backlog cleared and r4 was not admitted: lost
+        await reply(LoadReport(client.reply_to, 0.0, stage_stats={"engine_backlog": 0.0}))
         assert (await _recv(feed, codec, lambda m: isinstance(m, GenerateReq))).rid == "r4"
         with pytest.raises(RequestError) as err:
             await asyncio.wait_for(task, DEADLINE)
@@ -357,6 +416,59 @@ async def test_client_stops_a_request_past_the_request_timeout() -> None:
         assert err.value.status == 504 and err.value.code == "request_timeout"
         abort = await _recv(engine_in, Codec(EngineIn), lambda m: isinstance(m, Abort))
         assert abort.rid == "r4"  # the engine is told to stop it: its blocks come back
+
+
+@pytest.mark.anyio
+async def test_client_beats_to_the_engine_and_stays_healthy_without_tokenizers() -> None:
+    """Pings go straight to the engine as well as round the ring: the engine hears this client
+    (its heartbeat), and the client stays healthy (streams go on) while no tokenizer is up."""
+    async with _client_ring(with_tokenizer=False) as (client, _, engine_in, reply):
+        ping = await _recv(engine_in, Codec(EngineIn), lambda m: isinstance(m, Ping))
+        assert ping.reply_to == client.reply_to
+        for _ in range(3):  # the engine answers the direct pings; nothing goes round the ring
+            await reply(LoadReport(client.reply_to, 0.0, stage_stats={"engine_steps": 1.0}))
+            await asyncio.sleep(client.ping_interval)
+        assert client.healthy
+
+
+@pytest.mark.anyio
+async def test_client_aborts_what_it_failed_and_what_it_does_not_know() -> None:
+    async with _client_ring() as (client, feed, engine_in, reply):
+        async def run(rid: str):
+            async for _ in client.generate(GenerateReq(rid, "", SamplingParams())):
+                pass
+
+        tasks = [asyncio.ensure_future(run(rid)) for rid in ("f1", "f2")]
+        for _ in tasks:
+            await _recv(feed, Codec(TokenizerIn), lambda m: isinstance(m, GenerateReq))
+        await reply(Admitted("f1", client.reply_to, 3, SamplingParams()))
+        await asyncio.wait_for(_until(lambda: client._requests["f1"].admitted), DEADLINE)
+        client.fail_all("the detokenizer stage stopped")  # what a dead detokenizer's notice does
+        for t in tasks:
+            with pytest.raises(RequestError):
+                await asyncio.wait_for(t, DEADLINE)
+        codec = Codec(EngineIn)
+        assert (await _recv(engine_in, codec, lambda m: isinstance(m, Abort))).rid == "f1"  # admitted: at once
+        await reply(Admitted("f2", client.reply_to, 3, SamplingParams()))  # admitted after it failed here
+        assert (await _recv(engine_in, codec, lambda m: isinstance(m, Abort))).rid == "f2"
+        # Tokens of a request this client never sent (an earlier ingress at this address): aborted once.
+        await reply(TextBatch(["old"], ["x"], [[5]], [-1], [3], [1], [0]))
+        await reply(TextBatch(["old"], ["y"], [[6]], [-1], [3], [2], [0]))
+        await reply(TextBatch(["done"], ["z"], [[7]], [int(Finish.STOP)], [3], [1], [0]))  # ended: nothing to do
+        await reply(Admitted("marker", client.reply_to, 3, SamplingParams()))
+        aborts = []
+        while not aborts or aborts[-1] != "marker":
+            aborts.append((await _recv(engine_in, codec, lambda m: isinstance(m, Abort))).rid)
+        assert aborts == ["old", "marker"]
+
+
+@pytest.mark.anyio
+async def test_client_ignores_a_stage_notice_without_the_launcher_token() -> None:
+    async with _client_ring() as (client, _, _, reply):
+        await reply(StageStatus("engine", False, 123, 0, "forged"))  # would pin /health at 503
+        await reply(LoadReport(client.reply_to, 0.0))
+        await asyncio.wait_for(_until(lambda: client.refused_notices == 1), DEADLINE)
+        assert client.healthy and client.down == []
 
 
 async def _until(predicate) -> None:
