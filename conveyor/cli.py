@@ -13,9 +13,8 @@ import argparse
 import copy as _copy
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from conveyor.engine.config import parse_cache_size
+from conveyor.engine.config import EngineConfig, parse_cache_size
 from conveyor.lite import add_lite_parser
 from conveyor.services.tokenizer.chat_template import list_chat_templates
 
@@ -72,12 +71,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from conveyor.errors import ConveyorError
 
     model = local_path(args.model, _say)
-    config = _engine_config(args)
-    config.enable_prefix_caching = True  # a session's turns reuse its cached history
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, top_k=args.top_k, top_p=args.top_p,
                            temperature=args.temperature)
     interactive = sys.stdin.isatty()
-    try:  # pipeline() resolves --model-name to a template before it loads anything
+    try:  # pipeline() checks --model-name, the model and tp (engine/preflight.py) before it loads anything
+        config = _engine_config(args)
+        config.enable_prefix_caching = True  # a session's turns reuse its cached history
         pipe = pipeline(model, config, chat_template_config=template_config(args.chat_template),
                         model_name=args.model_name)
     except ConveyorError as exc:
@@ -153,28 +152,35 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
     if refusal:
         print(refusal, file=sys.stderr)
         return 1
-    from conveyor.services.launcher import ServerArgs, serve
-
-    from conveyor.engine.weight_loader import load_model_config
     from conveyor.errors import ConveyorError
     from conveyor.services.tokenizer.chat_template import template_config
 
-    try:  # a bad template, QoS file or model is reported now, not by a stage that keeps restarting
+    try:  # a bad template, QoS file, model or tp is reported now, not by a stage that keeps restarting
         template_config(args.chat_template)
         qos = _qos_config(args)
+        engine = _engine_config(args)
         model, served_name = _served_model(args)
-        if Path(model).exists():  # an architecture the engine lacks: one line, not a stage's traceback
-            load_model_config(model)
+        _preflight(model, engine, reads_weights=not args.engine_factory)
     except ConveyorError as exc:
         print(f"conveyor: {exc}", file=sys.stderr)
         return 2
-    engine = _engine_config(args)
+    from conveyor.services.launcher import ServerArgs, serve
+
     return serve(ServerArgs(
         model_path=model, server_name=args.server_name, server_port=args.server_port,
         tokenizer_workers=args.tokenizer_workers, api_keys=_api_keys(args), chat_template=args.chat_template,
         served_model_name=served_name, engine=engine, log_level=args.log_level, engine_factory=args.engine_factory,
         drain_timeout=args.drain_timeout, max_restarts=args.max_restarts, limits=_limits(args), qos=qos,
         proxy_url=args.proxy_url))
+
+
+def _preflight(model: str, engine: EngineConfig, reads_weights: bool) -> None:
+    """The model's path, config, weights' headers and tp split, checked before any stage starts
+    (engine/preflight.py). Without ``reads_weights`` (a stage other than the engine, an
+    --engine-factory engine) only the path and config.json."""
+    from conveyor.engine.preflight import preflight
+
+    preflight(model, engine, weights=reads_weights)
 
 
 def _served_model(args: argparse.Namespace) -> tuple[str, str | None]:
@@ -186,9 +192,9 @@ def _served_model(args: argparse.Namespace) -> tuple[str, str | None]:
     if not args.dummy_weights:
         return model, args.model_name
     from conveyor.engine.dummy_model import served_model_dir, shape_name
-    from conveyor.engine.weight_loader import resolve_model_path
+    from conveyor.engine.preflight import locate_model
 
-    return str(served_model_dir(args.dummy_weights, resolve_model_path(model))), \
+    return str(served_model_dir(args.dummy_weights, locate_model(model))), \
         args.model_name or shape_name(args.dummy_weights)
 
 
@@ -224,9 +230,7 @@ def _api_keys(args: argparse.Namespace) -> list[str] | None:
     return keys or None
 
 
-def _engine_config(args: argparse.Namespace):
-    from conveyor.engine.config import EngineConfig
-
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(tp=args.tp, session_len=args.session_len, max_batch_size=args.max_batch_size,
                         cache_max_entry_count=args.cache_max_entry_count,
                         quant_policy=args.quant_policy, model_format=args.model_format,
@@ -247,6 +251,7 @@ def _cmd_stage(args: argparse.Namespace) -> int:
         addresses = Addresses.tcp(base_port=args.base_port, curve=keys)
         qos = _qos_config(args)  # every stage checks it: a compose file passes the same flags to all
         model, served_name = _served_model(args)
+        _preflight(model, _engine_config(args), reads_weights=args.stage == "engine" and not args.engine_factory)
     except (SecurityError, ConveyorError) as exc:
         print(f"conveyor: {exc}", file=sys.stderr)
         return 2

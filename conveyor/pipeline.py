@@ -12,7 +12,8 @@ from typing import Any
 
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.weight_loader import load_model_config, resolve_model_path
+from conveyor.engine.preflight import preflight
+from conveyor.engine.weight_loader import load_model_config
 from conveyor.messages import GenerationConfig, Response
 from conveyor.protocol import EngineConfigError, GenerateReq, InvalidRequestError, rebuild_error
 from conveyor.services.local_stack import EngineDiedError, LocalStack, RequestError, RequestOutput
@@ -67,10 +68,10 @@ class Pipeline:
         config = self.backend_config
         from conveyor.default_model import local_path
 
-        self.model_path = resolve_model_path(local_path(str(model_path)), config.revision,
-                                             download_dir=config.download_dir)
-        # Tokenizer, template and architecture are checked before the weights load: bad
-        # settings fail in a second, not after the model is in memory.
+        # Path, config, weights' headers and tp split (engine/preflight.py), then tokenizer and
+        # template, are checked before the weights load: bad settings fail in seconds, not after
+        # the model is in memory.
+        self.model_path = preflight(local_path(str(model_path)), config)
         model_config = load_model_config(self.model_path)
         self.session_len = config.session_len or model_config.max_position_embeddings
         self.preprocessor = Preprocessor(self.model_path, self.session_len, chat_template_config,

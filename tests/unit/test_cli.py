@@ -182,3 +182,73 @@ def test_a_taken_port_is_refused_before_any_model_loads(command: str, capsys) ->
                      "--server-port", str(port)]) == 1
     err = capsys.readouterr().err
     assert f"cannot serve on 127.0.0.1:{port}" in err and "--server-port" in err
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_api_server_with_a_missing_model_exits_2_with_one_line_in_seconds() -> None:
+    """A real process: no stage starts, nothing is taken for a hub id, no traceback."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    conveyor = Path(sys.executable).with_name("conveyor")
+    start = time.monotonic()
+    done = subprocess.run([str(conveyor), "serve", "api_server", "/nonexistent", "--server-name", "127.0.0.1",
+                           "--server-port", str(_free_port())], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "conveyor: model path '/nonexistent' does not exist: give a Hugging Face model directory "
+        "(config.json + weights), a .gguf file or a hub id like 'org/name'"]
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("problem, flags, message", [
+    ("cut", [], "model.safetensors is not a readable safetensors file"),
+    ("missing", [], r"missing parameters \(1\): model.layers.0.self_attn.qkv_proj.weight\[q\]"),
+    ("none", ["--tp", "3", "--device", "cpu"], r"num_attention_heads \(4\) does not split evenly over tp=3"),
+], ids=["weights-cut-short", "tensor-missing", "tp-split"])
+def test_api_server_checks_weights_and_tp_before_starting_stages(tmp_path, monkeypatch, capsys, problem, flags,
+                                                                 message) -> None:
+    import re
+
+    import conveyor.services.launcher as launcher
+    from test_preflight import dense_model
+
+    model = dense_model(tmp_path)
+    weights = model / "model.safetensors"
+    if problem == "cut":
+        weights.write_bytes(weights.read_bytes()[:-64])
+    elif problem == "missing":
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(weights))
+        del tensors["model.layers.0.self_attn.q_proj.weight"]
+        save_file(tensors, str(weights))
+    monkeypatch.setattr(launcher, "serve", lambda *a, **k: pytest.fail("started the stages"))
+    argv = ["serve", "api_server", str(model), "--server-name", "127.0.0.1", "--server-port", str(_free_port())]
+    assert main([*argv, *flags]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+
+
+def test_api_server_still_starts_dummy_weights_and_factory_engines(tmp_path, monkeypatch) -> None:
+    import conveyor.services.launcher as launcher
+    from test_preflight import dense_model
+
+    model = dense_model(tmp_path)
+    (model / "model.safetensors").unlink()  # neither reads weights
+    (model / "tokenizer_config.json").write_text("{}")  # --dummy-weights takes the tokenizer files of MODEL
+    started = []
+    monkeypatch.setattr(launcher, "serve", lambda args: started.append(args) or 0)
+    base = ["serve", "api_server", str(model), "--server-name", "127.0.0.1", "--device", "cpu"]
+    assert main([*base, "--server-port", str(_free_port()), "--dummy-weights", "tiny"]) == 0
+    assert main([*base, "--server-port", str(_free_port()), "--engine-factory", "benchmarks.fake_engine:build"]) == 0
+    assert [a.engine.load_format for a in started] == ["dummy", "auto"]
