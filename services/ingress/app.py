@@ -280,6 +280,10 @@ class _Ingress:
             raise RequestError(400, f"this request makes {num} generations (n={n} for each prompt); this server "
                                f"takes at most {self.limits.max_sequences} per request", param="n",
                                code="too_many_choices")
+        if num > self.limits.max_queued:  # would wait for places that never come: 429's "retry later" is false
+            raise RequestError(400, f"this request makes {num} generations (n={n} for each prompt) but this server "
+                               f"queues at most {self.limits.max_queued} (--max-queued-requests): lower n or send "
+                               "fewer prompts", param="n", code="too_many_choices")
         if self.sequences + num > self.limits.max_queued:
             raise RequestError(429, f"the server has {self.sequences} generations queued or running, its limit: "
                                "retry later", type="rate_limit_exceeded", code="rate_limit_exceeded",

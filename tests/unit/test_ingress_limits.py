@@ -86,6 +86,21 @@ async def test_a_full_queue_answers_429_with_retry_after_and_frees_its_places(en
     assert app.state.ingress.sequences == 0 and app.state.ingress.inflight == 0
 
 
+async def test_more_generations_than_the_queue_holds_is_400_not_429(engine) -> None:
+    """A request the queue can never hold would get 429 "retry later" forever: it is a bad request."""
+    app = build_app(engine, limits=IngressLimits(max_queued=3))
+    async with http(app) as c:  # an empty queue
+        resp = await c.post("/v1/chat/completions", json=chat_body(n=4))
+        err = assert_error(resp, 400)
+        assert "Retry-After" not in resp.headers and err["param"] == "n" and err["code"] == "too_many_choices"
+        assert "at most 3 (--max-queued-requests)" in err["message"] and "4 generations" in err["message"]
+        err = assert_error(await c.post("/v1/completions", json={"model": "fake-model", "prompt": ["a", "b"],
+                                                                 "n": 2}), 400)
+        assert "at most 3" in err["message"]
+        assert (await c.post("/v1/chat/completions", json=chat_body(n=3))).status_code == 200
+    assert not engine.active and app.state.ingress.sequences == 0
+
+
 async def test_a_slow_body_gets_408(engine) -> None:
     app = build_app(engine, limits=IngressLimits(body_timeout_s=0.2))
     sent: list[dict] = []
