@@ -24,11 +24,15 @@ from ..tokenizer.preprocess import load_tokenizer
 logger = logging.getLogger(__name__)
 
 RING_WAIT_S = 30.0  # how long the ingress waits for the stages to answer before it says READY
+DEADLINE_FLUSH_S = 2.0  # after the drain timeout, how long ended requests may take to tell their clients
 
 
 class DrainingServer(uvicorn.Server):
     """On SIGTERM: keep accepting connections and answer new requests with 503 and Retry-After,
-    let in-flight ones finish (up to ``drain_timeout`` seconds), then exit with code 0.
+    let in-flight ones finish (up to ``drain_timeout`` seconds), then exit with code 0. Requests
+    still running at the deadline are ended by ``on_deadline`` (an error chunk, then [DONE], and
+    an abort in the engine) so that the exit comes at the deadline, not after the stages behind
+    it have been stopped too and the streams noticed.
 
     uvicorn routes SIGTERM and SIGINT to ``handle_exit`` (older versions through
     ``install_signal_handlers``, newer through ``capture_signals``); overriding it works with both.
@@ -36,10 +40,12 @@ class DrainingServer(uvicorn.Server):
     """
 
     def __init__(self, config: uvicorn.Config, drain_timeout: float = 60.0,
-                 on_drain: Callable[[], Awaitable[None]] | None = None):
+                 on_drain: Callable[[], Awaitable[None]] | None = None,
+                 on_deadline: Callable[[], None] | None = None):
         super().__init__(config)
         self.drain_timeout = drain_timeout
         self.on_drain = on_drain  # e.g. leave the proxy: it stops sending requests that would get 503
+        self.on_deadline = on_deadline  # fail the requests still in flight when the drain time is up
         self._draining = False
 
     def handle_exit(self, sig: int, frame) -> None:
@@ -62,6 +68,14 @@ class DrainingServer(uvicorn.Server):
         deadline = time.monotonic() + self.drain_timeout
         while inflight_requests(self.config.app) > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        left = inflight_requests(self.config.app)
+        if left and self.on_deadline is not None:
+            logger.warning("drain timeout (%.0fs) passed with %d request(s) in flight: ending them", self.drain_timeout,
+                           left)
+            self.on_deadline()
+            end = time.monotonic() + DEADLINE_FLUSH_S  # their error chunks reach the clients
+            while inflight_requests(self.config.app) > 0 and time.monotonic() < end:
+                await asyncio.sleep(0.05)
         self.should_exit = True
 
 
@@ -77,11 +91,15 @@ async def _serve(addresses: Addresses, model_path: str, model_name: str, session
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
                             lifespan="off", timeout_keep_alive=30, limit_concurrency=limits.max_connections,
+                            timeout_graceful_shutdown=DEADLINE_FLUSH_S,  # past the drain: nothing is left to wait for
                             http=with_header_timeout(AutoHTTPProtocol, limits.header_timeout_s))
     registration = ProxyRegistration(proxy_url, advertised_url(host, port), [model_name],
                                      proxy_admin_key) if proxy_url else None
     server = DrainingServer(config, drain_timeout=drain_timeout,
-                            on_drain=registration.leave if registration else None)
+                            on_drain=registration.leave if registration else None,
+                            on_deadline=lambda: client.fail_all(
+                                f"the server is shutting down: requests still running {drain_timeout:g}s after "
+                                "the stop (--drain-timeout) were ended; retry"))
     # Listen only once the first ping has gone round the ring: a client that polls /v1/models
     # (as LMDeploy's users and scripts do) would otherwise get 200 there and then 503 on its first
     # request. READY follows listening. A ring that stays silent is reported by /health instead.

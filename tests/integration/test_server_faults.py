@@ -161,6 +161,21 @@ def test_hostile_frames_on_every_socket_leave_every_stage_serving(smollm2_dir, t
     assert not run.exists()  # the launcher removes the sockets' directory
 
 
+def test_a_drain_past_its_timeout_ends_the_streams_and_exits_on_time(smollm2_dir, tmp_path):
+    # Before: the stream ended only once the engine had been stopped too, with 'the engine
+    # stopped answering', and the server exited ~21 s past its drain timeout.
+    srv = _start(smollm2_dir, tmp_path, "--drain-timeout", "2", delay=0.02)
+    with cf.ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(_chat, srv.url, 2000, True, 90)  # ~40 s of generation
+        _wait_until(lambda: _generating(srv.url), "the stream to start", srv=srv)
+        stopped = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        status, body = stream.result(timeout=60)
+        assert status == 200 and "shutting down" in body and body.rstrip().endswith("data: [DONE]")
+        assert srv.proc.wait(60) == 0
+    assert time.monotonic() - stopped < 2 + 8, srv.log()[-3000:]
+
+
 def _alive(pid: int) -> bool:
     try:
         return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
