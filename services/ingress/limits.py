@@ -8,7 +8,17 @@ and the resources a client can hold without sending anything (sockets, queue pla
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from ..engine_client import RETRY_AFTER_S
+from .openai_schemas import error_envelope
+
+logger = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN_CAP = 32  # the default character cap: session_len tokens of this many characters each
 
@@ -24,7 +34,7 @@ class IngressLimits:
     request_timeout_s: float | None = 600.0  # a request still running then is aborted (504 / an error event)
     header_timeout_s: float = 10.0  # a connection whose request headers take longer is closed
     body_timeout_s: float = 30.0  # a body that takes longer to arrive gets 408
-    max_connections: int = 4096  # open connections and tasks; past it uvicorn answers 503
+    max_connections: int = 4096  # open connections and tasks; past it 503 (with_connection_limit)
 
     def __post_init__(self) -> None:
         for name in ("max_prompts", "max_sequences", "max_queued", "max_connections"):
@@ -88,3 +98,46 @@ def with_header_timeout(protocol: type[asyncio.Protocol], timeout_s: float) -> t
 
     HeaderTimeout.__name__ = f"HeaderTimeout{protocol.__name__}"
     return HeaderTimeout
+
+
+_OVER_CONNECTIONS = msgspec.json.encode(error_envelope(
+    503, "the server has too many connections open: retry later", type="service_unavailable",
+    code="too_many_connections"))
+_OVER_CONNECTIONS_HEADERS = [(b"content-type", b"application/json"),
+                             (b"content-length", str(len(_OVER_CONNECTIONS)).encode()),
+                             (b"retry-after", str(RETRY_AFTER_S).encode()), (b"connection", b"close")]
+
+_App = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+
+
+def with_connection_limit(protocol: type[asyncio.Protocol]) -> type[asyncio.Protocol]:
+    """``protocol`` (uvicorn's HTTP protocol class) answering a request past the server's
+    ``limit_concurrency`` (``--max-connections``) with 503 in OpenAI's error envelope and
+    ``Retry-After``, where uvicorn answers plain text without it (clients then neither parse the
+    error nor know when to come back).
+
+    The limit and what it counts stay uvicorn's (open connections, requests being served); the
+    protocol takes the check over from uvicorn, which it turns off for its connections, and makes
+    it as the request's app starts, when uvicorn has counted the request's own task already.
+    """
+
+    class ConnectionLimit(protocol):  # type: ignore[misc, valid-type]
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(config, *args, **kwargs)
+            limit, self.limit_concurrency = self.limit_concurrency, None
+            if limit is not None:
+                self.app = self._refusing_past(limit, self.app)
+
+        def _refusing_past(self, limit: int, app: _App) -> _App:
+            async def limited(scope: dict, receive: Callable, send: Callable) -> None:
+                # uvicorn's test, one task later: it is made before this request's task is counted
+                if scope["type"] == "http" and (len(self.connections) >= limit or len(self.tasks) > limit):
+                    logger.warning("over the connection limit (%d, --max-connections): 503", limit)
+                    await send({"type": "http.response.start", "status": 503, "headers": _OVER_CONNECTIONS_HEADERS})
+                    await send({"type": "http.response.body", "body": _OVER_CONNECTIONS})
+                    return
+                await app(scope, receive, send)
+            return limited
+
+    ConnectionLimit.__name__ = f"ConnectionLimit{protocol.__name__}"
+    return ConnectionLimit

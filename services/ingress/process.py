@@ -16,7 +16,7 @@ from ...protocol import Addresses, Stage
 from ..engine_client import EngineClient
 from ..proxy.registration import ProxyRegistration, advertised_url
 from .app import begin_drain, build_app, inflight_requests
-from .limits import IngressLimits, with_header_timeout
+from .limits import IngressLimits, with_connection_limit, with_header_timeout
 from .qos import QosConfig
 from ..stage import announce_ready, begin_stage_process
 from ..tokenizer.preprocess import load_tokenizer
@@ -92,7 +92,7 @@ async def _serve(addresses: Addresses, model_path: str, model_name: str, session
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
                             lifespan="off", timeout_keep_alive=30, limit_concurrency=limits.max_connections,
                             timeout_graceful_shutdown=DEADLINE_FLUSH_S,  # past the drain: nothing is left to wait for
-                            http=with_header_timeout(AutoHTTPProtocol, limits.header_timeout_s))
+                            http=with_connection_limit(with_header_timeout(AutoHTTPProtocol, limits.header_timeout_s)))
     registration = ProxyRegistration(proxy_url, advertised_url(host, port), [model_name],
                                      proxy_admin_key) if proxy_url else None
     server = DrainingServer(config, drain_timeout=drain_timeout,

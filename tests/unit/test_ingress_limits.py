@@ -160,6 +160,49 @@ def test_slow_or_silent_headers_close_the_connection() -> None:
     asyncio.run(scenario())
 
 
+def test_past_the_connection_limit_503_is_openai_json_with_retry_after() -> None:
+    """A real uvicorn server with two connections allowed: while another client holds one, a
+    request gets the JSON 503 with Retry-After (uvicorn's own is plain text without it); once
+    it is closed, requests are served."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    from conveyor.services.ingress.limits import with_connection_limit
+
+    app = build_app(FakeEngineClient())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off", limit_concurrency=2,
+                            http=with_connection_limit(with_header_timeout(AutoHTTPProtocol, 10)))
+    server = uvicorn.Server(config)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            idle = socket.create_connection(("127.0.0.1", port))
+            await asyncio.sleep(0.1)  # the server has accepted it
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+                resp = await c.post("/v1/chat/completions", json=chat_body())
+                err = assert_error(resp, 503)
+                assert resp.headers["Retry-After"] == "5" and resp.headers["content-type"] == "application/json"
+                assert err["code"] == "too_many_connections" and err["type"] == "service_unavailable"
+            idle.close()
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+                for _ in range(50):  # until the server has seen the idle connection go
+                    resp = await c.post("/v1/chat/completions", json=chat_body())
+                    if resp.status_code != 503:
+                        break
+                    await asyncio.sleep(0.05)
+                assert resp.json()["choices"][0]["message"]["content"] == PROMPT
+        finally:
+            server.should_exit = True
+            await task
+
+    asyncio.run(scenario())
+
+
 def test_limits_refuse_nonsense() -> None:
     for bad in ({"max_prompts": 0}, {"max_queued": 0}, {"header_timeout_s": 0}, {"request_timeout_s": -1},
                 {"max_prompt_chars": 0}):
