@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..kernels.kv_cache import CENTRE_TOKENS
+from ..protocol.checks import check_int64, check_token_ids
 from ..protocol.errors import InvalidRequestError, PromptTooLongError, SessionBusyError
 from ..protocol.messages import EngineStats, Finish
 from ..protocol.sampling import SamplingParams, validate
@@ -187,7 +188,14 @@ class LLMEngine:
         are admitted first (QoS user groups); running ones are never withdrawn for them.
         """
         vocab = self.model_config.vocab_size
+        # Every field is checked before anything is touched: a peer stage can send any value
+        # the wire types allow, and one that raised later, in a step, would stop the engine.
         validate(params, vocab)
+        check_token_ids(token_ids, vocab, "input_ids")
+        if first_turn_ids is not None:
+            check_token_ids(first_turn_ids, vocab, "first_turn_ids")
+        check_int64(session_id, "session_id")
+        check_int64(priority, "priority")
         request_id = f"req-{next(self._request_ids)}" if request_id is None else request_id
         if request_id in self._seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
@@ -198,8 +206,6 @@ class LLMEngine:
             token_ids = first_turn_ids
         if not token_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="input_ids")
         total = len(token_ids) + (seq.num_tokens if seq is not None else 0)
         if total >= self.session_len:
             raise PromptTooLongError(total, self.session_len)

@@ -7,7 +7,10 @@ model's end-of-sequence ids to ``stop_token_ids`` and turns ``bad_words`` into
 the request. ``stop_words`` are matched on text by the detokenizer, never by the engine.
 
 ``validate`` is the one check every entry runs: ``GenerationConfig`` (the pipeline), the
-OpenAI bodies (the ingress) and the engine's ``add_request``.
+OpenAI bodies (the ingress), the tokenizer stage and the engine's ``add_request``. It covers
+every field the engine indexes or computes with, because a peer stage can send any value the
+wire types allow (NaN, infinities, ids outside the vocabulary, 64-bit counts): a value that
+passes never raises in the sampler or the scheduler.
 """
 
 from __future__ import annotations
@@ -18,6 +21,14 @@ from .errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # alternatives per token the engine reports (OpenAI's top_logprobs limit)
 MIN_PENALTY, MAX_PENALTY = 0.01, 100.0
+# The sampler divides float32 logits by the temperature: below 1e-8 they overflow to inf (and
+# softmax to NaN), past 1e6 every token is equally likely anyway.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-8, 1e6
+# top_k goes into the sampler's int64 tensor, where 2**64 - 1 overflows; past the vocabulary it
+# means no limit, so int32 (the ingress's bound on ids and counts) loses nothing.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1  # counts the wire carries must also fit the engine's int64 tensors
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what msgpack carries; the engine reduces a seed mod 2**63
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -53,11 +64,13 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 
 _RULES = (
-    ("max_new_tokens", lambda p: p.max_new_tokens >= 1, "must be >= 1"),
-    ("min_new_tokens", lambda p: p.min_new_tokens >= 0, "must be >= 0"),
-    ("temperature", lambda p: p.temperature >= 0, "must be >= 0 (0 means greedy)"),
+    ("max_new_tokens", lambda p: 1 <= p.max_new_tokens <= INT64_MAX, f"must be in [1, {INT64_MAX}]"),
+    ("min_new_tokens", lambda p: 0 <= p.min_new_tokens <= INT64_MAX, f"must be in [0, {INT64_MAX}]"),
+    # Written as ranges, so that NaN (which compares false to everything) fails them too.
+    ("temperature", lambda p: p.temperature == 0 or MIN_TEMPERATURE <= p.temperature <= MAX_TEMPERATURE,
+     f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"),
     ("top_p", lambda p: 0 < p.top_p <= 1, "must be in (0, 1]"),
-    ("top_k", lambda p: p.top_k >= 0, "must be >= 0 (0 means no limit, 1 greedy)"),
+    ("top_k", lambda p: 0 <= p.top_k <= INT32_MAX, f"must be in [0, {INT32_MAX}] (0 means no limit, 1 greedy)"),
     ("min_p", lambda p: 0 <= p.min_p <= 1, "must be in [0, 1]"),
     # Bounded both ways: the penalty divides or multiplies logits, and 1e-300 would make them inf.
     ("repetition_penalty", lambda p: MIN_PENALTY <= p.repetition_penalty <= MAX_PENALTY,
@@ -70,7 +83,19 @@ _RULES = (
      "must be a list of non-empty strings"),
     ("stop_token_ids", lambda p: all(t >= 0 for t in p.stop_token_ids), "token ids must be >= 0"),
     ("bad_token_ids", lambda p: all(t >= 0 for t in p.bad_token_ids), "token ids must be >= 0"),
+    # The sampler bans an entry's last token after the ones before it: an entry needs both.
+    ("bad_sequences", lambda p: all(len(s) >= 2 for s in p.bad_sequences),
+     "each entry needs at least 2 token ids (ban a single token with bad_token_ids)"),
+    ("bad_sequences", lambda p: all(t >= 0 for s in p.bad_sequences for t in s), "token ids must be >= 0"),
+    ("random_seed", lambda p: p.random_seed is None or SEED_RANGE[0] <= p.random_seed <= SEED_RANGE[1],
+     f"must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (64 bits)"),
 )
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: a refused list may be megabytes long."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} characters)"
 
 
 def validate(params: SamplingParams, vocab_size: int | None = None, prefix: str = "") -> SamplingParams:
@@ -81,11 +106,13 @@ def validate(params: SamplingParams, vocab_size: int | None = None, prefix: str 
     """
     for name, ok, rule in _RULES:
         if not ok(params):
-            raise InvalidRequestError(f"{prefix}{name}={getattr(params, name)!r}: {rule}", param=name)
+            raise InvalidRequestError(f"{prefix}{name}={_shown(getattr(params, name))}: {rule}", param=name)
     if vocab_size is not None:
-        for name in ("stop_token_ids", "bad_token_ids"):
-            bad = [t for t in getattr(params, name) if t >= vocab_size]
-            if bad:
+        lists = {"stop_token_ids": params.stop_token_ids, "bad_token_ids": params.bad_token_ids,
+                 "bad_sequences": [t for s in params.bad_sequences for t in s]}
+        for name, ids in lists.items():
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
                 raise InvalidRequestError(
-                    f"{prefix}{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=name)
+                    f"{prefix}{name}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=name)
     return params

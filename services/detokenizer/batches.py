@@ -4,8 +4,9 @@ Keeps one IncrementalDetokenizer per live request (UTF-8 safe, holds back a poss
 string), from the engine's Admitted message to the request's finish. When a stop string
 completes, the request is answered as finished at once and the engine is told to stop it;
 tokens the engine produced meanwhile are dropped. The state map is capped: past the cap the
-least recently active request is failed rather than memory growing. No sockets here: the
-process loop is ``process.py``.
+least recently active request is failed rather than memory growing. A malformed Admitted or
+TokenBatch (``protocol/checks.py``) raises MalformedMessageError before any state changes, so
+the process loop drops it whole. No sockets here: the process loop is ``process.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ...protocol import Admitted, ErrorOut, Finish, TextBatch, TokenBatch
+from ...protocol.checks import check_admitted, check_token_batch
 from .incremental import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -64,14 +66,17 @@ class Detokenizer:
 
     def __init__(self, tokenizer, max_states: int = 65_536):
         self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)  # ids past it decode to no text (IncrementalDetokenizer)
         self.max_states = max_states
         self.states: OrderedDict[str, _State] = OrderedDict()
 
     def admit(self, new: Admitted) -> list[ErrorOut]:
-        """Start a request's state; returns the requests failed to keep under the state cap."""
+        """Start a request's state; returns the requests failed to keep under the state cap.
+        Raises MalformedMessageError, changing nothing, if ``new`` is malformed."""
+        check_admitted(new)
         p = new.params
         detok = IncrementalDetokenizer(self.tokenizer, new.prompt_tail, p.skip_special_tokens, p.stop_words,
-                                       p.include_stop_str_in_output)
+                                       p.include_stop_str_in_output, self.vocab_size)
         self.states[new.rid] = _State(detok, new.reply_to, new.num_prompt_tokens)
         errors = []
         while len(self.states) > self.max_states:
@@ -82,7 +87,9 @@ class Detokenizer:
         return errors
 
     def process(self, batch: TokenBatch) -> tuple[dict[str, TextBatch], list[str]]:
-        """Returns (TextBatch per reply address, rids the engine must stop: a stop string)."""
+        """Returns (TextBatch per reply address, rids the engine must stop: a stop string).
+        Raises MalformedMessageError, changing nothing, if ``batch`` is malformed."""
+        check_token_batch(batch)
         out: dict[str, _Outgoing] = {}
         stops: list[str] = []
         for i, rid in enumerate(batch.rids):
@@ -91,7 +98,7 @@ class Detokenizer:
                 continue  # already answered (stop string) or evicted
             self.states.move_to_end(rid)
             token = batch.tokens[i]
-            ids = [token] if token >= 0 else []
+            ids = [token] if token != -1 else []
             st.completion_tokens += len(ids)
             st.cached = batch.cached[i]
             res = st.detok.step(ids)

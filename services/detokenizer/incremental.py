@@ -50,13 +50,16 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int] | None = None,
                  skip_special_tokens: bool = True, stop_strings: list[str] | None = None,
-                 include_stop_str: bool = False) -> None:
+                 include_stop_str: bool = False, vocab_size: int | None = None) -> None:
         self.tokenizer = tokenizer
+        # Ids the tokenizer does not know (a model's padded vocabulary, a bad peer) render as no
+        # text, as a fast tokenizer renders them; a slow one would raise, and on every later step.
+        self.vocab_size = len(tokenizer) if vocab_size is None else vocab_size
         self.skip_special_tokens = skip_special_tokens
         self.stop_strings = [s for s in (stop_strings or []) if s]
         self.include_stop_str = include_stop_str
         self._max_stop_len = max((len(s) for s in self.stop_strings), default=0)
-        context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
+        context = [t for t in (prompt_ids or [])[-PROMPT_CONTEXT_TOKENS:] if 0 <= t < self.vocab_size]
         self._ids: list[int] = context  # context + output tokens; trimmed from the left
         self._prefix_offset = 0  # window start (index into _ids)
         self._read_offset = len(context)  # text of _ids[:read_offset] is already emitted
@@ -129,9 +132,11 @@ class IncrementalDetokenizer:
         for tok in new_token_ids:
             if self.stopped:
                 break  # tokens after a stop never produce text
-            self._ids.append(tok)
             self._num_output += 1
             self.num_tokens = self._num_output
+            if not 0 <= tok < self.vocab_size:
+                continue  # counted, never decoded (see __init__)
+            self._ids.append(tok)
             delta = self._decode_new(force=False)
             if delta:
                 out.append(self._push_text(delta))

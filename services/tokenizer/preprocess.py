@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from jinja2 import TemplateError
 
 from ...protocol.errors import InvalidRequestError, PromptTooLongError
 from ...protocol.messages import GenerateReq, TokenizedReq
@@ -22,6 +23,16 @@ from .chat_template import ChatTemplateConfig, get_chat_template
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[dict[str, Any]]
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _is_content(content: Any) -> bool:
+    """Whether a message's content is text: a str, or OpenAI parts whose text is a str (the
+    wire types say only ``Any``, and a template fed anything else raises mid-render)."""
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(isinstance(part, dict) and isinstance(part.get("text", ""), str)
+                                             for part in content)
 
 
 def load_tokenizer(model_path: str | Path):
@@ -75,14 +86,14 @@ class Preprocessor:
                 "a prompt must be a non-empty string or a non-empty list of "
                 "{'role': ..., 'content': ...} messages", param="messages")
         for m in prompt:
-            if m.get("role") not in ("system", "user", "assistant", "tool") or "content" not in m:
+            if not isinstance(m.get("role"), str) or m["role"] not in ROLES or not _is_content(m.get("content")):
                 raise InvalidRequestError(
-                    f"bad message {m!r}: each needs a role (system/user/assistant) and content",
-                    param="messages")
+                    f"bad message {repr(m)[:200]}: each needs a role (system/user/assistant) and content "
+                    "(a string, or a list of text parts)", param="messages")
         try:
             return self.template.messages2prompt(prompt, sequence_start)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), param="messages") from exc
+        except (ValueError, TypeError, TemplateError) as exc:  # a Jinja template refusing the conversation
+            raise InvalidRequestError(str(exc)[:500], param="messages") from exc
 
     def encode(self, prompt: Prompt, do_preprocess: bool = True, sequence_start: bool = True) -> list[int]:
         """Token ids of a prompt after the chat template."""
@@ -103,7 +114,10 @@ class Preprocessor:
         bad_single, bad_seqs = list(params.bad_token_ids), []
         for word in params.bad_words:
             ids = self.tokenizer.encode(word, add_special_tokens=False)
-            (bad_single.extend(ids) if len(ids) == 1 else bad_seqs.append(ids))
+            if len(ids) == 1:
+                bad_single.extend(ids)
+            elif ids:  # a word of no tokens can never be generated (and validate refuses an empty entry)
+                bad_seqs.append(ids)
         return msgspec.structs.replace(params, stop_token_ids=sorted(set(stops)),
                                        bad_token_ids=sorted(set(bad_single)), bad_sequences=bad_seqs)
 
