@@ -26,10 +26,8 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
 import traceback
@@ -44,6 +42,7 @@ from ..protocol.tp import HEARTBEAT_S, RankIn, RankOut, RankStatus, StepKind, St
 from .config import EngineConfig
 from .distributed import abort_tp
 from .rank_timing import RankTiming
+from .tp_socket_dir import TPSocketDir
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +73,8 @@ class TPWorkers:
         self.on_failure = on_failure
         self.hang_timeout = float(os.environ.get(HANG_TIMEOUT_ENV, DEFAULT_HANG_TIMEOUT_S))
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
-        self._dir = tempfile.mkdtemp(prefix="conveyor-tp-")
+        self._socket_dir = TPSocketDir()  # removed however this process ends (tp_socket_dir.py)
+        self._dir = str(self._socket_dir.path)
         self._ctx = zmq.Context()
         self._codec = Codec(RankIn)
         self._status = self._ctx.socket(zmq.PULL)
@@ -158,6 +158,7 @@ class TPWorkers:
         self._failing = True
         logger.error("tensor parallel: %s; stopping every rank", why)
         self._kill_all()
+        self._socket_dir.remove()  # no rank is left to connect; on_failure may leave by os._exit
         abort_tp()  # under NCCL, a collective rank 0 waits in would otherwise wait for the dead
         self.failure = why  # set once every rank is gone: whoever reads it finds none left
         if self.on_failure is not None:
@@ -200,7 +201,7 @@ class TPWorkers:
         for sock in [*self._plans, self._status]:
             sock.close(linger=0)
         self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._socket_dir.remove()
 
 
 # ---- the other ranks' process ----------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -213,6 +214,8 @@ def test_a_frozen_rank_is_found_and_every_rank_stopped(dense_dir, monkeypatch) -
             time.sleep(0.1)
         assert workers.failure is not None and "heartbeat" in workers.failure
         assert not any(p.is_alive() for p in workers.procs)  # killed, stopped or not
+        # removed before on_failure, which in the engine process leaves by os._exit (no clean-up after it)
+        assert not Path(workers._dir).exists()
         eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
         with pytest.raises(TPWorkerError, match="heartbeat"):
             eng.step()
