@@ -1,20 +1,25 @@
 """``conveyor lite``: model compression tools shaped like ``lmdeploy lite``.
 
-    conveyor lite auto_awq MODEL --work-dir DIR [--calib-dataset FILE] [--calib-samples 128]
-        [--calib-seqlen 512] [--w-bits 4] [--w-group-size 128] [--search-scale [BOOL] | --no-search-scale]
+    conveyor lite auto_awq [MODEL] --work-dir DIR [--calib-dataset FILE] [--calib-samples 128]
+        [--calib-seqlen 512] [--w-bits 4] [--w-group-size 128|64|32] [--search-scale [BOOL] | --no-search-scale]
         [--batch-size 1] [--device auto] [--dtype auto]
 
 writes a 4-bit AWQ checkpoint in AutoAWQ's "gemm" layout. Unlike LMDeploy, ``--search-scale`` is
 on by default (the AWQ search with clipping); ``--no-search-scale`` is plain round-to-nearest
-with no calibration at all.
+with no calibration at all. Without ``--w-group-size`` the group size is the largest of 128, 64
+and 32 that divides every layer's input width (LMDeploy's 128 where it fits; SmolLM2's 576 takes 64).
 
-    conveyor lite smooth_quant MODEL --work-dir DIR [--calib-dataset FILE] [--calib-samples 128]
+    conveyor lite smooth_quant [MODEL] --work-dir DIR [--calib-dataset FILE] [--calib-samples 128]
         [--calib-seqlen 512] [--w-bits 8] [--alpha 0.5] [--smooth | --no-smooth]
         [--batch-size 1] [--device auto] [--dtype auto]
 
 writes a W8A8 checkpoint (SmoothQuant smoothing, int8 weights per channel, int8 activations per
 token at run time) in compressed-tensors' int8 layout. Without ``--calib-dataset`` both tools
 calibrate on the public-domain novel shipped in ``conveyor/data/`` (see its PROVENANCE.md).
+
+MODEL is a Hugging Face model directory; left out, or named as the default model
+(``SmolLM2-135M-Instruct``, ``HuggingFaceTB/SmolLM2-135M-Instruct``), it is the default model,
+fetched once and cached, as every other command reads it (``conveyor/default_model.py``).
 """
 
 from __future__ import annotations
@@ -22,16 +27,20 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 DEFAULT_CALIB_DATASET = Path(__file__).resolve().parent / "data" / "frankenstein.txt"
+DEFAULT_GROUP_SIZE = 128  # LMDeploy's, taken where it divides the model's widths (fitting_group_size)
 
 
-def auto_awq(model: str | Path, work_dir: str | Path = "./work_dir", calib_dataset: str | Path | None = None,
-             calib_samples: int = 128, calib_seqlen: int = 512, w_bits: int = 4, w_group_size: int = 128,
-             search_scale: bool = True, batch_size: int = 1, device: str = "auto", dtype: str = "auto",
-             progress: bool = True):
-    """Quantize a Hugging Face model directory to 4-bit AWQ in ``work_dir`` (LMDeploy's ``lite.auto_awq``).
+def auto_awq(model: str | Path | None = None, work_dir: str | Path = "./work_dir",
+             calib_dataset: str | Path | None = None, calib_samples: int = 128, calib_seqlen: int = 512,
+             w_bits: int = 4, w_group_size: int | None = None, search_scale: bool = True, batch_size: int = 1,
+             device: str = "auto", dtype: str = "auto", progress: bool = True):
+    """Quantize a Hugging Face model directory (None or the default model's name: the default
+    model) to 4-bit AWQ in ``work_dir`` (LMDeploy's ``lite.auto_awq``). ``w_group_size`` None: the
+    largest supported group size that divides the model's layer widths.
 
     Returns the run's ``AwqResult``; raises ``QuantizationError`` (before doing any work) when a
     setting does not fit the model, the work directory is not empty, or the dataset is unusable.
@@ -41,20 +50,26 @@ def auto_awq(model: str | Path, work_dir: str | Path = "./work_dir", calib_datas
 
     _refuse_unused_dataset(calib_dataset, search_scale, "--search-scale False is round-to-nearest here, which "
                            "calibrates on nothing (LMDeploy's False still calibrates a fixed-ratio smoothing)")
-    config = AwqConfig(w_bits=w_bits, w_group_size=w_group_size, search_scale=search_scale,
-                       calib_samples=calib_samples, calib_seqlen=calib_seqlen, batch_size=batch_size)
+    # The flags are checked before the default model may be fetched (a minute); the group size, once it is here.
+    config = AwqConfig(w_bits=w_bits, w_group_size=DEFAULT_GROUP_SIZE if w_group_size is None else w_group_size,
+                       search_scale=search_scale, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
+                       batch_size=batch_size)
+    model = _model_dir(model)
+    if w_group_size is None:
+        config = replace(config, w_group_size=fitting_group_size(model))
     dataset = calib_dataset if calib_dataset is not None else DEFAULT_CALIB_DATASET
     return run(model, work_dir, config, dataset if search_scale else None, device=device, dtype=dtype,
                progress=progress)
 
 
-def smooth_quant(model: str | Path, work_dir: str | Path = "./work_dir", calib_dataset: str | Path | None = None,
-                 calib_samples: int = 128, calib_seqlen: int = 512, w_bits: int = 8, alpha: float = 0.5,
-                 smooth: bool = True, batch_size: int = 1, device: str = "auto", dtype: str = "auto",
-                 progress: bool = True):
-    """Quantize a Hugging Face model directory to W8A8 with SmoothQuant in ``work_dir`` (LMDeploy's
-    ``lite.smooth_quant``). Returns the run's ``SmoothQuantResult``; raises ``QuantizationError``
-    (before doing any work) for a bad setting, a non-empty work directory or an unusable dataset."""
+def smooth_quant(model: str | Path | None = None, work_dir: str | Path = "./work_dir",
+                 calib_dataset: str | Path | None = None, calib_samples: int = 128, calib_seqlen: int = 512,
+                 w_bits: int = 8, alpha: float = 0.5, smooth: bool = True, batch_size: int = 1,
+                 device: str = "auto", dtype: str = "auto", progress: bool = True):
+    """Quantize a Hugging Face model directory (None or the default model's name: the default
+    model) to W8A8 with SmoothQuant in ``work_dir`` (LMDeploy's ``lite.smooth_quant``). Returns
+    the run's ``SmoothQuantResult``; raises ``QuantizationError`` (before doing any work) for a bad
+    setting, a non-empty work directory or an unusable dataset."""
     from conveyor.engine.quantization import SmoothQuantConfig
     from conveyor.engine.quantization import smooth_quant as run
 
@@ -62,7 +77,34 @@ def smooth_quant(model: str | Path, work_dir: str | Path = "./work_dir", calib_d
     config = SmoothQuantConfig(w_bits=w_bits, alpha=alpha, smooth=smooth, calib_samples=calib_samples,
                                calib_seqlen=calib_seqlen, batch_size=batch_size)
     dataset = calib_dataset if calib_dataset is not None else DEFAULT_CALIB_DATASET
-    return run(model, work_dir, config, dataset if smooth else None, device=device, dtype=dtype, progress=progress)
+    return run(_model_dir(model), work_dir, config, dataset if smooth else None, device=device, dtype=dtype,
+               progress=progress)
+
+
+def _model_dir(model: str | Path | None) -> str:
+    """``model``, or the cached default model's directory when it is None or names it (as every
+    command reads MODEL; fetched on first use)."""
+    from conveyor.default_model import local_path
+
+    return local_path(None if model is None else str(model))
+
+
+def fitting_group_size(model_dir: str | Path) -> int:
+    """The largest supported AWQ group size dividing every quantized layer's input width of the
+    model in ``model_dir`` (``DEFAULT_GROUP_SIZE`` where it fits). None fits: ``DEFAULT_GROUP_SIZE``,
+    for the run's check to refuse with the reason."""
+    from conveyor.engine.quantization import AwqConfig, QuantizationError
+    from conveyor.engine.quantization.calibration import checked_model_dir
+    from conveyor.engine.quantization.config import SUPPORTED_GROUP_SIZES
+
+    _, hf_config = checked_model_dir(model_dir, "auto_awq")
+    for size in sorted(SUPPORTED_GROUP_SIZES, reverse=True):
+        try:
+            AwqConfig(w_group_size=size).check_model(hf_config)
+        except QuantizationError:
+            continue
+        return size
+    return DEFAULT_GROUP_SIZE
 
 
 def _refuse_unused_dataset(calib_dataset: str | Path | None, calibrates: bool, why: str) -> None:
@@ -118,9 +160,9 @@ def add_lite_parser(sub: argparse._SubParsersAction) -> None:
                     "and clipping searched on calibration text) and write an AutoAWQ 'gemm' checkpoint.")
     _common_arguments(p)
     p.add_argument("--w-bits", type=int, default=4, help="weight bits (only 4)")
-    p.add_argument("--w-group-size", type=int, default=128,
+    p.add_argument("--w-group-size", type=int, default=None,
                    help="input channels per quantization group: 32, 64 or 128, dividing every layer's input size "
-                        "(128 does not divide SmolLM2's 576: use 64)")
+                        "(default: the largest that does; 128 where it fits, 64 for SmolLM2's 576)")
     p.add_argument("--search-scale", type=_boolean, nargs="?", const=True, default=True, metavar="BOOL",
                    help="search AWQ scales and clipping (default); --search-scale False or --no-search-scale: "
                         "round-to-nearest, no calibration (LMDeploy's False still smooths at a fixed ratio)")
@@ -143,7 +185,8 @@ def add_lite_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _common_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="Hugging Face model directory (Llama, Mistral or Qwen2 family)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="Hugging Face model directory (Llama, Mistral or Qwen2 family; default: SmolLM2-135M-Instruct)")
     p.add_argument("--work-dir", required=True,
                    help="where to write the quantized model; must not exist or be empty")
     p.add_argument("--calib-dataset", default=None,

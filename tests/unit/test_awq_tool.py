@@ -341,3 +341,29 @@ def test_search_scale_as_lmdeploys_docs_write_it(flags, search):
 
     argv = hyphenate_options(["lite", "auto_awq", "m", "--work-dir", "w", *flags])
     assert build_parser().parse_args(argv).search_scale is search
+
+
+@pytest.mark.parametrize("name", [["SmolLM2-135M-Instruct"], ["HuggingFaceTB/SmolLM2-135M-Instruct"], []],
+                         ids=["folder-name", "hub-id", "no-model"])
+def test_the_default_model_is_named_or_left_out_as_every_command_takes_it(tiny_dir: Path, tmp_path: Path, monkeypatch,
+                                                                          name):
+    import conveyor.default_model
+
+    monkeypatch.chdir(tmp_path)  # no folder of the default model's name here
+    monkeypatch.setattr(conveyor.default_model, "fetch", lambda dest=None, report=None: tiny_dir)
+    out = tmp_path / "out"
+    assert main(["lite", "auto_awq", *name, "--work-dir", str(out), "--no-search-scale"]) == 0
+    # the group size left out: the largest that fits (the tiny model's hidden size is 64)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["group_size"] == 64
+
+
+@pytest.mark.parametrize("widths, group", [((576, 9, 1536), 64), ((4096, 32, 11008), 128), ((4096, 32, 14336), 128),
+                                           ((2048, 16, 5504), 128), ((96, 3, 160), 32)],
+                         ids=["smollm2-135m", "llama2-7b", "llama3-8b", "qwen-1.8b-like", "only-32"])
+def test_the_default_group_size_fits_the_model(tmp_path: Path, widths, group):
+    from conveyor.lite import fitting_group_size
+
+    hidden, heads, inter = widths
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": hidden,
+                                                      "num_attention_heads": heads, "intermediate_size": inter}))
+    assert fitting_group_size(tmp_path) == group
