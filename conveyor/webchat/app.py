@@ -4,6 +4,11 @@ Each browser tab gets a token (``POST /api/sessions``) naming a server-side sess
 sends one message per turn and reads the reply as NDJSON lines (``{"text", "tokens",
 "finish_reason"}``), while cancel and reset are separate requests. Errors are OpenAI's envelope.
 
+The page keeps its transcript in the browser across a reload, so the session must outlive the page
+for a while: a page that goes away says so (``leave``), and the page that comes back asks for its
+old token (``{"resume": token}``) and gets the session under a new token, which leaves the old one
+useless to any other tab holding it. A tab left and not resumed within ``leave_grace_s`` is ended.
+
 A turn's reply is read off the backend by a thread of its own (the backends block), which hands
 pieces to the response through an asyncio queue and keeps reading after the browser goes away,
 so that a session is only ever free for its next turn once the engine has ended the last one.
@@ -40,6 +45,7 @@ from .backends import ChatBackend, Piece
 logger = logging.getLogger(__name__)
 
 IDLE_TIMEOUT_S = 3600.0  # a tab silent this long (closed without saying so) has its session ended
+LEAVE_GRACE_S = 60.0  # a page that left (a reload, or closed) has this long to come back to its session
 # The page loads nothing from elsewhere (it must work offline); the policy makes that a rule.
 _CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
         "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
@@ -61,6 +67,14 @@ class TurnRequest(BaseModel):
         """The settings as a GenerationConfig: checked here, so both backends refuse alike."""
         return GenerationConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                                 top_p=self.top_p, top_k=self.top_k, repetition_penalty=self.repetition_penalty)
+
+
+class OpenRequest(BaseModel):
+    """POST /api/sessions: optionally the token of the session a reloaded page wants back."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    resume: str | None = None
 
 
 class WebChatError(Exception):
@@ -85,6 +99,7 @@ class _Tab:
     session_id: int
     last_used: float
     turn: _Turn | None = None
+    left_at: float | None = None  # when its page said it went away; None while a page holds it
 
     @property
     def busy(self) -> bool:
@@ -140,9 +155,11 @@ def _install_error_handlers(app: FastAPI) -> None:
 class WebChat:
     """The tabs (token -> session) and the turns streaming in them."""
 
-    def __init__(self, backend: ChatBackend, idle_timeout_s: float = IDLE_TIMEOUT_S):
+    def __init__(self, backend: ChatBackend, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 leave_grace_s: float = LEAVE_GRACE_S):
         self.backend = backend
         self.idle_timeout_s = idle_timeout_s
+        self.leave_grace_s = leave_grace_s
         self.tabs: dict[str, _Tab] = {}
 
     def tab(self, token: str) -> _Tab:
@@ -154,15 +171,33 @@ class WebChat:
         tab.last_used = time.monotonic()
         return tab
 
-    async def open(self) -> str:
-        """A new tab with a fresh session; first ends the sessions of tabs long silent."""
+    async def open(self, resume: str | None = None) -> tuple[str, bool]:
+        """A token for a new tab: with ``resume``, that tab's session if the server still has it
+        (the old token stops working), else a fresh session. Returns (token, resumed)."""
+        await self.sweep()
+        token = secrets.token_urlsafe(16)  # unguessable: a tab cannot reach another's conversation
+        tab = self.tabs.pop(resume, None) if resume is not None else None
+        if tab is not None:
+            tab.left_at, tab.last_used = None, time.monotonic()
+            self.tabs[token] = tab
+            return token, True
+        self.tabs[token] = _Tab(await run_in_threadpool(self.backend.open), time.monotonic())
+        return token, False
+
+    def leave(self, token: str) -> None:
+        """The tab's page went away: its session ends unless a page resumes it within the grace time."""
+        self.tab(token).left_at = time.monotonic()
+
+    async def sweep(self) -> None:
+        """End the sessions of tabs left and not resumed in time, or silent for too long."""
         now = time.monotonic()
         for token, tab in list(self.tabs.items()):
-            if now - tab.last_used > self.idle_timeout_s and not tab.busy:
-                await self.end(token)
-        token = secrets.token_urlsafe(16)  # unguessable: a tab cannot reach another's conversation
-        self.tabs[token] = _Tab(await run_in_threadpool(self.backend.open), now)
-        return token
+            gone = tab.left_at is not None and now - tab.left_at > self.leave_grace_s
+            if (gone or now - tab.last_used > self.idle_timeout_s) and not tab.busy:
+                try:
+                    await self.end(token)
+                except Exception:  # noqa: BLE001 - the api_server may be gone; the tab is forgotten anyway
+                    logger.warning("could not end a chat session that was left", exc_info=True)
 
     async def turn(self, token: str, body: TurnRequest) -> AsyncIterator[bytes]:
         """Start a turn; returns its NDJSON lines once the first piece is in (or raises its error)."""
@@ -275,15 +310,27 @@ class WebChat:
                 logger.warning("could not end a chat session on shutdown", exc_info=True)
 
 
-def create_app(backend: ChatBackend, idle_timeout_s: float = IDLE_TIMEOUT_S, close_backend: bool = False) -> FastAPI:
+def create_app(backend: ChatBackend, idle_timeout_s: float = IDLE_TIMEOUT_S, close_backend: bool = False,
+               leave_grace_s: float = LEAVE_GRACE_S) -> FastAPI:
     """The web chat's FastAPI app over ``backend``. On shutdown it ends the tabs' sessions and,
     with ``close_backend``, closes the backend."""
-    chat = WebChat(backend, idle_timeout_s)
+    chat = WebChat(backend, idle_timeout_s, leave_grace_s)
     page = resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
+
+    async def sweep_now_and_then() -> None:
+        # A closed tab's session holds KV cache: end it soon after the grace time, not only when
+        # another tab happens to open.
+        while True:
+            await asyncio.sleep(min(leave_grace_s, idle_timeout_s) / 2)
+            await chat.sweep()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sweeper = asyncio.create_task(sweep_now_and_then())
         yield
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
         # Here, not after uvicorn.run returns: on SIGTERM uvicorn re-raises the signal once the
         # app has shut down, and the process ends there.
         await chat.end_all()
@@ -303,8 +350,9 @@ def create_app(backend: ChatBackend, idle_timeout_s: float = IDLE_TIMEOUT_S, clo
         return {"status": "ok"}
 
     @app.post("/api/sessions")
-    async def open_session() -> dict[str, str]:
-        return {"session": await chat.open(), "model": backend.model_name}
+    async def open_session(body: OpenRequest | None = None) -> dict[str, str | bool]:
+        token, resumed = await chat.open(body.resume if body is not None else None)
+        return {"session": token, "model": backend.model_name, "resumed": resumed}
 
     @app.post("/api/sessions/{token}/turns")
     async def turn(token: str, body: TurnRequest) -> Response:
@@ -320,7 +368,12 @@ def create_app(backend: ChatBackend, idle_timeout_s: float = IDLE_TIMEOUT_S, clo
         await chat.reset(token)
         return {"session": token}
 
-    @app.post("/api/sessions/{token}/end")  # POST: what navigator.sendBeacon sends when the tab closes
+    @app.post("/api/sessions/{token}/leave")  # POST: what navigator.sendBeacon sends as the page goes
+    async def leave(token: str) -> dict[str, bool]:
+        chat.leave(token)
+        return {"left": True}
+
+    @app.post("/api/sessions/{token}/end")
     async def end(token: str) -> dict[str, bool]:
         await chat.end(token)
         return {"ended": True}

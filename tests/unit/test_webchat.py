@@ -1,5 +1,7 @@
 """The web chat's HTTP API over a scripted backend (no model): sessions per tab, streamed turns,
-cancel (also one that reaches the engine too early), reset, end, idle expiry, error envelopes."""
+cancel (also one that reaches the engine too early), reset, end, a reloaded page taking its
+session back, idle and left-tab expiry, error envelopes. The page itself is tested in a browser
+(tests/integration/test_webchat_browser.py)."""
 
 from __future__ import annotations
 
@@ -106,7 +108,11 @@ def test_page_is_self_contained(client):
     assert not re.search(r"(src|href)\s*=\s*[\"']?(https?:)?//", r.text)
     assert "default-src 'none'" in r.headers["content-security-policy"]
     assert "connect-src 'self'" in r.headers["content-security-policy"]
-    assert "innerHTML" not in r.text  # replies are set as text: a model cannot inject markup
+    # Replies are built as DOM nodes from text: nothing on the page parses a string as HTML, so
+    # neither the model nor a stored conversation can inject markup.
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "DOMParser",
+                 "createContextualFragment", "srcdoc", "eval(", "new Function"):
+        assert sink not in r.text, sink
 
 
 def test_a_turn_streams_in_pieces_with_its_settings(client, backend):
@@ -241,6 +247,70 @@ def test_a_page_that_goes_away_mid_reply_stops_it(client, backend):
     # The response was closed unread: the app stops the turn instead of generating for nobody.
     wait_for(lambda: backend.stop_calls)
     wait_for(lambda: not client.app.state.webchat.tabs[tab].busy)
+
+
+def test_a_reloaded_page_gets_its_session_back_under_a_new_token(client, backend):
+    tab = new_tab(client)
+    with client.stream("POST", f"/api/sessions/{tab}/turns", json={"prompt": "a", "max_new_tokens": 1}) as r:
+        lines(r)
+    assert client.post(f"/api/sessions/{tab}/leave").json() == {"left": True}
+    r = client.post("/api/sessions", json={"resume": tab})
+    assert r.json()["resumed"] is True and r.json()["model"] == "scripted"
+    again = r.json()["session"]
+    assert again != tab
+    with client.stream("POST", f"/api/sessions/{again}/turns", json={"prompt": "b", "max_new_tokens": 1}) as r:
+        lines(r)
+    assert backend.turns[1][0] == backend.turns[0][0] and backend.ended == []  # the same history
+    # The old token is spent: another tab holding it cannot reach the conversation any more.
+    assert client.post(f"/api/sessions/{tab}/cancel").status_code == 404
+    assert client.post(f"/api/sessions/{tab}/leave").status_code == 404
+
+
+def test_a_page_can_take_back_a_session_it_did_not_say_it_left(client, backend):
+    """The page's leave beacon can arrive after the reloaded page's request, or never (a crash)."""
+    tab = new_tab(client)
+    r = client.post("/api/sessions", json={"resume": tab}).json()
+    assert r["resumed"] is True and r["session"] != tab and len(client.app.state.webchat.tabs) == 1
+    client.post(f"/api/sessions/{tab}/leave")  # late: changes nothing
+    assert client.app.state.webchat.tabs[r["session"]].left_at is None
+
+
+@pytest.mark.parametrize("body", [{"resume": "no-such-token"}, {}, None])
+def test_a_session_the_server_does_not_have_is_opened_afresh(client, backend, body):
+    r = client.post("/api/sessions", json=body) if body is not None else client.post("/api/sessions")
+    assert r.status_code == 200 and r.json()["resumed"] is False and backend.ended == []
+
+
+def test_open_refuses_what_it_does_not_know(client):
+    r = client.post("/api/sessions", json={"resume": "x", "tab": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tab"
+
+
+def test_a_left_tab_not_taken_back_is_ended(backend):
+    with TestClient(create_app(backend, leave_grace_s=0.05)) as client:
+        left, stays, back = new_tab(client), new_tab(client), new_tab(client)
+        client.post(f"/api/sessions/{left}/leave")
+        client.post(f"/api/sessions/{back}/leave")
+        assert client.post("/api/sessions", json={"resume": back}).json()["resumed"] is True
+        wait_for(lambda: backend.ended)  # by the periodic sweep: no other tab needs to open
+        time.sleep(0.15)
+        assert backend.ended == [1]
+        assert client.post("/api/sessions", json={"resume": left}).json()["resumed"] is False
+        assert client.post(f"/api/sessions/{stays}/cancel").status_code == 200
+
+
+def test_a_left_tab_is_ended_even_if_the_backend_refuses(backend):
+    def refuse(session_id):
+        backend.ended.append(session_id)
+        raise APIConnectionError("the api_server is gone")
+
+    backend.end = refuse
+    with TestClient(create_app(backend, leave_grace_s=0.05)) as client:
+        tab = new_tab(client)
+        client.post(f"/api/sessions/{tab}/leave")
+        wait_for(lambda: backend.ended == [1])
+        assert tab not in client.app.state.webchat.tabs
+        assert new_tab(client)  # the sweep that open runs first does not fail it
 
 
 def test_silent_tabs_are_ended_when_a_new_one_opens(backend):
