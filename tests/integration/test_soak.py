@@ -5,13 +5,16 @@ benchmarks/fake_engine.py, which keeps a KV block count like the real one; CONVE
 the length of the load (default 60 s, about 100 s in all on 2 cores). Eight clients loop over
 chat (whole and streamed), streams they abandon after a few chunks, batched completions with n=2
 and two-turn interactive sessions. Meanwhile: bad frames to every socket a stage binds (four
-times), and one kill each of a tokenizer worker, the detokenizer, the engine and the ingress.
+times), and one kill each of a tokenizer worker, the detokenizer, the engine and the ingress,
+the ingress's with two long streams in flight (thousands of tokens each).
 
 What the server promises, checked at the end:
 - no request hangs (each ends well inside its client's 60 s timeout);
 - 0 lost: every request that did not overlap a kill (from the kill until the launcher saw the
   stage ready again, plus a second) succeeded, with a complete answer;
-- 0 blocks held once the load stops (engine running 0, waiting 0, KV usage 0);
+- 0 blocks held once the load stops (engine running 0, waiting 0, KV usage 0), and the
+  requests of the killed ingress aborted in the engine within seconds of its death, the long
+  streams among them (they would otherwise run past the end of the soak);
 - every stage up: /health 200, each stage's newest process alive, one restart per kill;
 - memory: each process's RSS, read just before it is killed (or at the end, for those never
   killed), is within RSS_GROWTH_MIB of its RSS after the warm-up.
@@ -58,6 +61,7 @@ class Chaos:
     windows: list[tuple[str, float, float]] = field(default_factory=list)
     rss_before_kill: dict[str, tuple[int, int]] = field(default_factory=dict)  # stage -> (warm-up, pre-kill) KiB
     bad_frame_rounds: int = 0
+    orphans_aborted: float = 0.0  # the engine's count, once the killed ingress's replacement is up
 
 
 def _rss_kib(pid: int) -> int:
@@ -197,19 +201,51 @@ def _chaos(srv: ServerProcess, t0: float, chaos: Chaos, baseline: dict[str, int]
             pid = _stage_pids(srv)[name]
             chaos.rss_before_kill[name] = (baseline[name], _rss_kib(pid))
             ready_before = len(re.findall(rf"INFO (?<![a-z]){what} ready \(pid", srv.log()))
+            if what == "ingress":  # long streams in flight: the engine must not run them for nobody
+                started = [threading.Event() for _ in range(2)]
+                for event in started:
+                    threading.Thread(target=_long_stream, args=(srv.url, event), daemon=True).start()
+                assert all(event.wait(10) for event in started), "the long streams never started"
             killed = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             back = _wait_ready_again(srv, what, ready_before)
             chaos.windows.append((what, killed, back + KILL_MARGIN_S))
+            if what == "ingress":
+                chaos.orphans_aborted = _wait_for_orphans(srv.url, 2, timeout=5.0)
     except Exception as exc:  # noqa: BLE001 - reported by the test, which then fails
         errors.append(f"chaos: {type(exc).__name__}: {exc}")
 
 
+def _long_stream(url: str, started: threading.Event) -> None:
+    """A stream of ~4,000 tokens (16 s at the soak's step time) whose ingress will be killed;
+    ``started`` is set once its first token arrived."""
+    body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 4000, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=CLIENT_TIMEOUT_S) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    started.set()
+    except httpx.HTTPError:
+        pass  # expected: its ingress dies
+
+
+def _wait_for_orphans(url: str, n: int, timeout: float) -> float:
+    """The engine's count of requests aborted for a dead ingress, once it reaches ``n``."""
+    deadline = time.monotonic() + timeout
+    while (count := _metric(url, 'conveyor_stage_stat{stat="engine_orphans_aborted"}', 0.0)) < n:
+        assert time.monotonic() < deadline, f"the engine aborted {count} of the dead ingress's requests"
+        time.sleep(0.1)
+    return count
+
+
 # ---- the test --------------------------------------------------------------------------------------
 
-def _metric(url: str, name: str) -> float:
+def _metric(url: str, name: str, default: float | None = None) -> float:
     text = httpx.get(f"{url}/metrics", timeout=5).text
-    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+    value = next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")), default)
+    if value is None:
+        raise StopIteration(name)
+    return value
 
 
 def test_soak_with_hostile_frames_and_a_kill_per_stage(smollm2_dir, tmp_path):
@@ -260,7 +296,9 @@ def test_soak_with_hostile_frames_and_a_kill_per_stage(smollm2_dir, tmp_path):
         assert not lost, f"{len(lost)} of {len(outcomes)} requests outside kill windows failed: {lost[:5]}"
         assert served > 20 * CLIENTS, f"only {served} requests served"
 
-        # 2. No blocks held once the load is gone (abandoned streams, killed stages included).
+        # 2. The dead ingress's requests were aborted; no blocks held once the load is gone
+        # (abandoned streams, killed stages included).
+        assert chaos.orphans_aborted >= 2
         deadline = time.monotonic() + 30
         while True:
             try:
