@@ -3,7 +3,9 @@
 Each app has its own registry (several apps in one process, as in tests, must not collide).
 Engine gauges read the client's last LoadReport when scraped, so they cost nothing per request.
 While the stage ring is silent or a stage is down that report is stale: the engine gauges read
-NaN and the stage counters are left out, rather than a dead engine's last numbers.
+NaN and the stage counters are left out, rather than a dead engine's last numbers. The ingress's
+own bad-frame count (``conveyor_stage_stat{stat="ingress_bad_frames"}``) is read from its engine
+client at scrape time and always shown.
 """
 
 from __future__ import annotations
@@ -90,6 +92,11 @@ class _StageMetrics:
         fresh = self._client.healthy
         for name, value in sorted((getattr(self._client.load, "stage_stats", None) or {}).items() if fresh else ()):
             stats.add_metric([name], float(value))
+        # The ingress's own socket: the frames its engine client could not decode and dropped. The
+        # stages report theirs on the ring's pings; this count is this process's, so always current.
+        codec = getattr(self._client, "_in_codec", None)  # EngineClient's result-socket codec
+        if codec is not None:
+            stats.add_metric(["ingress_bad_frames"], float(codec.dropped))
         up = GaugeMetricFamily("conveyor_stage_up", "1 while the stage runs (stages that were restarted).",
                                labels=["stage"])
         restarts = GaugeMetricFamily("conveyor_stage_restarts", "Restarts in the launcher's window.",

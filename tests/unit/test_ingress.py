@@ -702,6 +702,36 @@ async def test_metrics_do_not_show_a_dead_engines_last_numbers(app, engine) -> N
     assert "conveyor_engine_healthy 0.0" in text and "engine_steps" not in text
 
 
+async def test_metrics_count_the_frames_the_ingress_could_not_decode() -> None:
+    """A real EngineClient's result socket, sent garbage: /metrics counts what it dropped, as the
+    stages' own *_bad_frames, also while the ring is silent (the count is the ingress's own)."""
+    import zmq
+    import zmq.asyncio
+
+    from conveyor.protocol import Addresses
+    from conveyor.services.engine_client import EngineClient
+
+    ctx = zmq.asyncio.Context()
+    client = EngineClient(Addresses.inproc(), "m", 64, ping_interval=0.05, context=ctx)
+    await client.start()
+    peer = ctx.socket(zmq.PUSH)
+    peer.connect(client.reply_to)
+    try:
+        for junk in (b"\x00", b"\xff not msgpack", b""):
+            await peer.send(junk)
+        async with http(build_app(client)) as c:
+            for _ in range(100):  # until the client's reader has taken all three
+                text = (await c.get("/metrics")).text
+                if 'conveyor_stage_stat{stat="ingress_bad_frames"} 3.0' in text:
+                    break
+                await asyncio.sleep(0.02)
+        assert not client.healthy and 'conveyor_stage_stat{stat="ingress_bad_frames"} 3.0' in text
+    finally:
+        peer.close(0)
+        await client.close()
+        ctx.term()
+
+
 async def test_openapi_lists_routes(app) -> None:
     async with http(app) as c:
         spec = (await c.get("/openapi.json")).json()
