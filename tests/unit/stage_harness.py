@@ -13,10 +13,17 @@ import queue
 from pathlib import Path
 
 import msgspec
-
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.protocol import Addresses, Admitted, Codec, EngineIn, ErrorOut, Finish, TokenBatch
+from conveyor.protocol import (
+    Addresses,
+    Admitted,
+    Codec,
+    EngineIn,
+    ErrorOut,
+    Finish,
+    TokenBatch,
+)
 from conveyor.services.engine.service import EngineService, to_token_batch
 from tiny_llama import TINY
 

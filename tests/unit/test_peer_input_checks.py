@@ -13,9 +13,21 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from conveyor.protocol import (Abort, Admitted, CancelSession, ErrorOut, Finish, GenerateReq, InvalidRequestError,
-                               SamplingParams, SessionEnd, StopReq, TokenBatch, TokenizedReq, validate)
+from conveyor.protocol import (
+    Abort,
+    Admitted,
+    CancelSession,
+    ErrorOut,
+    Finish,
+    GenerateReq,
+    InvalidRequestError,
+    SamplingParams,
+    SessionEnd,
+    StopReq,
+    TokenBatch,
+    TokenizedReq,
+    validate,
+)
 from conveyor.protocol.checks import MalformedMessageError, check_text_batch
 from conveyor.protocol.messages import TextBatch
 from conveyor.services.detokenizer.batches import Detokenizer
