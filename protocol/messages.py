@@ -226,6 +226,7 @@ class StageStatus(msgspec.Struct, tag=14, **_TAG):
     pid: int
     restarts: int = 0
     token: str = ""  # the launcher token: the ingress ignores a notice without it
+    stats: dict[str, float] = {}  # the launcher's own counters (name "launcher"): bad frames, refused READYs
 
 
 class IngressGone(msgspec.Struct, tag=15, **_TAG):

@@ -305,6 +305,10 @@ class EngineClient:
                 self.refused_notices += 1
                 logger.warning("ignored a stage notice without the launcher's token (%d so far)", self.refused_notices)
                 return
+            if msg.stats:  # the launcher's counters: shown with the stages' (kept across LoadReports)
+                if self.load is not None:
+                    self.load.stage_stats.update(msg.stats)
+                return
             self.stages[msg.name] = msg
             if not msg.up and _needed_by_all(msg.name):
                 logger.error("stage %s (pid %d) stopped: failing the requests in flight", msg.name, msg.pid)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
 import secrets
 import shutil
 import signal
@@ -95,6 +96,7 @@ class Deployment:
                                       curve=self.addresses.curve)
         self._engine_codec = Codec(EngineIn)
         self.refused_ready = 0  # READY frames from a process that is not a stage of ours, or without the token
+        self._reported: dict[str, float] = {}  # the counters the ingress last got
 
     def _spawn(self, name: str, target, *args) -> None:
         self._specs[name] = (target, args)
@@ -137,6 +139,20 @@ class Deployment:
                                                                       self.addresses.launcher_token), zmq.NOBLOCK)
             except zmq.Again:
                 logger.warning("could not tell the ingress that %s is %s", name, "up" if up else "down")
+
+    def _report_counters(self) -> None:
+        """Send the launcher's own counters to the ingress when they changed (its /metrics
+        shows them as ``launcher_*`` stage stats): frames on its socket that did not decode, and
+        READYs it refused."""
+        stats = {"launcher_bad_frames": float(self._codec.dropped), "launcher_refused_ready": float(self.refused_ready)}
+        if stats == self._reported or self._to_ingress is None:
+            return
+        try:
+            self._status_codec.send(self._to_ingress, StageStatus("launcher", True, os.getpid(), 0,
+                                                                  self.addresses.launcher_token, stats), zmq.NOBLOCK)
+            self._reported = stats
+        except zmq.Again:
+            pass  # told next time
 
     def _ingress_died(self) -> None:
         """The ingress is gone: the engine aborts what it sent (nobody reads those answers now),
@@ -215,6 +231,7 @@ class Deployment:
         while not stop.wait(0.2):
             for msg in self._codec.recv_all(self._ready):
                 self._on_ready(msg)
+            self._report_counters()
             now = time.monotonic()
             for name, proc in self.procs.items():
                 if proc.is_alive() or name in self._restart_at:

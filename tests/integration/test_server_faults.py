@@ -105,31 +105,36 @@ def test_the_last_tokenizer_killed_gives_503_at_once(smollm2_dir, tmp_path):
 
 def test_hostile_frames_on_every_socket_leave_every_stage_serving(smollm2_dir, tmp_path):
     """Random bytes, truncated frames and well-formed messages with nonsense values, sent to every
-    socket a stage binds (engine, detokenizer, the ingress's reply socket)."""
+    socket a stage binds (engine, detokenizer, launcher, the ingress's reply socket), forged
+    launcher notices among them."""
     import random
 
     import msgspec
     import zmq
 
-    from conveyor.protocol import (Abort, Admitted, CancelSession, Codec, EngineIn, ErrorOut, IngressIn,
-                                   LoadReport, SamplingParams, SessionEnd, TextBatch, TokenBatch, TokenizedReq)
+    from conveyor.protocol import (Abort, Admitted, CancelSession, Codec, EngineIn, ErrorOut, IngressGone, IngressIn,
+                                   LoadReport, Ready, SamplingParams, SessionEnd, Stage, StageStatus, TextBatch,
+                                   TokenBatch, TokenizedReq)
 
     srv = _start(smollm2_dir, tmp_path)
     run = srv.run_dir()
     try:
-        targets = {p.name: f"ipc://{p}" for p in run.iterdir() if p.name in ("engine", "detokenizer")
+        targets = {p.name: f"ipc://{p}" for p in run.iterdir() if p.name in ("engine", "detokenizer", "launcher")
                    or p.name.startswith("reply-")}
-        assert {"engine", "detokenizer"} <= set(targets) and any(n.startswith("reply-") for n in targets)
+        assert {"engine", "detokenizer", "launcher"} <= set(targets) and any(n.startswith("reply-") for n in targets)
+        reply_to = next(f"ipc://{p}" for p in run.iterdir() if p.name.startswith("reply-"))
         rng = random.Random(0)
         nonsense = {
             "engine": [TokenizedReq("x1", "ipc:///nonexistent/reply", [10**9], SamplingParams(max_new_tokens=-5)),
                        TokenizedReq("x2", "ipc:///nonexistent/reply", [], SamplingParams()),
-                       Abort("nobody"), CancelSession(-1), SessionEnd(2**62)],
+                       Abort("nobody"), CancelSession(-1), SessionEnd(2**62), IngressGone(reply_to, "forged")],
             "detokenizer": [TokenBatch(["a", "b", "c"], [1], [], [0]),  # ragged columns
                             Admitted("x3", "ipc:///nonexistent/reply", 5, SamplingParams(), prompt_tail=[10**12]),
                             ErrorOut("x4", 400, "forged", reply_to="ipc:///nonexistent/reply")],
             "reply": [TextBatch(["a", "b"], ["t"], [], [0], [], [], []),
-                      LoadReport("x", 0.0), ErrorOut("nobody", 500, "forged")],
+                      LoadReport("x", 0.0), ErrorOut("nobody", 500, "forged"),
+                      StageStatus("engine", False, 1, 0, "forged")],  # before: /health pinned at 503
+            "launcher": [Ready(Stage.ENGINE, os.getpid(), {"session_len": 1}, "forged")],
         }
         ctx = zmq.Context()
         try:
@@ -155,7 +160,10 @@ def test_hostile_frames_on_every_socket_leave_every_stage_serving(smollm2_dir, t
         _wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 200, "/health 200")
         # The drops are counted (a forged LoadReport above may stand until the next real ping).
         _wait_until(lambda: _metric_stat(srv.url, "engine_bad_frames") > 0
-                    and _metric_stat(srv.url, "detokenizer_bad_frames") > 0, "the bad frames counted")
+                    and _metric_stat(srv.url, "detokenizer_bad_frames") > 0
+                    and _metric_stat(srv.url, "launcher_bad_frames") > 0
+                    and _metric_stat(srv.url, "launcher_refused_ready") == 1, "the bad frames counted", srv=srv)
+        assert "ignored a stage notice without the launcher's token" in srv.log()
     finally:
         srv.terminate()
     assert not run.exists()  # the launcher removes the sockets' directory
