@@ -65,6 +65,7 @@ from ..protocol import (
     TextBatch,
     TokenizerIn,
 )
+from ..protocol.checks import check_text_batch
 from .stage import open_socket
 
 logger = logging.getLogger(__name__)
@@ -290,6 +291,7 @@ class EngineClient:
 
     async def _dispatch(self, msg) -> None:
         if isinstance(msg, TextBatch):
+            check_text_batch(msg)  # whole or not at all: a ragged batch must not be half-applied
             await self._route_texts(msg)
         elif isinstance(msg, Admitted):
             await self._admitted(msg)
