@@ -171,7 +171,7 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
         tokenizer_workers=args.tokenizer_workers, api_keys=_api_keys(args), chat_template=args.chat_template,
         served_model_name=served_name, engine=engine, log_level=args.log_level, engine_factory=args.engine_factory,
         drain_timeout=args.drain_timeout, max_restarts=args.max_restarts, limits=_limits(args), qos=qos,
-        proxy_url=args.proxy_url))
+        proxy_url=args.proxy_url, proxy_admin_key=_proxy_admin_key(args)))
 
 
 def _preflight(model: str, engine: EngineConfig, reads_weights: bool) -> None:
@@ -216,18 +216,37 @@ def _qos_config(args: argparse.Namespace):
 
 
 API_KEYS_ENV = "CONVEYOR_API_KEYS"  # comma-separated; keeps keys out of `ps`, like --api-keys-file
+# The proxy's admin keys, comma-separated: the proxy takes each on its node routes, an api_server
+# with --proxy-url presents the first (one variable, so one environment serves both).
+ADMIN_KEYS_ENV = "CONVEYOR_PROXY_ADMIN_KEYS"
+
+
+def _keys(listed: list[str] | None, path: str | None, env: str) -> list[str]:
+    """Keys given on the command line, then the lines of ``path`` (# comments skipped), then ``$env``."""
+    import os
+
+    keys = list(listed or [])
+    if path:
+        with open(path) as f:
+            keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    return keys + [k.strip() for k in os.environ.get(env, "").split(",") if k.strip()]
 
 
 def _api_keys(args: argparse.Namespace) -> list[str] | None:
     """The accepted API keys: --api-keys, the lines of --api-keys-file and $CONVEYOR_API_KEYS."""
-    import os
+    return _keys(args.api_keys, args.api_keys_file, API_KEYS_ENV) or None
 
-    keys = list(args.api_keys or [])
-    if args.api_keys_file:
-        with open(args.api_keys_file) as f:
-            keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
-    keys += [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
-    return keys or None
+
+def _admin_keys(args: argparse.Namespace) -> list[str] | None:
+    """The proxy's admin keys: --admin-keys, the lines of --admin-keys-file and $CONVEYOR_PROXY_ADMIN_KEYS."""
+    return _keys(args.admin_keys, args.admin_keys_file, ADMIN_KEYS_ENV) or None
+
+
+def _proxy_admin_key(args: argparse.Namespace) -> str | None:
+    """The admin key an api_server joins its --proxy-url with: the first of --proxy-admin-key-file,
+    else of $CONVEYOR_PROXY_ADMIN_KEYS (a file or the environment: a flag's value shows in ps)."""
+    keys = _keys(None, args.proxy_admin_key_file, ADMIN_KEYS_ENV)
+    return keys[0] if keys else None
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -274,7 +293,7 @@ def _cmd_stage(args: argparse.Namespace) -> int:
         name = served_name or model.rstrip("/").split("/")[-1]
         run_ingress_process("ingress", addresses, model, name, session_len, args.server_name, args.server_port,
                             _api_keys(args), None, args.log_level, args.drain_timeout, _limits(args), qos,
-                            args.proxy_url)
+                            args.proxy_url, _proxy_admin_key(args))
     return 0
 
 
@@ -300,11 +319,19 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
     """LMDeploy's request distributor: nodes join with api_server --proxy-url or POST /nodes/add."""
     from conveyor.services.proxy import run_proxy
 
-    if args.health_interval <= 0:
-        print("conveyor: --health-interval must be positive (seconds)", file=sys.stderr)
+    for flag, seconds in (("--health-interval", args.health_interval), ("--first-byte-timeout",
+                          args.first_byte_timeout), ("--chunk-timeout", args.chunk_timeout)):
+        if not seconds > 0:
+            print(f"conveyor: {flag} must be positive (seconds)", file=sys.stderr)
+            return 2
+    api_keys, admin_keys = _api_keys(args), _admin_keys(args)
+    if set(api_keys or ()) & set(admin_keys or ()):
+        print("conveyor: a key is both an API key and an admin key: a client holding it could change the proxy's "
+              "routing; give the admin keys values of their own", file=sys.stderr)
         return 2
-    return run_proxy(args.server_name, args.server_port, args.strategy, _api_keys(args), args.health_interval,
-                     args.log_level)
+    return run_proxy(args.server_name, args.server_port, args.strategy, api_keys, args.health_interval,
+                     args.log_level, admin_keys=admin_keys, first_byte_timeout_s=args.first_byte_timeout,
+                     chunk_timeout_s=args.chunk_timeout)
 
 
 def _cmd_api_client(args: argparse.Namespace) -> int:
@@ -426,6 +453,10 @@ def _server_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--proxy-url", type=_http_url, default=None, metavar="URL",
                    help="join this proxy (conveyor serve proxy) once serving, leave it on SIGTERM; the proxy "
                         "reaches this server at --server-name (a wildcard: this host's name)")
+    s.add_argument("--proxy-admin-key-file", default=None, metavar="FILE",
+                   help=f"with --proxy-url: a file whose first line is one of the proxy's admin keys, sent to join "
+                        f"and leave (also the first of ${ADMIN_KEYS_ENV}); without one this server joins only a "
+                        "proxy on its own host that has no admin keys")
     s.add_argument("--model-name", default=None, help="the name /v1/models reports (default: the folder name)")
     s.add_argument("--chat-template", default=None, help="a built-in template name (see conveyor list) or a JSON file of "
                         "ChatTemplateConfig fields")
@@ -500,16 +531,30 @@ def _add_serve(sub) -> None:
     _engine_options(g)
     g.set_defaults(func=_cmd_gradio)
     p = serve_sub.add_parser("proxy", help="one OpenAI endpoint distributing requests over several api_servers")
-    p.add_argument("--server-name", default="0.0.0.0", help="the address to listen on")
+    p.add_argument("--server-name", default="127.0.0.1",
+                   help="the address to listen on (default: this host only; 0.0.0.0 for every interface)")
     p.add_argument("--server-port", type=int, default=8000, help="the HTTP port")
     p.add_argument("--strategy", "--routing-strategy", dest="strategy", default="min_expected_latency",
                    choices=["random", "min_expected_latency", "min_observed_latency"],
                    help="how a node is picked: at random weighted by speed, fewest requests in flight per speed, "
                         "or smallest recent latency")
     _api_key_options(p)
+    p.add_argument("--admin-keys", nargs="*", default=None,
+                   help="keys for adding and removing nodes (POST /nodes/add, /nodes/remove), none of them an "
+                        "--api-keys key; without any, nodes are added and removed only from this host")
+    p.add_argument("--admin-keys-file", default=None,
+                   help=f"a file of admin keys, one a line (also ${ADMIN_KEYS_ENV}, comma-separated): unlike "
+                        "--admin-keys, not visible in ps")
     p.add_argument("--health-interval", type=float, default=5.0,
                    help="seconds between health checks of every node (a failing node is taken out, and put back "
                         "when it passes)")
+    p.add_argument("--first-byte-timeout", type=float, default=620.0,
+                   help="seconds a node may take to start its answer: a whole generation for a non-streamed "
+                        "request, queueing and prefill for a stream (default: 20 s past an api_server's "
+                        "--request-timeout); a node past it is quarantined and the client gets 504")
+    p.add_argument("--chunk-timeout", type=float, default=60.0,
+                   help="seconds a node may go silent mid-answer (a stream sends an event a token); a node past it "
+                        "is quarantined and the client gets an error event or 504")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     p.set_defaults(func=_cmd_proxy)
 

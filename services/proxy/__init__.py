@@ -1,6 +1,7 @@
 """The request distributor (``conveyor serve proxy``): one OpenAI endpoint in front of several
 api_servers, with LMDeploy's node routes and dispatch strategies (app.py, nodes.py,
-strategies.py, health.py, relay.py), and the api_server's side of joining it (registration.py)."""
+strategies.py, health.py, relay.py), who may change its nodes (admin.py), and the api_server's
+side of joining it (registration.py)."""
 
 from .app import build_proxy_app
 from .nodes import Node, NodeTable

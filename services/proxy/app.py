@@ -8,13 +8,17 @@ FastAPI's /docs.
 
 A request body is forwarded as it came (the node validates it; its errors come back as they
 are), with the client's ``Authorization`` header: give the proxy and its nodes the same keys.
-With ``api_keys`` the proxy itself also wants one on /v1/* and /nodes/*.
+With ``api_keys`` the proxy itself also wants one on /v1/* and ``/nodes/status``. Adding and
+removing nodes takes an admin key instead, or without ``admin_keys`` a request from this host
+(``admin.py``).
 
 What the client sees when nodes fail: no node up (or none serving the model) is a 503 envelope;
 a node that cannot be reached or answers 503 (draining, a stage restarting) is taken out and the
 request goes to another; a node that breaks off after taking the request is taken out and the
-client gets 502, or in a stream an error event and ``[DONE]``. A client that goes away closes
-the node's response, so the node aborts the generation.
+client gets 502, or in a stream an error event and ``[DONE]``; a node that takes the request and
+then sends nothing for the first-byte or chunk timeout is quarantined (``nodes.py``) and the
+client gets 504 (or the error event). A client that goes away closes the node's response, so
+the node aborts the generation.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -36,8 +40,11 @@ from ..engine_client import RETRY_AFTER_S, RequestError
 from ..ingress.app import DEFAULT_MAX_BODY_BYTES, ApiKeyGuard, BodyLimit, error_response, install_error_handlers
 from ..ingress.sse import ClosingStreamingResponse, until_disconnected
 from . import health
-from .nodes import Dispatch, Node, NodeTable
-from .relay import TIMEOUT, is_event_stream, node_failed, relay_events, request_headers, response_headers, whole
+from .admin import STATUS_PATH, AdminGuard, check_keys
+from .nodes import QUARANTINE_S, Dispatch, Node, NodeTable
+from .relay import (DEFAULT_CHUNK_TIMEOUT_S, DEFAULT_FIRST_BYTE_TIMEOUT_S, TIMEOUT, WHOLE_ANSWER_CAP,
+                    is_event_stream, node_error, paced, pass_through, read_head, relay_events, request_headers,
+                    response_headers, send, whole)
 from .strategies import Strategy
 
 logger = logging.getLogger(__name__)
@@ -90,8 +97,14 @@ def _peek(body: bytes) -> tuple[str | None, bool]:
 class _Proxy:
     """The app's state (the node table, one HTTP client to the nodes) and the forwarding flow."""
 
-    def __init__(self, table: NodeTable):
+    def __init__(self, table: NodeTable, node_key: str | None, first_byte_timeout_s: float, chunk_timeout_s: float,
+                 whole_answer_cap: int):
         self.table = table
+        # Sent to a node's /v1/models when an admin adds it without its models: the proxy's own
+        # client key (its nodes take the clients' keys), never the caller's, an admin key.
+        self.node_key = node_key
+        self.first_byte_timeout_s, self.chunk_timeout_s = first_byte_timeout_s, chunk_timeout_s
+        self.whole_answer_cap = whole_answer_cap
         self.http = httpx.AsyncClient(timeout=TIMEOUT, limits=httpx.Limits(max_connections=None,
                                                                            max_keepalive_connections=64))
 
@@ -115,16 +128,15 @@ class _Proxy:
             tried.add(node.url)
             dispatch = self.table.begin(node)
             try:
-                upstream = await self.http.send(
-                    self.http.build_request("POST", node.url + path, content=body, headers=headers), stream=True)
+                upstream = await send(self.http, self.http.build_request("POST", node.url + path, content=body,
+                                                                         headers=headers), self.first_byte_timeout_s)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 self.table.finish(dispatch, completed=False)
                 self._down(node, f"unreachable: {type(exc).__name__}")
                 continue
-            except httpx.HTTPError as exc:
+            except httpx.HTTPError as exc:  # it took the request, which may have run: not sent elsewhere
                 self.table.finish(dispatch, completed=False)
-                self._down(node, f"failed before answering: {type(exc).__name__}")
-                raise node_failed(node.url, exc) from None
+                raise self._failed(node, exc, "before answering") from None
             except BaseException:  # cancelled: the client went away
                 self.table.finish(dispatch, completed=False)
                 raise
@@ -133,11 +145,22 @@ class _Proxy:
                 self.table.finish(dispatch, completed=False)
                 self._down(node, "answered 503")
                 continue
+            self.table.answered(node)
             return upstream, dispatch
 
     def _down(self, node: Node, reason: str) -> None:
         logger.warning("node %s %s: not routing to it until its /health passes", node.url, reason)
         self.table.mark_down(node, reason)
+
+    def _failed(self, node: Node, exc: Exception, when: str) -> RequestError:
+        """Take out a node that failed or timed out after taking a request; the client's error."""
+        if isinstance(exc, httpx.TimeoutException):
+            seconds = self.table.quarantine(node, f"timed out {when} ({exc})")
+            logger.warning("node %s timed out %s (%s): not routing to it for %.0fs, whatever its /health says",
+                           node.url, when, exc, seconds)
+        else:
+            self._down(node, f"broke off {when}: {type(exc).__name__}")
+        return node_error(node.url, exc)
 
     async def forward(self, request: Request, path: str) -> Response:
         """One OpenAI request, passed to a node and its answer back."""
@@ -151,20 +174,32 @@ class _Proxy:
         upstream, dispatch = await until_disconnected(request, self.open(path, body, headers, model))
         node = dispatch.node
         if stream and upstream.status_code == 200 and is_event_stream(upstream):
-            return self._stream(upstream, dispatch)
-        completed = False
+            return self._relay(upstream, dispatch, lambda on_end: relay_events(
+                upstream, node.url, on_end, chunk_timeout_s=self.chunk_timeout_s))
+        pieces = paced(upstream, self.chunk_timeout_s)
+        completed = handed_over = False
         try:
-            response = await until_disconnected(request, whole(upstream))
+            head, more = await until_disconnected(request, read_head(pieces, self.whole_answer_cap))
+            if more:  # too large to hold: the rest is passed on as it comes
+                handed_over = True
+                return self._relay(upstream, dispatch, lambda on_end: pass_through(head, pieces, node.url, on_end),
+                                   status_code=upstream.status_code)
             completed = upstream.status_code == 200
-            return response
+            return whole(upstream, head)
         except httpx.HTTPError as exc:
-            self._down(node, f"broke off an answer: {type(exc).__name__}")
-            raise node_failed(node.url, exc) from None
+            raise self._failed(node, exc, "mid-answer") from None
         finally:
-            self.table.finish(dispatch, completed)
-            await upstream.aclose()
+            if not handed_over:
+                self.table.finish(dispatch, completed)
+                await pieces.aclose()
+                await upstream.aclose()
 
-    def _stream(self, upstream: httpx.Response, dispatch: Dispatch) -> Response:
+    def _relay(self, upstream: httpx.Response, dispatch: Dispatch,
+               body: Callable[[Callable[[bool, Exception | None], None]], AsyncIterator[bytes]],
+               status_code: int = 200) -> Response:
+        """A response passing on ``body(on_end)``, the node's answer as it arrives; the request is
+        counted out (completed if the node's answer was a 200 that ended well), and a node that
+        failed taken out, when it ends however it ends."""
         node, ended = dispatch.node, False
 
         def on_end(completed: bool, error: Exception | None) -> None:
@@ -172,24 +207,24 @@ class _Proxy:
             if ended:
                 return
             ended = True
-            self.table.finish(dispatch, completed)
+            self.table.finish(dispatch, completed and status_code == 200)
             if error is not None:
-                self._down(node, f"broke off a stream: {type(error).__name__}")
+                self._failed(node, error, "mid-stream")
 
         async def cleanup() -> None:  # runs however the response ends, even before it started
             on_end(False, None)
             await upstream.aclose()
 
-        return ClosingStreamingResponse(relay_events(upstream, node.url, on_end), cleanup,
+        return ClosingStreamingResponse(body(on_end), cleanup, status_code=status_code,
                                         headers=response_headers(upstream))
 
-    async def add(self, node: NodeIn, request: Request) -> Node:
+    async def add(self, node: NodeIn) -> Node:
         """Register a node: its models from ``status`` or its /v1/models, then one health check."""
         url = _node_url(node.url)
         status = node.status or NodeStatusIn()
         models, cards = list(status.models), {}
         if not models:
-            auth = {k: v for k, v in request_headers(request.headers).items() if k == "authorization"}
+            auth = {"Authorization": f"Bearer {self.node_key}"} if self.node_key else {}
             try:
                 answer = await self.http.get(f"{url}/v1/models", headers=auth, timeout=health.HEALTH_TIMEOUT_S)
             except httpx.HTTPError as exc:
@@ -197,7 +232,8 @@ class _Proxy:
                                    "api_server running there? (or give status.models)", param="url",
                                    code="node_unreachable") from None
             if answer.status_code != 200:
-                hint = ": send a key the node accepts in Authorization" if answer.status_code == 401 else ""
+                hint = (": it wants an API key; give the proxy the nodes' keys (--api-keys)"
+                        if answer.status_code == 401 else "")
                 raise RequestError(400, f"{url}/v1/models answered {answer.status_code}{hint} (or give "
                                    "status.models)", param="url", code="node_unreachable")
             cards = {c["id"]: c for c in answer.json().get("data", [])}
@@ -209,14 +245,29 @@ class _Proxy:
 
 
 def _api_path(path: str) -> bool:
-    return path.startswith("/v1/") or path.startswith("/nodes/")
+    return path.startswith("/v1/")
+
+
+def _status_path(path: str) -> bool:
+    return path.rstrip("/") == STATUS_PATH
 
 
 def build_proxy_app(strategy: Strategy | str = Strategy.MIN_EXPECTED_LATENCY, *, api_keys: list[str] | None = None,
-                    health_interval_s: float = DEFAULT_HEALTH_INTERVAL_S) -> FastAPI:
-    """The proxy app; nodes join through ``POST /nodes/add`` (``api_server --proxy-url`` does it)."""
-    table = NodeTable(Strategy(strategy))
-    proxy = _Proxy(table)
+                    admin_keys: list[str] | None = None, health_interval_s: float = DEFAULT_HEALTH_INTERVAL_S,
+                    first_byte_timeout_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S,
+                    chunk_timeout_s: float = DEFAULT_CHUNK_TIMEOUT_S, quarantine_s: float = QUARANTINE_S,
+                    whole_answer_cap: int = WHOLE_ANSWER_CAP) -> FastAPI:
+    """The proxy app; nodes join through ``POST /nodes/add`` (``api_server --proxy-url`` does it),
+    with an admin key or, without ``admin_keys``, from this host. ``first_byte_timeout_s`` and
+    ``chunk_timeout_s`` bound the waits on a node (``relay.py``), ``quarantine_s`` keeps out a node
+    that timed out (doubling per timeout), ``whole_answer_cap`` bytes of an answer are held whole."""
+    check_keys(api_keys, admin_keys)
+    for name, value in (("first_byte_timeout_s", first_byte_timeout_s), ("chunk_timeout_s", chunk_timeout_s),
+                        ("quarantine_s", quarantine_s)):
+        if not value > 0:
+            raise ValueError(f"{name}={value}: must be > 0 seconds")
+    table = NodeTable(Strategy(strategy), quarantine_s=quarantine_s)
+    proxy = _Proxy(table, api_keys[0] if api_keys else None, first_byte_timeout_s, chunk_timeout_s, whole_answer_cap)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -236,6 +287,8 @@ def build_proxy_app(strategy: Strategy | str = Strategy.MIN_EXPECTED_LATENCY, *,
     app.add_middleware(BodyLimit, max_bytes=DEFAULT_MAX_BODY_BYTES)  # the body is held in memory to forward it
     if api_keys:
         app.add_middleware(ApiKeyGuard, api_keys=list(api_keys), guarded=_api_path)
+        app.add_middleware(ApiKeyGuard, api_keys=list(api_keys) + list(admin_keys or ()), guarded=_status_path)
+    app.add_middleware(AdminGuard, admin_keys=admin_keys, api_keys=api_keys)
 
     @app.get("/", include_in_schema=False)
     async def root() -> Response:
@@ -251,18 +304,21 @@ def build_proxy_app(strategy: Strategy | str = Strategy.MIN_EXPECTED_LATENCY, *,
 
     @app.get("/nodes/status")
     async def nodes_status() -> dict[str, Any]:
-        """Every node: models, requests in flight (``unfinished``), recent latencies, speed, health."""
+        """Every node: models, requests in flight (``unfinished``), recent latencies, speed, health,
+        timeouts since it last served a request in full."""
         return table.status()
 
     @app.post("/nodes/add")
-    async def nodes_add(node: NodeIn, request: Request) -> str:
-        """Add a node (or update one); without ``status.models`` its /v1/models is asked."""
-        await proxy.add(node, request)
+    async def nodes_add(node: NodeIn) -> str:
+        """Add a node (or update one); without ``status.models`` its /v1/models is asked. Takes an
+        admin key, or without ``--admin-keys`` a request from the proxy's host."""
+        await proxy.add(node)
         return ADDED
 
     @app.post("/nodes/remove")
     async def nodes_remove(request: Request, node_url: str | None = None) -> str:
-        """Remove a node: ``{"url": ...}`` in the body, or ``?node_url=`` (LMDeploy's older form)."""
+        """Remove a node: ``{"url": ...}`` in the body, or ``?node_url=`` (LMDeploy's older form). Takes
+        an admin key, or without ``--admin-keys`` a request from the proxy's host."""
         raw = await request.body()
         if raw.strip():
             try:

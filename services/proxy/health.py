@@ -3,7 +3,8 @@ routing and puts recovered ones back.
 
 A node is down when its /health does not answer 200 within ``HEALTH_TIMEOUT_S`` (refused,
 timed out, or 503 while it drains or a stage restarts). Requests also take a node out at once
-when they cannot reach it (``app.py``); only a passing check puts it back.
+when they cannot reach it (``app.py``); only a passing check puts it back, and not while the node
+is quarantined for timing out (``nodes.py``: a hung node's /health still passes).
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ async def check(table: NodeTable, node: Node, http: httpx.AsyncClient) -> bool:
     if node.url not in table.nodes:  # removed while the check ran
         return False
     if reason is None and not node.healthy:
-        logger.info("node %s is healthy again: routing to it", node.url)
+        if table.quarantined(node):
+            return False
+        logger.info("node %s is healthy again: routing to it%s", node.url,
+                    " (one request at a time until it answers one)" if node.timeouts else "")
         table.mark_up(node)
     elif reason is not None and (node.healthy or node.down_reason != reason):
         logger.warning("node %s is down (%s): not routing to it", node.url, reason)

@@ -2,6 +2,10 @@
 serves, and leaves when it starts draining on SIGTERM, so the proxy stops sending it requests
 before it stops taking them. A server that dies without leaving is taken out by the proxy's
 health checks instead.
+
+Joining and leaving take one of the proxy's admin keys (``--proxy-admin-key-file`` or
+``$CONVEYOR_PROXY_ADMIN_KEYS``, never a client key), or none from the proxy's own host when the
+proxy has no admin keys.
 """
 
 from __future__ import annotations
@@ -16,6 +20,11 @@ import httpx
 logger = logging.getLogger(__name__)
 
 RETRY_MAX_S = 30.0  # joining retries (the proxy may start after its nodes), backing off to this
+_REFUSAL_HINTS = {
+    401: ": give this server one of the proxy's admin keys (--proxy-admin-key-file or $CONVEYOR_PROXY_ADMIN_KEYS)",
+    403: ": a proxy without admin keys takes nodes only from its own host; start it with --admin-keys-file and "
+         "this server with --proxy-admin-key-file",
+}
 
 
 def advertised_url(host: str, port: int) -> str:
@@ -27,12 +36,12 @@ def advertised_url(host: str, port: int) -> str:
 
 class ProxyRegistration:
     """Joins ``proxy_url`` as ``node_url`` serving ``models`` (in the background, retrying while the
-    proxy cannot be reached); ``leave()`` takes the node out again. ``api_key``, when given, is
-    sent as the Bearer key (a proxy with keys takes a node only from a client that has one)."""
+    proxy cannot be reached); ``leave()`` takes the node out again. ``admin_key``, when given, is
+    sent as the Bearer key (a proxy with admin keys takes a node only from a caller with one)."""
 
-    def __init__(self, proxy_url: str, node_url: str, models: list[str], api_key: str | None = None):
+    def __init__(self, proxy_url: str, node_url: str, models: list[str], admin_key: str | None = None):
         self.proxy_url, self.node_url, self.models = proxy_url.rstrip("/"), node_url, models
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self._task: asyncio.Task | None = None
         self._leaving: asyncio.Task | None = None
         self.joined = False
@@ -56,8 +65,7 @@ class ProxyRegistration:
                         self.joined = True
                         logger.info("joined proxy %s as %s", self.proxy_url, self.node_url)
                         return
-                    hint = (": give the proxy and this server a common API key (--api-keys)"
-                            if answer.status_code == 401 else "")
+                    hint = _REFUSAL_HINTS.get(answer.status_code, "")
                     if answer.status_code < 500:  # refused: retrying would not change the answer
                         logger.error("proxy %s refused this server (%d %s)%s", self.proxy_url, answer.status_code,
                                      answer.text[:300], hint)

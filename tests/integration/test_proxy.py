@@ -1,6 +1,7 @@
 """The proxy (``conveyor serve proxy``) in front of two real api_servers running the fake engine
-(real processes and HTTP, no model compute): joining with --proxy-url, keys, streaming, the three
-strategies, a node killed mid-stream, taken out and put back, and leaving on a clean exit."""
+(real processes and HTTP, no model compute): joining with --proxy-url and the admin key, client
+and admin keys, streaming, the three strategies, a node killed mid-stream, taken out and put
+back, a node that hangs timed out and kept out, and leaving on a clean exit."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -22,6 +24,8 @@ from server_process import ServerProcess, free_port
 
 KEY = "sk-proxy-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN_KEY = "sk-proxy-admin-test"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 FAST_STEP_S, SLOW_STEP_S = 0.01, 0.06  # the fake engine's time per step on the two nodes
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -29,14 +33,16 @@ MESSAGES = [{"role": "user", "content": "hello"}]
 class ProxyProcess:
     """``conveyor serve proxy`` in a subprocess, its log in a file."""
 
-    def __init__(self, strategy: str, log_dir: Path):
+    def __init__(self, strategy: str, log_dir: Path, *extra: str, admin_key_file: Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"proxy-{strategy}-{self.port}.log"
+        self.admin_key_file = admin_key_file
         self._log = open(self.log_path, "w")
+        admin = ["--admin-keys-file", str(admin_key_file)] if admin_key_file else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "conveyor.cli", "serve", "proxy", "--server-name", "127.0.0.1", "--server-port",
-             str(self.port), "--strategy", strategy, "--api-keys", KEY, "--health-interval", "0.3"],
+             str(self.port), "--strategy", strategy, "--api-keys", KEY, "--health-interval", "0.3", *admin, *extra],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         wait_until(self._answers, "the proxy to answer", timeout=60, log=self.log)
 
@@ -54,8 +60,10 @@ class ProxyProcess:
     def status(self) -> dict:
         return httpx.get(f"{self.url}/nodes/status", headers=AUTH, timeout=10).json()
 
-    def add(self, url: str) -> httpx.Response:
-        return httpx.post(f"{self.url}/nodes/add", json={"url": url}, headers=AUTH, timeout=30)
+    def add(self, url: str, **body) -> httpx.Response:
+        """Add a node, from this host: with the admin key if the proxy has one, else without a key."""
+        headers = ADMIN if self.admin_key_file else {}
+        return httpx.post(f"{self.url}/nodes/add", json={"url": url, **body}, headers=headers, timeout=30)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -90,7 +98,10 @@ def chat(proxy_url: str, max_tokens: int = 4, **extra) -> httpx.Response:
 
 @pytest.fixture(scope="module")
 def proxy(tmp_path_factory):
-    p = ProxyProcess("min_expected_latency", tmp_path_factory.mktemp("proxy"))
+    log_dir = tmp_path_factory.mktemp("proxy")
+    key_file = log_dir / "admin-keys"
+    key_file.write_text(f"{ADMIN_KEY}\n")
+    p = ProxyProcess("min_expected_latency", log_dir, admin_key_file=key_file)
     yield p
     p.stop()
 
@@ -103,7 +114,8 @@ def nodes(smollm2_dir, proxy, tmp_path_factory):
 
     def start(name: str, step_s: float) -> None:
         made[name] = ServerProcess(smollm2_dir, "--engine-factory", "benchmarks.fake_engine:build", "--session-len",
-                                   "4096", "--proxy-url", proxy.url, log_dir=log_dir, api_key=KEY,
+                                   "4096", "--proxy-url", proxy.url, "--proxy-admin-key-file",
+                                   str(proxy.admin_key_file), log_dir=log_dir, api_key=KEY,
                                    env={"CONVEYOR_FAKE_STEP_DELAY": str(step_s)})
 
     threads = [threading.Thread(target=start, args=a) for a in (("fast", FAST_STEP_S), ("slow", SLOW_STEP_S))]
@@ -139,14 +151,25 @@ def test_api_servers_join_with_proxy_url(proxy, nodes, client, smollm2_dir):
 
 
 def test_the_proxy_wants_an_api_key(proxy, nodes):
-    for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/nodes/status"),
-                         ("POST", "/nodes/add"), ("POST", "/nodes/remove")]:
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/nodes/status")]:
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             r = httpx.request(method, f"{proxy.url}{path}", headers=headers, json={"url": "http://x"})
             assert r.status_code == 401, (path, r.text)
             assert r.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(f"{proxy.url}/nodes/status", headers=ADMIN).status_code == 200
+
+
+def test_a_client_key_cannot_change_the_routing(proxy, nodes):
+    """Issue 28's takeover: with a client key, remove the real nodes and add one's own server."""
+    fast, slow = nodes
+    for path, url in [("/nodes/remove", fast.url), ("/nodes/add", "http://127.0.0.1:9")]:
+        for headers, status, code in [({}, 401, "invalid_admin_key"), ({"Authorization": "Bearer wrong"}, 401,
+                                      "invalid_admin_key"), (AUTH, 403, "admin_key_required")]:
+            r = httpx.post(f"{proxy.url}{path}", headers=headers, json={"url": url, "status": {"models": ["m"]}})
+            assert (r.status_code, r.json()["error"]["code"]) == (status, code), (path, r.text)
+    assert set(proxy.status()) == {fast.url, slow.url}
 
 
 def test_streaming_is_relayed_as_it_arrives(client, nodes):
@@ -245,19 +268,19 @@ def test_random_spreads_and_nodes_can_be_removed(nodes, tmp_path):
         counts = served(fast) - before[0], served(slow) - before[1]
         assert sum(counts) == 30 and min(counts) >= 5, counts  # P(min < 5) ~ 6e-5 for a fair coin
         # LMDeploy's two forms of /nodes/remove: a body, and ?node_url=
-        r = httpx.post(f"{p.url}/nodes/remove", json={"url": slow.url}, headers=AUTH)
+        r = httpx.post(f"{p.url}/nodes/remove", json={"url": slow.url})  # no admin key: from this host
         assert r.status_code == 200 and r.json() == "Deleted successfully"
         before = served(fast), served(slow)
         for _ in range(4):
             assert chat(p.url, max_tokens=1).status_code == 200
         assert (served(fast) - before[0], served(slow) - before[1]) == (4, 0)
-        assert httpx.post(f"{p.url}/nodes/remove", params={"node_url": fast.url}, headers=AUTH).status_code == 200
+        assert httpx.post(f"{p.url}/nodes/remove", params={"node_url": fast.url}).status_code == 200
         assert p.status() == {}
         r = chat(p.url)
         assert r.status_code == 503 and r.headers["retry-after"]
         assert r.json()["error"]["code"] == "no_node_available" and r.json()["error"]["type"] == "service_unavailable"
         assert httpx.get(f"{p.url}/health").status_code == 503
-        r = httpx.post(f"{p.url}/nodes/remove", json={"url": fast.url}, headers=AUTH)
+        r = httpx.post(f"{p.url}/nodes/remove", json={"url": fast.url})
         assert r.status_code == 404 and r.json()["error"]["code"] == "node_not_found"
         r = p.add(f"http://127.0.0.1:{free_port()}")  # nothing there
         assert r.status_code == 400 and r.json()["error"]["code"] == "node_unreachable"
@@ -293,6 +316,62 @@ def test_a_node_killed_mid_stream_is_taken_out_and_put_back(proxy, nodes):
         before = served(idle)
         assert chat(proxy.url).status_code == 200
         assert served(idle) == before + 1  # both nodes take requests again
+
+
+@contextlib.contextmanager
+def _hung_node():
+    """A node that passes /health and takes completions without ever answering; yields its URL."""
+    release = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "15")
+            self.end_headers()
+            self.wfile.write(b'{"status":"ok"}')
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            release.wait()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_node_that_hangs_is_timed_out_and_kept_out(nodes, smollm2_dir, tmp_path):
+    """Issue 28: a node that takes requests and never answers passes its /health; the proxy times
+    it out (--first-byte-timeout) and keeps it out, so the next clients go to a node that answers."""
+    fast, slow = nodes
+    p = ProxyProcess("min_expected_latency", tmp_path, "--first-byte-timeout", "2", "--chunk-timeout", "2")
+    try:
+        with _hung_node() as hung_url:
+            assert p.add(hung_url, status={"models": [smollm2_dir.name]}).status_code == 200
+            start = time.monotonic()
+            r = chat(p.url)
+            assert r.status_code == 504 and r.json()["error"]["code"] == "node_timeout", r.text
+            assert time.monotonic() - start < 10
+            assert p.add(slow.url).status_code == 200
+            before = served(slow)
+            for _ in range(3):  # health checks every 0.3 s pass meanwhile: it stays out
+                assert chat(p.url).status_code == 200
+                time.sleep(0.2)
+            assert served(slow) == before + 3
+            status = p.status()[hung_url]
+            assert status["healthy"] is False and status["timeouts"] == 1, status
+    finally:
+        p.stop()
 
 
 def test_an_api_server_leaves_the_proxy_on_a_clean_exit(proxy, nodes):
