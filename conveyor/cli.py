@@ -473,7 +473,8 @@ def _server_options(s: argparse.ArgumentParser) -> None:
     lim.add_argument("--max-sequences-per-request", type=int, default=256,
                      help="generations one request may start: n x prompts")
     lim.add_argument("--max-queued-requests", type=int, default=1024,
-                     help="generations queued or running at the ingress; past it, 429 with Retry-After")
+                     help="generations queued or running at the ingress; past it, 429 with Retry-After "
+                          "(a request asking for more than this by itself: 400)")
     lim.add_argument("--request-timeout", type=float, default=600.0,
                      help="seconds a request may run before it is stopped with 504 (0: no limit)")
     lim.add_argument("--header-timeout", type=float, default=10.0,
