@@ -6,7 +6,9 @@ the length of the load (default 60 s, about 100 s in all on 2 cores). Eight clie
 chat (whole and streamed), streams they abandon after a few chunks, batched completions with n=2
 and two-turn interactive sessions. Meanwhile: bad frames to every socket a stage binds (four
 times), and one kill each of a tokenizer worker, the detokenizer, the engine and the ingress,
-the ingress's with two long streams in flight (thousands of tokens each).
+the ingress's with two long streams in flight (thousands of tokens each). Two more clients go
+through a proxy (``conveyor serve proxy``) in front of the server and of a stand-in node whose
+/health passes but which never answers a request.
 
 What the server promises, checked at the end:
 - no request hangs (each ends well inside its client's 60 s timeout);
@@ -17,7 +19,10 @@ What the server promises, checked at the end:
   streams among them (they would otherwise run past the end of the soak);
 - every stage up: /health 200, each stage's newest process alive, one restart per kill;
 - memory: each process's RSS, read just before it is killed (or at the end, for those never
-  killed), is within RSS_GROWTH_MIB of its RSS after the warm-up.
+  killed), is within RSS_GROWTH_MIB of its RSS after the warm-up;
+- through the proxy: nothing hangs either (the hanging node costs a client at most
+  PROXY_TIMEOUT_S, then is quarantined: at most HANGING_NODE_HITS requests reach it), and every
+  other request outside the kill windows (widened by the proxy's health interval) succeeds.
 """
 
 from __future__ import annotations
@@ -29,13 +34,16 @@ import os
 import random
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
-from server_process import ServerProcess
+from server_process import ServerProcess, free_port
 
 SOAK_S = float(os.environ.get("CONVEYOR_SOAK_S", "60"))
 CLIENTS = 8
@@ -43,6 +51,15 @@ CLIENT_TIMEOUT_S = 60.0
 KILL_MARGIN_S = 1.0  # after a killed stage is ready again, requests still in its wake are forgiven
 RSS_GROWTH_MIB = 64  # the stated bound: no process grows more than this over the soak
 KILLS = ("tokenizer", "detokenizer", "engine", "ingress")
+PROXY_CLIENTS = 2
+# The proxy's first-byte and chunk timeouts: past the server's slowest healthy answer here (a
+# request lost with a killed tokenizer is resent after 3 s), or the proxy would quarantine it.
+PROXY_TIMEOUT_S = 6.0
+PROXY_HEALTH_S = 1.0
+# Quarantine is 30 s, then doubles, and a node on probation takes one request at a time: over a
+# 60 s soak the hanging node can be reached by its first request, one on probation, and a few
+# sent while its quarantine was being decided.
+HANGING_NODE_HITS = 4
 
 
 @dataclass
@@ -126,9 +143,11 @@ def _one_request(http: httpx.Client, url: str, model: str, kind: str, rng: rando
     return "" if r.status_code == 200 else f"end: {r.status_code} {r.text[:200]}"
 
 
-def _client(url: str, model: str, seed: int, stop: threading.Event, out: list[Outcome]) -> None:
+def _client(url: str, model: str, seed: int, stop: threading.Event, out: list[Outcome], via: str = "") -> None:
+    """Requests of every kind until ``stop``; ``via="proxy"``: through the proxy at ``url``, which
+    routes no sessions (their endpoint is per node)."""
     rng = random.Random(seed)
-    kinds = ["chat", "stream", "stream", "abandon", "completions", "interactive"]
+    kinds = ["chat", "stream", "stream", "abandon", "completions"] + ([] if via else ["interactive"])
     with httpx.Client(timeout=CLIENT_TIMEOUT_S) as http:
         while not stop.is_set():
             kind, start = rng.choice(kinds), time.monotonic()
@@ -138,9 +157,77 @@ def _client(url: str, model: str, seed: int, stop: threading.Event, out: list[Ou
                 problem = f"HUNG: {type(exc).__name__}"
             except (httpx.HTTPError, json.JSONDecodeError, KeyError, IndexError) as exc:
                 problem = f"{type(exc).__name__}: {exc}"
-            out.append(Outcome(kind, start, time.monotonic(), not problem, problem))
+            out.append(Outcome(f"{via}:{kind}" if via else kind, start, time.monotonic(), not problem, problem))
             if problem:
                 time.sleep(0.2)  # a stage is restarting: back off as a client would
+
+
+# ---- the proxy and its hanging node ---------------------------------------------------------------
+
+class HangingNode:
+    """An api_server stand-in serving ``model``: /health passes, a completion is taken and never
+    answered (as a node whose engine thread is stuck would)."""
+
+    def __init__(self, model: str):
+        self.hits = 0
+        self._release = threading.Event()
+        node = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                body = json.dumps({"status": "ok"} if self.path == "/health" else
+                                  {"object": "list", "data": [{"id": model, "object": "model"}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:
+                node.hits += 1
+                node._release.wait()
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True).start()
+
+    def close(self) -> None:
+        self._release.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class ProxyProcess:
+    """``conveyor serve proxy`` (random strategy, short timeouts) with the server and a hanging node."""
+
+    def __init__(self, log_dir, nodes: list[str], model: str):
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self._log = open(log_dir / "proxy.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "conveyor.cli", "serve", "proxy", "--server-port", self.url.rsplit(":", 1)[1],
+             "--strategy", "random", "--first-byte-timeout", str(PROXY_TIMEOUT_S),
+             "--chunk-timeout", str(PROXY_TIMEOUT_S), "--health-interval", str(PROXY_HEALTH_S)],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"{self.url}/nodes/status", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert self.proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
+                time.sleep(0.1)
+        for node in nodes:  # from this host: no admin key needed
+            r = httpx.post(f"{self.url}/nodes/add", json={"url": node, "status": {"models": [model]}}, timeout=10)
+            assert r.status_code == 200, r.text
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self._log.close()
 
 
 # ---- the chaos -----------------------------------------------------------------------------------
@@ -255,6 +342,8 @@ def test_soak_with_hostile_frames_and_a_kill_per_stage(smollm2_dir, tmp_path):
                             "--tokenizer-workers", "2", log_dir=tmp_path)
     finally:
         os.environ.pop("CONVEYOR_FAKE_STEP_DELAY", None)
+    proxy: ProxyProcess | None = None
+    hanging: HangingNode | None = None
     try:
         model = httpx.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]["id"]
         outcomes: list[Outcome] = []
@@ -267,14 +356,19 @@ def test_soak_with_hostile_frames_and_a_kill_per_stage(smollm2_dir, tmp_path):
             warm.set()
             for f in futures:
                 f.result(timeout=CLIENT_TIMEOUT_S + 10)
+        hanging = HangingNode(model)
+        proxy = ProxyProcess(tmp_path, [srv.url, hanging.url], model)
         pids = _stage_pids(srv)
         baseline = {name: _rss_kib(pid) for name, pid in pids.items()}
         baseline["launcher"] = _rss_kib(srv.proc.pid)
+        baseline["proxy"] = _rss_kib(proxy.proc.pid)
 
         chaos, errors = Chaos(), []
         t0 = time.monotonic()
-        with cf.ThreadPoolExecutor(CLIENTS + 1) as pool:
+        with cf.ThreadPoolExecutor(CLIENTS + PROXY_CLIENTS + 1) as pool:
             clients = [pool.submit(_client, srv.url, model, i, stop, outcomes) for i in range(CLIENTS)]
+            clients += [pool.submit(_client, proxy.url, model, 1000 + i, stop, outcomes, "proxy")
+                        for i in range(PROXY_CLIENTS)]
             chaos_done = pool.submit(_chaos, srv, t0, chaos, baseline, errors)
             time.sleep(max(0.0, t0 + SOAK_S - time.monotonic()))
             chaos_done.result(timeout=120)  # the last restart may outlast the load
@@ -288,9 +382,17 @@ def test_soak_with_hostile_frames_and_a_kill_per_stage(smollm2_dir, tmp_path):
         assert not hung, hung[:5]
 
         def in_blast(o: Outcome) -> bool:
-            return any(o.start <= end and o.end >= start for _, start, end in chaos.windows)
+            # The proxy learns a node is back at its next health check.
+            late = PROXY_HEALTH_S + PROXY_TIMEOUT_S if o.kind.startswith("proxy:") else 0.0
+            return any(o.start <= end + late and o.end >= start for _, start, end in chaos.windows)
 
-        lost = [o for o in outcomes if not o.ok and not in_blast(o)]
+        # Through the proxy, a 504 outside the kill windows is the hanging node's (inside them the
+        # server itself may be slow past the timeout).
+        timed_out = [o for o in outcomes if "node_timeout" in o.detail and not in_blast(o)]
+        assert len(timed_out) <= hanging.hits <= HANGING_NODE_HITS, (len(timed_out), hanging.hits)
+        assert all(o.end - o.start < PROXY_TIMEOUT_S + 5 for o in timed_out), timed_out
+        lost = [o for o in outcomes if not o.ok and not in_blast(o) and o not in timed_out]
+        assert sum(o.ok for o in outcomes if o.kind.startswith("proxy:")) > 10 * PROXY_CLIENTS
         assert [w[0] for w in chaos.windows] == list(KILLS) and chaos.bad_frame_rounds == 4
         served = sum(o.ok for o in outcomes)
         assert not lost, f"{len(lost)} of {len(outcomes)} requests outside kill windows failed: {lost[:5]}"
@@ -321,6 +423,7 @@ def test_soak_with_hostile_frames_and_a_kill_per_stage(smollm2_dir, tmp_path):
         # 4. Memory: no process grew by more than the bound.
         ends = {name: (baseline[name], _rss_kib(now[name])) for name in now if now[name] == pids[name]}
         ends["launcher"] = (baseline["launcher"], _rss_kib(srv.proc.pid))
+        ends["proxy"] = (baseline["proxy"], _rss_kib(proxy.proc.pid))
         readings = {**chaos.rss_before_kill, **ends}
         grown = {n: (b // 1024, e // 1024) for n, (b, e) in readings.items() if e - b > RSS_GROWTH_MIB * 1024}
         assert not grown, f"RSS grew by more than {RSS_GROWTH_MIB} MiB (MiB before, after): {grown}"
@@ -328,9 +431,13 @@ def test_soak_with_hostile_frames_and_a_kill_per_stage(smollm2_dir, tmp_path):
                      for w, s, e in chaos.windows}
         print(f"soak: failures by kill window: {by_window}")
         print(f"soak: {len(outcomes)} requests, {served} served, "
-              f"{sum(not o.ok for o in outcomes)} failed inside kill windows; "
+              f"{sum(not o.ok for o in outcomes) - len(timed_out)} failed inside kill windows, "
+              f"{len(timed_out)} timed out on the hanging node ({hanging.hits} reached it); "
               f"windows {[(w, round(e - s, 1)) for w, s, e in chaos.windows]}; "
               f"RSS MiB (before, after) {{{', '.join(f'{n}: {b // 1024}->{e // 1024}' for n, (b, e) in readings.items())}}}")
     finally:
         stop.set()
+        for part in (proxy, hanging):
+            if part is not None:
+                part.close()
         srv.terminate()
