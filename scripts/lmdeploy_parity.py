@@ -134,8 +134,12 @@ def cases(model: str, awq: str, w8: str, template: str, qos: str) -> list[Case]:
              ["lite", "auto_awq", model, "--calib-dataset", "ptb", "--calib-samples", "128", "--calib-seqlen",
               "2048", "--w-bits", "4", "--w-group-size", "128", "--batch-size", "1", "--search-scale", "False",
               "--work-dir", awq + ".doc"], expect="refused", match="ptb would be unused", quick=True),
-        Case("lmdeploy lite auto_awq internlm/internlm2-chat-7b --work-dir internlm2-chat-7b-4bit",
-             ["lite", "auto_awq", model, "--work-dir", awq + ".doc"], expect="refused",
+        Case("lmdeploy lite auto_awq internlm/internlm2-chat-7b --work-dir internlm2-chat-7b-4bit "
+             "(+ short calibration; the group size defaults to 64 for SmolLM2)",
+             ["lite", "auto_awq", model, "--work-dir", awq + ".doc", *calib]),
+        Case("lmdeploy lite auto_awq internlm/internlm2-chat-7b --work-dir internlm2-chat-7b-4bit "
+             "--w-group-size 128 (LMDeploy's default, said out loud)",
+             ["lite", "auto_awq", model, "--work-dir", awq + ".doc", "--w-group-size", "128"], expect="refused",
              match="--w-group-size 64", quick=True),
         Case("lmdeploy lite auto_awq internlm/internlm2-chat-7b --work-dir internlm2-chat-7b-4bit "
              "(+ --w-group-size 64, short calibration)",
