@@ -227,6 +227,7 @@ class StageStatus(msgspec.Struct, tag=14, **_TAG):
     restarts: int = 0
     token: str = ""  # the launcher token: the ingress ignores a notice without it
     stats: dict[str, float] = {}  # the launcher's own counters (name "launcher"): bad frames, refused READYs
+    peers: int = 1  # processes of this stage's kind the launcher runs (tokenizer workers: N)
 
 
 class IngressGone(msgspec.Struct, tag=15, **_TAG):

@@ -9,10 +9,14 @@ result addressed to it, dispatched on the message type:
 * ``Admitted``: the engine took the request. A request whose consumer left before this is
   aborted now (an Abort sent earlier could overtake the request at the tokenizer and be lost);
   a request not admitted ``admit_timeout`` seconds after it was sent (its tokenizer worker
-  died) is sent again, up to ``max_resends`` times (the engine admits a request id once). Not
-  while the last ``LoadReport`` shows requests waiting for the engine's step loop
-  (``engine_backlog``): one long step, such as a kernel compiling on first use, holds every new
-  request back without losing any, and resending them would end them with a false 503.
+  died) is sent again, up to ``max_resends`` times (the engine admits a request id once, so a
+  resend of a request that was only slow costs a tokenization). One still not admitted after
+  that fails with 503, unless the last ``LoadReport`` shows the engine's step loop has not
+  taken its input for ``admit_timeout`` (``engine_backlog_age_s``): one long step, such as a
+  kernel compiling on first use, holds every new request back without losing any, and failing
+  them would be a false 503. (A plain count of waiting requests would not do: under steady
+  traffic with ~1 s steps it is rarely zero, and a request lost with a killed worker then
+  waited a minute, until the traffic stopped, to be resent.)
 * ``TextBatch``: new text; a finish ends the request.
 * ``ErrorOut``: the request was refused or failed.
 * ``LoadReport``: the answer to a Ping. Every ``ping_interval`` one Ping goes round the ring
@@ -189,6 +193,15 @@ class EngineClient:
     def down(self) -> list[str]:
         """The stages the launcher reported down and not yet back."""
         return sorted(name for name, st in self.stages.items() if not st.up)
+
+    @property
+    def serving_blocked_by(self) -> list[str]:
+        """The stages down without which no request can be served: the engine, the detokenizer,
+        or every tokenizer worker (one of several restarting leaves the others serving)."""
+        down = [self.stages[name] for name in self.down]
+        tokenizers = [st for st in down if st.name.startswith("tokenizer")]
+        return sorted(st.name for st in down if _needed_by_all(st.name)
+                      or (tokenizers and st in tokenizers and len(tokenizers) >= st.peers))
 
     @property
     def num_inflight(self) -> int:
@@ -370,21 +383,23 @@ class EngineClient:
                 logger.error("no answer from the engine for %.1fs: failing in-flight requests", self.dead_after)
                 self.fail_all("the engine stopped answering; retry later")
             was_healthy = self.healthy
-            backlog = self.load is not None and self.load.stage_stats.get("engine_backlog", 0) > 0
+            stalled = (self.load is not None
+                       and self.load.stage_stats.get("engine_backlog_age_s", 0.0) >= self.admit_timeout)
             for rid, request in list(self._requests.items()):
                 if request.left_at is not None and now - request.left_at > self.forget_after:
                     self._end(rid)  # the engine never confirmed the abort: stop waiting for it
                 elif request.admitted or now - request.sent_at < self.admit_timeout:
                     continue
-                elif backlog:
-                    request.sent_at = now  # it may be in that backlog: its wait starts again once it clears
-                elif request.resends >= self.max_resends:
-                    self._end(rid, _unavailable("no tokenizer worker took the request; retry later"))
-                else:
+                elif request.resends < self.max_resends:
                     request.resends += 1
+                    logger.warning("request %s not admitted %.1fs after it was sent; resending (%d of %d)", rid,
+                                   now - request.sent_at, request.resends, self.max_resends)
                     request.sent_at = now
-                    logger.warning("request %s not admitted after %.1fs; resending", rid, self.admit_timeout)
                     await self._send_to_tokenizer(request.req)  # not taken: tried again next time
+                elif stalled:
+                    request.sent_at = now  # it may be waiting behind that step: its wait starts again
+                else:
+                    self._end(rid, _unavailable("no tokenizer worker took the request; retry later"))
 
     def fail_all(self, why: str) -> None:
         """End every waiting request with a 503 (the ring is down or the client closes), and tell

@@ -135,8 +135,11 @@ class Deployment:
     def _tell_ingress(self, name: str, up: bool, pid: int) -> None:
         if self._to_ingress is not None:
             try:
+                kind = name.split("-")[0]
+                peers = sum(1 for n in self.procs if n.split("-")[0] == kind)
                 self._status_codec.send(self._to_ingress, StageStatus(name, up, pid, len(self._restarts.get(name, [])),
-                                                                      self.addresses.launcher_token), zmq.NOBLOCK)
+                                                                      self.addresses.launcher_token, peers=peers),
+                                        zmq.NOBLOCK)
             except zmq.Again:
                 logger.warning("could not tell the ingress that %s is %s", name, "up" if up else "down")
 

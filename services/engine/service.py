@@ -84,6 +84,7 @@ class EngineService:
         # difference, reported on Pings, tells clients that an unadmitted request is waiting
         # behind a long step (a kernel compiling on first use), not lost (engine_client.py).
         self._arrived, self._taken = 0, 0
+        self._drained_at = time.monotonic()  # when the engine thread last took its input
         self._next_release = 0.0  # perf_counter() time of the next release_idle_sessions()
         self.orphan_after_s = orphan_after_s
         self._heard: dict[str, float] = {}  # ingress reply address -> monotonic() of its last Ping
@@ -106,8 +107,11 @@ class EngineService:
                     if isinstance(msg, Ping):  # answered here, even while a long step runs
                         if self._addresses.is_reply_address(msg.reply_to):  # the ingress's heartbeat
                             self._heard[msg.reply_to] = time.monotonic()
+                        backlog = self._arrived - self._taken
                         stats = {**msg.stage_stats, "engine_busy_s": self._busy, "engine_steps": self._steps,
-                                 "engine_bad_frames": codec.dropped, "engine_backlog": self._arrived - self._taken,
+                                 "engine_bad_frames": codec.dropped, "engine_backlog": backlog,
+                                 # how long the waiting requests have waited for the step loop at most
+                                 "engine_backlog_age_s": time.monotonic() - self._drained_at if backlog else 0.0,
                                  "engine_orphans_aborted": self.orphans_aborted}
                         self._outbox.put(LoadReport(msg.reply_to, msg.sent_at, self._snapshot, self.draining, stats))
                     else:
@@ -143,6 +147,7 @@ class EngineService:
         try:
             while not stop.is_set():
                 msgs = self._take_messages(block=not self.engine.has_work)
+                self._drained_at = time.monotonic()
                 start = time.perf_counter()
                 self.handle(msgs)
                 if self.engine.has_work:

@@ -102,6 +102,8 @@ class EngineClientLike(Protocol):
     def load(self) -> LoadReport | None: ...
     @property
     def down(self) -> list[str]: ...
+    @property
+    def serving_blocked_by(self) -> list[str]: ...
 
 
 def error_response(status: int, message: str, type: str | None = None, param: str | None = None,
@@ -382,12 +384,13 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
         retry = {"Retry-After": str(RETRY_AFTER_S)}
         if app.state.draining:
             return error_response(503, "the server is shutting down", code="draining", headers=retry)
-        down = client.down
-        if down:
-            return error_response(503, f"stage(s) restarting: {', '.join(down)}", code="stage_down", headers=retry)
+        blocked = client.serving_blocked_by
+        if blocked:
+            return error_response(503, f"stage(s) restarting: {', '.join(blocked)}", code="stage_down", headers=retry)
         if not client.healthy:
             return error_response(503, "the engine is not answering", code="engine_unavailable", headers=retry)
-        return _json({"status": "ok"})
+        # One of several tokenizer workers restarting: the others serve, so a proxy keeps routing here.
+        return _json({"status": "ok", **({"restarting": client.down} if client.down else {})})
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:

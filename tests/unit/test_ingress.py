@@ -63,6 +63,7 @@ class FakeEngineClient:
         self.sessions: dict[int, int] = {}  # session id -> its tokens
         self.stages: dict = {}  # StageStatus by stage name, as the launcher reports them
         self.down: list[str] = []
+        self.serving_blocked_by: list[str] = []  # what the real client derives from down
         self.session_turns: dict[int, str] = {}  # session id -> rid of its running turn
 
     @property

@@ -219,9 +219,16 @@ def test_pings_report_requests_waiting_behind_a_long_step(ring) -> None:
         return report.stage_stats["engine_backlog"] == n
 
     wait_for(lambda: backlog(1), what="the request in the backlog")
+    time.sleep(0.3)  # its wait for the step loop grows while the step runs
+    ring.received.clear()
+    ring.send(Ping("inproc://ingress", 1.0))
+    report = ring.until(lambda got: next((m for m in got if isinstance(m, LoadReport)), None), "a LoadReport")
+    assert report.stage_stats["engine_backlog_age_s"] >= 0.3
     release.set()
     ring.until(lambda got: any(isinstance(m, Admitted) and m.rid == "late" for m in got), "the admission")
     wait_for(lambda: backlog(0), what="an empty backlog")
+    last = next(m for m in reversed(ring.received) if isinstance(m, LoadReport))
+    assert last.stage_stats["engine_backlog_age_s"] == 0.0
     held.join(DEADLINE)
 
 
@@ -295,7 +302,7 @@ async def _client_ring(with_tokenizer: bool = True, **client_kw):
     """A healthy EngineClient, with sockets standing in for the tokenizer (the feed it pushes
     to), the engine (where its aborts go) and the detokenizer (what it reads results from)."""
     ctx = zmq.asyncio.Context()
-    addresses = Addresses.inproc()
+    addresses = dataclasses.replace(Addresses.inproc(), launcher_token="launcher-secret")
     engine_in = ctx.socket(zmq.PULL)
     engine_in.bind(addresses.engine_in.bind)
     client = EngineClient(addresses, "m", 64, ping_interval=0.02, admit_timeout=0.2, max_resends=1, context=ctx,
@@ -368,12 +375,14 @@ async def test_client_resends_an_unadmitted_request_then_gives_up() -> None:
 
 
 @pytest.mark.anyio
-async def test_client_does_not_resend_while_the_engine_reports_a_backlog() -> None:
-    """A request unadmitted past ``admit_timeout`` (0.2 s here) while the engine's step loop has
-    requests waiting is waiting too, not lost: no resend, no 503, until the backlog clears."""
+async def test_client_does_not_fail_a_request_while_the_engine_loop_is_stalled() -> None:
+    """A request unadmitted past its resends while the engine's step loop has not taken its
+    input for ``admit_timeout`` (one long step: a kernel compiling) is waiting, not lost: no
+    503 until the loop moves again."""
     async with _client_ring() as (client, feed, _, reply):
-        await reply(LoadReport(client.reply_to, 0.0, stage_stats={"engine_backlog": 1.0}))
-        await asyncio.wait_for(_until(lambda: client.load.stage_stats.get("engine_backlog") == 1.0), DEADLINE)
+        stalled = {"engine_backlog": 1.0, "engine_backlog_age_s": 5.0}
+        await reply(LoadReport(client.reply_to, 0.0, stage_stats=stalled))
+        await asyncio.wait_for(_until(lambda: client.load.stage_stats.get("engine_backlog_age_s") == 5.0), DEADLINE)
 
         async def run():
             async for _ in client.generate(GenerateReq("r4", "", SamplingParams())):
@@ -381,16 +390,45 @@ async def test_client_does_not_resend_while_the_engine_reports_a_backlog() -> No
 
         task = asyncio.ensure_future(run())
         codec = Codec(TokenizerIn)
-        assert (await _recv(feed, codec, lambda m: isinstance(m, GenerateReq))).rid == "r4"
-        with pytest.raises(asyncio.TimeoutError):  # without the backlog: resent by 0.2 s, failed by 0.4 s
-            await _recv(feed, codec, lambda m: isinstance(m, GenerateReq), timeout=1.0)
+        sent = [await _recv(feed, codec, lambda m: isinstance(m, GenerateReq)) for _ in range(2)]
+        assert [m.rid for m in sent] == ["r4", "r4"]  # sent, and resent (the engine admits an id once)
+        await asyncio.sleep(1.0)  # without the stall: failed by 0.4 s
         assert not task.done()
-        # the backlog cleared and r4 was not admitted: lost
-        await reply(LoadReport(client.reply_to, 0.0, stage_stats={"engine_backlog": 0.0}))
-        assert (await _recv(feed, codec, lambda m: isinstance(m, GenerateReq))).rid == "r4"
+        # The loop moved again and r4 was not admitted: lost.
+        await reply(LoadReport(client.reply_to, 0.0, stage_stats={"engine_backlog": 0.0, "engine_backlog_age_s": 0.0}))
         with pytest.raises(RequestError) as err:
             await asyncio.wait_for(task, DEADLINE)
         assert err.value.status == 503
+
+
+@pytest.mark.anyio
+async def test_client_resends_a_lost_request_under_steady_traffic() -> None:
+    """Requests keep arriving while each ~1 s step runs, so the engine always has some waiting
+    (a young backlog): a request lost with a killed tokenizer worker is still resent after
+    ``admit_timeout`` (before: only once the traffic stopped, a minute later)."""
+    async with _client_ring() as (client, feed, _, reply):
+        busy = {"engine_backlog": 3.0, "engine_backlog_age_s": 0.05}
+
+        async def run():
+            async for _ in client.generate(GenerateReq("r5", "", SamplingParams())):
+                pass
+
+        task = asyncio.ensure_future(run())
+        codec = Codec(TokenizerIn)
+        assert (await _recv(feed, codec, lambda m: isinstance(m, GenerateReq))).rid == "r5"  # lost with its worker
+
+        async def keep_busy():
+            while True:
+                await reply(LoadReport(client.reply_to, 0.0, stage_stats=busy))
+                await asyncio.sleep(client.ping_interval)
+
+        beats = asyncio.ensure_future(keep_busy())
+        try:
+            assert (await _recv(feed, codec, lambda m: isinstance(m, GenerateReq), timeout=2.0)).rid == "r5"
+        finally:
+            beats.cancel()
+            task.cancel()
+            await asyncio.gather(beats, task, return_exceptions=True)
 
 
 @pytest.mark.anyio
@@ -469,6 +507,23 @@ async def test_client_ignores_a_stage_notice_without_the_launcher_token() -> Non
         await reply(LoadReport(client.reply_to, 0.0))
         await asyncio.wait_for(_until(lambda: client.refused_notices == 1), DEADLINE)
         assert client.healthy and client.down == []
+
+
+@pytest.mark.anyio
+async def test_one_of_several_tokenizers_restarting_does_not_block_serving() -> None:
+    """/health says 503 only while no request can be served: one of two tokenizer workers
+    restarting leaves the other serving (before: 503, and a proxy dropped the node)."""
+    async with _client_ring() as (client, _, _, reply):
+        await reply(StageStatus("tokenizer-0", False, 11, 1, "launcher-secret", peers=2))
+        await asyncio.wait_for(_until(lambda: client.down == ["tokenizer-0"]), DEADLINE)
+        assert client.serving_blocked_by == [] and client.healthy
+        await reply(StageStatus("tokenizer-1", False, 12, 1, "launcher-secret", peers=2))
+        await asyncio.wait_for(_until(lambda: len(client.down) == 2), DEADLINE)
+        assert client.serving_blocked_by == ["tokenizer-0", "tokenizer-1"]
+        await reply(StageStatus("tokenizer-0", True, 13, 1, "launcher-secret", peers=2))
+        await reply(StageStatus("detokenizer", False, 14, 1, "launcher-secret"))
+        await asyncio.wait_for(_until(lambda: client.down == ["detokenizer", "tokenizer-1"]), DEADLINE)
+        assert client.serving_blocked_by == ["detokenizer"] and not client.healthy
 
 
 async def _until(predicate) -> None:
