@@ -227,8 +227,17 @@ def _keys(listed: list[str] | None, path: str | None, env: str) -> list[str]:
 
     keys = list(listed or [])
     if path:
-        with open(path) as f:
-            keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+        # A key file that cannot be read, or holds no key, must not start a server without keys.
+        try:
+            with open(path) as f:
+                from_file = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+        except OSError as exc:
+            print(f"conveyor: cannot read the key file {path}: {exc.strerror or exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        if not from_file:
+            print(f"conveyor: the key file {path} holds no key (one a line; # starts a comment)", file=sys.stderr)
+            raise SystemExit(2)
+        keys += from_file
     return keys + [k.strip() for k in os.environ.get(env, "").split(",") if k.strip()]
 
 
@@ -245,6 +254,9 @@ def _admin_keys(args: argparse.Namespace) -> list[str] | None:
 def _proxy_admin_key(args: argparse.Namespace) -> str | None:
     """The admin key an api_server joins its --proxy-url with: the first of --proxy-admin-key-file,
     else of $CONVEYOR_PROXY_ADMIN_KEYS (a file or the environment: a flag's value shows in ps)."""
+    if args.proxy_admin_key_file and not args.proxy_url:
+        print("conveyor: --proxy-admin-key-file is for joining a proxy: give --proxy-url too", file=sys.stderr)
+        raise SystemExit(2)
     keys = _keys(None, args.proxy_admin_key_file, ADMIN_KEYS_ENV)
     return keys[0] if keys else None
 

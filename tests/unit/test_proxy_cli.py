@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.cli import (ADMIN_KEYS_ENV, _admin_keys, _cmd_proxy, _proxy_admin_key, build_parser, hyphenate_options,
-                          main)
+from conveyor.cli import (ADMIN_KEYS_ENV, _admin_keys, _api_keys, _cmd_proxy, _proxy_admin_key, build_parser,
+                          hyphenate_options, main)
 
 
 def _parse(*argv: str):
@@ -55,6 +55,31 @@ def test_admin_keys_come_from_flags_a_file_and_the_environment(tmp_path, monkeyp
     monkeypatch.delenv(ADMIN_KEYS_ENV)
     assert _proxy_admin_key(_parse("serve", "api_server", "m")) is None
     assert _admin_keys(_parse("serve", "proxy")) is None
+
+
+def test_a_key_file_that_cannot_be_read_or_is_empty_is_refused(tmp_path, capsys) -> None:
+    # Before: a traceback for a missing file, and an empty --api-keys-file started a server without keys.
+    empty = tmp_path / "empty"
+    empty.write_text("# no key yet\n\n")
+    reads = [lambda: main(["serve", "proxy", "--api-keys-file", str(tmp_path / "missing")]),
+             lambda: main(["serve", "proxy", "--admin-keys-file", str(empty)]),
+             lambda: _api_keys(_parse("serve", "api_server", "m", "--api-keys-file", str(empty))),
+             lambda: _proxy_admin_key(_parse("serve", "api_server", "m", "--proxy-url", "http://p:8000",
+                                             "--proxy-admin-key-file", str(tmp_path / "missing")))]
+    for read in reads:
+        with pytest.raises(SystemExit) as exit_:
+            read()
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and ("cannot read the key file" in err or "holds no key" in err), err
+
+
+def test_a_proxy_admin_key_file_without_a_proxy_is_refused(tmp_path, capsys) -> None:
+    keys = tmp_path / "admin"
+    keys.write_text("sk-admin\n")
+    with pytest.raises(SystemExit) as exit_:
+        _proxy_admin_key(_parse("serve", "api_server", "m", "--proxy-admin-key-file", str(keys)))
+    assert exit_.value.code == 2 and "--proxy-url" in capsys.readouterr().err
 
 
 def test_the_admin_key_is_not_in_the_server_settings_repr() -> None:
