@@ -250,7 +250,7 @@ class EngineClient:
         """The consumer is gone: abort the request now, or as soon as the engine admits it."""
         request.left_at = time.monotonic()
         if request.admitted:
-            await self._send_to_engine(Abort(request.req.rid))
+            self._send_to_engine(Abort(request.req.rid))
 
     async def wait_ended(self, rids: list[str], timeout: float = 10.0) -> None:
         """Wait until the engine has ended each of ``rids`` (its KV blocks are free then)."""
@@ -260,11 +260,11 @@ class EngineClient:
 
     async def end_session(self, session_id: int) -> None:
         """Abort a session's running turn and free its KV blocks in the engine."""
-        await self._send_to_engine(SessionEnd(session_id))
+        self._send_to_engine(SessionEnd(session_id))
 
     async def cancel_session(self, session_id: int) -> None:
         """Abort a session's running turn; the session stays."""
-        await self._send_to_engine(CancelSession(session_id))
+        self._send_to_engine(CancelSession(session_id))
 
     async def _send_to_tokenizer(self, msg) -> bool:
         """Hand ``msg`` to a tokenizer worker without waiting; False when none can take it (no
@@ -275,10 +275,14 @@ class EngineClient:
         except zmq.Again:
             return False
 
-    async def _send_to_engine(self, msg) -> None:
+    def _send_to_engine(self, msg) -> None:
+        """Hand ``msg`` to the engine without waiting (a NOBLOCK send is done at once; its future
+        holds the outcome): dropped, and logged, when the engine's socket is full or gone."""
         try:
-            await self._to_engine.send(self._to_engine_codec.encode(msg), flags=zmq.NOBLOCK)
-        except zmq.Again:
+            sent = self._to_engine.send(self._to_engine_codec.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:  # closed: the client is shutting down
+            return
+        if sent.done() and sent.exception() is not None:
             logger.warning("engine socket full or unreachable; dropped %s", type(msg).__name__)
 
     def _end(self, rid: str, item: RequestOutput | RequestError | None = None) -> None:
@@ -305,9 +309,9 @@ class EngineClient:
     async def _dispatch(self, msg) -> None:
         if isinstance(msg, TextBatch):
             check_text_batch(msg)  # whole or not at all: a ragged batch must not be half-applied
-            await self._route_texts(msg)
+            self._route_texts(msg)
         elif isinstance(msg, Admitted):
-            await self._admitted(msg)
+            self._admitted(msg)
         elif isinstance(msg, ErrorOut):
             self._end(msg.rid, RequestError.from_wire(msg))
         elif isinstance(msg, LoadReport):
@@ -329,32 +333,32 @@ class EngineClient:
                 logger.error("stage %s (pid %d) stopped: failing the requests in flight", msg.name, msg.pid)
                 self.fail_all(f"the {msg.name} stage stopped and is being restarted; retry later")
 
-    async def _admitted(self, msg: Admitted) -> None:
+    def _admitted(self, msg: Admitted) -> None:
         request = self._requests.get(msg.rid)
         if request is None:  # failed or forgotten here before the engine took it
-            await self._abort_unknown(msg.rid)
+            self._abort_unknown(msg.rid)
             return
         request.admitted = True
         request.history_tokens = msg.history_tokens
         if request.left_at is not None:
-            await self._send_to_engine(Abort(msg.rid))
+            self._send_to_engine(Abort(msg.rid))
 
-    async def _abort_unknown(self, rid: str) -> None:
+    def _abort_unknown(self, rid: str) -> None:
         """Abort a request the engine runs for nobody here (once: later steps may still name it)."""
         if rid in self._aborted_unknown:
             return
         self._aborted_unknown[rid] = None
         while len(self._aborted_unknown) > _RECENT_ABORTS:
             self._aborted_unknown.popitem(last=False)
-        await self._send_to_engine(Abort(rid))
+        self._send_to_engine(Abort(rid))
 
-    async def _route_texts(self, batch: TextBatch) -> None:
+    def _route_texts(self, batch: TextBatch) -> None:
         for i, rid in enumerate(batch.rids):
             request = self._requests.get(rid)
             finish = batch.finish[i]
             if request is None:
                 if finish < 0:
-                    await self._abort_unknown(rid)
+                    self._abort_unknown(rid)
                 continue
             out = RequestOutput(
                 text=batch.texts[i],
@@ -377,7 +381,7 @@ class EngineClient:
         while True:
             await asyncio.sleep(self.ping_interval)
             await self._send_to_tokenizer(Ping(self.reply_to, time.time()))  # dropped if none is connected
-            await self._send_to_engine(Ping(self.reply_to, time.time()))  # the heartbeat
+            self._send_to_engine(Ping(self.reply_to, time.time()))  # the heartbeat
             now = time.monotonic()
             if was_healthy and not self.healthy:
                 logger.error("no answer from the engine for %.1fs: failing in-flight requests", self.dead_after)
@@ -410,14 +414,4 @@ class EngineClient:
             self._end(rid, _unavailable(why))
         for rid in admitted:
             self._aborted_unknown[rid] = None  # its later outputs need no second Abort
-            self._send_to_engine_now(Abort(rid))
-
-    def _send_to_engine_now(self, msg) -> None:
-        """``_send_to_engine`` for synchronous callers (a NOBLOCK send is done at once; its
-        future holds the outcome)."""
-        try:
-            sent = self._to_engine.send(self._to_engine_codec.encode(msg), flags=zmq.NOBLOCK)
-        except zmq.ZMQError:  # closed: the client is shutting down
-            return
-        if sent.done() and sent.exception() is not None:
-            logger.warning("engine socket full or unreachable; dropped %s", type(msg).__name__)
+            self._send_to_engine(Abort(rid))

@@ -123,6 +123,20 @@ def _guarded(path: str) -> bool:
     return path.startswith("/v1/") or path == "/metrics"
 
 
+def bearer_token(scope: dict) -> bytes | None:
+    """The key of a request's ``Authorization: Bearer <key>`` header (None without one)."""
+    auth = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+    scheme, _, token = auth.partition(b" ")
+    token = token.strip()
+    return token if scheme.lower() == b"bearer" and token else None
+
+
+def is_one_of(token: bytes | None, keys: list[bytes]) -> bool:
+    """Whether ``token`` is one of ``keys``, compared with every key: the time taken says nothing
+    about which key is close."""
+    return token is not None and any([hmac.compare_digest(token, k) for k in keys])
+
+
 class ApiKeyGuard:
     """ASGI middleware: 401 unless ``Authorization: Bearer <key>`` names a known key, on the paths
     ``guarded`` names (the ingress: /v1/* and /metrics)."""
@@ -139,11 +153,7 @@ class ApiKeyGuard:
         await self.app(scope, receive, send)
 
     def _ok(self, scope: dict) -> bool:
-        auth = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
-        scheme, _, token = auth.partition(b" ")
-        token = token.strip()
-        # compare_digest against every key: the time taken says nothing about which key is close.
-        return scheme.lower() == b"bearer" and any([hmac.compare_digest(token, k) for k in self.keys])
+        return is_one_of(bearer_token(scope), self.keys)
 
 
 class BodyLimit:

@@ -12,13 +12,12 @@ The peer is the one uvicorn reports: behind a reverse proxy on the same host tha
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..ingress.app import error_response
+from ..ingress.app import bearer_token, error_response, is_one_of
 
 logger = logging.getLogger(__name__)
 
@@ -51,17 +50,6 @@ def check_keys(api_keys: list[str] | None, admin_keys: list[str] | None) -> None
                          "change the proxy's routing; give the admin keys values of their own")
 
 
-def _bearer(scope: dict) -> bytes | None:
-    auth = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
-    scheme, _, token = auth.partition(b" ")
-    return token.strip() if scheme.lower() == b"bearer" and token.strip() else None
-
-
-def _matches(token: bytes | None, keys: list[bytes]) -> bool:
-    # compare_digest against every key: the time taken says nothing about which key is close.
-    return token is not None and any([hmac.compare_digest(token, k) for k in keys])
-
-
 class AdminGuard:
     """ASGI middleware on the node routes: with ``admin_keys``, 401 unless ``Authorization: Bearer``
     names one (403 for a client key); without, 403 unless the peer is on this host."""
@@ -91,10 +79,10 @@ class AdminGuard:
                                   "from its own host: start it with --admin-keys-file (or --admin-keys, "
                                   "$CONVEYOR_PROXY_ADMIN_KEYS) and send 'Authorization: Bearer <admin key>'",
                                   type="permission_error", code="admin_key_required")
-        token = _bearer(scope)
-        if _matches(token, self.admin_keys):
+        token = bearer_token(scope)
+        if is_one_of(token, self.admin_keys):
             return None
-        if _matches(token, self.api_keys):
+        if is_one_of(token, self.api_keys):
             return error_response(403, "that is a client API key: adding or removing nodes takes an admin key "
                                   "(the proxy's --admin-keys)", type="permission_error", code="admin_key_required")
         return error_response(401, "invalid or missing admin key: send 'Authorization: Bearer <admin key>' (the "
