@@ -28,7 +28,8 @@ import torch
 
 from benchmarks.common import cuda_time_us, record, save
 from conveyor.kernels.attention import paged_attention, paged_attention_ref, paged_attention_triton
-from conveyor.kernels.kv_cache import KVCacheLayout, rotate_and_store_kv
+from conveyor.kernels.kv_cache import rotate_and_store_kv
+from conveyor.kernels.kv_layout import KVCacheLayout
 
 _VARIANT_KEYS = ("tune", "block_n", "num_warps", "num_stages", "maxnreg", "simt")
 

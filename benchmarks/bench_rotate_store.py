@@ -16,7 +16,8 @@ import argparse
 import torch
 
 from benchmarks.common import cuda_time_us, record, save
-from conveyor.kernels.kv_cache import KVCacheLayout, rotate_and_store_kv_triton
+from conveyor.kernels.kv_cache import rotate_and_store_kv_triton
+from conveyor.kernels.kv_layout import KVCacheLayout
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 32, 128, 64
 

@@ -9,7 +9,7 @@ from ..protocol.errors import EngineConfigError
 
 logger = logging.getLogger(__name__)
 
-_QUANT_POLICIES = (0, 4, 8)  # kernels.kv_cache.QUANT_POLICIES (this module stays torch-free)
+_QUANT_POLICIES = (0, 4, 8)  # kernels.kv_layout.QUANT_POLICIES (this module stays torch-free)
 _MODEL_FORMATS = (None, "hf", "llama", "gguf", "awq", "smooth_quant")
 _EVICTION_TYPES = ("recompute", "copy")
 _DEFAULT_PREFILL_TOKENS = 8192

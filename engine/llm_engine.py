@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..kernels.kv_cache import CENTRE_TOKENS
+from ..kernels.kv_layout import CENTRE_TOKENS
 from ..protocol.checks import check_int64, check_token_ids
 from ..protocol.errors import InvalidRequestError, PromptTooLongError, SessionBusyError
 from ..protocol.messages import EngineStats, Finish

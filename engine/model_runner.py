@@ -49,7 +49,7 @@ from .layers import RMSNorm
 from .layers.attention import MixedBatchMetadata
 from .models import build_model
 from .sampler import DeviceSamples, Sampler
-from ..kernels.kv_cache import CENTRE_TOKENS, KVCacheLayout
+from ..kernels.kv_layout import CENTRE_TOKENS, KVCacheLayout
 from ..protocol.sampling import SamplingParams
 from ..protocol.tp import StepKind, StepPlan
 from .scheduler import SchedulerOutput

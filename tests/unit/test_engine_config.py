@@ -214,7 +214,7 @@ def test_local_paths_are_used_as_they_are(fake_hub, tmp_path):
 
 def test_quant_policy_values() -> None:
     """LMDeploy's KV cache policies are accepted; anything else names the three that exist."""
-    from conveyor.kernels.kv_cache import QUANT_POLICIES
+    from conveyor.kernels.kv_layout import QUANT_POLICIES
 
     for policy in QUANT_POLICIES:
         assert EngineConfig(quant_policy=policy).quant_policy == policy

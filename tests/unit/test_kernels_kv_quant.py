@@ -31,10 +31,8 @@ from conveyor.kernels.attention import (  # noqa: E402
     paged_attention_triton,
 )
 from conveyor.kernels.kv_cache import (  # noqa: E402
-    CENTRE_TOKENS,
     KeyCentres,
     KeyCentring,
-    KVCacheLayout,
     dequantize_kv_ref,
     key_basis,
     key_shifts_ref,
@@ -44,8 +42,8 @@ from conveyor.kernels.kv_cache import (  # noqa: E402
     store_kv,
     store_kv_ref,
     to_key_basis,
-    turned_centres,
 )
+from conveyor.kernels.kv_layout import CENTRE_TOKENS, KVCacheLayout, turned_centres  # noqa: E402
 from conveyor.kernels.rotary import apply_rotary  # noqa: E402
 from test_kernels import paged_batch, randn  # noqa: E402
 
