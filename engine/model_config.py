@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..protocol.errors import UnsupportedModelError
+from .hf_config import read_config, token_ids
+from .model_registry import pick_architecture
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -58,16 +58,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """Read a config.json dict; unknown architectures raise UnsupportedModelError."""
-        from .models import SUPPORTED_ARCHITECTURES
-
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise UnsupportedModelError(
-                f"model architecture {archs or cfg.get('model_type')!r} is not supported; "
-                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}. Convert the model to one of these "
-                "or add a model file under engine/models/."
-            )
+        arch = pick_architecture(cfg.get("architectures") or [], cfg.get("model_type"))
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         # Two spellings: transformers 5 nests rope settings in rope_parameters; older configs use
@@ -80,8 +71,6 @@ class ModelConfig:
         if rope_scaling is not None:
             rope_scaling = dict(rope_scaling)
             rope_scaling.setdefault("rope_type", rope_scaling.get("type", "default"))
-        eos = cfg.get("eos_token_id")
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float16"
         return cls(
             architecture=arch,
@@ -103,18 +92,12 @@ class ModelConfig:
                 cfg.get("attention_bias", cfg.get("bias", arch == "Qwen2ForCausalLM"))
             ),
             dtype=parse_dtype(dtype_name),
-            eos_token_ids=eos_ids,
+            eos_token_ids=token_ids(cfg.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id"),
             raw=cfg,
         )
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
-        """Read ``model_dir/config.json``."""
-        path = Path(model_dir) / "config.json"
-        if not path.exists():
-            raise FileNotFoundError(
-                f"{path} not found: pass a Hugging Face model directory (config.json + weights) "
-                "or a .gguf file"
-            )
-        return cls.from_dict(json.loads(path.read_text()))
+    def from_pretrained(cls, model_path: str | Path) -> "ModelConfig":
+        """Read ``model_path/config.json``, or the config a ``.gguf`` file's metadata gives."""
+        return cls.from_dict(read_config(model_path))

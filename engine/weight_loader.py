@@ -13,12 +13,12 @@ import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from ..protocol.errors import EngineConfigError, UnsupportedModelError
+from .hf_config import is_gguf
 from .model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -30,11 +30,6 @@ _HUB_META_PATTERNS = ["*.json", "*.jinja", "tokenizer*", "*.model", "*.tiktoken"
 # Mistral-format duplicates of the weights and Meta's original checkpoints: not Hugging Face names.
 _HUB_IGNORE_PATTERNS = ["consolidated*", "original/*"]
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-
-
-def is_gguf(path: str | Path) -> bool:
-    """Whether ``path`` names a GGUF file."""
-    return Path(path).suffix.lower() == ".gguf"
 
 
 def resolve_model_path(model_path: str | Path, revision: str | None = None,
@@ -83,26 +78,8 @@ def _download_from_hub(repo_id: str, revision: str | None, download_dir: str | P
     return local
 
 
-def load_gguf_config(path: str | Path) -> dict[str, Any]:
-    """The Hugging Face config dict transformers derives from a GGUF file's metadata."""
-    from transformers import AutoConfig
-
-    path = Path(path)
-    cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
-    if not cfg.get("architectures"):
-        # GGUF metadata names only the model type; use the causal-LM class transformers maps it to.
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.get("model_type", ""))
-        cfg["architectures"] = [arch] if arch else []
-    return cfg
-
-
 def load_model_config(path: str | Path) -> ModelConfig:
     """ModelConfig for a local model directory or ``.gguf`` file."""
-    path = Path(path)
-    if is_gguf(path):
-        return ModelConfig.from_dict(load_gguf_config(path))
     return ModelConfig.from_pretrained(path)
 
 

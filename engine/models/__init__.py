@@ -1,4 +1,5 @@
-"""Model implementations and the registry mapping Hugging Face architecture names to them."""
+"""Model implementations, one file per family, and ``build_model``; which class serves which
+``architectures`` name is ``engine/model_registry.py``'s table (its modules load on first use)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,10 @@ import logging
 import torch
 from torch import nn
 
-from ...protocol.errors import UnsupportedModelError
 from ..model_config import ModelConfig
-from .internlm2 import InternLM2ForCausalLM
-from .llama import LlamaForCausalLM, MistralForCausalLM
-from .qwen2 import Qwen2ForCausalLM
+from ..model_registry import SUPPORTED_ARCHITECTURES, model_class
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_ARCHITECTURES: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "InternLM2ForCausalLM": InternLM2ForCausalLM,
-}
 
 
 def build_model(
@@ -38,12 +29,7 @@ def build_model(
     unless the config already scales RoPE. ``max_position`` sizes the RoPE table (default: the
     context the config's scaling reaches).
     """
-    cls = SUPPORTED_ARCHITECTURES.get(config.architecture)
-    if cls is None:
-        raise UnsupportedModelError(
-            f"model architecture {config.architecture!r} is not supported; "
-            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
+    cls = model_class(config.architecture)
     dtype = dtype or config.dtype
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -58,7 +44,4 @@ def build_model(
     return model
 
 
-__all__ = [
-    "InternLM2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-    "SUPPORTED_ARCHITECTURES", "build_model",
-]
+__all__ = ["SUPPORTED_ARCHITECTURES", "build_model"]

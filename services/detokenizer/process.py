@@ -29,7 +29,7 @@ from ...protocol import (
 from ...protocol.checks import MalformedMessageError, check_error_out
 from ..stage import (SEND_TIMEOUT_MS, ReplySockets, announce_ready, begin_stage_process, open_socket,
                      stop_on_sigterm)
-from ..tokenizer.preprocess import load_tokenizer
+from ..tokenizer.loader import load_tokenizer
 from .batches import Detokenizer
 
 logger = logging.getLogger(__name__)

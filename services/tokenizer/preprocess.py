@@ -7,7 +7,6 @@ before it queues anything.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -15,10 +14,12 @@ from typing import Any
 import msgspec
 from jinja2 import TemplateError
 
+from ...engine.hf_config import generation_eos_ids
 from ...protocol.errors import InvalidRequestError, PromptTooLongError
 from ...protocol.messages import GenerateReq, TokenizedReq
 from ...protocol.sampling import SamplingParams, validate
 from .chat_template import ChatTemplateConfig, get_chat_template
+from .loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -35,25 +36,6 @@ def _is_content(content: Any) -> bool:
                                              for part in content)
 
 
-def load_tokenizer(model_path: str | Path):
-    """A transformers tokenizer from a model directory or a single .gguf file."""
-    from transformers import AutoTokenizer
-
-    path = Path(model_path)
-    if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def _generation_eos_ids(model_path: Path) -> list[int]:
-    """eos ids from generation_config.json (chat models often add their end-of-turn token there)."""
-    gen = model_path / "generation_config.json"
-    if not gen.exists():
-        return []
-    eos = json.loads(gen.read_text()).get("eos_token_id")
-    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-
-
 class Preprocessor:
     """Turns requests (prompts and sampling parameters) into token ids for the engine."""
 
@@ -64,7 +46,7 @@ class Preprocessor:
         self.tokenizer = load_tokenizer(self.model_path)
         self.template = get_chat_template(str(self.model_path), chat_template_config, self.tokenizer)
         eos = list(model_eos_ids or [])
-        eos += _generation_eos_ids(self.model_path) if self.model_path.is_dir() else []
+        eos += generation_eos_ids(self.model_path) if self.model_path.is_dir() else []
         if self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
         # The template's end-of-turn words that are single tokens stop in the engine directly.

@@ -13,7 +13,7 @@ import time
 
 import zmq
 
-from ...engine.weight_loader import load_model_config
+from ...engine.hf_config import config_eos_ids
 from ...protocol import Addresses, Codec, ConveyorError, EngineIn, ErrorOut, Ping, Stage, TokenizerIn, error_code
 from ..stage import (SEND_TIMEOUT_MS, ReplySockets, announce_ready, begin_stage_process, internal_error, open_socket,
                      stop_on_sigterm)
@@ -71,5 +71,5 @@ def run_tokenizer_process(name: str, addresses: Addresses, model_path: str, sess
     begin_stage_process(name, log_level, addresses, launcher)
     stop = stop_on_sigterm()
     template = template_config(chat_template)
-    eos = load_model_config(model_path).eos_token_ids
+    eos = config_eos_ids(model_path)  # plain JSON: this stage needs no model code, nor torch
     serve_tokenizer(zmq.Context(), addresses, Preprocessor(model_path, session_len, template, eos), stop, launcher)

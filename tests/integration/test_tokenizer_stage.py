@@ -2,16 +2,64 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
+from conveyor.engine.hf_config import config_eos_ids
 from conveyor.engine.weight_loader import load_model_config
 from conveyor.protocol import GenerateReq, InvalidRequestError, PromptTooLongError, SamplingParams
+from conveyor.services.tokenizer.loader import load_tokenizer
 from conveyor.services.tokenizer.preprocess import Preprocessor
 
 
 @pytest.fixture(scope="module")
 def pre(smollm2_dir) -> Preprocessor:
-    return Preprocessor(smollm2_dir, 256, model_eos_ids=load_model_config(smollm2_dir).eos_token_ids)
+    return Preprocessor(smollm2_dir, 256, model_eos_ids=config_eos_ids(smollm2_dir))  # as the stage's process
+
+
+# What run_tokenizer_process and run_detokenizer_process import and build before they serve.
+_STAGES = """
+import sys
+from conveyor.engine.hf_config import config_eos_ids
+from conveyor.services.detokenizer.batches import Detokenizer
+from conveyor.services.detokenizer.process import run_detokenizer_process
+from conveyor.services.tokenizer.chat_template import template_config
+from conveyor.services.tokenizer.loader import load_tokenizer
+from conveyor.services.tokenizer.preprocess import Preprocessor
+from conveyor.services.tokenizer.process import run_tokenizer_process
+model = sys.argv[1]
+Preprocessor(model, 256, template_config(None), config_eos_ids(model))
+Detokenizer(load_tokenizer(model))
+print(sorted(m for m in ("torch", "triton") if m in sys.modules))
+"""
+
+
+def test_the_stateless_stages_start_without_torch(smollm2_dir) -> None:
+    """The tokenizer and detokenizer stages read end ids as JSON and load the tokenizer without
+    AutoTokenizer (which imports torch): ~110 MiB a process instead of ~350-420 MiB."""
+    out = subprocess.run([sys.executable, "-c", _STAGES, str(smollm2_dir)], capture_output=True, text=True,
+                         timeout=300, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_stage_reads_the_end_ids_the_engine_reads(smollm2_dir) -> None:
+    assert config_eos_ids(smollm2_dir) == load_model_config(smollm2_dir).eos_token_ids
+
+
+def test_the_tokenizer_is_the_one_autotokenizer_loads(smollm2_dir) -> None:
+    """The torch-free load gives AutoTokenizer's class, vocabulary, special tokens and template."""
+    from transformers import AutoTokenizer
+
+    ours, auto = load_tokenizer(smollm2_dir), AutoTokenizer.from_pretrained(str(smollm2_dir))
+    assert type(ours) is type(auto) and len(ours) == len(auto)
+    assert ours.special_tokens_map == auto.special_tokens_map and ours.chat_template == auto.chat_template
+    text = "<|im_start|>user\nHello, wörld! 123 \u4f60\u597d<|im_end|>\n"
+    for special in (True, False):
+        assert ours.encode(text, add_special_tokens=special) == auto.encode(text, add_special_tokens=special)
+    ids = auto.encode(text)
+    assert ours.decode(ids) == auto.decode(ids)
 
 
 def _req(**kw) -> GenerateReq:

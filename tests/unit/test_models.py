@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from conveyor.engine.attention_metadata import AttentionMetadata, set_attention_metadata
 from conveyor.protocol.errors import UnsupportedModelError
 from conveyor.engine.model_config import ModelConfig
-from conveyor.engine.models import SUPPORTED_ARCHITECTURES, build_model
+from conveyor.engine.model_registry import SUPPORTED_ARCHITECTURES, model_class
+from conveyor.engine.models import build_model
 from conveyor.engine.weight_loader import iter_checkpoint, load_model
 
 TOL = 1e-4
@@ -325,6 +326,29 @@ def test_unsupported_architecture_lists_supported(tmp_path: Path) -> None:
         ModelConfig.from_pretrained(tmp_path)
     for arch in SUPPORTED_ARCHITECTURES:
         assert arch in str(err.value)
+
+
+def test_every_registered_architecture_names_its_class() -> None:
+    """The registry's lazy entries resolve to the class of the same name."""
+    for arch in SUPPORTED_ARCHITECTURES:
+        assert model_class(arch).__name__ == arch
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        model_class("GPT2LMHeadModel")
+
+
+def test_reading_a_config_imports_no_model_code(tmp_path: Path) -> None:
+    """ModelConfig needs only the registry's names: no model file, layer or kernel is imported
+    (the dependency runs one way, models -> model_config)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "architectures": ["LlamaForCausalLM"]}))
+    code = ("import sys; from conveyor.engine.model_config import ModelConfig; "
+            f"assert ModelConfig.from_pretrained({str(tmp_path)!r}).architecture == 'LlamaForCausalLM'; "
+            "print(sorted(m for m in sys.modules if m.startswith(('conveyor.engine.models', "
+            "'conveyor.engine.layers', 'conveyor.kernels', 'triton'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_missing_parameter_is_named(tmp_path: Path) -> None:

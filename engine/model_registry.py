@@ -1,0 +1,47 @@
+"""The model registry: ``config.json``'s ``architectures`` names -> the engine's model classes.
+
+The table names each class by its module under ``engine/models/`` as a string and imports it
+only when a model is built (vLLM's registry does the same), so reading a config (ModelConfig,
+``conveyor list``) never imports torch model code, and ``model_config.py`` needs nothing from
+``models/``: the dependency runs one way, models -> model_config.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+
+from ..protocol.errors import UnsupportedModelError
+
+# architecture name -> (module under engine/models/, class name). A new family is one line here
+# and one file there.
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "InternLM2ForCausalLM": ("internlm2", "InternLM2ForCausalLM"),
+}
+
+
+def unsupported(names: Sequence[str] | str | None) -> UnsupportedModelError:
+    """The error for a model whose architecture (or model type) the registry lacks."""
+    return UnsupportedModelError(
+        f"model architecture {names!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}. "
+        "Convert the model to one of these or add a model file under engine/models/."
+    )
+
+
+def pick_architecture(names: Sequence[str], model_type: str | None = None) -> str:
+    """The first of a config's ``architectures`` the engine runs; UnsupportedModelError if none."""
+    arch = next((a for a in names if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise unsupported(list(names) or model_type)
+    return arch
+
+
+def model_class(arch: str) -> type:
+    """The model class for ``arch``, importing its module now (torch and the layers come with it)."""
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise unsupported(arch)
+    module, name = SUPPORTED_ARCHITECTURES[arch]
+    return getattr(importlib.import_module(f".models.{module}", __package__), name)
