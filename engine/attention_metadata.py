@@ -19,9 +19,9 @@ class AttentionMetadata:
     ``T`` tokens from ``B`` sequences; sequence b owns query rows
     ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, which are the last positions of its ``seqlens_k[b]``
     keys. ``slot_mapping[t]`` is the flat cache slot (``block * block_size + offset``) token t
-    is written to. A quantized cache also takes ``centre_index`` (token t's sequence's key
-    centre row, its first block) and ``new_centres`` (the sequences whose first chunk this step
-    writes): ``kernels/kv_cache.KeyCentring``.
+    is written to. A centred cache (``KVCacheLayout.centred``) also takes ``centre_index`` (token
+    t's sequence's key centre row, its first block) and ``new_centres`` (the sequences whose first
+    chunk this step writes): ``kernels/kv_cache.KeyCentring``.
     """
 
     slot_mapping: torch.Tensor  # [T] int64

@@ -8,7 +8,8 @@ freed, and within one sequence its tail before its head).
 
 The first ``num_head_blocks`` blocks are kept for the first blocks of sequences while any is
 free (their own free list, in the same order), and given out for other positions only when the
-rest are gone: a quantized cache keeps a key centre only for those (``kernels/kv_cache.py``).
+rest are gone: the cache layout keeps per-sequence state only for sequences that start in one
+(``KVCacheLayout.reserved_head_blocks`` says how many; 0 for most layouts).
 """
 
 from __future__ import annotations

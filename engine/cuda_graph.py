@@ -159,8 +159,8 @@ class DecodeGraphs:
             seqlens_k=self.seqlens_k[:bs],
             max_seqlen_q=1,
             max_seqlen_k=self.max_seqlen_k,
-            # A decoding sequence's key centre is at its first block's row (a quantized cache's
-            # centres: kernels/kv_cache.py); none is computed here, as none starts in a graph step.
+            # A decoding sequence's key centre is at its first block's row (a centred cache:
+            # KVCacheLayout.centred); none is computed here, as none starts in a graph step.
             centre_index=self.block_tables[:bs, 0],
         )
 

@@ -14,7 +14,7 @@ On CUDA:
   the engine can build and queue step N+1 while the GPU runs step N;
 * a step in which every sequence decodes one token replays a captured CUDA graph
   (``engine/cuda_graph.py``); other steps (prefill, mixed, too large) run eagerly.
-  ``CONVEYOR_CUDA_GRAPHS=0`` (or ``runner.use_cuda_graphs = False``) turns graphs off;
+  ``EngineConfig.eager_mode`` (or ``runner.use_cuda_graphs = False``) turns graphs off;
 * the KV cache is sized after a profiling forward of ``max_prefill_token_num`` tokens:
   ``cache_max_entry_count`` (a fraction) applies to the memory still free after the weights
   *and* that forward's peak activations (LMDeploy's meaning).
@@ -31,7 +31,6 @@ smallest rank's budget.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -49,7 +48,7 @@ from .layers import RMSNorm
 from .layers.attention import MixedBatchMetadata
 from .models import build_model
 from .sampler import DeviceSamples, Sampler
-from ..kernels.kv_layout import CENTRE_TOKENS, KVCacheLayout
+from ..kernels.kv_layout import KVCacheLayout
 from ..protocol.sampling import SamplingParams
 from ..protocol.tp import StepKind, StepPlan
 from .scheduler import SchedulerOutput
@@ -59,7 +58,6 @@ from .weight_loader import load_model
 logger = logging.getLogger(__name__)
 
 _LOGIT_ROWS_PER_CHUNK = 1024  # bounds the [rows, vocab] float32 logits of a scoring pass
-CUDA_GRAPHS_ENV = "CONVEYOR_CUDA_GRAPHS"  # "0" turns decode CUDA graphs off
 DUMMY_WEIGHT_SEED = 0
 
 
@@ -157,9 +155,9 @@ class ModelRunner:
         self.step_hooks: list[StepHook] = []
         self.activation_bytes = self._profile_activations() if device.type == "cuda" else 0
         self.num_blocks = self._num_cache_blocks()
-        # A quantized cache's key centres have rows for this many blocks, which the block manager
-        # keeps for sequences' first blocks (kernels/kv_cache.py): two a sequence in the batch.
-        self.num_head_blocks = min(self.num_blocks, self._centre_rows()) if self.kv_layout.bits else 0
+        # The blocks the block manager keeps for sequences' first blocks (the layout's per-sequence
+        # state has a row for each of these only).
+        self.num_head_blocks = self.kv_layout.reserved_head_blocks(config.max_batch_size, self.num_blocks)
         lead = (model_config.num_layers, self.num_blocks, self.block_size, self.num_kv_heads)
         try:
             # Zeroed on the GPU (cheap there): padded graph rows read block 0, and stale NaN bit
@@ -167,7 +165,7 @@ class ModelRunner:
             alloc = torch.zeros if device.type == "cuda" else torch.empty
             self.k_cache, self.k_scales = self.kv_layout.allocate(lead, dtype, device, alloc)
             self.v_cache, self.v_scales = self.kv_layout.allocate(lead, dtype, device, alloc)
-            self.k_centres = self.kv_layout.allocate_centres(lead[0], self.num_head_blocks + 1, lead[3], device)
+            self.k_centres = self.kv_layout.allocate_centres(lead[0], self.num_head_blocks, lead[3], device)
         except (RuntimeError, torch.OutOfMemoryError) as exc:
             raise EngineConfigError(
                 f"could not allocate a KV cache of {self.num_blocks} blocks ({exc}); "
@@ -180,7 +178,7 @@ class ModelRunner:
                 layer.k_centres = self.k_centres[i]
         logger.info("KV cache: %d blocks of %d tokens (%s)", self.num_blocks, self.block_size,
                     f"int{config.quant_policy}" if config.quant_policy else str(dtype).removeprefix("torch."))
-        self.use_cuda_graphs = device.type == "cuda" and os.environ.get(CUDA_GRAPHS_ENV, "1") != "0"
+        self.use_cuda_graphs = device.type == "cuda" and not config.eager_mode
         self.decode_graphs: DecodeGraphs | None = None
         if self.use_cuda_graphs:
             try:
@@ -253,14 +251,6 @@ class ModelRunner:
         mc = self.model_config
         return 2 * mc.num_layers * self.block_size * self.num_kv_heads * self.kv_layout.bytes_per_head(self.dtype)
 
-    def _centre_rows(self) -> int:
-        return 2 * self.config.max_batch_size
-
-    def _centre_bytes(self) -> int:
-        """Bytes of the key centre tables (``_centre_rows`` + 1 rows; 0 when unquantized)."""
-        rows = self._centre_rows() + 1
-        return self.model_config.num_layers * rows * self.num_kv_heads * self.kv_layout.centre_bytes_per_head()
-
     def _num_cache_blocks(self) -> int:
         """This rank's budget, or under tensor parallel the smallest rank's (every rank must
         hold every block)."""
@@ -273,7 +263,9 @@ class ModelRunner:
         if kind == "fraction":
             # LMDeploy's meaning: a fraction of what the weights and the activations leave free.
             value *= max(_available_memory(self.device) - self.activation_bytes, 0)
-        blocks = int(max(value - self._centre_bytes(), 0) // self._block_bytes())
+        centres = self.kv_layout.centre_table_bytes(self.model_config.num_layers, self.num_kv_heads,
+                                                    self.config.max_batch_size)
+        blocks = int(max(value - centres, 0) // self._block_bytes())
         if blocks < 1:
             raise EngineConfigError(
                 f"cache_max_entry_count={self.config.cache_max_entry_count!r} leaves no room for one "
@@ -291,8 +283,10 @@ class ModelRunner:
         for seq, n in seqs:
             start = seq.num_computed_tokens
             centre_rows.extend([seq.block_table[0]] * n)
-            if start == 0:  # its first chunk: a quantized cache computes its key centre here
-                new_centres.append((len(ids), min(n, seq.centre_tokens or CENTRE_TOKENS), seq.block_table[0]))
+            if start == 0:  # its first chunk: a centred cache computes its key centre here, from the
+                # leading tokens the scheduler fixed (the whole chunk when it fixed none: the kernels
+                # cap the count)
+                new_centres.append((len(ids), min(n, seq.first_chunk_tokens or n), seq.block_table[0]))
             chunk = seq.token_ids[start : start + n]
             if len(chunk) < n:  # its last input was sampled by the step before and is still on the device
                 assert len(chunk) == n - 1 and prev is not None, "only the newest token can be pending"
@@ -337,7 +331,7 @@ class ModelRunner:
             max_seqlen_q=max(num_new),
             max_seqlen_k=max(lens_k),
         )
-        if self.kv_layout.bits:
+        if self.kv_layout.centred:
             fields["centre_index"] = self._to_device(flat.centre_rows, torch.int32)
             if flat.new_centres:
                 fields["new_centres"] = self._to_device(flat.new_centres, torch.int32)
@@ -406,7 +400,7 @@ class ModelRunner:
             return None
         if any(item.num_new_tokens != 1 for item in out.scheduled):
             return None
-        if self.kv_layout.bits and any(item.seq.num_computed_tokens == 0 for item in out.scheduled):
+        if self.kv_layout.centred and any(item.seq.num_computed_tokens == 0 for item in out.scheduled):
             return None  # a one-token prompt: its key centre is computed by an eager step, not in a graph
         seqs = [item.seq for item in out.scheduled]
         return seqs if graphs.can_run(seqs) else None

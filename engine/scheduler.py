@@ -70,14 +70,14 @@ class Scheduler:
     """Owns the queues; asks the block manager for room; applies each step's sampled tokens."""
 
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int, session_len: int,
-                 clock: Callable[[], float] = time.monotonic, centre_tokens: int = 0):
+                 clock: Callable[[], float] = time.monotonic, min_first_chunk_tokens: int = 0):
         self.block_manager = block_manager
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
-        # A quantized cache's key centre averages a sequence's first chunk's leading tokens
-        # (kernels/kv_cache.py): up to this many, which every first chunk then brings whole
-        # (Sequence.centre_tokens). 0: no such rule (a 16-bit cache).
-        self.centre_tokens = centre_tokens
+        # The cache layout's answer (``KVCacheLayout.min_first_chunk_tokens``): every first chunk
+        # brings at least this many tokens, or the whole sequence or budget when shorter
+        # (``Sequence.first_chunk_tokens``). 0: no such rule.
+        self.min_first_chunk_tokens = min_first_chunk_tokens
         self.session_len = session_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -155,12 +155,12 @@ class Scheduler:
                 # Counted on admission: a sequence that does not fit is looked up again next step.
                 prefix = self.block_manager.find_prefix(seq.token_ids, count=False)
             n = min(seq.num_uncomputed_tokens - prefix.num_tokens, budget)
-            if self.centre_tokens and seq.num_computed_tokens == 0 and not prefix.num_tokens:
-                # Its first chunk brings the key centre's tokens whole, so that the centre does
-                # not depend on what else this step carries.
-                if not seq.centre_tokens:
-                    seq.centre_tokens = min(seq.num_tokens, self.centre_tokens, self.max_num_tokens)
-                if n < seq.centre_tokens:
+            if self.min_first_chunk_tokens and seq.num_computed_tokens == 0 and not prefix.num_tokens:
+                # Its first chunk comes whole, so that what the cache derives from it does not
+                # depend on what else this step carries: it waits for a step with room instead.
+                if not seq.first_chunk_tokens:
+                    seq.first_chunk_tokens = min(seq.num_tokens, self.min_first_chunk_tokens, self.max_num_tokens)
+                if n < seq.first_chunk_tokens:
                     break
             while not self.block_manager.allocate(seq, n, prefix):
                 if not self._evict_parked():

@@ -62,10 +62,11 @@ class Sequence:
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.sampling_seed = 0  # seeds the sampler's noise (the request's seed or a random one)
         self.priority = 0  # the current turn's: a lower value is admitted first (QoS user groups)
-        # How many leading tokens a quantized cache's key centre averages (kernels/kv_cache.py):
-        # fixed at the first admission (0 before), so that a recompute after preemption or
-        # eviction gets the same centre; the scheduler gives every first chunk at least these.
-        self.centre_tokens = 0
+        # The fewest tokens its first chunk brings (the cache layout's ``min_first_chunk_tokens``,
+        # capped by its length and the step budget; 0 before its first admission). Fixed then, so
+        # that a recompute after preemption or eviction derives the same per-sequence cache state
+        # from the same leading tokens (``KVCacheLayout``).
+        self.first_chunk_tokens = 0
 
     def __repr__(self) -> str:
         return (

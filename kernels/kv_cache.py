@@ -57,8 +57,9 @@ and the row is fixed before the first key is. It is computed when a sequence's f
 written (``key_centres_ref``) and lives in a per-layer table at the row of the sequence's first
 block (``KeyCentring``): a sequence that reuses cached blocks reuses that first block, hence its
 centre. The table has rows for the first R blocks only, which the block manager hands out as first
-blocks while any is free (R = 2 x max_batch_size: a row for every block cost 1.5 % of int8's
-capacity and 3.4 % of int4's); a sequence that starts elsewhere is stored uncentred.
+blocks while any is free (``KVCacheLayout.reserved_head_blocks``: R = 2 x max_batch_size, as a row
+for every block cost 1.5 % of int8's capacity and 3.4 % of int4's); a sequence that starts
+elsewhere is stored uncentred.
 Dev corpus (licence texts, SmolLM2-135M, int4): perplexity +9.0 % uncentred, +4.8 % with a constant
 centre and the sink exact, +3.4 % turned; int8 greedy answers to 20 dev prompts: 13 identical
 uncentred, 17 centred.

@@ -2,6 +2,11 @@
 policy allocates, the bytes a token costs, and whether its keys are centred (``kv_cache``'s module
 doc explains the quantization and the key centres; this module only says how they are laid out).
 
+It is also the one place that knows what the centres ask of the engine, answered as neutral
+questions (``min_first_chunk_tokens``, ``reserved_head_blocks``): the scheduler and the block
+manager take those answers as plain ints from the engine, so they neither import torch nor know
+why a layout asks.
+
 Torch only, no Triton: the model runner sizes the cache from it before any kernel runs.
 """
 
@@ -16,6 +21,9 @@ CENTRE_TOKENS = 64
 """A sequence's key centre averages its first chunk's keys over positions 1 .. CENTRE_TOKENS - 1."""
 CENTRE_GROUP = 16
 """Keys at positions ``[16 g, 16 g + 16)`` share one rotated centre, turned to position 16 g + 8."""
+CENTRE_ROWS_PER_SEQUENCE = 2
+"""Key centre rows, hence reserved head blocks, per sequence of the largest batch (why so few:
+``kv_cache``'s module doc)."""
 
 
 def turned_centres(bits: int) -> bool:
@@ -58,18 +66,47 @@ class KVCacheLayout:
         codes = self.code_dim * torch.tensor([], dtype=self.code_dtype(dtype)).element_size()
         return codes + (2 * SCALE_DTYPE.itemsize if self.quant_policy else 0)
 
+    @property
+    def centred(self) -> bool:
+        """Whether keys are stored minus their sequence's centre (every quantized policy): the
+        centre is computed from the sequence's first chunk, in an eager step (a decode graph
+        computes none), and kept at the row of its first block (``KeyCentring``)."""
+        return bool(self.quant_policy)
+
+    @property
+    def min_first_chunk_tokens(self) -> int:
+        """The fewest tokens a sequence's first chunk may bring (fewer only when the sequence or
+        the step's token budget is shorter), so that what the cache derives from the chunk does not
+        depend on how the scheduler cut it: a centred cache's centre tokens; 0 means no rule."""
+        return CENTRE_TOKENS if self.centred else 0
+
+    def reserved_head_blocks(self, max_batch_size: int, num_blocks: int | None = None) -> int:
+        """Blocks the block manager keeps for sequences' first blocks, at most ``num_blocks``: a
+        centred cache has a centre row only for these (a sequence starting elsewhere is stored
+        uncentred); 0 when the layout keeps no per-sequence state."""
+        rows = CENTRE_ROWS_PER_SEQUENCE * max_batch_size if self.centred else 0
+        return rows if num_blocks is None else min(rows, num_blocks)
+
     def centre_bytes_per_head(self) -> int:
         """Bytes one key centre row takes per layer and kv head (0 when unquantized): its two
         vectors (``KeyCentring``)."""
-        return 2 * self.head_dim * SCALE_DTYPE.itemsize if self.quant_policy else 0
+        return 2 * self.head_dim * SCALE_DTYPE.itemsize if self.centred else 0
 
-    def allocate_centres(self, layers: int, rows: int, num_kv_heads: int,
+    def centre_table_bytes(self, layers: int, num_kv_heads: int, max_batch_size: int) -> int:
+        """Bytes the key centre tables take at most (``allocate_centres`` with every reserved
+        head block), set aside before the cache's blocks are counted; 0 when unquantized."""
+        rows = self.reserved_head_blocks(max_batch_size) + 1  # and the zero row
+        return layers * rows * num_kv_heads * self.centre_bytes_per_head()
+
+    def allocate_centres(self, layers: int, head_blocks: int, num_kv_heads: int,
                          device: torch.device | str) -> torch.Tensor | None:
-        """The key centre tables (the module doc), zeros [layers, rows, 2, num_kv_heads, head_dim]
-        (``KeyCentring.table``: the last row is the zero one); None when unquantized."""
-        if not self.quant_policy:
+        """The key centre tables (the module doc), zeros [layers, head_blocks + 1, 2,
+        num_kv_heads, head_dim]: a row for each reserved head block and the zero one last
+        (``KeyCentring.table``); None when unquantized."""
+        if not self.centred:
             return None
-        return torch.zeros((layers, rows, 2, num_kv_heads, self.head_dim), dtype=SCALE_DTYPE, device=device)
+        return torch.zeros((layers, head_blocks + 1, 2, num_kv_heads, self.head_dim), dtype=SCALE_DTYPE,
+                           device=device)
 
     def allocate(self, lead: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
                  alloc=torch.zeros) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -155,9 +155,9 @@ def test_mixed_batch_split_matches_one_kernel() -> None:
         total = cached + new
         table = [free.pop() for _ in range(-(-total // block))]
         seqs.append((SimpleNamespace(num_computed_tokens=cached, token_ids=list(range(total)), block_table=table,
-                                     centre_tokens=0), new))
+                                     first_chunk_tokens=0), new))
     runner = SimpleNamespace(_to_device=lambda v, dt: torch.tensor(v, dtype=dt, device=device),
-                             kv_layout=SimpleNamespace(bits=0))
+                             kv_layout=SimpleNamespace(centred=False))
     meta = ModelRunner._attention_metadata(runner, ModelRunner._flatten(seqs, block, None))
     assert isinstance(meta, MixedBatchMetadata) and meta.num_decode_tokens == 3
     tokens = sum(n for _, n in shapes)

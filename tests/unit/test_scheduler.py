@@ -25,10 +25,10 @@ class Clock:
 
 
 def make(num_blocks=8, block_size=4, max_batch_size=8, max_num_tokens=64, session_len=1000, prefix=False,
-         clock=None, centre_tokens=0):
+         clock=None, min_first_chunk_tokens=0):
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
     return Scheduler(bm, max_batch_size, max_num_tokens, session_len, clock=clock or Clock(),
-                     centre_tokens=centre_tokens), bm
+                     min_first_chunk_tokens=min_first_chunk_tokens), bm
 
 
 def seq(n_or_tokens, seq_id, max_new_tokens=100, session_id=None, start=0) -> Sequence:
@@ -139,16 +139,16 @@ def test_token_budget_limits_admission():
     assert_no_leaks(sched)
 
 
-def test_first_chunks_bring_the_key_centre_tokens_whole():
-    """With a quantized cache (``centre_tokens``) a first chunk is never cut below
-    min(prompt, centre_tokens, budget): the sequence waits for a step with room instead."""
-    sched, bm = make(max_num_tokens=6, centre_tokens=64)
+def test_first_chunks_bring_the_minimum_first_chunk_whole():
+    """With a layout that asks for it (``min_first_chunk_tokens``) a first chunk is never cut below
+    min(prompt, min_first_chunk_tokens, budget): the sequence waits for a step with room instead."""
+    sched, bm = make(max_num_tokens=6, min_first_chunk_tokens=64)
     a, b, c = seq(4, 0, max_new_tokens=2), seq(8, 1, start=10), seq(4, 2, start=20)
     for s in (a, b, c):
         sched.add(s)
     plan, _, _ = step(sched)
-    # b's first chunk must hold its key-centre tokens (min(8, 64, budget 6) = 6): 2 left, it waits.
-    assert plan == [(0, 4, True)] and b.centre_tokens == 6
+    # b's first chunk must hold its minimum first chunk (min(8, 64, budget 6) = 6): 2 left, it waits.
+    assert plan == [(0, 4, True)] and b.first_chunk_tokens == 6
     plan, _, _ = step(sched)
     assert plan == [(0, 1, True)]  # 5 left: still short
     plan, _, _ = step(sched)
@@ -160,19 +160,45 @@ def test_first_chunks_bring_the_key_centre_tokens_whole():
     assert_no_leaks(sched)
 
 
-def test_centre_tokens_stay_fixed_across_preemption():
-    """A recomputed sequence averages the same leading tokens as its first run did, though it
-    now brings more (its prompt and what it generated)."""
-    sched, bm = make(num_blocks=6, block_size=4, max_num_tokens=64, centre_tokens=64)
+def test_first_chunk_tokens_stay_fixed_across_preemption():
+    """A recomputed sequence's first chunk is fixed by its first run, though it now brings more
+    (its prompt and what it generated): the cache derives the same state from the same tokens."""
+    sched, bm = make(num_blocks=6, block_size=4, max_num_tokens=64, min_first_chunk_tokens=64)
     a = seq(10, 0)
     sched.add(a)
     step(sched)
-    assert a.centre_tokens == 10
+    assert a.first_chunk_tokens == 10
     sched._preempt(a, sched.schedule())
     assert a.num_computed_tokens == 0 and a.num_tokens == 11
     plan, _, _ = step(sched)
-    assert plan[0][:2] == (0, 11) and a.centre_tokens == 10
+    assert plan[0][:2] == (0, 11) and a.first_chunk_tokens == 10
     sched.finish(a, FinishReason.ABORT)
+    assert_no_leaks(sched)
+
+
+@pytest.mark.parametrize("policy", [0, 4])
+def test_the_cache_layout_answers_set_first_chunks_and_head_blocks(policy: int):
+    """Built as the engine builds them, from ``KVCacheLayout``'s answers rather than policy values:
+    an int4 cache's first chunk waits for room for the layout's minimum and starts in a reserved
+    head block; a 16-bit cache's takes what the budget leaves, anywhere."""
+    from conveyor.kernels.kv_layout import KVCacheLayout  # torch: only this test needs it
+
+    layout = KVCacheLayout(policy, 64)
+    bm = BlockManager(64, 4, num_head_blocks=layout.reserved_head_blocks(max_batch_size=2, num_blocks=64))
+    sched = Scheduler(bm, 2, 64, 1000, clock=Clock(), min_first_chunk_tokens=layout.min_first_chunk_tokens)
+    a, b = seq(10, 0, max_new_tokens=1), seq(100, 1, start=100)
+    for s in (a, b):
+        sched.add(s)
+    plan, _, _ = step(sched)
+    if policy:  # 54 tokens left in the budget, fewer than the layout's 64: b waits a step
+        assert plan == [(0, 10, True)] and b.first_chunk_tokens == 64
+        plan, _, _ = step(sched)
+        assert plan == [(1, 64, False)]
+        assert bm.num_head_blocks == 4 and a.block_table == [] and b.block_table[0] < bm.num_head_blocks
+    else:
+        assert plan == [(0, 10, True), (1, 54, False)] and b.first_chunk_tokens == 0
+        assert bm.num_head_blocks == 0
+    sched.finish(b, FinishReason.ABORT)
     assert_no_leaks(sched)
 
 
