@@ -41,12 +41,12 @@ from .messages import (
     TokenizedReq,
     TokenizerIn,
 )
-from .sampling import SamplingParams, validate
+from .sampling import DetokenizeParams, SamplingParams, validate
 from .security import CurveKeys, SecurityError
 
 __all__ = [
     "FINISH_REASONS", "Abort", "Addresses", "Admitted", "CancelSession", "Codec", "ConveyorError", "CurveKeys",
-    "DetokenizerIn", "EngineConfigError", "EngineIn", "EngineStats", "Endpoint", "ErrorOut", "Finish",
+    "DetokenizeParams", "DetokenizerIn", "EngineConfigError", "EngineIn", "EngineStats", "Endpoint", "ErrorOut", "Finish",
     "GenerateReq", "IngressGone", "IngressIn", "InvalidRequestError", "LauncherIn", "LoadReport", "Ping",
     "PromptTooLongError", "Ready", "SamplingParams", "SecurityError", "SessionBusyError", "SessionEnd", "Stage", "StageStatus", "StopReq", "TextBatch",
     "TokenBatch", "TokenizedReq", "TokenizerIn", "UnsupportedModelError", "error_code", "rebuild_error",

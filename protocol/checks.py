@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from .errors import ConveyorError, InvalidRequestError
 from .messages import Admitted, ErrorOut, Finish, TextBatch, TokenBatch
-from .sampling import INT32_MAX, INT64_MAX, MAX_LOGPROBS, validate
+from .sampling import INT32_MAX, INT64_MAX, MAX_LOGPROBS, validate_detokenize
 
 INT64_MIN = -(2**63)
 # No vocabulary is this large (the ingress's own schema takes ids as int32): a token id past it
@@ -87,9 +87,9 @@ def check_admitted(msg: Admitted) -> None:
     _counts("Admitted", "num_prompt_tokens", (msg.num_prompt_tokens, msg.history_tokens))
     _wire_ids("Admitted", "prompt_tail", msg.prompt_tail)
     try:
-        validate(msg.params)
+        validate_detokenize(msg.detokenize)
     except InvalidRequestError as exc:
-        raise MalformedMessageError(f"Admitted.params: {exc}") from exc
+        raise MalformedMessageError(f"Admitted.detokenize: {exc}") from exc
 
 
 def check_error_out(msg: ErrorOut) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Union
 
 import msgspec
 
-from .sampling import SamplingParams
+from .sampling import DetokenizeParams, SamplingParams
 
 _WIRE = {"array_like": True, "omit_defaults": True, "gc": False}
 # Messages of a union carry a small int tag as their first array element.
@@ -156,12 +156,14 @@ class Admitted(msgspec.Struct, tag=9, **_TAG):
     tokens (the detokenizer starts its state here) and is forwarded to the ingress.
 
     ``num_prompt_tokens``: this turn's prompt; ``history_tokens``: a session's tokens before it.
+    ``detokenize``: the part of the request's SamplingParams the detokenizer applies (the
+    ingress reads only the rid and ``history_tokens``).
     """
 
     rid: str
     reply_to: str
     num_prompt_tokens: int
-    params: SamplingParams
+    detokenize: DetokenizeParams
     prompt_tail: list[int] = []  # the last prompt tokens: context for decoding the first output
     history_tokens: int = 0
 

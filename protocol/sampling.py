@@ -4,7 +4,12 @@ The field names are LMDeploy's ``GenerationConfig`` names (``stop_words``, ``ran
 ``include_stop_str_in_output``, ...). Words travel as text; the tokenizer stage adds the
 model's end-of-sequence ids to ``stop_token_ids`` and turns ``bad_words`` into
 ``bad_token_ids`` (one-token words) and ``bad_sequences`` (longer ones) before the engine sees
-the request. ``stop_words`` are matched on text by the detokenizer, never by the engine.
+the request. ``stop_words`` are matched on text by the detokenizer, never by the engine; the
+detokenizer gets only the fields it applies (``DetokenizeParams``, in ``Admitted``).
+
+The struct's defaults are LMDeploy's ``GenerationConfig`` defaults (the pipeline's). LMDeploy's
+api_server has defaults of its own per route; they are written once too, below the struct
+(``OPENAI_DEFAULTS``, ``INTERACTIVE_DEFAULTS``), for the request bodies and clients to read.
 
 ``validate`` is the one check every entry runs: ``GenerationConfig`` (the pipeline), the
 OpenAI bodies (the ingress), the tokenizer stage and the engine's ``add_request``. It covers
@@ -62,7 +67,31 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         """True when sampling reduces to argmax."""
         return self.temperature == 0.0 or self.top_k == 1
 
+    def detokenize_params(self) -> DetokenizeParams:
+        """The part of these parameters the detokenizer applies."""
+        return DetokenizeParams(self.stop_words, self.skip_special_tokens, self.include_stop_str_in_output)
 
+
+class DetokenizeParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """How a request's text is rendered and where it stops: what the detokenizer needs of its
+    ``SamplingParams`` (no defaults here: it is always made by ``SamplingParams.detokenize_params``)."""
+
+    stop_words: list[str]
+    skip_special_tokens: bool
+    include_stop_str_in_output: bool
+
+
+# LMDeploy's api_server samples with defaults that differ from GenerationConfig's (the struct's
+# own, above): its OpenAI routes (/v1/chat/completions, /v1/completions) at temperature 0.7 and
+# top_k 40, its /v1/chat/interactive (``GenerateRequest``) at top_p 0.8 and top_k 40, with
+# request_output_len 512. Every other field keeps the struct's default. Read them, never change
+# them: the HTTP bodies, their documentation, the web chat and the clients share these objects.
+OPENAI_DEFAULTS = SamplingParams(temperature=0.7, top_k=40)
+INTERACTIVE_DEFAULTS = SamplingParams(top_p=0.8, top_k=40)
+
+# Stop strings are matched on the text: an empty one would match everywhere.
+_STOP_WORDS_RULE = ("stop_words", lambda p: all(isinstance(w, str) and w for w in p.stop_words),
+                    "must be a list of non-empty strings")
 _RULES = (
     ("max_new_tokens", lambda p: 1 <= p.max_new_tokens <= INT64_MAX, f"must be in [1, {INT64_MAX}]"),
     ("min_new_tokens", lambda p: 0 <= p.min_new_tokens <= INT64_MAX, f"must be in [0, {INT64_MAX}]"),
@@ -77,8 +106,7 @@ _RULES = (
      f"must be in [{MIN_PENALTY}, {MAX_PENALTY:g}] (1 means none)"),
     ("logprobs", lambda p: p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS,
      f"must be in [0, {MAX_LOGPROBS}]"),
-    ("stop_words", lambda p: all(isinstance(w, str) and w for w in p.stop_words),
-     "must be a list of non-empty strings"),
+    _STOP_WORDS_RULE,
     ("bad_words", lambda p: all(isinstance(w, str) and w for w in p.bad_words),
      "must be a list of non-empty strings"),
     ("stop_token_ids", lambda p: all(t >= 0 for t in p.stop_token_ids), "token ids must be >= 0"),
@@ -90,6 +118,7 @@ _RULES = (
     ("random_seed", lambda p: p.random_seed is None or SEED_RANGE[0] <= p.random_seed <= SEED_RANGE[1],
      f"must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (64 bits)"),
 )
+_DETOKENIZE_RULES = (_STOP_WORDS_RULE,)
 
 
 def _shown(value: object, limit: int = 80) -> str:
@@ -104,9 +133,7 @@ def validate(params: SamplingParams, vocab_size: int | None = None, prefix: str 
     With ``vocab_size``, token ids must also lie in the vocabulary. ``prefix`` goes before the
     field name in the message (``"GenerationConfig."`` for the pipeline).
     """
-    for name, ok, rule in _RULES:
-        if not ok(params):
-            raise InvalidRequestError(f"{prefix}{name}={_shown(getattr(params, name))}: {rule}", param=name)
+    _check(params, _RULES, prefix)
     if vocab_size is not None:
         lists = {"stop_token_ids": params.stop_token_ids, "bad_token_ids": params.bad_token_ids,
                  "bad_sequences": [t for s in params.bad_sequences for t in s]}
@@ -116,3 +143,16 @@ def validate(params: SamplingParams, vocab_size: int | None = None, prefix: str 
                 raise InvalidRequestError(
                     f"{prefix}{name}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=name)
     return params
+
+
+def validate_detokenize(params: DetokenizeParams) -> DetokenizeParams:
+    """``validate`` for the detokenizer's part of a request's parameters."""
+    _check(params, _DETOKENIZE_RULES)
+    return params
+
+
+def _check(params: SamplingParams | DetokenizeParams, rules: tuple, prefix: str = "") -> None:
+    """Raise InvalidRequestError for the first of ``rules`` that ``params`` breaks."""
+    for name, ok, rule in rules:
+        if not ok(params):
+            raise InvalidRequestError(f"{prefix}{name}={_shown(getattr(params, name))}: {rule}", param=name)

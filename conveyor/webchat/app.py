@@ -38,7 +38,8 @@ from starlette.responses import HTMLResponse, Response, StreamingResponse
 from conveyor.api_client import APIConnectionError, APIError
 from conveyor.messages import GenerationConfig
 from conveyor.protocol import InvalidRequestError, error_code
-from conveyor.services.ingress.openai_schemas import describe_validation_error, error_envelope
+from conveyor.protocol.sampling import INTERACTIVE_DEFAULTS
+from conveyor.services.http import describe_validation_error, error_envelope, error_response
 
 from .backends import ChatBackend, Piece
 
@@ -52,16 +53,17 @@ _CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inlin
 
 
 class TurnRequest(BaseModel):
-    """POST /api/sessions/{token}/turns: the user's message and this turn's sampling settings."""
+    """POST /api/sessions/{token}/turns: the user's message and this turn's sampling settings
+    (defaults: /v1/chat/interactive's, the api_server route a web chat of a server drives)."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompt: str = Field(min_length=1)
-    max_new_tokens: int = Field(512, ge=1)
-    temperature: float = 0.8
-    top_p: float = 0.8
-    top_k: int = 40
-    repetition_penalty: float = 1.0
+    max_new_tokens: int = Field(INTERACTIVE_DEFAULTS.max_new_tokens, ge=1)
+    temperature: float = INTERACTIVE_DEFAULTS.temperature
+    top_p: float = INTERACTIVE_DEFAULTS.top_p
+    top_k: int = INTERACTIVE_DEFAULTS.top_k
+    repetition_penalty: float = INTERACTIVE_DEFAULTS.repetition_penalty
 
     def generation_config(self) -> GenerationConfig:
         """The settings as a GenerationConfig: checked here, so both backends refuse alike."""
@@ -107,12 +109,6 @@ class _Tab:
         return self.turn is not None and not self.turn.done.is_set() and self.turn.session_id == self.session_id
 
 
-def _error(status: int, message: str, type: str | None = None, param: str | None = None,
-           code: str | None = None) -> Response:
-    return Response(msgspec.json.encode(error_envelope(status, message, type, param, code)), status_code=status,
-                    media_type="application/json")
-
-
 def _line(obj: dict[str, Any]) -> bytes:
     return msgspec.json.encode(obj) + b"\n"
 
@@ -124,25 +120,26 @@ def _piece(p: Piece) -> dict[str, Any]:
 def _install_error_handlers(app: FastAPI) -> None:
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
         message, param = describe_validation_error(list(exc.errors()))
-        return _error(400, message, param=param)
+        return error_response(400, message, param=param)
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 404:
-            return _error(404, f"no route {request.method} {request.url.path}", code="not_found")
-        return _error(exc.status_code, str(exc.detail))
+            return error_response(404, f"no route {request.method} {request.url.path}", code="not_found")
+        return error_response(exc.status_code, str(exc.detail))
 
     async def refused(request: Request, exc: WebChatError) -> Response:
-        return _error(exc.status, str(exc), code=exc.code)
+        return error_response(exc.status, str(exc), code=exc.code)
 
     async def bad_settings(request: Request, exc: InvalidRequestError) -> Response:
-        return _error(400, str(exc), param=exc.param, code=error_code(exc))
+        return error_response(400, str(exc), param=exc.param, code=error_code(exc))
 
     async def server_refused(request: Request, exc: APIError) -> Response:  # the api_server's envelope, passed on
         err = exc.body.get("error", {}) if isinstance(exc.body, dict) else {}
-        return _error(exc.status, err.get("message", str(exc)), err.get("type"), err.get("param"), err.get("code"))
+        return error_response(exc.status, err.get("message", str(exc)), err.get("type"), err.get("param"),
+                              err.get("code"))
 
     async def unreachable(request: Request, exc: APIConnectionError) -> Response:
-        return _error(502, str(exc), code="api_server_unreachable")
+        return error_response(502, str(exc), code="api_server_unreachable")
 
     app.add_exception_handler(RequestValidationError, invalid)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]

@@ -74,7 +74,7 @@ class Detokenizer:
         """Start a request's state; returns the requests failed to keep under the state cap.
         Raises MalformedMessageError, changing nothing, if ``new`` is malformed."""
         check_admitted(new)
-        p = new.params
+        p = new.detokenize
         detok = IncrementalDetokenizer(self.tokenizer, new.prompt_tail, p.skip_special_tokens, p.stop_words,
                                        p.include_stop_str_in_output, self.vocab_size)
         self.states[new.rid] = _State(detok, new.reply_to, new.num_prompt_tokens)

@@ -268,8 +268,8 @@ class EngineService:
             return
         self._owners[msg.rid] = msg.reply_to
         ids = req.turn_token_ids
-        self._outbox.put(Admitted(msg.rid, msg.reply_to, len(ids), msg.params, ids[-PROMPT_TAIL:],
-                                  req.num_history_tokens))
+        self._outbox.put(Admitted(msg.rid, msg.reply_to, len(ids), msg.params.detokenize_params(),
+                                  ids[-PROMPT_TAIL:], req.num_history_tokens))
 
 
 def to_token_batch(outputs: list[Output]) -> TokenBatch:

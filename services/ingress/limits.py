@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from ..engine_client import RETRY_AFTER_S
-from .openai_schemas import error_envelope
+from ..http import error_envelope
 
 logger = logging.getLogger(__name__)
 

@@ -11,22 +11,22 @@ dropped: ``presence_penalty`` and ``frequency_penalty`` other than 0 (the engine
 ``repetition_penalty``, an extension), ``logit_bias``, ``tools`` / ``tool_choice`` /
 ``functions`` (no function calling), ``response_format`` other than text (no constrained
 decoding), ``stream_options`` without ``stream``. LMDeploy's bodies are taken as they are
-written: ``"stop": false`` means no stop strings, ``session_id: -1`` a request of no session. Sampling defaults follow LMDeploy's api_server
-(temperature 0.7, top_p 1.0, top_k 40) rather than OpenAI's.
+written: ``"stop": false`` means no stop strings, ``session_id: -1`` a request of no session,
+``top_k: -1`` (as vLLM's clients send it) no top-k limit. Sampling defaults are LMDeploy's
+api_server's (``protocol.sampling.OPENAI_DEFAULTS`` and ``INTERACTIVE_DEFAULTS``), not OpenAI's.
 
-Streamed chunks are not built from these models (see ``sse.py``, which writes the same shapes
-directly for speed); they are here so /docs and /openapi.json describe them.
-``describe_validation_error`` turns pydantic's errors into one message that names the field.
+The response models describe the whole bodies in /docs and /openapi.json; streamed chunks are
+written as bytes by ``sse.py``, which matches OpenAI's chunk shapes field for field.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from ...protocol import FINISH_REASONS, InvalidRequestError, SamplingParams, validate
+from ...protocol.sampling import INTERACTIVE_DEFAULTS, OPENAI_DEFAULTS
 
 INT32_MAX = 2**31 - 1
 MAX_N = 128  # choices per request: each is a separate engine request
@@ -69,7 +69,13 @@ def _false_is_none(value: Any) -> Any:
     return None if value is False else value
 
 
+def _no_limit_is_zero(value: int) -> int:
+    # vLLM's clients send top_k -1 for "no limit"; the engine's "no limit" is 0.
+    return 0 if value == -1 else value
+
+
 StopOrFalse = Annotated[Stop | None, BeforeValidator(_false_is_none)]
+TopK = Annotated[int, AfterValidator(_no_limit_is_zero)]
 TokenId = int_in(0, INT32_MAX)
 
 
@@ -113,10 +119,12 @@ class _SamplingBody(_Body):
     """Sampling fields shared by chat and text completions (None means the default)."""
 
     model: str | None = Field(None, description="The served model's name (GET /v1/models); omitted: that one.")
-    temperature: float | None = Field(None, le=2, description="OpenAI's range [0, 2]. Default 0.7; 0 is greedy.")
-    top_p: float | None = Field(None, description="In (0, 1]. Default 1.0.")
-    top_k: int | None = Field(None, description="Extension. Default 40; 0 or -1: no top-k limit.")
-    min_p: float | None = Field(None, description="Extension. In [0, 1]. Default 0.")
+    temperature: float | None = Field(None, le=2, description="OpenAI's range [0, 2]. "
+                                      f"Default {OPENAI_DEFAULTS.temperature}; 0 is greedy.")
+    top_p: float | None = Field(None, description=f"In (0, 1]. Default {OPENAI_DEFAULTS.top_p}.")
+    top_k: TopK | None = Field(None, description=f"Extension. Default {OPENAI_DEFAULTS.top_k}; 0 or -1: no "
+                               "top-k limit.")
+    min_p: float | None = Field(None, description=f"Extension. In [0, 1]. Default {OPENAI_DEFAULTS.min_p:g}.")
     n: int_in(1, MAX_N) | None = Field(None, description="Choices to generate. Default 1.")
     stop: StopOrFalse = Field(None, description="Strings that end generation (not returned); false: none.")
     stream: bool | None = False
@@ -127,7 +135,8 @@ class _SamplingBody(_Body):
     logit_bias: dict[str, float] | None = Field(None, description="Not supported: only null or {}.")
     presence_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0: use repetition_penalty.")
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0: use repetition_penalty.")
-    repetition_penalty: float | None = Field(None, description="Extension. In [0.01, 100]; default 1.0 (off).")
+    repetition_penalty: float | None = Field(None, description="Extension. In [0.01, 100]; default "
+                                             f"{OPENAI_DEFAULTS.repetition_penalty} (off).")
     ignore_eos: bool = Field(False, description="Extension: keep generating past the end-of-sequence token.")
     skip_special_tokens: bool = Field(True, description="Extension.")
     min_new_tokens: int_in(0, INT32_MAX) | None = Field(None, description="Extension.")
@@ -166,15 +175,15 @@ class _SamplingBody(_Body):
             if getattr(self, name):
                 raise InvalidRequestError(f"{name}={getattr(self, name)!r}: not supported; use "
                                           "repetition_penalty (> 1 discourages repeats)", param=name)
-        top_k = 40 if self.top_k is None else self.top_k
+        d = OPENAI_DEFAULTS
         return checked(SamplingParams(
             max_new_tokens=max_new_tokens,
-            min_new_tokens=self.min_new_tokens or 0,
-            temperature=0.7 if self.temperature is None else self.temperature,
-            top_k=0 if top_k == -1 else top_k,  # vLLM clients send -1 for "no limit"
-            top_p=1.0 if self.top_p is None else self.top_p,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_new_tokens=_given(self.min_new_tokens, d.min_new_tokens),
+            temperature=_given(self.temperature, d.temperature),
+            top_k=_given(self.top_k, d.top_k),
+            top_p=_given(self.top_p, d.top_p),
+            min_p=_given(self.min_p, d.min_p),
+            repetition_penalty=_given(self.repetition_penalty, d.repetition_penalty),
             ignore_eos=self.ignore_eos,
             random_seed=None if self.seed is None else self.seed + choice,
             stop_words=_stop_list(self.stop),
@@ -188,6 +197,11 @@ class _SamplingBody(_Body):
 # The OpenAI name of each SamplingParams field whose name differs, for error messages.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "random_seed": "seed", "stop_words": "stop",
                  "logprobs": "top_logprobs"}
+
+
+def _given(value: Any, default: Any) -> Any:
+    """A body's field, or the default where the body left it out (None)."""
+    return default if value is None else value
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:
@@ -283,11 +297,13 @@ class InteractiveRequest(_Body):
     interactive_mode: bool = Field(False, description="True: keep the history on the server for the next turn.")
     stream: bool = False
     stop: StopOrFalse = Field(None, description="Strings that end generation (not returned); false: none.")
-    request_output_len: int_in(1, INT32_MAX) | None = None
-    top_p: float = Field(0.8, description="In (0, 1].")
-    top_k: int = Field(40, description="0 or -1: no top-k limit.")
-    temperature: float = Field(0.8, description="0 is greedy.")
-    repetition_penalty: float = Field(1.0, description="In [0.01, 100]; 1.0 is off.")
+    request_output_len: int_in(1, INT32_MAX) | None = Field(
+        None, description=f"Most tokens to generate. Default {INTERACTIVE_DEFAULTS.max_new_tokens}.")
+    top_p: float = Field(INTERACTIVE_DEFAULTS.top_p, description="In (0, 1].")
+    top_k: TopK = Field(INTERACTIVE_DEFAULTS.top_k, description="0 or -1: no top-k limit.")
+    temperature: float = Field(INTERACTIVE_DEFAULTS.temperature, description="0 is greedy.")
+    repetition_penalty: float = Field(INTERACTIVE_DEFAULTS.repetition_penalty,
+                                      description="In [0.01, 100]; 1.0 is off.")
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     cancel: bool = Field(False, description="Abort the session's running turn.")
@@ -297,13 +313,14 @@ class InteractiveRequest(_Body):
     user_id: str | None = Field(None, description="The QoS user (LMDeploy's name): its group and quota when the "
                                 "server has --qos-config-path.")
 
-    def sampling_params(self, max_new_tokens: int) -> SamplingParams:
+    def sampling_params(self) -> SamplingParams:
         """The engine's parameters of this turn, validated."""
         if self.adapter_name is not None:
             raise InvalidRequestError(f"adapter_name={self.adapter_name!r}: LoRA adapters are not supported; "
                                       "send null and serve a merged model", param="adapter_name")
         return checked(SamplingParams(
-            max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=0 if self.top_k == -1 else self.top_k,
+            max_new_tokens=_given(self.request_output_len, INTERACTIVE_DEFAULTS.max_new_tokens),
+            temperature=self.temperature, top_k=self.top_k,
             top_p=self.top_p, repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
             random_seed=self.seed, stop_words=_stop_list(self.stop), skip_special_tokens=self.skip_special_tokens))
 
@@ -375,33 +392,6 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
-    """New text of a streamed chat choice (role only in its first chunk)."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatCompletionChunkChoice(BaseModel):
-    """One choice's piece of a streamed chat chunk."""
-
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    """One server-sent event of POST /v1/chat/completions with ``stream: true``."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionChunkChoice]
-    usage: UsageInfo | None = None
-
-
 class CompletionLogprobs(BaseModel):
     """Legacy completion logprobs: parallel lists, one entry per token."""
 
@@ -412,7 +402,7 @@ class CompletionLogprobs(BaseModel):
 
 
 class CompletionChoice(BaseModel):
-    """One choice of a text completion (also the streamed chunk's choice)."""
+    """One choice of a text completion."""
 
     index: int
     text: str
@@ -429,17 +419,6 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
-
-
-class CompletionChunk(BaseModel):
-    """One server-sent event of POST /v1/completions with ``stream: true``."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
 
 
 class InteractiveResponse(BaseModel):
@@ -473,78 +452,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class ErrorDetail(BaseModel):
-    """What went wrong."""
-
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """The body of every error response, as OpenAI's: ``{"error": {...}}``."""
-
-    error: ErrorDetail
-
-
-_ERROR_TYPES = {401: "invalid_request_error", 500: "internal_error", 503: "service_unavailable"}
-
-
-def error_envelope(status: int, message: str, type: str | None = None, param: str | None = None,
-                   code: str | None = None) -> dict[str, Any]:
-    """The ``{"error": {...}}`` body of an error; ``type`` defaults from the status."""
-    kind = type or _ERROR_TYPES.get(status, "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
 class HealthResponse(BaseModel):
     """Response of GET /health when the server takes requests."""
 
     status: Literal["ok"] = "ok"
-
-
-# ---- validation errors -------------------------------------------------------------------------
-
-_UNION_TAG = re.compile(r"[\[(]|^(str|int|float|bool|bytes|dict|list|none)$|^[A-Z]")
-
-
-def _field_path(loc: Any) -> list[str]:
-    # Drop the leading "body" and union branches ('str', 'list[int]', 'TextContent', ...), which
-    # mean nothing to a user.
-    items = list(loc or ())[1:] if list(loc or ("",))[0] == "body" else list(loc or ())
-    return [str(p) for p in items if not (isinstance(p, str) and _UNION_TAG.search(p))]
-
-
-def describe_validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """A readable message naming the field, and the field's path, for a RequestValidationError."""
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    kind, msg = first.get("type", ""), str(first.get("msg", "")).removeprefix("Value error, ")
-    path = _field_path(first.get("loc"))
-    if kind == "json_invalid":
-        where = f" at position {path[0]}" if path else ""
-        return f"malformed JSON in the request body{where}: {first.get('ctx', {}).get('error', msg)}", None
-    if not path:
-        if kind == "missing":
-            return "the request body is missing: send a JSON object (Content-Type: application/json)", None
-        if kind == "value_error":  # a whole-body check; its message starts with the field it blames
-            field = re.match(r"(\w+): ", msg)
-            return msg, field.group(1) if field else None
-        return "the request body must be a JSON object sent with Content-Type: application/json", None
-    # Of a union's failed branches, the one that got deepest into the value says the most.
-    deepest = max((e for e in errors if _field_path(e.get("loc"))[:len(path)] == path),
-                  key=lambda e: len(_field_path(e.get("loc"))))
-    if deepest is not first:
-        first, path = deepest, _field_path(deepest.get("loc"))
-        kind, msg = first.get("type", ""), str(first.get("msg", "")).removeprefix("Value error, ")
-    param = ".".join(path)
-    if kind == "missing":
-        return f"{param}: field required", param
-    # A union field fails once per branch: list each distinct reason.
-    msgs = dict.fromkeys(str(e.get("msg", "")).removeprefix("Value error, ")
-                         for e in errors if _field_path(e.get("loc")) == path)
-    got = repr(first.get("input"))
-    got = got if len(got) <= 60 else got[:57] + "..."
-    return f"{param}: {', or '.join(msgs) or msg} (got {got})", param

@@ -14,9 +14,9 @@ import zmq
 
 from ...protocol import Addresses, Stage
 from ..engine_client import EngineClient
-from ..proxy.registration import ProxyRegistration, advertised_url
 from .app import begin_drain, build_app, inflight_requests
 from .limits import IngressLimits, with_connection_limit, with_header_timeout
+from .proxy_registration import ProxyRegistration, advertised_url
 from .qos import QosConfig
 from ..stage import announce_ready, begin_stage_process
 from ..tokenizer.preprocess import load_tokenizer

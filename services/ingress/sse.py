@@ -4,7 +4,6 @@
 completion prompts). A ``ResponseFormat`` renders those outputs for one endpoint, either as
 stream pieces or accumulated into one body; ``stream_body`` drives a format for a streamed
 response, ending a stream that fails midway with an error event rather than a cut connection.
-``until_disconnected`` cancels work whose HTTP client went away (the engine then aborts it).
 Chunks are written as bytes directly (a fixed JSON head per response, then the choices),
 matching OpenAI's chunk shapes field for field.
 """
@@ -13,37 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
-import anyio
 import msgspec
-from starlette.requests import Request
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from ...protocol import GenerateReq
 from ..engine_client import RequestError, RequestOutput
+from ..http import SSE_DONE, error_envelope, sse_error
 from .metrics import RequestStats
-from .openai_schemas import error_envelope
 
 logger = logging.getLogger(__name__)
 
 _encode = msgspec.json.Encoder().encode
-SSE_DONE = b"data: [DONE]\n\n"
 LOGPROB_FLOOR = -9999.0  # the chosen token's logprob when the engine did not report it (OpenAI's floor)
 
 Event = tuple[int, RequestOutput]
-
-
-def sse_error(exc: RequestError) -> bytes:
-    """The end of an SSE stream that failed after it started: an error event, then [DONE]
-    (the ingress's streams and the proxy's relays end alike)."""
-    return b"data: " + _encode(error_envelope(exc.status, exc.message, exc.type, exc.param, exc.code)) + \
-        b"\n\n" + SSE_DONE
-
-
-T = TypeVar("T")
 
 
 # ---- merging choices ---------------------------------------------------------------------------
@@ -370,39 +354,7 @@ class InteractiveFormat(ResponseFormat):
         return obj
 
 
-# ---- the client's connection -------------------------------------------------------------------
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away before its response was ready."""
-
-
-async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; if the HTTP client disconnects first, cancel it and raise ClientDisconnected."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnect(request.receive))
-    try:
-        done, _ = await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-        if task not in done and watch.exception() is not None:
-            # The server cannot tell us about the connection: just wait for the work.
-            logger.debug("disconnect watch failed: %r", watch.exception())
-            done, _ = await asyncio.wait((task,))
-    except BaseException:  # cancelled ourselves (server shutdown): leave nothing running
-        watch.cancel()
-        task.cancel()
-        raise
-    watch.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()  # the engine stream inside is cancelled, which aborts the request
-    await asyncio.wait((task,))
-    raise ClientDisconnected()
-
-
-async def _disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
-    # The body has been read, so the next message the server has for us is the disconnect.
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
+# ---- reading the events ------------------------------------------------------------------------
 
 async def first_event(events: AsyncIterator[Event]) -> Event | None:
     """The first event, or None for a stream that ends at once."""
@@ -441,27 +393,3 @@ async def stream_body(first: Event | None, events: AsyncIterator[Event], fmt: Re
     except Exception:  # noqa: BLE001 - a stream must end with a readable error, not a cut connection
         logger.exception("unexpected error while streaming")
         yield fmt.error(RequestError(500, "internal error while streaming", type="internal_error"))
-
-
-class ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that always runs ``cleanup`` and closes its body, however the stream ends.
-
-    Starlette leaves the body iterator suspended when the client disconnects while a chunk is
-    being sent; closing it here, rather than whenever it is garbage collected, makes the engine
-    abort the request (and free its KV blocks) at once and keeps the in-flight count exact.
-    """
-
-    def __init__(self, content: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]], **kwargs: Any):
-        super().__init__(content, **kwargs)
-        self._cleanup = cleanup
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            # Shielded: under a cancelled anyio scope every await would be cancelled again.
-            with anyio.CancelScope(shield=True):
-                try:
-                    await self.body_iterator.aclose()  # type: ignore[attr-defined]
-                finally:
-                    await self._cleanup()

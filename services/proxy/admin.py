@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..ingress.app import bearer_token, error_response, is_one_of
+from ..http import bearer_token, error_response, is_one_of
 
 logger = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from ..engine_client import RETRY_AFTER_S, RequestError
-from ..ingress.app import DEFAULT_MAX_BODY_BYTES, ApiKeyGuard, BodyLimit, error_response, install_error_handlers
-from ..ingress.sse import ClosingStreamingResponse, until_disconnected
+from ..http import (DEFAULT_MAX_BODY_BYTES, ApiKeyGuard, BodyLimit, ClosingStreamingResponse, error_response,
+                    install_error_handlers, until_disconnected)
 from . import health
 from .admin import STATUS_PATH, AdminGuard, check_keys
 from .nodes import QUARANTINE_S, Dispatch, Node, NodeTable

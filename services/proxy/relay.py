@@ -24,8 +24,7 @@ import httpx
 from starlette.responses import Response
 
 from ..engine_client import RequestError
-from ..ingress.app import DEFAULT_MAX_BODY_BYTES
-from ..ingress.sse import sse_error
+from ..http import DEFAULT_MAX_BODY_BYTES, sse_error
 
 logger = logging.getLogger(__name__)
 

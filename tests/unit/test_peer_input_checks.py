@@ -227,7 +227,7 @@ def detok() -> Detokenizer:
 
 
 def _admit(detok: Detokenizer, rid: str, **kw) -> None:
-    assert detok.admit(Admitted(rid, REPLY, 3, SamplingParams(), [1, 2], **kw)) == []
+    assert detok.admit(Admitted(rid, REPLY, 3, SamplingParams().detokenize_params(), [1, 2], **kw)) == []
 
 
 def _text(batches: dict) -> list[str]:
@@ -261,18 +261,18 @@ def test_a_malformed_token_batch_is_dropped_whole(detok, batch) -> None:
 
 def test_ids_the_tokenizer_does_not_know_render_as_no_text(detok) -> None:
     """A model's vocabulary can be larger than its tokenizer's (padded embeddings)."""
-    assert detok.admit(Admitted("a", REPLY, 3, SamplingParams(), [1, 500, 2])) == []
+    assert detok.admit(Admitted("a", REPLY, 3, SamplingParams().detokenize_params(), [1, 500, 2])) == []
     batches, _ = detok.process(TokenBatch(["a", "a", "a"], [4, 10, 5], [-1, -1, int(Finish.STOP)], [0, 0, 0]))
     assert "".join(_text(batches)) == "<4><5>" and batches[REPLY].completion_tokens[-1] == 3
 
 
 @pytest.mark.parametrize("msg", [
-    Admitted("a", REPLY, -1, SamplingParams(), [1]),
-    Admitted("a", REPLY, 3, SamplingParams(), [1], history_tokens=-1),
-    Admitted("a", REPLY, 3, SamplingParams(), [U64]),
-    Admitted("a", REPLY, 3, SamplingParams(stop_words=[""])),  # an empty stop string matches everywhere
-    Admitted("a", REPLY, 3, SamplingParams(temperature=math.nan)),
-], ids=["prompt-negative", "history-negative", "tail-u64", "empty-stop", "nan"])
+    Admitted("a", REPLY, -1, SamplingParams().detokenize_params(), [1]),
+    Admitted("a", REPLY, 3, SamplingParams().detokenize_params(), [1], history_tokens=-1),
+    Admitted("a", REPLY, 3, SamplingParams().detokenize_params(), [U64]),
+    # An empty stop string matches everywhere.
+    Admitted("a", REPLY, 3, SamplingParams(stop_words=[""]).detokenize_params()),
+], ids=["prompt-negative", "history-negative", "tail-u64", "empty-stop"])
 def test_a_malformed_admission_starts_nothing(detok, msg) -> None:
     with pytest.raises(MalformedMessageError):
         detok.admit(msg)

@@ -10,7 +10,8 @@ import httpx
 import pytest
 from proxy_harness import MODEL, ProxyServer, StandInNode
 
-from conveyor.services.proxy import ProxyRegistration, build_proxy_app
+from conveyor.services.ingress.proxy_registration import ProxyRegistration
+from conveyor.services.proxy import build_proxy_app
 from conveyor.services.proxy.admin import is_loopback
 
 CLIENT, ADMIN = "sk-client", "sk-admin"

@@ -249,7 +249,7 @@ def _detokenizer_message(a: Adversary):
     r = a.r
     kind = r.choices(["admitted", "batch", "error", "report"], weights=[3, 6, 1, 1])[0]
     if kind == "admitted":
-        return Admitted(a.rid(), a.reply_to(), r.choice([3, a.int()]), a.params(), a.ids(),
+        return Admitted(a.rid(), a.reply_to(), r.choice([3, a.int()]), a.params().detokenize_params(), a.ids(),
                         history_tokens=r.choice([0, a.int()]))
     if kind == "error":
         return ErrorOut(a.rid(), r.choice([400, 503, a.int()]), a.str(), reply_to=a.reply_to())
@@ -297,7 +297,7 @@ def test_the_detokenizer_stage_drops_adversarial_messages_whole(smollm2_dir, cap
                 if msg is not None:
                     in_codec.send(feed, msg)
             ids = tokenizer.encode("The quick brown fox", add_special_tokens=False)
-            in_codec.send(feed, Admitted("normal", reply, 3, SamplingParams(), [1, 2, 3]))
+            in_codec.send(feed, Admitted("normal", reply, 3, SamplingParams().detokenize_params(), [1, 2, 3]))
             in_codec.send(feed, TokenBatch(["normal"] * len(ids), ids, [-1] * (len(ids) - 1) + [int(Finish.STOP)],
                                            [0] * len(ids)))
             deadline = time.monotonic() + 10

@@ -1,0 +1,71 @@
+"""OpenAI's generation routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (legacy
+text completions), JSON or, with ``stream``, server-sent events."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+from ....protocol import GenerateReq
+from ...engine_client import RequestError
+from ..flow import ERRORS, Ingress, request_id
+from ..openai_schemas import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse
+from ..sse import ChatFormat, CompletionFormat
+
+_STREAMED = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE with stream: true"}}
+
+
+def install_completions(app: FastAPI, ing: Ingress) -> None:
+    """Add the routes of this module to ``app``."""
+    client, limits, tokenizer = ing.client, ing.limits, ing.tokenizer
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**ERRORS, **_STREAMED})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI chat completions (set ``stream`` for server-sent events)."""
+        start = time.perf_counter()
+        ing.admit(body.model)
+        rid, n, k = request_id("chatcmpl"), body.num_choices, body.num_logprobs
+        messages = [m.to_wire() for m in body.messages]
+        ing.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        # Unbounded by default: the scheduler ends the turn where the context (session_len) is full.
+        max_new = body.requested_max_tokens or client.session_len
+        reqs = [GenerateReq(rid=f"{rid}-{i}", reply_to=client.reply_to, messages=messages,
+                            params=body.sampling_params(max_new, k, i)) for i in range(n)]
+        fmt = ChatFormat(rid, int(time.time()), ing.model_name, n, ing.renderer, k, body.wants_usage_chunk)
+        return await ing.respond(request, reqs, fmt, stream=bool(body.stream), n=n, start=start, user=body.user)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={**ERRORS, **_STREAMED})
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """OpenAI (legacy) text completions: no chat template; a batch of prompts gives n choices each."""
+        start = time.perf_counter()
+        ing.admit(body.model)
+        if body.echo and body.logprobs is not None:  # OpenAI's answer would carry the prompt's logprobs too
+            raise RequestError(400, "echo with logprobs: the prompt's logprobs are not computed; send echo or "
+                               "logprobs, not both", param="echo")
+        if body.suffix:
+            raise RequestError(400, "suffix: text insertion is not supported; send null", param="suffix")
+        rid, n, prompts = request_id("cmpl"), body.num_choices, body.prompts
+        if len(prompts) > limits.max_prompts:
+            raise RequestError(400, f"{len(prompts)} prompts in one request; this server takes at most "
+                               f"{limits.max_prompts}: split the batch", param="prompt", code="too_many_prompts")
+        ing.check_prompt_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
+        echo: list[str] | None = None
+        if body.echo:
+            if tokenizer is None and any(isinstance(p, list) for p in prompts):
+                raise RequestError(400, "echo of a token-id prompt needs the server's tokenizer: send text",
+                                   param="echo")
+            try:
+                texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+            except Exception as exc:  # noqa: BLE001 - ids outside the vocabulary
+                raise RequestError(400, f"the prompt's token ids do not decode: {exc}", param="prompt") from exc
+            echo = [t for t in texts for _ in range(n)]
+        max_new = body.max_tokens or client.session_len  # null: as the chat route, up to the context's end
+        reqs = [GenerateReq(rid=f"{rid}-{j * n + i}", reply_to=client.reply_to, do_preprocess=False,
+                            prompt=p if isinstance(p, str) else None, input_ids=None if isinstance(p, str) else p,
+                            params=body.sampling_params(max_new, body.logprobs, i))
+                for j, p in enumerate(prompts) for i in range(n)]
+        fmt = CompletionFormat(rid, int(time.time()), ing.model_name, len(reqs), ing.renderer, body.logprobs,
+                               body.wants_usage_chunk, echo=echo)
+        return await ing.respond(request, reqs, fmt, stream=bool(body.stream), n=n, start=start, user=body.user)
