@@ -18,7 +18,11 @@ from typing import Any
 
 import httpx
 
-INTERACTIVE_OUTPUT_LEN = 512  # request_output_len's default in LMDeploy's documentation
+from conveyor.protocol.sampling import INTERACTIVE_DEFAULTS, OPENAI_DEFAULTS
+
+# The server's sampling defaults per route (LMDeploy's api_server's), sent as the methods' defaults.
+_OPENAI, _INTERACTIVE = OPENAI_DEFAULTS, INTERACTIVE_DEFAULTS
+INTERACTIVE_OUTPUT_LEN = _INTERACTIVE.max_new_tokens  # request_output_len's default in LMDeploy's documentation
 SESSION_BUSY_WAIT_S = 10.0  # how long chat() waits for a session's previous turn to end
 
 
@@ -115,11 +119,12 @@ class APIClient:
                     raise APIError(r.status_code, chunk)
                 yield chunk
 
-    def chat_completions_v1(self, model: str, messages: str | list[dict], temperature: float = 0.7,
-                            top_p: float = 1.0, logprobs: bool = False, top_logprobs: int | None = None,
+    def chat_completions_v1(self, model: str, messages: str | list[dict], temperature: float = _OPENAI.temperature,
+                            top_p: float = _OPENAI.top_p, logprobs: bool = False, top_logprobs: int | None = None,
                             n: int = 1, max_tokens: int | None = None, stop: str | list[str] | None = None,
-                            stream: bool = False, user: str | None = None, repetition_penalty: float = 1.0,
-                            ignore_eos: bool = False, skip_special_tokens: bool = True, **kwargs: Any) -> Iterator[dict]:
+                            stream: bool = False, user: str | None = None,
+                            repetition_penalty: float = _OPENAI.repetition_penalty, ignore_eos: bool = False,
+                            skip_special_tokens: bool = True, **kwargs: Any) -> Iterator[dict]:
         """OpenAI chat completions; a string is one user message."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
@@ -129,9 +134,10 @@ class APIClient:
                        skip_special_tokens=skip_special_tokens, **kwargs)
         yield from self._post("/v1/chat/completions", payload, stream)
 
-    def completions_v1(self, model: str, prompt: str | list, temperature: float = 0.7, n: int = 1,
+    def completions_v1(self, model: str, prompt: str | list, temperature: float = _OPENAI.temperature, n: int = 1,
                        max_tokens: int = 16, stream: bool = False, stop: str | list[str] | None = None,
-                       top_p: float = 1.0, top_k: int = 40, user: str | None = None, repetition_penalty: float = 1.0,
+                       top_p: float = _OPENAI.top_p, top_k: int = _OPENAI.top_k, user: str | None = None,
+                       repetition_penalty: float = _OPENAI.repetition_penalty,
                        ignore_eos: bool = False, skip_special_tokens: bool = True, **kwargs: Any) -> Iterator[dict]:
         """OpenAI text completions."""
         payload = dict(model=model, prompt=prompt, temperature=temperature, n=n, max_tokens=max_tokens,
@@ -142,8 +148,9 @@ class APIClient:
 
     def chat_interactive_v1(self, prompt: str | list[dict], session_id: int = -1, interactive_mode: bool = False,
                             stream: bool = False, stop: str | list[str] | None = None,
-                            request_output_len: int = INTERACTIVE_OUTPUT_LEN, top_p: float = 0.8, top_k: int = 40,
-                            temperature: float = 0.8, repetition_penalty: float = 1.0, ignore_eos: bool = False,
+                            request_output_len: int = INTERACTIVE_OUTPUT_LEN, top_p: float = _INTERACTIVE.top_p,
+                            top_k: int = _INTERACTIVE.top_k, temperature: float = _INTERACTIVE.temperature,
+                            repetition_penalty: float = _INTERACTIVE.repetition_penalty, ignore_eos: bool = False,
                             skip_special_tokens: bool = True, **kwargs: Any) -> Iterator[dict]:
         """LMDeploy's stateful endpoint: with interactive_mode the server keeps the history as KV.
         ``request_output_len`` is sent always (512, LMDeploy's documented default), so a server
@@ -155,8 +162,9 @@ class APIClient:
         yield from self._post("/v1/chat/interactive", payload, stream, sse=False)
 
     def chat(self, prompt: str | list[dict], session_id: int, request_output_len: int = INTERACTIVE_OUTPUT_LEN,
-             stream: bool = False, top_p: float = 0.8, top_k: int = 40, temperature: float = 0.8,
-             repetition_penalty: float = 1.0, ignore_eos: bool = False) -> Iterator[tuple[str, int, str | None]]:
+             stream: bool = False, top_p: float = _INTERACTIVE.top_p, top_k: int = _INTERACTIVE.top_k,
+             temperature: float = _INTERACTIVE.temperature, repetition_penalty: float = _INTERACTIVE.repetition_penalty,
+             ignore_eos: bool = False) -> Iterator[tuple[str, int, str | None]]:
         """One turn of session ``session_id`` (LMDeploy's ``APIClient.chat``): yields (text, tokens,
         finish_reason), the text in pieces when ``stream``; the server keeps the history. A turn
         sent while the session's previous one is still ending (a stop string, a cancel) waits for
