@@ -9,7 +9,7 @@
   one_shot, two_shot; their sums checked against NCCL's), each eagerly and replayed inside a
   CUDA graph (100 captured back to back, the way the decode graphs hold them), and with
   ``--cupy`` through cupy's NCCL bindings eagerly. The engine uses ``torch.distributed`` unless
-  ``CONVEYOR_TP_ALLREDUCE`` picks a peer path for small tensors. Rank 0 prints each batch's row
+  ``EngineConfig.tp_all_reduce`` picks a peer path for small tensors. Rank 0 prints each batch's row
   as soon as it is measured.
 * Step plan (CPU): what rank 0 pays per step to hand a decode plan of ``batch`` sequences to
   another rank: msgpack encode + ZeroMQ ipc send + receive + decode, measured as half a

@@ -91,14 +91,15 @@ def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(length)]
 
 
-def dummy_engine(shape: str, dtype: str = "float16", **config: Any):
-    """An LLMEngine of a published shape with seeded random weights built on the device."""
+def dummy_engine(shape: str, dtype: str = "float16", process_group: bool = False, **config: Any):
+    """An LLMEngine of a published shape with seeded random weights built on the device
+    (``config``: EngineConfig fields; ``process_group``: LLMEngine's, a group even at tp=1)."""
     from benchmarks.dummy_model import write_model_dir
     from conveyor.engine.config import EngineConfig
     from conveyor.engine.llm_engine import LLMEngine
 
     model_dir = write_model_dir(shape, Path(tempfile.gettempdir()) / f"conveyor-dummy-{shape}")
-    return LLMEngine(model_dir, EngineConfig(dtype=dtype, load_format="dummy", **config))
+    return LLMEngine(model_dir, EngineConfig(dtype=dtype, load_format="dummy", **config), process_group=process_group)
 
 
 def cuda_time_us(call: Callable[[], object], samples: int, calls: int = 1) -> float:

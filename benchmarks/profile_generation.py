@@ -32,7 +32,7 @@ from statistics import mean
 
 import torch
 
-from conveyor.engine.config import parse_cache_size
+from conveyor.engine.config import TP_ALL_REDUCE_KINDS, parse_cache_size
 from benchmarks.common import dummy_engine, percentile, random_prompt, record, save
 from conveyor.protocol.sampling import SamplingParams
 
@@ -108,6 +108,10 @@ def main() -> None:
     ap.add_argument("--model-format", default=None, choices=[None, "hf", "awq", "smooth_quant"],
                     help="awq: the decoder linears as 4-bit AWQ weights (random, group size 128); "
                          "smooth_quant: as W8A8 int8 weights (random) with per-token int8 activations")
+    ap.add_argument("--tp-all-reduce", default="nccl", choices=TP_ALL_REDUCE_KINDS,
+                    help="tensor parallel's path for decode-sized all-reduces (EngineConfig.tp_all_reduce)")
+    ap.add_argument("--process-group", action="store_true",
+                    help="join a process group even at tp=1 (every collective runs, on one GPU)")
     ap.add_argument("--name", default=None, help="results file name (default profile_generation_<model>)")
     ap.add_argument("--hf-baseline", action="store_true",
                     help="also run transformers generate on the batch-1 cases, into the same file")
@@ -119,7 +123,8 @@ def main() -> None:
     t = time.perf_counter()
     engine = dummy_engine(args.model, args.dtype, max_batch_size=args.max_batch_size,
                           cache_max_entry_count=args.cache_max_entry_count, model_format=args.model_format,
-                          quant_policy=args.quant_policy, tp=args.tp)
+                          quant_policy=args.quant_policy, tp=args.tp, tp_all_reduce=args.tp_all_reduce,
+                          process_group=args.process_group)
     graphs = engine.runner.decode_graphs
     print(f"engine ready in {time.perf_counter() - t:.1f}s: {engine.runner.num_blocks} KV blocks of "
           f"{engine.config.block_size}, activations {engine.runner.activation_bytes / 2**30:.2f} GiB, "

@@ -17,7 +17,7 @@ span the GPU can still wait on kernel launches (eager prefill), so it is an uppe
 ``--profile START:COUNT`` runs those steps under torch.profiler and prints (and records) their
 kernels by GPU time and how long the host blocked on the GPU; the profiler slows the run.
 
-``CONVEYOR_TP_RANK_TIMING=DIR`` (tensor parallel): every rank logs each step's wait for its plan,
+``--rank-timing DIR`` (tensor parallel; ``EngineConfig.rank_timing_dir``): every rank logs each step's wait for its plan,
 host time building and launching it, and GPU span (``engine/rank_timing.py``); the table per rank
 and step kind is printed at the end and saved in the record (``rank_timing``).
 """
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from conveyor.engine.config import parse_cache_size
 from benchmarks.common import StepTimer, drain, dummy_engine, percentile, random_prompt, record, save
-from conveyor.engine.rank_timing import RANK_TIMING_ENV, RankTiming, StepHook, busy_seconds, read_all, table
+from conveyor.engine.rank_timing import busy_seconds, read_all, table
 from benchmarks.profile_step import kernel_table
 from conveyor.protocol.sampling import SamplingParams
 
@@ -90,6 +89,11 @@ def main() -> None:
     ap.add_argument("--quant-policy", type=int, default=0, choices=[0, 4, 8], help="KV cache: 0 (16-bit), 8 or 4 bits")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs the model is split over")
     ap.add_argument("--name", default=None)
+    ap.add_argument("--eager-mode", action="store_true", help="no decode CUDA graphs (EngineConfig.eager_mode)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="read every step back before scheduling the next (EngineConfig.overlap_schedule=False)")
+    ap.add_argument("--rank-timing", default=None, metavar="DIR",
+                    help="every rank writes its step times (wait, host, GPU) to DIR; printed and recorded at the end")
     ap.add_argument("--profile", type=profile_window, default=None, metavar="START:COUNT",
                     help="profile steps START..START+COUNT (torch.profiler; their kernels, by GPU time, "
                          "go into the record: the run's own numbers then include the profiler's cost)")
@@ -100,17 +104,15 @@ def main() -> None:
 
     work = load_workload(args.dataset, args.num_prompts)
     engine = dummy_engine(args.model, args.dtype, max_batch_size=args.max_batch_size,
-                          cache_max_entry_count=args.cache_max_entry_count, quant_policy=args.quant_policy, tp=args.tp)
+                          cache_max_entry_count=args.cache_max_entry_count, quant_policy=args.quant_policy, tp=args.tp,
+                          rank_timing_dir=args.rank_timing, eager_mode=args.eager_mode,
+                          overlap_schedule=False if args.no_overlap else None)
     vocab = engine.model_config.vocab_size
     print(f"engine ready: {engine.runner.num_blocks} KV blocks of {engine.config.block_size}", flush=True)
     warm_up(engine, vocab)
     rng = random.Random(0)
     prompts = [random_prompt(rng, i, vocab) for i, _ in work]
     timer = StepTimer().attach(engine)
-    timing_dir = os.environ.get(RANK_TIMING_ENV)  # every rank's step times (tensor parallel's profile)
-    rank0 = StepHook(RankTiming(0, Path(timing_dir), engine.device)) if timing_dir else None
-    if rank0 is not None:
-        engine.runner.step_hooks.append(rank0)
     preempted = [0]
     schedule = engine.scheduler.schedule
 
@@ -190,12 +192,9 @@ def main() -> None:
                  batch=args.max_batch_size, quant_policy=args.quant_policy, tp=args.tp, dataset=args.dataset.name, **result)
     path = save([rec], args.name or f"profile_throughput_{args.model}")
     print(f"saved {path}", flush=True)
-    if rank0 is not None:
-        engine.runner.step_hooks.remove(rank0)
-        rank0.timing.write()
-    engine.close()  # tensor parallel: stops the other ranks (which write their step times as they stop)
-    if rank0 is not None:
-        rec["rank_timing"] = read_all(Path(timing_dir))
+    engine.close()  # every rank writes its step times (--rank-timing) as it stops
+    if args.rank_timing:
+        rec["rank_timing"] = read_all(Path(args.rank_timing))
         print(table(rec["rank_timing"]))
         print(f"saved {save([rec], args.name or f'profile_throughput_{args.model}')} (with every rank's step times)")
 

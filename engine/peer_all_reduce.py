@@ -13,7 +13,7 @@ address space.
 * ``two_shot``: reduce-scatter then all-gather through the same buffers (less traffic, two
   barriers); in place.
 
-Chosen with ``CONVEYOR_TP_ALLREDUCE`` (``nccl``, the default, ``one_shot`` or ``two_shot``).
+Chosen with ``EngineConfig.tp_all_reduce`` (``nccl``, the default, ``one_shot`` or ``two_shot``).
 Only tensors up to ``PEER_ALLREDUCE_MAX_BYTES`` take this path; larger ones (prefill) stay on
 NCCL, whose bandwidth wins there. The input is copied into the registered buffer (a small copy,
 captured in the decode graphs with the rest); ``one_shot``'s sum comes back as a new tensor,
@@ -24,46 +24,44 @@ NVLink multicast (``multimem_*`` kernels) is never used: the device notes forbid
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..protocol.errors import EngineConfigError
+from .config import TP_ALL_REDUCE_KINDS
 
-ALLREDUCE_ENV = "CONVEYOR_TP_ALLREDUCE"
-ALLREDUCE_KINDS = ("nccl", "one_shot", "two_shot")
 PEER_ALLREDUCE_MAX_BYTES = 1 << 20  # [128, 4096] bf16: every decode batch up to 128 of a 7B model
 # What torch's symmetric-memory all-reduce kernels are built for: no float16 (on the H200, torch
 # 2.11 answers '"one_shot_all_reduce" not implemented for 'Half'').
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
-def allreduce_kind(device: torch.device, tensor_parallel: bool = True, dtype: torch.dtype | None = None) -> str:
-    """The all-reduce path asked for in the environment (``nccl`` unless set) for a rank on
-    ``device`` whose activations are ``dtype``; refuses an unknown one, a peer path off the GPU
-    or for a dtype its kernels lack, and a peer path for an engine that runs no all-reduce
-    (``tensor_parallel`` False: tp=1 without a process group)."""
-    kind = os.environ.get(ALLREDUCE_ENV, "nccl").strip().lower() or "nccl"
-    if kind not in ALLREDUCE_KINDS:
-        raise EngineConfigError(f"{ALLREDUCE_ENV}={kind!r} is not one of {', '.join(ALLREDUCE_KINDS)}")
-    if kind != "nccl" and not tensor_parallel:
-        raise EngineConfigError(f"{ALLREDUCE_ENV}={kind} picks tensor parallel's all-reduce, and this engine runs "
-                                "tp=1 with none: unset it, or split the model with tp=N")
-    if kind != "nccl" and device.type != "cuda":
-        raise EngineConfigError(f"{ALLREDUCE_ENV}={kind} reads peer GPUs' memory: it needs CUDA devices (the "
-                                f"engine is on {device}); unset it to use the process group's all-reduce")
-    if kind != "nccl" and dtype is not None and dtype not in _DTYPES:
-        raise EngineConfigError(f"{ALLREDUCE_ENV}={kind} runs torch's symmetric-memory kernels, which have no {dtype}: "
-                                "load the model with dtype='bfloat16' (--dtype bfloat16), or unset it for NCCL")
-    return kind
+def check_all_reduce(kind: str, device: torch.device, tensor_parallel: bool = True,
+                     dtype: torch.dtype | None = None) -> None:
+    """Refuse the all-reduce path ``kind`` (``EngineConfig.tp_all_reduce``) for a rank on
+    ``device`` whose activations are ``dtype`` when it cannot run there: an unknown one, a peer
+    path off the GPU or for a dtype its kernels lack, and a peer path for an engine that runs no
+    all-reduce (``tensor_parallel`` False: tp=1 without a process group)."""
+    if kind not in TP_ALL_REDUCE_KINDS:
+        raise EngineConfigError(f"tp_all_reduce={kind!r} is not one of {', '.join(TP_ALL_REDUCE_KINDS)}")
+    if kind == "nccl":
+        return
+    if not tensor_parallel:
+        raise EngineConfigError(f"tp_all_reduce={kind!r} picks tensor parallel's all-reduce, and this engine runs "
+                                "tp=1 with none: use tp_all_reduce='nccl', or split the model with tp=N")
+    if device.type != "cuda":
+        raise EngineConfigError(f"tp_all_reduce={kind!r} reads peer GPUs' memory: it needs CUDA devices (the "
+                                f"engine is on {device}); use tp_all_reduce='nccl' (the process group's all-reduce)")
+    if dtype is not None and dtype not in _DTYPES:
+        raise EngineConfigError(f"tp_all_reduce={kind!r} runs torch's symmetric-memory kernels, which have no {dtype}: "
+                                "load the model with dtype='bfloat16' (--dtype bfloat16), or use tp_all_reduce='nccl'")
 
 
 class PeerAllReduce:
     """Sums small tensors over the group through one registered (symmetric-memory) buffer."""
 
     def __init__(self, kind: str, group, device: torch.device, max_bytes: int = PEER_ALLREDUCE_MAX_BYTES):
-        if kind not in ALLREDUCE_KINDS[1:]:
-            raise EngineConfigError(f"no peer all-reduce called {kind!r}: pick one of {', '.join(ALLREDUCE_KINDS[1:])}")
+        if kind not in TP_ALL_REDUCE_KINDS[1:]:
+            raise EngineConfigError(f"no peer all-reduce called {kind!r}: pick one of {', '.join(TP_ALL_REDUCE_KINDS[1:])}")
         import torch.distributed._symmetric_memory as symm_mem
 
         self.kind = kind

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .. import envs
 from ..protocol.errors import ConveyorError, EngineConfigError, UnsupportedModelError
 from .config import EngineConfig
 
@@ -161,7 +161,7 @@ def check_tensor_parallel(model_config: ModelConfig, config: EngineConfig) -> No
 
 
 def _check_gpu_count(tp: int, device: str) -> None:
-    """The engine's device choice (``llm_engine._pick_device``), refused before it is made: a rank per GPU."""
+    """The engine's device choice (``engine_inputs.pick_device``), refused before it is made: a rank per GPU."""
     if device != "auto" and not device.startswith("cuda"):
         return  # the CPU: the ranks share it, joined by gloo
     import torch
@@ -173,7 +173,7 @@ def _check_gpu_count(tp: int, device: str) -> None:
                                 "cuda:r) and choose the GPUs with CUDA_VISIBLE_DEVICES")
     count = torch.cuda.device_count()  # does not initialize CUDA (the stages are spawned after this)
     if tp > count:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = envs.cuda_visible_devices()
         shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
         raise EngineConfigError(f"tp={tp} needs {tp} GPUs, one per rank; {count} visible{shown}: lower tp to "
                                 f"{max(count, 1)} or make {tp} GPUs visible")

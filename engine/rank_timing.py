@@ -2,26 +2,23 @@
 host waited for rank 0's plan, how long it took to build and launch the step, and the step's
 span on the GPU (CUDA events, which include waiting inside collectives for slower ranks).
 
-Off unless ``CONVEYOR_TP_RANK_TIMING`` names a directory: ranks 1..tp-1 then write
-``rank<r>.json`` there when they stop (``summary``: per step kind, the steps and the mean wait,
-host and GPU milliseconds, and the GPU's busy seconds). Rank 0's side of the same numbers is the
-benchmarks' ``StepTimer`` (``benchmarks/common.py``). A rank whose host time per step exceeds its
-GPU span is launch-bound, and the others wait for it in every collective.
+Off unless ``EngineConfig.rank_timing_dir`` names a directory: every rank then writes
+``rank<r>.json`` there when the engine closes (``summary``: per step kind, the steps and the mean
+wait, host and GPU milliseconds, and the GPU's busy seconds); rank 0 through a runner step hook
+(``StepHook``), ranks 1..tp-1 around each plan they follow (``tp_workers``). A rank whose host
+time per step exceeds its GPU span is launch-bound, and the others wait for it in every collective.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
-
-RANK_TIMING_ENV = "CONVEYOR_TP_RANK_TIMING"
 
 
 def busy_seconds(spans) -> float:
@@ -54,11 +51,6 @@ class RankTiming:
         self.spans: list[tuple] = []
         self._start = None
         self._t0 = time.perf_counter()
-
-    @classmethod
-    def from_env(cls, rank: int, device: torch.device) -> "RankTiming | None":
-        directory = os.environ.get(RANK_TIMING_ENV)
-        return cls(rank, Path(directory), device) if directory else None
 
     def begin(self) -> None:
         if self.cuda:
@@ -100,7 +92,7 @@ class RankTiming:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps(self.summary(), indent=1))
         except OSError as exc:
-            logger.warning("%s=%s: could not write %s: %s", RANK_TIMING_ENV, self.path.parent, self.path.name, exc)
+            logger.warning("rank_timing_dir=%s: could not write %s: %s", self.path.parent, self.path.name, exc)
             return None
         return self.path
 

@@ -9,8 +9,8 @@ plan itself; the ranks meet in the step's collectives (``engine/distributed.py``
 
 Failure. Every rank sends a heartbeat each ``HEARTBEAT_S`` from a thread of its own, so a rank
 that is alive but busy keeps beating. Rank 0's watchdog thread calls it failed when its process
-exits, when it reports an error, or when its beats stop for ``hang_timeout`` seconds (a frozen
-process). It then kills every rank and aborts rank 0's NCCL communicators (a collective that
+exits, when it reports an error, or when its beats stop for ``EngineConfig.tp_hang_timeout``
+seconds (a frozen process). It then kills every rank and aborts rank 0's NCCL communicators (a collective that
 waits on a dead peer never returns: with the peers gone, gloo's raises; NCCL's returns once
 aborted) and calls ``on_failure``: the engine process exits there, so the launcher fails the
 requests in flight and restarts the stage; in-process (the pipeline) the next step raises. A
@@ -33,6 +33,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -41,14 +42,15 @@ from ..protocol.errors import EngineConfigError
 from ..protocol.tp import HEARTBEAT_S, RankIn, RankOut, RankStatus, StepKind, StepPlan
 from .config import EngineConfig
 from .distributed import abort_tp
-from .rank_timing import RankTiming
 from .tp_socket_dir import TPSocketDir
+
+if TYPE_CHECKING:
+    from .model_runner import ModelRunner
+    from .rank_timing import RankTiming
 
 logger = logging.getLogger(__name__)
 
 _KIND_NAMES = {StepKind.GRAPH: "graph", StepKind.FORWARD: "eager", StepKind.SCORE: "score"}
-HANG_TIMEOUT_ENV = "CONVEYOR_TP_HANG_S"
-DEFAULT_HANG_TIMEOUT_S = 30.0  # a rank whose heartbeat thread is silent this long is frozen
 READY_TIMEOUT_S = 1800.0  # loading a large checkpoint and capturing graphs takes minutes
 
 
@@ -71,7 +73,7 @@ class TPWorkers:
         self.size = config.tp
         self.failure: str | None = None
         self.on_failure = on_failure
-        self.hang_timeout = float(os.environ.get(HANG_TIMEOUT_ENV, DEFAULT_HANG_TIMEOUT_S))
+        self.hang_timeout = float(config.tp_hang_timeout)  # a rank silent this long is frozen
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
         self._socket_dir = TPSocketDir()  # removed however this process ends (tp_socket_dir.py)
         self._dir = str(self._socket_dir.path)
@@ -230,6 +232,29 @@ def _exit_with_parent() -> None:
     os._exit(1)
 
 
+def _follow(runner: ModelRunner, plans: zmq.Socket, codec: Codec) -> None:
+    """Run rank 0's plans until its STOP."""
+    prev_ids = None
+    while (plan := codec.recv(plans)).kind != StepKind.STOP:
+        prev_ids = runner.follow(plan, prev_ids)
+
+
+def _follow_timed(runner: ModelRunner, plans: zmq.Socket, codec: Codec, timing: RankTiming) -> None:
+    """``_follow``, logging each step's wait for its plan, host time and GPU span in ``timing``
+    (a ``RankTiming``: ``EngineConfig.rank_timing_dir``, benchmarks only)."""
+    prev_ids = None
+    while True:
+        t_wait = time.perf_counter()
+        plan = codec.recv(plans)
+        if plan.kind == StepKind.STOP:
+            return
+        t_host = time.perf_counter()
+        timing.begin()
+        prev_ids = runner.follow(plan, prev_ids)
+        timing.end(_KIND_NAMES.get(plan.kind, str(plan.kind)), len(plan.input_ids), t_host - t_wait,
+                   time.perf_counter() - t_host)
+
+
 def run_tp_rank(rank: int, size: int, init_method: str, plan_address: str, status_address: str,
                 model_path: str, config: EngineConfig, log_level: str = "INFO") -> None:
     """Entry point of tensor-parallel rank ``rank`` (1..size-1): build the shard, then follow plans."""
@@ -248,31 +273,25 @@ def run_tp_rank(rank: int, size: int, init_method: str, plan_address: str, statu
     out_codec, in_codec = Codec(RankOut), Codec(RankIn)
     code = 0
     try:
+        from ..kernels import set_kernel_mode
         from .distributed import close_tp, init_tp
-        from .llm_engine import resolve_engine_inputs
+        from .engine_inputs import resolve_engine_inputs
         from .model_runner import ModelRunner
 
+        set_kernel_mode(config.kernels)
         path, model_config, device, dtype = resolve_engine_inputs(model_path, config, rank)
-        init_tp(rank, size, init_method, device)
+        init_tp(rank, size, init_method, device, config.tp_all_reduce)
         runner = ModelRunner(path, model_config, config, device, dtype)
-        timing = RankTiming.from_env(rank, device)  # benchmarks only (CONVEYOR_TP_RANK_TIMING)
         out_codec.send(status, RankStatus(rank, "ready", os.getpid()))
-        prev_ids = None
-        while True:
-            t_wait = time.perf_counter()
-            plan = in_codec.recv(plans)
-            if plan.kind == StepKind.STOP:
-                break
-            if timing is None:
-                prev_ids = runner.follow(plan, prev_ids)
-                continue
-            t_host = time.perf_counter()
-            timing.begin()
-            prev_ids = runner.follow(plan, prev_ids)
-            timing.end(_KIND_NAMES.get(plan.kind, str(plan.kind)), len(plan.input_ids), t_host - t_wait,
-                       time.perf_counter() - t_host)
-        close_tp()  # with rank 0, which is leaving the group now
-        if timing is not None:
+        if config.rank_timing_dir is None:
+            _follow(runner, plans, in_codec)
+            close_tp()  # with rank 0, which is leaving the group now
+        else:
+            from .rank_timing import RankTiming
+
+            timing = RankTiming(rank, Path(config.rank_timing_dir), device)
+            _follow_timed(runner, plans, in_codec, timing)
+            close_tp()
             timing.write()
     except Exception as exc:  # noqa: BLE001 - report to rank 0, then exit
         logger.exception("tensor-parallel rank %d failed", rank)

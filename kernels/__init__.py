@@ -1,10 +1,11 @@
 """Compute kernels, each with the plain-torch reference it is tested against.
 
 Each public function dispatches to a Triton kernel for CUDA tensors when Triton imports and to
-its ``*_ref`` otherwise; ``CONVEYOR_KERNELS=ref|triton`` forces one side (see ``_triton``).
+its ``*_ref`` otherwise; ``set_kernel_mode("ref" | "triton")`` forces one side for the process
+(the engine applies ``EngineConfig.kernels`` so; see ``_triton``).
 """
 
-from ._triton import HAS_TRITON
+from ._triton import HAS_TRITON, KERNEL_MODES, kernel_mode, set_kernel_mode
 from .activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton
 from .attention import paged_attention, paged_attention_ref, paged_attention_triton
 from .kv_cache import (
@@ -27,7 +28,7 @@ from .rotary import apply_rotary, apply_rotary_ref, apply_rotary_triton
 from .sampling import seeded_race, seeded_race_ref, seeded_race_triton
 
 __all__ = [
-    "HAS_TRITON", "add_rms_norm", "add_rms_norm_ref", "add_rms_norm_triton", "apply_rotary",
+    "HAS_TRITON", "KERNEL_MODES", "kernel_mode", "set_kernel_mode", "add_rms_norm", "add_rms_norm_ref", "add_rms_norm_triton", "apply_rotary",
     "apply_rotary_ref", "apply_rotary_triton", "paged_attention", "paged_attention_ref",
     "paged_attention_triton", "rms_norm", "rotate_and_store_kv", "rotate_and_store_kv_ref",
     "rotate_and_store_kv_triton", "rms_norm_ref", "rms_norm_triton", "seeded_race",

@@ -1,8 +1,9 @@
 """Optional Triton support shared by the kernel files: guarded import, dispatch policy, small helpers.
 
-Dispatch policy (``CONVEYOR_KERNELS``, read at every call so tests can switch it):
+Dispatch policy: one mode for the whole process, ``auto`` until ``set_kernel_mode`` changes it
+(the engine calls it once at start with ``EngineConfig.kernels``; tests call it to force a side):
 
-* unset / ``auto``: Triton when it imports and the tensors are on CUDA, else the torch reference;
+* ``auto``: Triton when it imports and the tensors are on CUDA, else the torch reference;
 * ``ref``: the torch reference everywhere;
 * ``triton``: Triton everywhere. CPU tensors then need Triton's interpreter, which Triton only
   enables for a whole process: ``TRITON_INTERPRET=1`` must be set before ``triton`` is first
@@ -12,7 +13,6 @@ Dispatch policy (``CONVEYOR_KERNELS``, read at every call so tests can switch it
 """
 
 import functools
-import os
 import types
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -43,7 +43,11 @@ def _interpreted() -> bool:
         # A library function decorated when triton.language was imported tells the mode it got.
         return isinstance(tl.zeros, InterpretedFunction)
     except Exception:  # noqa: BLE001 - internal layout changed: fall back to the variable
-        return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+        # Imported here: from the repository's root, transformers' probe for a "kernels" package
+        # imports this folder as a top-level package, which has no parent to import from.
+        from .. import envs
+
+        return envs.flag("TRITON_INTERPRET")
 
 
 TRITON_INTERPRETED = _interpreted()
@@ -109,16 +113,21 @@ def sm_count(device: torch.device, interpreted: int = 1) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-KERNELS_ENV = "CONVEYOR_KERNELS"
-_MODES = ("auto", "ref", "triton")
+KERNEL_MODES = ("auto", "ref", "triton")  # EngineConfig.kernels accepts these (engine/config.py)
+_mode = "auto"  # this process's dispatch mode: set_kernel_mode, never read from the environment
+
+
+def set_kernel_mode(mode: str) -> None:
+    """Make every dispatcher of this process follow ``mode`` (see the module doc)."""
+    global _mode
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernels={mode!r}: use one of {', '.join(KERNEL_MODES)}")
+    _mode = mode
 
 
 def kernel_mode() -> str:
-    """The dispatch mode from ``CONVEYOR_KERNELS``: ``auto`` (default), ``ref`` or ``triton``."""
-    mode = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
-    if mode not in _MODES:
-        raise ValueError(f"{KERNELS_ENV}={mode!r}; expected one of {_MODES}")
-    return mode
+    """The dispatch mode this process runs: ``auto`` (default), ``ref`` or ``triton``."""
+    return _mode
 
 
 def triton_takes(
@@ -128,9 +137,9 @@ def triton_takes(
 
     ``problem(*args)`` says why the kernel cannot take these inputs, or None when it can; it runs
     only where Triton would. Inputs it cannot take go to the reference, except under
-    ``CONVEYOR_KERNELS=triton``, where they raise.
+    the ``triton`` mode, where they raise.
     """
-    mode = kernel_mode()
+    mode = _mode
     if mode == "ref":
         return False
     if mode == "auto":
@@ -138,10 +147,10 @@ def triton_takes(
             return False
     else:
         if not HAS_TRITON:
-            raise RuntimeError(f"{KERNELS_ENV}=triton but triton cannot be imported")
+            raise RuntimeError("kernels='triton' but triton cannot be imported")
         if not TRITON_INTERPRETED and not all(t.is_cuda for t in tensors):
             raise RuntimeError(
-                f"{KERNELS_ENV}=triton on CPU tensors needs Triton's interpreter: "
+                "kernels='triton' on CPU tensors needs Triton's interpreter: "
                 "set TRITON_INTERPRET=1 before triton is first imported"
             )
     why = problem(*args)

@@ -18,6 +18,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 
+from .. import envs
 from .security import CurveKeys, SecurityError
 
 
@@ -77,7 +78,7 @@ class Addresses:
         hosts = dict(hosts or {})
         names = ("ingress", "engine", "detokenizer", "launcher")
         for n in names:
-            hosts.setdefault(n, os.environ.get(f"CONVEYOR_{n.upper()}_HOST", n))
+            hosts.setdefault(n, envs.stage_host(n))
 
         def ep(owner: str, port: int) -> Endpoint:
             return Endpoint(f"tcp://{_bind_host(hosts[owner])}:{port}", f"tcp://{hosts[owner]}:{port}")
@@ -121,8 +122,9 @@ def _bind_host(name: str) -> str:
 
     CONVEYOR_BIND_HOST wins: a container on several networks sets the one its peers use.
     """
-    if os.environ.get("CONVEYOR_BIND_HOST"):
-        return os.environ["CONVEYOR_BIND_HOST"]
+    bound = envs.bind_host()
+    if bound:
+        return bound
     try:
         return socket.gethostbyname(name)
     except OSError:

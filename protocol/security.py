@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import zmq
 
-KEY_FILE_ENV = "CONVEYOR_CURVE_KEY_FILE"  # where `conveyor serve stage` reads the deployment's keys
+from .. import envs
 
 
 class SecurityError(RuntimeError):
@@ -62,7 +62,7 @@ class CurveKeys:
     @classmethod
     def from_env(cls) -> "CurveKeys | None":
         """The keys named by $CONVEYOR_CURVE_KEY_FILE, or None when it is unset."""
-        path = os.environ.get(KEY_FILE_ENV)
+        path = envs.curve_key_file()
         return cls.load(path) if path else None
 
     def save(self, path: str) -> None:

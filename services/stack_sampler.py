@@ -24,16 +24,18 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from .. import envs
+
 logger = logging.getLogger(__name__)
 
-ENV = "CONVEYOR_STACK_SAMPLES"
+ENV = "CONVEYOR_STACK_SAMPLES"  # declared in conveyor/envs.py
 INTERVAL_S = 0.005
 WRITE_EVERY_S = 5.0
 
 
 def start_from_env(stage: str) -> "StackSampler | None":
     """Start sampling this process when ``CONVEYOR_STACK_SAMPLES`` names a directory."""
-    out = os.environ.get(ENV)
+    out = envs.stack_samples_dir()
     if not out:
         return None
     name = "".join(c if c.isalnum() or c in "-_" else "_" for c in stage)

@@ -7,7 +7,7 @@ import shutil
 
 # Without a GPU, Triton kernels run in its interpreter. Triton reads this once, when it is first
 # imported, so it is set before anything can import it (the dispatchers still use the torch
-# references for CPU tensors unless CONVEYOR_KERNELS=triton).
+# references for CPU tensors unless set_kernel_mode or EngineConfig.kernels says "triton").
 if not shutil.which("nvidia-smi"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import sys
@@ -16,6 +16,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _default_kernel_mode():
+    """Every test starts in the default dispatch mode: the mode is the process's, and a test
+    (``set_kernel_mode``, forcing a side) or an engine it built (``EngineConfig.kernels``) may
+    have set another."""
+    yield
+    dispatch = sys.modules.get("conveyor.kernels._triton")  # never imported here: no torch for tests without it
+    if dispatch is not None:
+        dispatch.set_kernel_mode("auto")
 
 
 @pytest.fixture(scope="session")

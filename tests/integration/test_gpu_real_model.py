@@ -134,7 +134,7 @@ def test_padded_decode_path_matches_eager_cpu(smollm2_dir, prompt_ids) -> None:
 def test_mixed_batch_split_matches_one_kernel() -> None:
     """A mixed step (decodes first, then prefill chunks) split across the two attention kernels
     gives what one call over the whole batch gives (runs on any device; on a GPU, or with
-    CONVEYOR_KERNELS=triton under the interpreter, through the Triton kernels)."""
+    the triton kernel mode under the interpreter, through the Triton kernels)."""
     from types import SimpleNamespace
 
     from conveyor.engine.attention_metadata import AttentionMetadata, set_attention_metadata

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conveyor.kernels._triton import TRITON_INTERPRETED
+from conveyor.kernels._triton import TRITON_INTERPRETED, set_kernel_mode
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,12 +67,12 @@ def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def forced(monkeypatch: pytest.MonkeyPatch, poisoned_empty: None) -> None:
     """Dispatchers run Triton whatever the device (and unsupported inputs raise)."""
-    monkeypatch.setenv("CONVEYOR_KERNELS", "triton")
+    set_kernel_mode("triton")
 
 
 def run_interpreter_cases_in_child(test_file: str) -> None:
     """Run ``test_file``'s interpreter cases in a child process that imports triton interpreted."""
-    env = {k: v for k, v in os.environ.items() if k != "CONVEYOR_KERNELS"}
+    env = dict(os.environ)
     env["TRITON_INTERPRET"] = "1"
     cmd = [sys.executable, "-m", "pytest", str(test_file), "-q", "-m", "not gpu", "-p", "no:cacheprovider"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -252,3 +252,21 @@ def test_api_server_still_starts_dummy_weights_and_factory_engines(tmp_path, mon
     assert main([*base, "--server-port", str(_free_port()), "--dummy-weights", "tiny"]) == 0
     assert main([*base, "--server-port", str(_free_port()), "--engine-factory", "benchmarks.fake_engine:build"]) == 0
     assert [a.engine.load_format for a in started] == ["dummy", "auto"]
+    assert [a.engine_factory for a in started] == [None, serve_fake.FAKE_ENGINE]
+    with pytest.raises(SystemExit):
+        main([*base, "--server-port", str(_free_port()), "--engine-factory", serve_fake.FAKE_ENGINE])
+
+
+def test_the_execution_flags_reach_the_engine_config() -> None:
+    """The settings that were environment variables are EngineConfig fields with flags."""
+    from conveyor.engine.config import EngineConfig
+
+    cfg = _engine_config(_parse("serve", "api_server", "m"))
+    plain = EngineConfig()
+    assert (cfg.eager_mode, cfg.kernels, cfg.tp_all_reduce, cfg.tp_hang_timeout) == \
+        (plain.eager_mode, plain.kernels, plain.tp_all_reduce, plain.tp_hang_timeout)
+    cfg = _engine_config(_parse("chat", "m", "--eager-mode", "--kernels", "ref", "--tp-all-reduce", "one_shot",
+                                "--tp-hang-timeout", "5"))
+    assert (cfg.eager_mode, cfg.kernels, cfg.tp_all_reduce, cfg.tp_hang_timeout) == (True, "ref", "one_shot", 5.0)
+    with pytest.raises(SystemExit):
+        _parse("chat", "m", "--kernels", "cuda")

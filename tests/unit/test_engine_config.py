@@ -220,3 +220,59 @@ def test_quant_policy_values() -> None:
         assert EngineConfig(quant_policy=policy).quant_policy == policy
     with pytest.raises(EngineConfigError, match=r"use 0 \(none\), 4 \(int4 KV\) or 8 \(int8 KV\)"):
         EngineConfig(quant_policy=2)
+
+
+# ---- how the steps run: settings that were environment variables -----------------------------------
+
+def test_execution_defaults():
+    cfg = EngineConfig()
+    assert (cfg.eager_mode, cfg.kernels, cfg.tp_all_reduce, cfg.tp_hang_timeout, cfg.rank_timing_dir) == \
+        (False, "auto", "nccl", 30.0, None)
+
+
+@pytest.mark.parametrize(("kwargs", "fix"), [
+    ({"eager_mode": "yes"}, "eager_mode='yes': use True"),
+    ({"kernels": "cuda"}, "kernels='cuda': use 'auto'"),
+    ({"tp_all_reduce": "ring"}, "tp_all_reduce='ring' is not one of nccl, one_shot, two_shot"),
+    ({"tp_hang_timeout": 0}, "tp_hang_timeout=0: give the seconds"),
+    ({"tp_hang_timeout": -1.0}, "number > 0"),
+    ({"tp_hang_timeout": float("nan")}, "number > 0"),
+    ({"tp_hang_timeout": "30"}, "number > 0"),
+    ({"rank_timing_dir": ""}, "rank_timing_dir='': name a directory"),
+])
+def test_execution_settings_are_refused_with_the_fix(warnings_, kwargs, fix):
+    with pytest.raises(EngineConfigError, match=fix.replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig(**kwargs)
+    assert not warnings_()
+
+
+@pytest.mark.parametrize("kwargs", [{"eager_mode": True}, {"kernels": "ref"}, {"kernels": "triton"},
+                                    {"tp_all_reduce": "one_shot"}, {"tp_all_reduce": "two_shot"},
+                                    {"tp_hang_timeout": 2}, {"rank_timing_dir": "/tmp/timing"}])
+def test_execution_settings_are_taken(warnings_, kwargs):
+    cfg = EngineConfig(**kwargs)
+    assert all(getattr(cfg, k) == v for k, v in kwargs.items()) and not warnings_()
+
+
+def test_the_kernel_modes_are_the_kernels_own():
+    """engine/config.py stays torch-free, so it names the modes kernels/_triton.py dispatches on."""
+    from conveyor.engine.config import KERNEL_MODES
+    from conveyor.kernels import KERNEL_MODES as dispatched
+
+    assert KERNEL_MODES == dispatched
+
+
+def test_the_engine_applies_its_kernel_mode(tmp_path):
+    """The mode is the process's: an engine sets it once, from its config."""
+    import torch
+
+    from conveyor.kernels import kernel_mode
+    from tiny_llama import engine, random_tensors, write_checkpoint
+
+    common, linears = random_tensors(torch.Generator().manual_seed(0))
+    path = write_checkpoint(tmp_path / "m", {**common, **{f"{k}.weight": w for k, w in linears.items()}})
+    eng = engine(path, kernels="ref")
+    try:
+        assert kernel_mode() == "ref"
+    finally:
+        eng.close()

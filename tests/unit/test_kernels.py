@@ -27,7 +27,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from conveyor.kernels._triton import TRITON_INTERPRETED  # noqa: E402
+from conveyor.kernels._triton import TRITON_INTERPRETED, set_kernel_mode  # noqa: E402
 from kernel_harness import (  # noqa: E402,F401 - fixtures are used by name
     assert_close, compiled_gpu, forced, gpu, interp, poisoned_empty, rel_err, run_interpreter_cases_in_child, seed,
 )
@@ -312,7 +312,7 @@ def test_forced_triton_rejects_unsupported_shapes(forced: None) -> None:
 
 
 def test_auto_and_ref_modes_use_the_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CPU tensors (auto) and with CONVEYOR_KERNELS=ref, no Triton launcher is reached."""
+    """On CPU tensors (auto) and in the ref mode, no Triton launcher is reached."""
 
     def boom(*args, **kwargs):  # noqa: ANN002, ANN003
         raise AssertionError("Triton launcher called")
@@ -323,7 +323,7 @@ def test_auto_and_ref_modes_use_the_reference_on_cpu(monkeypatch: pytest.MonkeyP
                       (rotary_mod, "apply_rotary_triton"), (activation_mod, "silu_and_mul_triton")):
         monkeypatch.setattr(mod, name, boom)
     for mode in ("auto", "ref"):
-        monkeypatch.setenv("CONVEYOR_KERNELS", mode)
+        set_kernel_mode(mode)
         q, kc, vc, bt, cu, sk = paged_batch([2], [5], 2, 1, 64, 16, seed=1)
         paged_attention(q, kc, vc, bt, cu, sk, 0.1)
         store_kv(q[:, :1], q[:, :1], kc, vc, torch.tensor([0, -1]))
@@ -334,15 +334,14 @@ def test_auto_and_ref_modes_use_the_reference_on_cpu(monkeypatch: pytest.MonkeyP
         gemv(torch.randn(1, 8), torch.randn(3, 8))
 
 
-def test_unknown_mode_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CONVEYOR_KERNELS", "cuda")
-    with pytest.raises(ValueError, match="CONVEYOR_KERNELS"):
-        silu_and_mul(torch.randn(2, 4))
+def test_unknown_mode_is_rejected() -> None:
+    with pytest.raises(ValueError, match="kernels='cuda': use one of auto, ref, triton"):
+        set_kernel_mode("cuda")
 
 
 @pytest.mark.skipif(TRITON_INTERPRETED, reason="Triton runs interpreted in this process")
 def test_forced_triton_on_cpu_without_interpreter_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CONVEYOR_KERNELS", "triton")
+    set_kernel_mode("triton")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         silu_and_mul(torch.randn(2, 4))
 
@@ -362,7 +361,7 @@ GPU_DTYPES = [torch.bfloat16, torch.float16]
 @compiled_gpu
 def test_dispatch_picks_triton_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """With CUDA tensors (auto mode) no reference runs: every dispatcher reaches its kernel."""
-    monkeypatch.delenv("CONVEYOR_KERNELS", raising=False)
+    set_kernel_mode("auto")
 
     def boom(*args, **kwargs):  # noqa: ANN002, ANN003
         raise AssertionError("reference called on CUDA tensors")

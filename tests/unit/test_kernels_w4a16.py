@@ -34,7 +34,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from conveyor.kernels._triton import TRITON_INTERPRETED  # noqa: E402
+from conveyor.kernels._triton import TRITON_INTERPRETED, set_kernel_mode  # noqa: E402
 from kernel_harness import (  # noqa: E402,F401 - fixtures are used by name
     assert_close, compiled_gpu, forced, gpu, interp, poisoned_empty, rel_err, run_interpreter_cases_in_child, seed,
 )
@@ -312,7 +312,7 @@ def test_auto_and_ref_modes_use_the_reference_on_cpu(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(w4a16_mod, "w4a16_matmul_triton", boom)
     qw, qz, s, _, _, _ = awq_layer(64, 16, 32, seed)
     for mode in ("auto", "ref"):
-        monkeypatch.setenv("CONVEYOR_KERNELS", mode)
+        set_kernel_mode(mode)
         for m in (1, 5):
             x = torch.randn(m, 64).half()
             assert torch.equal(w4a16_matmul(x, qw, qz, s, 32), w4a16_matmul_ref(x, qw, qz, s, 32))
@@ -359,7 +359,7 @@ def test_gpu_w4a16(shape: tuple[int, int, int], dtype: torch.dtype, seed: int, p
 @gpu
 @compiled_gpu
 def test_gpu_dispatch_picks_triton(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
-    monkeypatch.delenv("CONVEYOR_KERNELS", raising=False)
+    set_kernel_mode("auto")
 
     def boom(*args, **kwargs):  # noqa: ANN002, ANN003
         raise AssertionError("reference called on CUDA tensors")

@@ -27,7 +27,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from conveyor.kernels._triton import TRITON_INTERPRETED  # noqa: E402
+from conveyor.kernels._triton import TRITON_INTERPRETED, set_kernel_mode  # noqa: E402
 from kernel_harness import (  # noqa: E402,F401 - fixtures are used by name
     assert_close, compiled_gpu, forced, gpu, interp, poisoned_empty, rel_err, run_interpreter_cases_in_child, seed,
 )
@@ -380,7 +380,7 @@ def test_forced_triton_rejects_unsupported_inputs(forced: None) -> None:
 
 
 def test_auto_and_ref_modes_use_the_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CPU tensors (auto) and with CONVEYOR_KERNELS=ref, no Triton or cuBLAS path is reached."""
+    """On CPU tensors (auto) and in the ref mode, no Triton or cuBLAS path is reached."""
 
     def boom(*args, **kwargs):  # noqa: ANN002, ANN003
         raise AssertionError("Triton launcher called")
@@ -390,7 +390,7 @@ def test_auto_and_ref_modes_use_the_reference_on_cpu(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(w8a8_mod, "INT_MM_MIN_ROWS", 1)
     x = torch.randn(3, 64)
     for mode in ("auto", "ref"):
-        monkeypatch.setenv("CONVEYOR_KERNELS", mode)
+        set_kernel_mode(mode)
         xq, scale = quant_per_token(x)
         rms_norm_quant(x, torch.ones(64), 1e-6)
         rms_norm_quant(x, torch.ones(64), 1e-6, x)
@@ -413,7 +413,7 @@ GPU_IDS = ["fp16", "bf16"]
 @compiled_gpu
 def test_gpu_dispatch_picks_triton_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """With CUDA tensors (auto mode) no reference runs; INT_MM_MIN_ROWS routes large M to cuBLAS."""
-    monkeypatch.delenv("CONVEYOR_KERNELS", raising=False)
+    set_kernel_mode("auto")
 
     def boom(*args, **kwargs):  # noqa: ANN002, ANN003
         raise AssertionError("reference called on CUDA tensors")

@@ -191,11 +191,11 @@ def test_prefill_then_decode_matches_hf(tiny) -> None:
 def test_triton_kernels_match_hf(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole model through the Triton kernels (fused rotary + KV store, paged attention,
     norms, activation): on CPU under Triton's interpreter, on a GPU compiled."""
-    from conveyor.kernels._triton import HAS_TRITON, TRITON_INTERPRETED
+    from conveyor.kernels._triton import HAS_TRITON, TRITON_INTERPRETED, set_kernel_mode
 
     if not HAS_TRITON or not TRITON_INTERPRETED:
         pytest.skip("needs Triton's interpreter in this process (CPU tensors)")
-    monkeypatch.setenv("CONVEYOR_KERNELS", "triton")
+    set_kernel_mode("triton")
     hf, ours = tiny
     a = random_tokens(9, seed=40)
     cache = PagedCache(ours, seed=5)

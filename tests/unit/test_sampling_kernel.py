@@ -15,7 +15,7 @@ import zlib
 import pytest
 import torch
 from conveyor.kernels import sampling as sampling_mod
-from conveyor.kernels._triton import HAS_TRITON, TRITON_INTERPRETED
+from conveyor.kernels._triton import HAS_TRITON, TRITON_INTERPRETED, set_kernel_mode
 from conveyor.kernels.sampling import (
     exponential_noise_ref,
     exponential_noise_triton,
@@ -62,7 +62,7 @@ def tdev(monkeypatch: pytest.MonkeyPatch) -> str:
         return t
 
     monkeypatch.setattr(torch, "empty", empty)
-    monkeypatch.setenv("CONVEYOR_KERNELS", "triton")
+    set_kernel_mode("triton")
     return device
 
 
@@ -318,7 +318,7 @@ def test_auto_and_ref_modes_use_the_reference_on_cpu(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(sampling_mod, "seeded_race_triton", boom)
     probs = torch.tensor([[0.5, 0.5, 0.0]])
     for mode in ("auto", "ref"):
-        monkeypatch.setenv("CONVEYOR_KERNELS", mode)
+        set_kernel_mode(mode)
         assert seeded_race(probs, i64([3]), i64([0])).tolist() == seeded_race_ref(probs, i64([3]), i64([0])).tolist()
 
 
@@ -328,7 +328,7 @@ def test_auto_and_ref_modes_use_the_reference_on_cpu(monkeypatch: pytest.MonkeyP
 @gpu
 @compiled_gpu
 def test_gpu_dispatch_picks_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CONVEYOR_KERNELS", raising=False)
+    set_kernel_mode("auto")
 
     def boom(*args: object, **kwargs: object) -> None:
         raise AssertionError("reference called on CUDA tensors")

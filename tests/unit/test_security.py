@@ -103,7 +103,7 @@ def test_the_key_file_is_private_round_trips_and_is_never_overwritten(tmp_path, 
 
 
 def test_tcp_without_keys_is_refused_with_the_fix(monkeypatch, capsys) -> None:
-    monkeypatch.delenv(security.KEY_FILE_ENV, raising=False)
+    monkeypatch.delenv("CONVEYOR_CURVE_KEY_FILE", raising=False)
     with pytest.raises(SecurityError, match="conveyor serve keygen"):
         Addresses.tcp()
     assert cli_main(["serve", "stage", "tokenizer", "/nonexistent-model"]) == 2

@@ -130,18 +130,14 @@ def test_tp_on_a_w8a8_checkpoint(tmp_path) -> None:
     _same(ref, got, atol=0.1)
 
 
-def test_every_rank_logs_its_step_times_when_asked(dense_dir, monkeypatch, tmp_path) -> None:
-    """CONVEYOR_TP_RANK_TIMING: rank 1 writes, as it stops, each step kind's wait for the plan and
-    host time (the GPU span off a GPU: none); rank 0's hook logs the same steps."""
-    from conveyor.engine.rank_timing import RankTiming, StepHook, read_all, table
+def test_every_rank_logs_its_step_times_when_asked(dense_dir, tmp_path) -> None:
+    """EngineConfig.rank_timing_dir: rank 1 writes, as it stops, each step kind's wait for the plan
+    and host time (the GPU span off a GPU: none); rank 0's hook logs the same steps."""
+    from conveyor.engine.rank_timing import read_all, table
 
-    monkeypatch.setenv("CONVEYOR_TP_RANK_TIMING", str(tmp_path))
-    eng = engine(dense_dir, tp=2)
-    rank0 = StepHook(RankTiming(0, tmp_path, eng.device))
-    eng.runner.step_hooks.append(rank0)
+    eng = engine(dense_dir, tp=2, rank_timing_dir=str(tmp_path))
     try:
         _trace(eng, n=4)
-        rank0.timing.write()
     finally:
         eng.close()
     summaries = read_all(tmp_path)
@@ -206,7 +202,7 @@ def test_a_frozen_rank_is_found_and_every_rank_stopped(dense_dir, monkeypatch) -
     eng = engine(dense_dir, tp=2)
     try:
         workers = eng.tp_workers
-        workers.hang_timeout = 2.0  # (CONVEYOR_TP_HANG_S; 30 s by default)
+        workers.hang_timeout = 2.0  # (EngineConfig.tp_hang_timeout; 30 s by default)
         pid = workers.procs[0].pid
         os.kill(pid, signal.SIGSTOP)  # alive but frozen: its heartbeat stops
         deadline = time.monotonic() + 20
@@ -227,36 +223,32 @@ def test_a_frozen_rank_is_found_and_every_rank_stopped(dense_dir, monkeypatch) -
 @pytest.mark.parametrize("value, tp, error", [("bogus", 2, "not one of nccl, one_shot, two_shot"),
                                               ("one_shot", 2, "needs CUDA devices"),
                                               ("two_shot", 1, "runs tp=1 with none")])
-def test_a_wrong_all_reduce_path_is_refused_before_any_rank_starts(dense_dir, monkeypatch, value, tp, error) -> None:
+def test_a_wrong_all_reduce_path_is_refused_before_any_rank_starts(dense_dir, value, tp, error) -> None:
     import multiprocessing
 
-    monkeypatch.setenv("CONVEYOR_TP_ALLREDUCE", value)
     before = multiprocessing.active_children()
     with pytest.raises(EngineConfigError, match=error):
-        engine(dense_dir, tp=tp)
+        engine(dense_dir, tp=tp, tp_all_reduce=value)
     assert multiprocessing.active_children() == before
 
 
-def test_a_peer_path_refuses_float16_which_its_kernels_lack(monkeypatch) -> None:
-    from conveyor.engine.peer_all_reduce import allreduce_kind
+def test_a_peer_path_refuses_float16_which_its_kernels_lack() -> None:
+    from conveyor.engine.peer_all_reduce import check_all_reduce
 
     cuda = torch.device("cuda", 0)  # only checked, never touched
     for kind in ("one_shot", "two_shot"):
-        monkeypatch.setenv("CONVEYOR_TP_ALLREDUCE", kind)
         with pytest.raises(EngineConfigError, match="no torch.float16.*bfloat16"):
-            allreduce_kind(cuda, True, torch.float16)
-        assert allreduce_kind(cuda, True, torch.bfloat16) == kind
-    monkeypatch.delenv("CONVEYOR_TP_ALLREDUCE")
-    assert allreduce_kind(cuda, True, torch.float16) == "nccl"  # NCCL sums any dtype
+            check_all_reduce(kind, cuda, True, torch.float16)
+        check_all_reduce(kind, cuda, True, torch.bfloat16)
+    check_all_reduce("nccl", cuda, True, torch.float16)  # NCCL sums any dtype
 
 
-def test_an_unwritable_timing_directory_loses_nothing(dense_dir, monkeypatch, tmp_path) -> None:
+def test_an_unwritable_timing_directory_loses_nothing(dense_dir, tmp_path) -> None:
     """The step times cannot be saved (the directory is a file): the ranks still answer, leave
     the group with rank 0 and exit by themselves."""
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
-    monkeypatch.setenv("CONVEYOR_TP_RANK_TIMING", str(blocker))
-    eng = engine(dense_dir, tp=2)
+    eng = engine(dense_dir, tp=2, rank_timing_dir=str(blocker))
     procs = list(eng.tp_workers.procs)
     try:
         tokens, _ = _trace(eng, n=3)
@@ -290,9 +282,9 @@ def test_small_all_reduces_take_the_peer_path_and_large_ones_the_group() -> None
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("allreduce", ["nccl", "one_shot", "two_shot"])
-def test_the_nccl_path_at_world_size_1_runs_inside_the_decode_graphs(dense_dir, monkeypatch, allreduce) -> None:
+def test_the_nccl_path_at_world_size_1_runs_inside_the_decode_graphs(dense_dir, allreduce) -> None:
     """Tensor parallel's collectives (an all-reduce in every row-parallel layer and the embedding,
-    by NCCL or by peer reads, CONVEYOR_TP_ALLREDUCE; the LM head's all-gather, the sampled ids'
+    by NCCL or by peer reads, EngineConfig.tp_all_reduce; the LM head's all-gather, the sampled ids'
     broadcast) captured in the decode CUDA graphs and replayed: the same tokens and logprobs as
     the engine without a process group."""
     import torch.distributed as dist
@@ -301,10 +293,11 @@ def test_the_nccl_path_at_world_size_1_runs_inside_the_decode_graphs(dense_dir, 
     from conveyor.engine.distributed import tp_group
     from conveyor.engine.llm_engine import LLMEngine
 
-    def gpu_engine():
+    def gpu_engine(**kw):
         # bfloat16: the peer paths' kernels have no float16 (test above)
-        return LLMEngine(dense_dir, EngineConfig(device="cuda", dtype="bfloat16", cache_max_entry_count=64,
-                                                 block_size=16, max_batch_size=8))
+        config = EngineConfig(device="cuda", dtype="bfloat16", cache_max_entry_count=64, block_size=16,
+                              max_batch_size=8, tp_all_reduce=kw.pop("tp_all_reduce", "nccl"))
+        return LLMEngine(dense_dir, config, **kw)
 
     plain = gpu_engine()
     try:
@@ -312,9 +305,7 @@ def test_the_nccl_path_at_world_size_1_runs_inside_the_decode_graphs(dense_dir, 
         ref = _trace(plain)
     finally:
         plain.close()
-    monkeypatch.setenv("CONVEYOR_TP_INIT", "1")
-    monkeypatch.setenv("CONVEYOR_TP_ALLREDUCE", allreduce)
-    eng = gpu_engine()
+    eng = gpu_engine(process_group=True, tp_all_reduce=allreduce)
     try:
         assert tp_group().active and dist.get_backend() == "nccl"
         assert (tp_group().peer is None) == (allreduce == "nccl")
