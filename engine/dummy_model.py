@@ -32,35 +32,27 @@ _LLAMA_COMMON: dict[str, Any] = {
     "torch_dtype": "float16",
 }
 
+# Llama-2's vocabulary, RoPE base and context, which its sizes (and the CPU toy) share.
+_LLAMA2_COMMON: dict[str, Any] = {
+    **_LLAMA_COMMON, "vocab_size": 32000, "rope_theta": 10000.0, "max_position_embeddings": 4096,
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+
 SHAPES: dict[str, dict[str, Any]] = {
     # meta-llama/Llama-2-7b-hf
-    "llama2-7b": {
-        **_LLAMA_COMMON,
-        "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-        "intermediate_size": 11008, "vocab_size": 32000, "rope_theta": 10000.0,
-        "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2,
-    },
+    "llama2-7b": {**_LLAMA2_COMMON, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                  "num_key_value_heads": 32, "intermediate_size": 11008},
     # meta-llama/Meta-Llama-3-8B
-    "llama3-8b": {
-        **_LLAMA_COMMON,
-        "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0,
-        "max_position_embeddings": 8192, "bos_token_id": 128000, "eos_token_id": 128001,
-    },
+    "llama3-8b": {**_LLAMA_COMMON, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+                  "rope_theta": 500000.0, "max_position_embeddings": 8192, "bos_token_id": 128000,
+                  "eos_token_id": 128001},
     # meta-llama/Llama-2-70b-hf: 138 GB of fp16 weights, more than one H200 holds (tensor parallel)
-    "llama2-70b": {
-        **_LLAMA_COMMON,
-        "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
-        "intermediate_size": 28672, "vocab_size": 32000, "rope_theta": 10000.0,
-        "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2,
-    },
+    "llama2-70b": {**_LLAMA2_COMMON, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+                   "num_key_value_heads": 8, "intermediate_size": 28672},
     # A toy of the same family, for smoke-testing the benchmarks on a CPU.
-    "tiny": {
-        **_LLAMA_COMMON,
-        "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "intermediate_size": 512, "vocab_size": 1000, "rope_theta": 10000.0,
-        "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2,
-    },
+    "tiny": {**_LLAMA2_COMMON, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000},
 }
 
 # What a model directory's tokenizer is made of (transformers' names); nothing else is copied.

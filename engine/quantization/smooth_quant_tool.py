@@ -20,7 +20,6 @@ so the next layer's inputs are the unquantized ones (as in SmoothQuant and LMDep
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,23 +28,10 @@ from torch import nn
 from tqdm import tqdm
 
 from ...kernels.w8a8 import quant_per_token_ref
-from .calibration import (
-    LayerwiseRunner,
-    checked_model_dir,
-    load_causal_lm,
-    model_windows,
-    pick_device,
-    pick_dtypes,
-    read_text,
-)
-from .checkpoint import (
-    atomic_directory,
-    check_work_dir,
-    quantized_state_dict,
-    w8a8_quantization_config,
-    write_quantized_checkpoint,
-)
-from .config import QuantizationError, SmoothQuantConfig
+from . import tool_run
+from .calibration import LayerwiseRunner
+from .checkpoint import w8a8_quantization_config
+from .config import SmoothQuantConfig
 from .scale_groups import apply_scale, decoder_linears, recorded_inputs, scale_groups
 
 logger = logging.getLogger(__name__)
@@ -104,41 +90,19 @@ def smooth_quant(model_dir: str | Path, work_dir: str | Path, config: SmoothQuan
     non-empty ``work_dir`` or an unusable calibration file.
     """
     config = config or SmoothQuantConfig()
-    start = time.perf_counter()
-    model_dir, hf_config = checked_model_dir(model_dir, "smooth_quant")
-    check_work_dir(work_dir)
-    text = None
-    if config.smooth:
-        if calib_dataset is None:
-            raise QuantizationError("SmoothQuant needs a calibration dataset (a .txt or .jsonl file)")
-        text = read_text(calib_dataset)
-    dev = pick_device(device)
-    weights_dtype, compute_dtype = pick_dtypes(dtype, dev, hf_config)
-
-    model = load_causal_lm(model_dir, dev, weights_dtype)
-    num_samples = 0
-    runner = None
-    if config.smooth:
-        windows = model_windows(model_dir, text, config.calib_samples, config.calib_seqlen)
-        num_samples = windows.shape[0]
-        logger.info("SmoothQuant calibration: %d windows of %d tokens, alpha %.2f", num_samples,
-                    config.calib_seqlen, config.alpha)
-        runner = LayerwiseRunner(model, windows, config.batch_size, compute_dtype)
+    run = tool_run.begin("smooth_quant", model_dir, work_dir, config, config.smooth, calib_dataset, device, dtype,
+                         needs_dataset="SmoothQuant")
     stored: dict[str, dict[str, torch.Tensor]] = {}
     max_scales: list[dict[str, float]] = []
-    layers = model.model.layers
+    layers = run.model.model.layers
     for i, layer in enumerate(tqdm(layers, desc="SmoothQuant" if config.smooth else "int8", disable=not progress)):
-        if runner is not None:
-            outputs, records = runner.record(layer, recorded_inputs(layer))
-            max_scales.append(smooth_layer(layer, runner, {k: r.absmax for k, r in records.items()}, config.alpha))
-            runner.advance(outputs)
-            del outputs, records
+        if run.runner is not None:
+            outputs, records = run.runner.record(layer, recorded_inputs(layer))
+            absmax = {k: r.absmax for k, r in records.items()}
+            max_scales.append(smooth_layer(layer, run.runner, absmax, config.alpha))
+            run.runner.advance(outputs)
+            del outputs, records, absmax
         for name, tensors in quantize_int8(layer).items():
             stored[f"model.layers.{i}.{name}"] = tensors
-    tensors = quantized_state_dict(model.state_dict(), stored, bool(hf_config.get("tie_word_embeddings", False)))
-    del model, runner
-    with atomic_directory(work_dir) as tmp:
-        write_quantized_checkpoint(model_dir, tmp, tensors, w8a8_quantization_config())
-    seconds = time.perf_counter() - start
-    logger.info("W8A8 checkpoint written to %s in %.1f s", work_dir, seconds)
-    return SmoothQuantResult(Path(work_dir).expanduser(), num_samples, seconds, max_scales)
+    seconds = tool_run.finish(run, work_dir, stored, w8a8_quantization_config())
+    return SmoothQuantResult(Path(work_dir).expanduser(), run.num_samples, seconds, max_scales)

@@ -28,11 +28,6 @@ Capability = Literal["completion", "infilling", "chat", "python"]
 CAPABILITIES = ("completion", "infilling", "chat", "python")
 Messages = str | list[dict[str, Any]]
 
-# Fields a ChatTemplateConfig may override on a template (same names on both sides).
-TEMPLATE_FIELDS = ("system", "meta_instruction", "eosys", "user", "eoh", "assistant", "eoa",
-                   "separator", "capability", "stop_words")
-
-
 class UnknownChatTemplateError(ConveyorError, ValueError):
     """A chat template name that is neither built in nor defined by explicit fields."""
 
@@ -112,6 +107,11 @@ class BaseChatTemplate:
                 raise ValueError(f"unsupported message role {role!r}: use 'system', 'user' or 'assistant'")
         return f"{ret}{pending}{self.assistant}"
 
+
+# Fields a ChatTemplateConfig may override on a template: the template's own, declared once above
+# (ChatTemplateConfig restates them as optional fields, LMDeploy's API; a test keeps the two equal).
+TEMPLATE_FIELDS = tuple(f.name for f in fields(BaseChatTemplate))
+_TEXT_FIELDS = tuple(name for name in TEMPLATE_FIELDS if name not in ("capability", "stop_words"))
 
 CHAT_TEMPLATES: dict[str, type[BaseChatTemplate]] = {}
 
@@ -336,7 +336,7 @@ class ChatTemplateConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
             raise ValueError("ChatTemplateConfig.model_name must be a non-empty str, e.g. 'llama3'")
-        for name in TEMPLATE_FIELDS[:-2]:
+        for name in _TEXT_FIELDS:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"ChatTemplateConfig.{name} must be a str or None, got {value!r}")

@@ -287,7 +287,7 @@ def test_awq_checkpoint_is_closer_to_the_model_than_rtn(tiny_dir: Path, tmp_path
      "x.txt would be unused: --search-scale False is round-to-nearest here"),
 ], ids=["bits3", "bits8", "group48", "group128", "samples0", "nodata", "ptb", "unused"])
 def test_bad_flags_fail_before_any_work(tiny_dir: Path, tmp_path: Path, capsys, monkeypatch, flags, message):
-    import conveyor.engine.quantization.awq_tool as tool
+    import conveyor.engine.quantization.tool_run as tool  # where both tools load the model
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded despite a bad setting")

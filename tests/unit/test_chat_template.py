@@ -9,6 +9,7 @@ import pytest
 
 from conveyor.services.tokenizer.chat_template import (
     CHAT_TEMPLATES,
+    TEMPLATE_FIELDS,
     BaseChatTemplate,
     ChatTemplateConfig,
     HFChatTemplate,
@@ -102,6 +103,13 @@ def test_config_overrides_builtin() -> None:
         "<|im_start|>system\nYou are a robot.<|im_end|>\n<|im_start|>user\nhi")
     assert cfg.chat_template == tpl
     assert ChatTemplateConfig("chatml", capability="completion").to_template().messages2prompt("hi") == "hi"
+
+
+def test_the_config_offers_every_template_field() -> None:
+    """ChatTemplateConfig restates the template's fields (LMDeploy's API): the two lists stay equal."""
+    from dataclasses import fields
+
+    assert tuple(f.name for f in fields(ChatTemplateConfig))[1:] == TEMPLATE_FIELDS
 
 
 def test_config_new_name_with_fields_is_custom_template() -> None:

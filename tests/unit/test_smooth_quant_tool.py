@@ -127,7 +127,7 @@ def test_smoothing_makes_w8a8_closer_to_the_model(tiny_dir: Path, tmp_path: Path
     (["--calib-dataset", "x.txt", "--no-smooth"], "x.txt would be unused: --no-smooth"),
 ], ids=["bits4", "alpha", "seqlen0", "nodata", "dtype", "unused"])
 def test_bad_flags_fail_before_any_work(tiny_dir: Path, tmp_path: Path, capsys, monkeypatch, flags, message):
-    import conveyor.engine.quantization.smooth_quant_tool as tool
+    import conveyor.engine.quantization.tool_run as tool  # where both tools load the model
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded despite a bad setting")
