@@ -10,9 +10,9 @@ token-major ([blocks, block_size, heads, 2], as allocated before) and head-major
 scales of a block contiguous). Prints µs and the effective read bandwidth of the attention.
 
 ``--variants`` times launch variants of the quantized decode kernel instead, each
-``label=tune,block_n,num_warps,num_stages,maxnreg,simt`` (``paged_attention_triton``'s keywords,
+``label=tune,block_n,num_warps,num_stages,maxnreg,simt`` (fields of ``AttentionTuning``,
 simt 1: the CUDA-core walk, 2: the tensor-core walk; a missing or 0 field keeps the default, ``label=`` is the default launch; tune is the kernel's TUNE
-bits), timed back to back (the
+bits, ``policy.VARIANT_BITS``, turned into the named variant flags), timed back to back (the
 kernel's own time) and one call at a time (``eager``, as the policy rows). ``--before`` adds the
 kernel of an older checkout copied to ``kernels/_attention_before.py`` (not committed), ``--check``
 compares each variant's output with the torch reference on the first sequences, and
@@ -27,7 +27,8 @@ import importlib
 import torch
 
 from benchmarks.common import cuda_time_us, record, save
-from conveyor.kernels.attention import paged_attention, paged_attention_ref, paged_attention_triton
+from conveyor.kernels.attention import AttentionTuning, paged_attention, paged_attention_ref, paged_attention_triton
+from conveyor.kernels.attention.policy import VARIANT_BITS
 from conveyor.kernels.kv_cache import rotate_and_store_kv
 from conveyor.kernels.kv_layout import KVCacheLayout
 
@@ -35,7 +36,8 @@ _VARIANT_KEYS = ("tune", "block_n", "num_warps", "num_stages", "maxnreg", "simt"
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, int]]:
-    """``label=tune,block_n,...`` -> (label, the keywords it sets); ``label=before`` -> the old kernel."""
+    """``label=tune,block_n,...`` -> (label, the ``AttentionTuning`` fields it sets, the TUNE bits as
+    given under ``tune``); ``label=before`` -> the old kernel."""
     label, _, fields = spec.partition("=")
     if fields == "before":
         return label, {"before": 1}
@@ -45,6 +47,14 @@ def parse_variant(spec: str) -> tuple[str, dict[str, int]]:
     if "simt" in kw:
         kw["simt"] = kw["simt"] == 1
     return label, kw
+
+
+def tuning(kw: dict[str, int]) -> AttentionTuning:
+    """The launch a parsed variant asks for: its TUNE bits as the named variant flags."""
+    fields = {k: v for k, v in kw.items() if k != "tune"}
+    if "tune" in kw:
+        fields.update({name: bool(kw["tune"] & bit) for name, bit in VARIANT_BITS.items()})
+    return AttentionTuning(**fields)
 
 
 def make_cache(policy: int, blocks: int, bs: int, hkv: int, d: int, dt: torch.dtype, head_major: bool = False):
@@ -91,7 +101,7 @@ def run_variants(args: argparse.Namespace, q, tables, cu, lens, blocks: int) -> 
             else:
                 def attn(kw=kw):
                     return paged_attention_triton(q, kc, vc, tables, cu, lens, d**-0.5, max_seqlen_q=1,
-                                                  max_seqlen_k=4096, k_scales=ks, v_scales=vs, **kw)
+                                                  max_seqlen_k=4096, k_scales=ks, v_scales=vs, tuning=tuning(kw))
             if args.profile:
                 for _ in range(2):
                     attn()

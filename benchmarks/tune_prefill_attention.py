@@ -13,7 +13,7 @@ import itertools
 import torch
 
 from benchmarks.common import cuda_time_us, record, save
-from conveyor.kernels.attention import paged_attention_ref, paged_attention_triton
+from conveyor.kernels.attention import AttentionTuning, paged_attention_ref, paged_attention_triton
 
 CONFIGS = [(bm, bn, w, st) for bm, bn in ((64, 64), (128, 64), (128, 32), (64, 32), (128, 128))
            for w, st in itertools.product((4, 8), (2, 3))]
@@ -43,7 +43,8 @@ def main() -> None:
         records.append(record(engine="conveyor", model=name, precision="float16", benchmark="tune_prefill_attention",
                               input_len=2048, config="default", us=default))
         for bm, bn, w, st in CONFIGS:
-            run = functools.partial(call, block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+            tuning = AttentionTuning(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+            run = functools.partial(call, tuning=tuning)
             try:
                 out = run()
                 err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()

@@ -33,6 +33,7 @@ from kernel_harness import (  # noqa: E402,F401 - fixtures are used by name
 )
 from conveyor.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from conveyor.kernels.attention import (  # noqa: E402
+    AttentionTuning,
     paged_attention,
     paged_attention_ref,
     paged_attention_triton,
@@ -47,10 +48,11 @@ from conveyor.kernels.kv_cache import (  # noqa: E402
 from conveyor.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
 from conveyor.kernels.rotary import apply_rotary, apply_rotary_ref  # noqa: E402
 
-# The package re-exports functions named like their modules (``rms_norm``): fetch the modules.
+# The package re-exports functions named like their modules (``rms_norm``): fetch the modules
+# (for attention, the one whose dispatcher looks up the launcher and the reference).
 activation_mod, attention_mod, kv_cache_mod, rms_norm_mod, rotary_mod = (
     importlib.import_module(f"conveyor.kernels.{name}")
-    for name in ("activation", "attention", "kv_cache", "rms_norm", "rotary")
+    for name in ("activation", "attention.launch", "kv_cache", "rms_norm", "rotary")
 )
 gemv_mod = importlib.import_module("conveyor.kernels.gemv")
 FP32_TOL = 1e-5
@@ -107,7 +109,8 @@ def check_attention(
     )
     scale = head_dim**-0.5
     out = paged_attention_triton(
-        q, kc, vc, bt, cu, sk, scale, max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), **tiles
+        q, kc, vc, bt, cu, sk, scale, max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
+        tuning=AttentionTuning(**tiles),
     )
     ref = paged_attention_ref(q, kc, vc, bt, cu, sk, scale)
     assert_close(out, ref, tol)
@@ -184,7 +187,8 @@ def test_attention_strided_cache(seed: int, poisoned_empty: None) -> None:
     cu = torch.tensor([0, 6, 9], dtype=torch.int32)
     sk = torch.tensor(lens, dtype=torch.int32)
     tables = torch.tensor([[0, 1, 2, 3, 4, 5], [6, 7, 8, 0, 0, 0]], dtype=torch.int32)
-    out = paged_attention_triton(q, k, v, tables, cu, sk, d**-0.5, block_m=16, block_n=16)
+    out = paged_attention_triton(q, k, v, tables, cu, sk, d**-0.5,
+                                 tuning=AttentionTuning(block_m=16, block_n=16))
     assert_close(out, paged_attention_ref(q, k, v, tables, cu, sk, d**-0.5), FP32_TOL)
 
 

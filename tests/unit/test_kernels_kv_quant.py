@@ -23,13 +23,12 @@ from kernel_harness import (  # noqa: E402,F401 - fixtures are used by name
 )
 from conveyor.kernels._triton import TRITON_INTERPRETED  # noqa: E402
 from conveyor.kernels.attention import (  # noqa: E402
-    TUNE_FOLD,
-    TUNE_LAZY,
-    TUNE_SCALE_AHEAD,
+    AttentionTuning,
     paged_attention,
     paged_attention_ref,
     paged_attention_triton,
 )
+from conveyor.kernels.attention.policy import VARIANT_BITS  # noqa: E402
 from conveyor.kernels.kv_cache import (  # noqa: E402
     KeyCentres,
     KeyCentring,
@@ -50,6 +49,11 @@ from test_kernels import paged_batch, randn  # noqa: E402
 # bf16: the probabilities times the value scales are rounded to bf16 for the dot (the reference keeps
 # fp32); over a long prefix with int4 values that reaches 2.1 % on some seeds.
 GPU_TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def variant(*on: str) -> dict[str, bool]:
+    """The quantized decode kernel's variant flags (``AttentionTuning``) with only ``on`` set."""
+    return {name: name in on for name in VARIANT_BITS}
 
 
 def quantized(cache: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +96,7 @@ def check_quantized_attention(q_lens, k_lens, h, hkv, d, block_size, seed, bits,
         centres = KeyCentres(table.to(device), cos_sin.to(device), q)
         q = to_key_basis(q.float()).to(dtype)
     out = paged_attention_triton(q, kq, vq, bt, cu, sk, scale, max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
-                                 k_scales=ks, v_scales=vs, key_centres=centres, **tiles)
+                                 k_scales=ks, v_scales=vs, key_centres=centres, tuning=AttentionTuning(**tiles))
     ref = paged_attention_ref(q.float().cpu(), kq.cpu(), vq.cpu(), bt.cpu(), cu.cpu(), sk.cpu(), scale, ks.cpu(),
                               vs.cpu(), ref_centres).to(dtype)
     assert_close(out.cpu(), ref, tol)
@@ -441,19 +445,19 @@ DECODE_TAILS = {
 
 
 @interp
-@pytest.mark.parametrize("tune", [0, TUNE_LAZY | TUNE_SCALE_AHEAD, TUNE_FOLD | TUNE_LAZY | TUNE_SCALE_AHEAD],
+@pytest.mark.parametrize("tune", [variant(), variant("lazy", "scale_ahead"), variant("fold", "lazy", "scale_ahead")],
                          ids=["plain", "lazy_ahead", "fold_lazy_ahead"])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("case", DECODE_TAILS.values(), ids=DECODE_TAILS.keys())
-def test_quantized_decode_variants(case: tuple, bits: int, tune: int, seed: int, poisoned_empty: None) -> None:
+def test_quantized_decode_variants(case: tuple, bits: int, tune: dict, seed: int, poisoned_empty: None) -> None:
     """The tensor-core decode walk's tuning variants (its TUNE bits) compute the same attention;
     the fold of the biased codes (1024 + c) is an fp16 one, so fp16 runs too."""
     q_lens, k_lens, h, hkv, d, bs, tiles = case
-    check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 1e-4, tune=tune, simt=False, **tiles)
-    check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 1e-4, tune=tune, simt=False, centred=True,
-                              **tiles)
-    check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 5e-3, dtype=torch.float16, tune=tune,
-                              simt=False, **tiles)
+    check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 1e-4, simt=False, **tune, **tiles)
+    check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 1e-4, simt=False, centred=True,
+                              **tune, **tiles)
+    check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 5e-3, dtype=torch.float16,
+                              simt=False, **tune, **tiles)
 
 
 # The CUDA-core walk (one query a kv head) on the decode cases above, their query heads cut to
@@ -470,7 +474,7 @@ def test_quantized_decode_simt(case: tuple, bits: int, seed: int, poisoned_empty
     check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 1e-4, simt=True, **tiles)
     check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 1e-4, simt=True, centred=True, **tiles)
     check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 5e-3, dtype=torch.float16, simt=True,
-                              tune=0, **tiles)
+                              **variant(), **tiles)
 
 
 @interp
@@ -478,7 +482,7 @@ def test_quantized_decode_simt_takes_one_query_a_kv_head(seed: int) -> None:
     q, kq, vq, ks, vs, bt, cu, sk = quantized_batch([1, 1], [20, 7], 4, 2, 64, 16, seed, 8)
     with pytest.raises(AssertionError, match="one query a kv head"):
         paged_attention_triton(q, kq, vq, bt, cu, sk, 0.1, max_seqlen_q=1, max_seqlen_k=20, k_scales=ks,
-                               v_scales=vs, simt=True)
+                               v_scales=vs, tuning=AttentionTuning(simt=True))
 
 
 @interp
@@ -541,21 +545,22 @@ def test_gpu_quantized_attention(case: tuple, dtype: torch.dtype, bits: int, cen
 @gpu
 @compiled_gpu
 @pytest.mark.parametrize("simt", [False, True], ids=["tensor_cores", "cuda_cores"])
-@pytest.mark.parametrize("fast,tune", [(False, None), (True, 0), (True, 63)], ids=["portable", "asm_plain", "asm_all"])
+@pytest.mark.parametrize("fast,tune", [(False, {}), (True, variant()), (True, variant(*VARIANT_BITS))],
+                         ids=["portable", "asm_plain", "asm_all"])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gpu_quantized_decode_paths(dtype: torch.dtype, bits: int, fast: bool, tune: int | None, simt: bool, seed: int,
+def test_gpu_quantized_decode_paths(dtype: torch.dtype, bits: int, fast: bool, tune: dict, simt: bool, seed: int,
                                     poisoned_empty: None) -> None:
     """Both code conversions (inline PTX, and the portable one the interpreter runs), the
     tuning variants and both walks, on sequences ending inside and past whole tiles, some split
     in partitions; groups of 4 (the tensor cores only) and 1."""
     k_lens = [1, 63, 64, 65, 700, 2049]
     check_quantized_attention([1] * len(k_lens), k_lens, 4 if simt else 16, 4, 128, 64, seed, bits, GPU_TOL[dtype],
-                              dtype, "cuda", fast_codes=fast, tune=tune, simt=simt)
+                              dtype, "cuda", fast_codes=fast, simt=simt, **tune)
     check_quantized_attention([1] * len(k_lens), k_lens, 16, 16, 128, 16, seed, bits, GPU_TOL[dtype], dtype, "cuda",
-                              fast_codes=fast, tune=tune, simt=simt, decode_partition=256)
+                              fast_codes=fast, simt=simt, decode_partition=256, **tune)
     check_quantized_attention([1] * len(k_lens), k_lens, 16, 16, 128, 64, seed, bits, GPU_TOL[dtype], dtype, "cuda",
-                              centred=True, fast_codes=fast, tune=tune, simt=simt)
+                              centred=True, fast_codes=fast, simt=simt, **tune)
 
 
 @gpu

@@ -12,7 +12,8 @@ import torch
 
 from benchmarks.awq_chat_agreement import common_prefix, greedy_answers
 from benchmarks.quant_quality import perplexity, token_windows
-from conveyor.kernels import attention as A
+from conveyor.kernels.attention import launch as A  # the dispatcher's module
+from conveyor.kernels.attention import reference as AR
 from conveyor.kernels import kv_cache as KC
 
 EXACT = {}  # id(v_cache) -> float tensor [slots, Hkv, D]
@@ -33,7 +34,7 @@ def store(k, v, k_cache, v_cache, slot_mapping, k_scales=None, v_scales=None, ke
 
 _orig_deq = KC.dequantize_kv_ref
 _orig_attn = A.paged_attention_ref
-_orig_gather = A.gather_kv_ref
+_orig_gather = AR.gather_kv_ref
 CTX = {}
 CALLS = {"patched": 0}
 
@@ -76,8 +77,8 @@ def deq2(codes, scales, bits):
 
 KC.store_kv_ref = store
 A.paged_attention_ref = attn
-A.gather_kv_ref = gather
-A.dequantize_kv_ref = deq2
+AR.gather_kv_ref = gather
+AR.dequantize_kv_ref = deq2
 
 from pathlib import Path  # noqa: E402
 

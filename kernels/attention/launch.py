@@ -1,0 +1,227 @@
+"""The attention launcher and dispatcher: checks the inputs, picks the kernel (decode, quantized
+decode on the tensor or the CUDA cores, prefill), sizes its grid from ``policy.py`` and launches
+it; ``paged_attention`` sends CUDA tensors here and the rest to the reference."""
+
+import torch
+
+from .._triton import FLOAT_DTYPES, TRITON_INTERPRETED, cdiv, is_pow2, next_pow2, triton_takes
+from ..kv_cache import KeyCentres, cache_bits
+from ..kv_layout import CENTRE_GROUP, SCALE_DTYPE
+from .decode import _decode_kernel, _decode_reduce_kernel
+from .decode_quant import TUNE_FOLD, TUNE_PAIR, _decode_simt_kernel
+from .policy import (_DECODE_MAXNREG, _SIMT_BLOCK_N, _SIMT_PROGRAMS_PER_SM, DEFAULT_TUNING, AttentionTuning,
+                     _decode_partition, _fast_codes, _fill_target)
+from .prefill import _prefill_kernel
+from .reference import paged_attention_ref
+
+_LOG2E = 1.4426950408889634
+
+
+def _check_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+) -> str | None:
+    """Why the Triton kernels cannot take these inputs, or None when they can."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        return "q must be [T, H, D] and the caches [num_blocks, block_size, Hkv, D]"
+    head_dim = q.shape[-1]
+    if k_scales is not None:
+        if k_cache.dtype != torch.uint8 or v_cache.dtype != torch.uint8 or q.dtype not in FLOAT_DTYPES:
+            return f"a quantized cache holds uint8 codes, not {k_cache.dtype}; q must be fp16/bf16/fp32"
+        if k_cache.shape[-1] not in (head_dim, head_dim // 2):
+            return f"codes of width {k_cache.shape[-1]} do not hold head_dim {head_dim}"
+        if (v_scales is None or k_scales.shape != (*k_cache.shape[:3], 2) or v_scales.shape != k_scales.shape
+                or k_scales.stride() != v_scales.stride() or k_scales.stride(-1) != 1
+                or k_scales.dtype != SCALE_DTYPE or v_scales.dtype != SCALE_DTYPE):
+            return "scales must be fp16 [num_blocks, block_size, Hkv, 2], alike for k and v"
+    elif q.dtype not in FLOAT_DTYPES or not q.dtype == k_cache.dtype == v_cache.dtype:
+        return f"q/cache dtypes {q.dtype}/{k_cache.dtype}/{v_cache.dtype} must match and be fp16/bf16/fp32"
+    elif k_cache.shape[-1] != head_dim:
+        return f"cache head_dim {k_cache.shape[-1]} != q's {head_dim}"
+    if not is_pow2(head_dim) or not 16 <= head_dim <= 256:
+        return f"head_dim {head_dim} must be a power of two in [16, 256]"
+    if q.shape[1] % k_cache.shape[2]:
+        return f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} kv heads"
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        return "caches need a unit stride along head_dim"
+    if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64):
+        return "block_tables must be a 2-D int32/int64 tensor"
+    if cu_seqlens_q.shape[0] != seqlens_k.shape[0] + 1 or block_tables.shape[0] < seqlens_k.shape[0]:
+        return "cu_seqlens_q must be [B+1], seqlens_k [B] and block_tables [>=B, max_blocks]"
+    return None
+
+
+def paged_attention_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, scale: float,
+    max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    key_centres: KeyCentres | None = None,
+    tuning: AttentionTuning | None = None,
+) -> torch.Tensor:
+    """Triton launcher for :func:`paged_attention_ref` (same arguments and result).
+
+    ``max_seqlen_q`` picks the kernel (1: decode) and sizes the prefill grid; ``max_seqlen_k``
+    sizes the decode grid. Either is read from the device (a sync) when not given; a value given
+    must be at least the true maximum. ``tuning`` overrides the launch choices (``AttentionTuning``:
+    tile sizes, partitions, warps, stages, the quantized decode kernel's variant, register cap and
+    walk); None takes them all from ``policy.py``. A quantized cache comes with ``k_scales`` /
+    ``v_scales`` (``paged_attention_ref``); the decode kernel turns its codes into fp16/bf16 with
+    inline PTX unless ``tuning.fast_codes=False`` (or the interpreter runs, or q is fp32), which
+    selects the portable conversion (both are tested).
+    """
+    problem = _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, k_scales, v_scales)
+    assert problem is None, problem
+    devices = {t.device for t in (q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k)}
+    assert len(devices) == 1, f"tensors on several devices: {devices}"
+    assert not cu_seqlens_q.dtype.is_floating_point and not seqlens_k.dtype.is_floating_point
+    if tuning is None:
+        tuning = DEFAULT_TUNING
+    decode_partition, block_m, block_n = tuning.decode_partition, tuning.block_m, tuning.block_n
+    num_warps, num_stages, maxnreg, simt = tuning.num_warps, tuning.num_stages, tuning.maxnreg, tuning.simt
+
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    num_seqs = seqlens_k.shape[0]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    qk_scale = float(scale) * _LOG2E
+    # fp32 inputs would default to TF32 tensor-core products on the GPU: keep them exact.
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    bits = cache_bits(k_cache, head_dim) if k_scales is not None else 0
+    ks, vs = (k_scales, v_scales) if bits else (k_cache, v_cache)  # unused pointers when unquantized
+    s_strides = (k_scales.stride(0), k_scales.stride(1), k_scales.stride(2)) if bits else (0, 0, 0)
+    common = (
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *s_strides,
+        block_tables.stride(0), out.stride(0), out.stride(1),
+    )
+    centred = key_centres is not None
+    if centred:  # the centres' pointers (kv_cache.KeyCentres), then their strides and bounds
+        table, cs, qm = key_centres.table, key_centres.cos_sin, key_centres.queries
+        assert bits and qm is not None and qm.shape == q.shape and qm.stride(-1) == 1, \
+            "centred keys: a quantized cache and the queries before the key basis"
+        assert table.shape[1:] == (2, num_kv_heads, head_dim) and table.stride(-1) == 1 and cs.stride(-1) == 1
+        c_ptrs = (qm, table, cs)
+        c_args = (qm.stride(0), qm.stride(1), table.stride(0), table.stride(2), table.shape[0] - 1,
+                  cs.stride(0), cs.shape[0])
+    else:
+        c_ptrs, c_args = (q, q, q), (0, 0, 0, 0, 0, 0, 1)
+
+    # (A batch whose sequences bring at most one query but some none goes to the prefill kernel.)
+    if max_seqlen_q == 1 and num_tokens == num_seqs:
+        if max_seqlen_k is None:
+            max_seqlen_k = int(seqlens_k.max())
+        simt = bool(bits) and group == 1 and k_cache.stride() == v_cache.stride() if simt is None else simt
+        assert not simt or (bits and group == 1 and k_cache.stride() == v_cache.stride()), \
+            "the CUDA-core walk takes a quantized cache, one query a kv head, keys and values alike strided"
+        per_sm = _SIMT_PROGRAMS_PER_SM if simt else 2
+        partition = decode_partition or _decode_partition(q.device, num_seqs, num_kv_heads, max_seqlen_k, per_sm)
+        bn = block_n or min(_SIMT_BLOCK_N if simt else 64 if head_dim <= 128 else 32, next_pow2(partition))
+        assert partition % bn == 0, "the decode partition must be a multiple of its key tile"
+        num_parts = max(cdiv(max_seqlen_k, partition), 1)
+        split = num_parts > 1
+        # Short sequences spread over the partitions (down to one key tile per program) unless
+        # the batch fills the GPU by itself; then each keeps partition-sized slices.
+        min_part = partition
+        if decode_partition or (q.device.type == "cuda" and num_seqs * num_kv_heads < _fill_target(q.device, per_sm)):
+            min_part = bn
+        if split:
+            part_out = torch.empty(num_seqs, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
+            part_lse = torch.empty(num_seqs, num_heads, num_parts, dtype=torch.float32, device=q.device)
+        else:
+            part_out = part_lse = out  # unused (SPLIT=False); any valid pointer will do
+        po_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2)) if split else (0, 0, 0)
+        pl_strides = (part_lse.stride(0), part_lse.stride(1)) if split else (0, 0)
+        fast = bool(bits) and (_fast_codes(q) if tuning.fast_codes is None else tuning.fast_codes)
+        assert not (fast and (TRITON_INTERPRETED or q.dtype == torch.float32)), "fast_codes: compiled fp16/bf16 only"
+        tn = tuning.variant_mask
+        if q.dtype != torch.float16:
+            tn &= ~TUNE_FOLD  # the biased codes (1024 + c) are an fp16 trick
+        if tn & TUNE_PAIR and not (fast and k_scales.data_ptr() % 4 == 0 and all(st % 2 == 0 for st in s_strides)):
+            tn &= ~TUNE_PAIR  # a (scale, zero) pair must be one aligned 32-bit word
+        extra = {"num_stages": num_stages} if num_stages else {}
+        if maxnreg or (bits and not simt):
+            extra["maxnreg"] = maxnreg or _DECODE_MAXNREG
+        if simt:
+            _decode_simt_kernel[(num_kv_heads, num_seqs, num_parts)](
+                q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, seqlens_k, out, part_out, part_lse,
+                *c_ptrs,
+                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *s_strides,
+                block_tables.stride(0), out.stride(0), out.stride(1), *po_strides, *pl_strides, *c_args,
+                qk_scale, min_part,
+                HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=bn, SPLIT=split, BITS=bits, FAST=fast,
+                PAIR=bool(tn & TUNE_PAIR), CENTRED=centred, GROUP_C=CENTRE_GROUP, num_warps=num_warps or 1,
+                **extra,
+            )
+        else:
+            # Partitions last: the programs past a short sequence's end (the grid is sized for
+            # max_seqlen_k) are scheduled after the real ones (H200, int8, batch 256 x 1k keys,
+            # grid for 4k: 822 against 1,287 us for the CUDA-core walk, 795 against 810 here).
+            _decode_kernel[(num_kv_heads, num_seqs, num_parts)](
+                q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, seqlens_k, out, part_out, part_lse,
+                *common, *po_strides, *pl_strides, *c_ptrs, *c_args, qk_scale, min_part,
+                GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+                BLOCK_N=bn, SPLIT=split, BITS=bits, FAST=fast, TUNE=tn if bits else 0, DOT_PRECISION=precision,
+                CENTRED=centred, GROUP_C=CENTRE_GROUP, num_warps=num_warps or 4, **extra,
+            )
+        if split:
+            _decode_reduce_kernel[(num_heads, num_seqs)](
+                part_out, part_lse, cu_seqlens_q, seqlens_k, out,
+                *po_strides, *pl_strides, out.stride(0), out.stride(1), num_parts, min_part,
+                HEAD_DIM=head_dim, BLOCK_N=bn, BLOCK_P=min(next_pow2(num_parts), 16), num_warps=4,
+            )
+        return out
+
+    bm = block_m or (64 if max_seqlen_q >= 64 else max(16, next_pow2(max_seqlen_q)))
+    bn = block_n or (64 if head_dim <= 128 else 32)
+    _prefill_kernel[(cdiv(max_seqlen_q, bm), num_heads, num_seqs)](
+        q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, seqlens_k, out,
+        *common, *c_ptrs, *c_args, qk_scale,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, BITS=bits,
+        CENTRED=centred, GROUP_C=CENTRE_GROUP,
+        # Two stages measured best on an H100 (bf16, D=64 and 128) for 64x64 tiles and 4 warps.
+        DOT_PRECISION=precision, num_warps=num_warps or (4 if bm <= 64 else 8), num_stages=num_stages or 2,
+    )
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, scale: float,
+    *,
+    max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    key_centres: KeyCentres | None = None,
+) -> torch.Tensor:
+    """Attention of q [T, H, D] over the paged caches: Triton on CUDA, else the reference.
+
+    Pass ``max_seqlen_q`` / ``max_seqlen_k`` (from ``AttentionMetadata``) when known: without them
+    the Triton path reads the maxima from the device, a host sync per call. Values passed must be
+    at least the true maxima (an upper bound such as the model's max length is fine, and is what a
+    CUDA-graph capture should pass so the launch grid stays fixed). A quantized cache (uint8
+    codes) comes with ``k_scales`` / ``v_scales``; its keys and values are dequantized in registers,
+    and with ``key_centres`` when its keys were stored centred (``kv_cache.KeyCentring``).
+    """
+    if triton_takes("paged_attention", (q, k_cache, v_cache), _check_inputs,
+                    q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, k_scales, v_scales):
+        return paged_attention_triton(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, k_scales=k_scales, v_scales=v_scales,
+            key_centres=key_centres,
+        )
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, k_scales, v_scales,
+                               key_centres)

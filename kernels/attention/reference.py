@@ -1,0 +1,66 @@
+"""The plain-torch reference of paged attention (the package doc): used on CPU, and what every
+Triton kernel of this package is tested against."""
+
+import torch
+import torch.nn.functional as F
+
+from ..kv_cache import KeyCentres, cache_bits, dequantize_kv_ref, key_shifts_ref
+
+
+def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Read the first ``length`` token slots of one sequence: [length, Hkv, D]."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]  # [nb, bs, Hkv, D]
+    return blocks.reshape(-1, *cache.shape[2:])[:length]
+
+
+def paged_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, scale: float,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    key_centres: KeyCentres | None = None,
+) -> torch.Tensor:
+    """Plain-torch reference: gather each sequence's keys, then causal SDPA with GQA.
+
+    q: [T, H, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks];
+    cu_seqlens_q: [B+1]; seqlens_k: [B]. Returns [T, H, D]. A quantized cache (uint8 codes,
+    ``kv_cache.KVCacheLayout``) comes with its ``k_scales`` / ``v_scales`` and is read back
+    through ``dequantize_kv_ref``; with ``key_centres`` its keys were stored centred, and each
+    gets its centre back (``kv_cache.key_shifts_ref``, the row of the sequence's first block).
+    """
+    assert q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+    bits = cache_bits(k_cache, q.shape[-1])
+    assert (k_scales is not None) == (v_scales is not None) == bool(bits), "codes and scales go together"
+    assert key_centres is None or bits, "key centres belong to a quantized cache: pass them with its scales"
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts, lens_k = cu_seqlens_q.tolist(), seqlens_k.tolist()
+    for b, len_k in enumerate(lens_k):
+        qs, qe = starts[b], starts[b + 1]
+        len_q = qe - qs
+        if len_q == 0:
+            continue
+        k = gather_kv_ref(k_cache, block_tables[b], len_k)
+        v = gather_kv_ref(v_cache, block_tables[b], len_k)
+        if bits:
+            k = dequantize_kv_ref(k, gather_kv_ref(k_scales, block_tables[b], len_k), bits)
+            if key_centres is not None:
+                table = key_centres.table
+                rows = block_tables[b, :1].long().clamp(max=table.shape[0] - 1).expand(len_k)
+                k = k + key_shifts_ref(table, rows, torch.arange(len_k), key_centres.cos_sin)
+            v = dequantize_kv_ref(v, gather_kv_ref(v_scales, block_tables[b], len_k), bits)
+        qb = q[qs:qe].transpose(0, 1)  # [H, Lq, D]
+        kb = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, Lk, D]
+        vb = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        # Query i sits at absolute position len_k - len_q + i and sees keys 0..that position.
+        q_pos = torch.arange(len_k - len_q, len_k, device=q.device)
+        mask = torch.arange(len_k, device=q.device)[None, :] <= q_pos[:, None]
+        ob = F.scaled_dot_product_attention(
+            qb.to(torch.float32), kb.to(torch.float32), vb.to(torch.float32),
+            attn_mask=mask, scale=scale,
+        )
+        out[qs:qe] = ob.transpose(0, 1).to(q.dtype)
+    return out

@@ -1,0 +1,109 @@
+"""One key tile of attention through the block table, shared by the decode and prefill kernels:
+offsets of a tile's keys, values and scales, its scores, and the online-softmax fold over its
+values, for a 16-bit cache or (codes entering the dots as they are) a quantized one."""
+
+# No ``from __future__ import annotations``: Triton reads ``tl.constexpr`` annotations as objects.
+
+from .._triton import jit, tl
+from .codes import _codes_as, _load_codes, _scale_zero
+
+
+@jit
+def _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step: fold log2-scaled scores s [M, N] over values v [N, D] into (m, l, acc)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@jit
+def _kv_offsets(
+    bt_row, n, n_mask, kv_head,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Element offsets of one kv head's keys, values and (quantized caches) scales at key
+    positions ``n``, read through the sequence's block table row ``bt_row``. MASKED: positions
+    where ``n_mask`` is false read block 0; without it every position must lie inside the
+    sequence (no mask: the common, faster case). The loads stay in the kernels, each where its
+    value is first needed (the key before the dot, the value after it), the order the loops
+    were tuned with."""
+    if MASKED:
+        block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    else:
+        block = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
+    slot = n % BLOCK_SIZE
+    k_off = block * stride_kb + slot * stride_ks + kv_head * stride_kh
+    v_off = block * stride_vb + slot * stride_vs + kv_head * stride_vh
+    s_off = block * stride_sb + slot * stride_ss + kv_head * stride_sh
+    return k_off, v_off, s_off
+
+
+@jit
+def _scores(q, k_ptr, ks_ptr, k_off, s_off, d, n_mask, qsum, qk_scale,
+            HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """log2-scaled scores q @ k [M, N] of the keys at offsets ``k_off``. A quantized cache's codes
+    enter the dot as they are (small integers, exact in fp16/bf16) and the per-key scale and zero
+    come after: ``q . (c * s + z) = s * (q . c) + z * sum(q)``, so no dequantized key is ever made."""
+    if BITS:
+        c = _load_codes(k_ptr, k_off, d, n_mask, True, HEAD_DIM, MASKED, BITS)
+        s = tl.dot(q, _codes_as(c, q.dtype), input_precision=DOT_PRECISION)
+        scale, zero = _scale_zero(ks_ptr, s_off, n_mask, MASKED)
+        s = s * scale[None, :] + qsum[:, None] * zero[None, :]
+    elif MASKED:
+        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=n_mask[None, :], other=0.0)  # [D, N]
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+    else:
+        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None])  # [D, N]
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+    return s * qk_scale
+
+
+@jit
+def _fold_values(s, v_ptr, vs_ptr, v_off, s_off, d, n_mask, m_i, l_i, acc, q_dtype: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Load the values at offsets ``v_off`` and fold scores ``s`` over them (``_fold_tile``). A
+    quantized cache's codes enter the dot as they are, the per-value scale folded into the
+    probabilities and the zero added as one row sum: ``p @ (c * s + z) = (p * s) @ c + sum(p * z)``."""
+    if BITS:
+        c = _load_codes(v_ptr, v_off, d, n_mask, False, HEAD_DIM, MASKED, BITS)
+        scale, zero = _scale_zero(vs_ptr, s_off, n_mask, MASKED)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pv = tl.dot((p * scale[None, :]).to(q_dtype), _codes_as(c, q_dtype), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv + tl.sum(p * zero[None, :], 1)[:, None]
+        return m_new, l_i, acc
+    elif MASKED:
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)  # [N, D]
+        return _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
+    else:
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :])  # [N, D]
+        return _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION)
+
+
+@jit
+def _tile_step(
+    q, qsum, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n_mask, visible, kv_head, d, m_i, l_i, acc, qk_scale,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, BITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, centre=0.0, CENTRED: tl.constexpr = False,
+):
+    """One key tile: load the keys, score, mask (MASKED: the tile may run past the sequence,
+    ``n_mask``, and is seen only where ``visible``), load the values, fold into the running
+    softmax. ``qsum``: the rows' sums of q, for a quantized cache's zeros; CENTRED: ``centre``
+    [M, N] the keys' centres' scores (``_centre_scores_dot``)."""
+    k_off, v_off, s_off = _kv_offsets(bt_row, n, n_mask, kv_head, stride_kb, stride_ks, stride_kh,
+                                      stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+                                      BLOCK_SIZE, MASKED)
+    s = _scores(q, k_ptr, ks_ptr, k_off, s_off, d, n_mask, qsum, qk_scale, HEAD_DIM, MASKED, BITS, DOT_PRECISION)
+    if CENTRED:
+        s += centre * qk_scale
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    return _fold_values(s, v_ptr, vs_ptr, v_off, s_off, d, n_mask, m_i, l_i, acc, q.dtype,
+                        HEAD_DIM, MASKED, BITS, DOT_PRECISION)
