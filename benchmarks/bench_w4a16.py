@@ -39,7 +39,8 @@ import importlib
 
 from benchmarks.common import cuda_time_us, record, save
 from conveyor.kernels._triton import cdiv
-from conveyor.kernels.w4a16 import GemmConfig, GemvConfig, dequantize_awq_ref, split_k, tile_k
+from conveyor.kernels.w4a16 import GemmConfig, GemvConfig, dequantize_awq_ref
+from conveyor.kernels.w4a16.policy import split_k, tile_k
 
 IMPL = importlib.import_module("conveyor.kernels.w4a16")  # --impl: another copy, to time before/after
 
