@@ -23,14 +23,23 @@ def add_rms_norm_ref(
     return rms_norm_ref(residual, weight, eps), residual
 
 
+MAX_HIDDEN = 65536  # the row kernels (here and in w8a8.py) hold a whole row in registers
+
+
+def row_warps(block: int) -> int:
+    """Warps of a one-row-a-program kernel over ``block`` columns: 8-32 elements per thread in
+    flight keeps a row's loads wide without spilling."""
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
 @jit
-def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    stride_x, stride_res, stride_out, stride_res_out,
-    hidden, eps,
+def normed_row(
+    x_ptr, res_ptr, w_ptr, res_out_ptr, stride_x, stride_res, stride_res_out, hidden, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # Grid: (rows,); one program normalizes one whole row (BLOCK >= hidden), so one read of x.
+    """Row ``program_id(0)`` of ``weight * rms_norm(x [+ residual])`` in fp32, the sum stored to
+    ``res_out`` when HAS_RESIDUAL: returns (row, cols, mask, values). Shared by the kernel below
+    and ``w8a8._rms_norm_quant_kernel``, which quantizes the row instead of storing it."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -42,11 +51,25 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + row * stride_res_out + cols, summed, mask=mask)
         x = summed
     xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    # Correctly rounded sqrt and division (once per row): closer to torch.rsqrt than the approximations.
+    rstd = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.math.sqrt_rn(tl.sum(xf * xf, axis=0) / hidden + eps))
     # Like the reference: round the normalized row to the input dtype, then scale by the weight.
     normed = (xf * rstd).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    return row, cols, mask, normed * w
+
+
+@jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_res, stride_out, stride_res_out,
+    hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # Grid: (rows,); one program normalizes one whole row (BLOCK >= hidden), so one read of x.
+    row, cols, mask, y = normed_row(x_ptr, res_ptr, w_ptr, res_out_ptr, stride_x, stride_res, stride_res_out,
+                                     hidden, eps, HAS_RESIDUAL, BLOCK)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -84,12 +107,11 @@ def _launch(
     out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, normed_dtype), device=x.device)
     if x2.shape[0]:
         block = next_pow2(hidden)
-        num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, w, out, res_out,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
             hidden, float(eps),
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=row_warps(block),
         )
     out = out.view(x.shape)
     return out, (res_out.view(x.shape) if residual is not None else None)
@@ -111,7 +133,7 @@ def add_rms_norm_triton(
 
 def _problem(*tensors: torch.Tensor) -> str | None:
     x = tensors[0]
-    supported = all(t.dtype in FLOAT_DTYPES for t in tensors) and x.shape[-1] <= 65536
+    supported = all(t.dtype in FLOAT_DTYPES for t in tensors) and x.shape[-1] <= MAX_HIDDEN
     return None if supported else f"{x.dtype} {tuple(x.shape)}"
 
 

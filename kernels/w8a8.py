@@ -43,7 +43,7 @@ from ._triton import (
     triton_takes,
 )
 from .activation import silu_and_mul_ref
-from .rms_norm import add_rms_norm_ref, as_rows, norm_inputs, rms_norm_ref
+from .rms_norm import MAX_HIDDEN, add_rms_norm_ref, as_rows, norm_inputs, normed_row, rms_norm_ref, row_warps
 
 try:  # CUDA's round-half-even instruction; the interpreter cannot run libdevice (see _round_half_even)
     from triton.language.extra import libdevice
@@ -52,7 +52,6 @@ except Exception:  # noqa: BLE001 - no Triton, or an older layout: the interpret
 _USE_RINT = libdevice is not None and not TRITON_INTERPRETED
 
 QMAX = 127
-MAX_HIDDEN = 65536  # one program holds a whole row in registers (as kernels/rms_norm.py does)
 # |sum| <= K * 128 * 128 must stay below 2**31 for the int32 accumulator (int8 codes may be -128
 # when the weights come from another quantizer).
 MAX_K = 2**31 // (128 * 128) - 1
@@ -176,24 +175,11 @@ def _rms_norm_quant_kernel(
     hidden, eps,
     HAS_RESIDUAL: tl.constexpr, NORM_DTYPE: tl.constexpr, USE_RINT: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # Grid: (rows,). kernels/rms_norm.py's kernel up to the normalized row, which is then rounded to
-    # the dtype rms_norm would have returned (NORM_DTYPE: 0 fp16, 1 bf16, 2 fp32) and quantized in
-    # registers instead of being stored: the same codes as rms_norm followed by quant_per_token.
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < hidden
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-        summed = (x.to(tl.float32) + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * stride_res_out + cols, summed, mask=mask)
-        x = summed
-    xf = x.to(tl.float32)
-    # Correctly rounded sqrt and division (once per row): closer to torch.rsqrt than the approximations.
-    rstd = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.math.sqrt_rn(tl.sum(xf * xf, axis=0) / hidden + eps))
-    normed = (xf * rstd).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = normed * w
+    # Grid: (rows,). kernels/rms_norm.py's normalized row (``normed_row``), rounded to the dtype
+    # rms_norm would have returned (NORM_DTYPE: 0 fp16, 1 bf16, 2 fp32) and quantized in registers
+    # instead of being stored: the same codes as rms_norm followed by quant_per_token.
+    row, cols, mask, y = normed_row(x_ptr, res_ptr, w_ptr, res_out_ptr, stride_x, stride_res, stride_res_out,
+                                     hidden, eps, HAS_RESIDUAL, BLOCK)
     if NORM_DTYPE == 0:
         y = y.to(tl.float16).to(tl.float32)
     elif NORM_DTYPE == 1:
@@ -216,15 +202,24 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, inter_si
     _quantize_row(y, cols, mask, q_ptr + row * stride_q, scale_ptr + row, USE_RINT)
 
 
-def _row_warps(block: int) -> int:
-    # As kernels/rms_norm.py: 8-32 elements per thread in flight keeps a row's loads wide without spilling.
-    return 4 if block <= 2048 else 8 if block <= 8192 else 16
-
-
 def _int8_rows(rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty outputs of a row quantizer: codes int8 [rows, width] and scales float32 [rows, 1]."""
     return (torch.empty(rows, width, dtype=torch.int8, device=device),
             torch.empty(rows, 1, dtype=torch.float32, device=device))
+
+
+def _quantize_rows(kernel, x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch a row quantizer (``_quant_kernel``, ``_silu_mul_quant_kernel``: one program a row of
+    x, ``width`` codes out) and return its codes and scales."""
+    x2 = as_rows(x)
+    xq, scale = _int8_rows(x2.shape[0], width, x.device)
+    if x2.shape[0]:
+        block = next_pow2(width)
+        kernel[(x2.shape[0],)](
+            x2, xq, scale, x2.stride(0), xq.stride(0), width,
+            USE_RINT=_USE_RINT, BLOCK=block, num_warps=row_warps(block),
+        )
+    return xq, scale
 
 
 def quant_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,15 +227,7 @@ def quant_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     k = x.shape[-1]
     assert x.dtype in FLOAT_DTYPES, f"unsupported dtype {x.dtype}"
     assert 0 < k <= MAX_HIDDEN, f"row length {k} not in 1..{MAX_HIDDEN}"
-    x2 = as_rows(x)
-    xq, scale = _int8_rows(x2.shape[0], k, x.device)
-    if x2.shape[0]:
-        block = next_pow2(k)
-        _quant_kernel[(x2.shape[0],)](
-            x2, xq, scale, x2.stride(0), xq.stride(0), k,
-            USE_RINT=_USE_RINT, BLOCK=block, num_warps=_row_warps(block),
-        )
-    return xq, scale
+    return _quantize_rows(_quant_kernel, x, k)
 
 
 def rms_norm_quant_triton(
@@ -260,7 +247,7 @@ def rms_norm_quant_triton(
             HAS_RESIDUAL=residual is not None,
             # rms_norm returns ``weight * normed``: its dtype follows torch promotion.
             NORM_DTYPE=_NORM_CODES[torch.promote_types(weight.dtype, normed_dtype)],
-            USE_RINT=_USE_RINT, BLOCK=block, num_warps=_row_warps(block),
+            USE_RINT=_USE_RINT, BLOCK=block, num_warps=row_warps(block),
         )
     if residual is None:
         return xq, scale
@@ -271,16 +258,7 @@ def silu_mul_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher for :func:`silu_mul_quant_ref`: one read of the gate/up row, int8 codes out."""
     assert x.dtype in FLOAT_DTYPES, f"unsupported dtype {x.dtype}"
     assert x.shape[-1] % 2 == 0 and 0 < x.shape[-1] // 2 <= MAX_HIDDEN, f"bad gate/up width {x.shape[-1]}"
-    inter = x.shape[-1] // 2
-    x2 = as_rows(x)
-    xq, scale = _int8_rows(x2.shape[0], inter, x.device)
-    if x2.shape[0]:
-        block = next_pow2(inter)
-        _silu_mul_quant_kernel[(x2.shape[0],)](
-            x2, xq, scale, x2.stride(0), xq.stride(0), inter,
-            USE_RINT=_USE_RINT, BLOCK=block, num_warps=_row_warps(block),
-        )
-    return xq, scale
+    return _quantize_rows(_silu_mul_quant_kernel, x, x.shape[-1] // 2)
 
 
 # ------------------------------------------------------------------------------------------- the GEMM
