@@ -9,7 +9,10 @@ from torch import nn
 
 from ..attention_metadata import AttentionMetadata, get_attention_metadata
 from ...kernels import apply_rotary, paged_attention, store_kv
-from ...kernels.kv_cache import KeyCentres, KeyCentring, cache_bits, rotate_and_store_kv, to_key_basis
+from ...kernels.kv_basis import to_key_basis
+from ...kernels.kv_cache import rotate_and_store_kv
+from ...kernels.kv_centres import KeyCentres, KeyCentring
+from ...kernels.kv_quant import cache_bits
 from ...kernels.kv_layout import turned_centres
 
 

@@ -5,7 +5,7 @@ tile, on the CUDA cores (decode) or the tensor cores (prefill)."""
 # No ``from __future__ import annotations``: Triton reads ``tl.constexpr`` annotations as objects.
 
 from .._triton import jit, tl
-from ..kv_cache import centre_position, turn
+from ..kv_centres import centre_position, turn
 
 
 @jit

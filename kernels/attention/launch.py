@@ -5,8 +5,9 @@ it; ``paged_attention`` sends CUDA tensors here and the rest to the reference.""
 import torch
 
 from .._triton import FLOAT_DTYPES, TRITON_INTERPRETED, cdiv, is_pow2, next_pow2, triton_takes
-from ..kv_cache import KeyCentres, cache_bits
+from ..kv_centres import KeyCentres
 from ..kv_layout import CENTRE_GROUP, SCALE_DTYPE
+from ..kv_quant import cache_bits
 from .decode import _decode_kernel, _decode_reduce_kernel
 from .decode_quant import TUNE_FOLD, TUNE_PAIR, _decode_simt_kernel
 from .policy import (_DECODE_MAXNREG, _SIMT_BLOCK_N, _SIMT_PROGRAMS_PER_SM, DEFAULT_TUNING, AttentionTuning,

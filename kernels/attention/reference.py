@@ -4,7 +4,8 @@ Triton kernel of this package is tested against."""
 import torch
 import torch.nn.functional as F
 
-from ..kv_cache import KeyCentres, cache_bits, dequantize_kv_ref, key_shifts_ref
+from ..kv_centres import KeyCentres, key_shifts_ref
+from ..kv_quant import cache_bits, dequantize_kv_ref
 
 
 def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

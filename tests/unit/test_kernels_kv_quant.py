@@ -29,20 +29,16 @@ from conveyor.kernels.attention import (  # noqa: E402
     paged_attention_triton,
 )
 from conveyor.kernels.attention.policy import VARIANT_BITS  # noqa: E402
+from conveyor.kernels.kv_basis import key_basis, to_key_basis  # noqa: E402
 from conveyor.kernels.kv_cache import (  # noqa: E402
-    KeyCentres,
-    KeyCentring,
-    dequantize_kv_ref,
-    key_basis,
-    key_shifts_ref,
-    quantize_kv_ref,
     rotate_and_store_kv,
     rotate_and_store_kv_ref,
     store_kv,
     store_kv_ref,
-    to_key_basis,
 )
+from conveyor.kernels.kv_centres import KeyCentres, KeyCentring, key_shifts_ref  # noqa: E402
 from conveyor.kernels.kv_layout import CENTRE_TOKENS, KVCacheLayout, turned_centres  # noqa: E402
+from conveyor.kernels.kv_quant import dequantize_kv_ref, quantize_kv_ref  # noqa: E402
 from conveyor.kernels.rotary import apply_rotary  # noqa: E402
 from test_kernels import paged_batch, randn  # noqa: E402
 

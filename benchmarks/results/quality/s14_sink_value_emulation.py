@@ -15,6 +15,7 @@ from benchmarks.quant_quality import perplexity, token_windows
 from conveyor.kernels.attention import launch as A  # the dispatcher's module
 from conveyor.kernels.attention import reference as AR
 from conveyor.kernels import kv_cache as KC
+from conveyor.kernels import kv_quant as KQ
 
 EXACT = {}  # id(v_cache) -> float tensor [slots, Hkv, D]
 MODE = {"sink": False}
@@ -32,7 +33,7 @@ def store(k, v, k_cache, v_cache, slot_mapping, k_scales=None, v_scales=None, ke
     EXACT[key][slot_mapping[keep].long()] = v[keep].float()
 
 
-_orig_deq = KC.dequantize_kv_ref
+_orig_deq = KQ.dequantize_kv_ref
 _orig_attn = A.paged_attention_ref
 _orig_gather = AR.gather_kv_ref
 CTX = {}
