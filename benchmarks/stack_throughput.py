@@ -1,9 +1,10 @@
 """How fast the service stack delivers tokens, with a fake engine that emits them as fast as it can.
 
-Starts `conveyor serve api_server --engine-factory benchmarks.fake_engine:build` (tokenizer, engine, detokenizer and ingress
-processes over ipc://), opens C concurrent streaming chat completions for C in --concurrency,
-and reports: streamed tokens/s delivered to the clients, the rate the fake engine produced,
-time to first token, and each stage's busy time per token (from the stages' own counters).
+Starts `python -m conveyor.testing.serve api_server` (tokenizer, the fake engine of
+conveyor.testing.fake_engine, detokenizer and ingress processes over ipc://), opens C concurrent
+streaming chat completions for C in --concurrency, and reports: streamed tokens/s delivered to
+the clients, the rate the fake engine produced, time to first token, and each stage's busy time
+per token (from the stages' own counters).
 If delivered ≈ produced, the stack keeps up with the engine; a real GPU engine produces far
 fewer tokens per second than the fake one, so this bounds what the pipeline can carry.
 
@@ -26,10 +27,10 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
+from conveyor.testing.serve import FAKE_ENGINE
+from conveyor.testing.server_process import ServerProcess
 
-from server_process import ServerProcess  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -110,9 +111,9 @@ def main() -> None:
 
     model_dir = args.model or str(fetch())
     log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
-    srv = ServerProcess(model_dir, "--engine-factory", "benchmarks.fake_engine:build", "--max-batch-size", "1024", "--session-len", "8192",
+    srv = ServerProcess(model_dir, "--max-batch-size", "1024", "--session-len", "8192",
                         "--tokenizer-workers", str(args.tokenizer_workers), "--log-level", "WARNING",
-                        log_dir=log_dir)
+                        log_dir=log_dir, engine_factory=FAKE_ENGINE)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or None
     records = []

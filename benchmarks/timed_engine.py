@@ -1,7 +1,7 @@
 """An engine factory for the served benchmark: ``LLMEngine`` with the offline benchmark's step
 timer, and a timeline of what the engine held, so that served and offline runs compare step for step.
 
-    conveyor serve api_server ... --engine-factory benchmarks.timed_engine:build
+    python -m conveyor.testing.serve api_server ... --engine-factory benchmarks.timed_engine:build
 
 ``CONVEYOR_ENGINE_TIMELINE`` names the JSON file written (every 5 s and at exit; default
 ``$BENCH_OUT/served_engine_timeline.json``): the steps, the GPU's busy seconds over them (the
@@ -85,7 +85,7 @@ class TimedEngine:
 
 
 def build(model_path: str, config: EngineConfig) -> TimedEngine:
-    """The engine factory ``--engine-factory`` names."""
+    """The engine factory ``conveyor.testing.serve --engine-factory benchmarks.timed_engine:build`` names."""
     default = Path(os.environ.get("BENCH_OUT", "benchmarks/results")) / "served_engine_timeline.json"
     path = Path(os.environ.get("CONVEYOR_ENGINE_TIMELINE", default))
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -176,8 +176,8 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
 
 def _preflight(model: str, engine: EngineConfig, reads_weights: bool) -> None:
     """The model's path, config, weights' headers and tp split, checked before any stage starts
-    (engine/preflight.py). Without ``reads_weights`` (a stage other than the engine, an
-    --engine-factory engine) only the path and config.json."""
+    (engine/preflight.py). Without ``reads_weights`` (a stage other than the engine, an engine
+    factory's engine: conveyor.testing.serve) only the path and config.json."""
     from conveyor.engine.preflight import preflight
 
     preflight(model, engine, weights=reads_weights)
@@ -511,9 +511,9 @@ def _server_options(s: argparse.ArgumentParser) -> None:
     lim.add_argument("--qos-config-path", default=None, metavar="FILE",
                      help="QoS user groups, LMDeploy's JSON format: a request's `user` picks its group (priority) "
                           "and quota (README: QoS)")
-    s.add_argument("--engine-factory", default=None, metavar="MODULE:CALLABLE",
-                   help="build the engine with this callable (model path, EngineConfig) instead of the GPU "
-                        "engine; e.g. benchmarks.fake_engine:build, a model-free engine for stack tests")
+    # No flag: users serve LLMEngine. Tests and benchmarks put a fake engine behind the real stages
+    # with conveyor.testing.serve, which adds --engine-factory to this parser.
+    s.set_defaults(engine_factory=None)
     s.add_argument("--dummy-weights", default=None, metavar="SHAPE",
                    help="serve a model shape on seeded random weights, for speed benchmarks: a published shape "
                         "(llama2-7b, llama3-8b, llama2-70b, tiny) or a config.json / model directory; MODEL then "
@@ -668,10 +668,11 @@ def backend_positional(argv: Sequence[str]) -> list[str]:
     return argv
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``conveyor`` console script; returns the exit code."""
+def main(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
+    """Entry point of the ``conveyor`` console script; returns the exit code. ``parser``:
+    ``build_parser()``'s, or one built on it (conveyor.testing.serve adds --engine-factory)."""
     argv = backend_positional(hyphenate_options(sys.argv[1:] if argv is None else argv))
-    args = build_parser().parse_args(argv)
+    args = (parser or build_parser()).parse_args(argv)
     if getattr(args, "backend", None):
         print(f"conveyor: --backend {args.backend}: conveyor has one engine, which serves both", file=sys.stderr)
     try:

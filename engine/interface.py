@@ -1,5 +1,5 @@
 """What the engine service needs from an engine: ``LLMEngine`` implements it, and so does the
-stack benchmark's model-free engine (``benchmarks/fake_engine.py``)."""
+model-free engine of the tests and the stack benchmark (``conveyor/testing/fake_engine.py``)."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ _GGUF_MAGIC = b"GGUF"
 
 def preflight(model: str | Path, config: EngineConfig, *, weights: bool = True) -> Path:
     """Check ``model`` and ``config`` before any stage or engine starts; returns the local model path
-    (a hub id: its downloaded snapshot). ``weights=False`` (an ``--engine-factory`` engine, which may
+    (a hub id: its downloaded snapshot). ``weights=False`` (an engine factory's engine, which may
     read nothing) checks the path and config.json only.
 
     Raises ``EngineConfigError`` (a missing path, a hub id not to be had, a tp the model or the

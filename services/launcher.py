@@ -66,8 +66,9 @@ class ServerArgs:
     qos: QosConfig | None = None  # user groups: priorities and quotas (--qos-config-path)
     proxy_url: str | None = None  # a proxy (conveyor serve proxy) the ingress joins while it serves
     proxy_admin_key: str | None = field(default=None, repr=False)  # the proxy's admin key it joins with
-    # "module:callable" building the engine instead of LLMEngine (the stack benchmark and fault
-    # tests use benchmarks.fake_engine:build, an engine without a model)
+    # "module:callable" building the engine instead of LLMEngine: no product flag sets it; tests and
+    # benchmarks do (conveyor.testing.serve; its default is the model-free conveyor.testing.fake_engine).
+    # A name, not the callable: the engine stage is a spawned process, which imports it.
     engine_factory: str | None = None
 
 

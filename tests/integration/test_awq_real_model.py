@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from conveyor.cli import main
-from server_process import ServerProcess
+from conveyor.testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

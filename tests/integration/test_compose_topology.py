@@ -39,7 +39,7 @@ import openai
 import pytest
 import yaml
 
-from server_process import free_base_port, free_port, wait_stages_healthy
+from conveyor.testing.server_process import free_base_port, free_port, wait_stages_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"

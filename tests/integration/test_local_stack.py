@@ -1,5 +1,5 @@
 """The pipeline's stage threads (services/local_stack.py) on the real tokenizer and the model-free
-engine of benchmarks/fake_engine.py: results, aborts that free blocks before they return,
+engine of conveyor/testing/fake_engine.py: results, aborts that free blocks before they return,
 refusals, and a stage that dies. Waits are polls or queue reads with deadlines."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import queue
 
 import pytest
 
-from benchmarks.fake_engine import FILLER, FakeEngine
 from conveyor.protocol import GenerateReq, SamplingParams
 from conveyor.services.local_stack import EngineDiedError, LocalStack, RequestError
+from conveyor.testing.fake_engine import FILLER, FakeEngine
 from conveyor.services.tokenizer.preprocess import Preprocessor
 
 DEADLINE = 30.0

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from server_process import ServerProcess
+from conveyor.testing.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = [(12, 8), (30, 5), (7, 12), (50, 6), (3, 9)]
@@ -25,7 +25,7 @@ def test_served_benchmark_report(smollm2_dir, tmp_path):
     timeline, stacks = tmp_path / "timeline.json", tmp_path / "stacks"
     srv = ServerProcess(smollm2_dir, "--dummy-weights", "tiny", "--max-batch-size", "4", "--cache-max-entry-count", "64",
                         "--cache-block-seq-len", "16", "--log-level", "WARNING",
-                        "--engine-factory", "benchmarks.timed_engine:build", log_dir=tmp_path,
+                        engine_factory="benchmarks.timed_engine:build", log_dir=tmp_path,
                         env={"CONVEYOR_ENGINE_TIMELINE": str(timeline), "CONVEYOR_STACK_SAMPLES": str(stacks)})
     try:
         assert httpx.get(f"{srv.url}/v1/models").json()["data"][0]["id"] == "tiny"  # the shape names the model

@@ -20,7 +20,8 @@ import httpx
 import openai
 import pytest
 
-from server_process import ServerProcess, free_port
+from conveyor.testing.serve import FAKE_ENGINE
+from conveyor.testing.server_process import ServerProcess, free_port
 
 KEY = "sk-proxy-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -113,9 +114,8 @@ def nodes(smollm2_dir, proxy, tmp_path_factory):
     made: dict[str, ServerProcess] = {}
 
     def start(name: str, step_s: float) -> None:
-        made[name] = ServerProcess(smollm2_dir, "--engine-factory", "benchmarks.fake_engine:build", "--session-len",
-                                   "4096", "--proxy-url", proxy.url, "--proxy-admin-key-file",
-                                   str(proxy.admin_key_file), log_dir=log_dir, api_key=KEY,
+        made[name] = ServerProcess(smollm2_dir, "--session-len", "4096", "--proxy-url", proxy.url, "--proxy-admin-key-file",
+                                   str(proxy.admin_key_file), log_dir=log_dir, api_key=KEY, engine_factory=FAKE_ENGINE,
                                    env={"CONVEYOR_FAKE_STEP_DELAY": str(step_s)})
 
     threads = [threading.Thread(target=start, args=a) for a in (("fast", FAST_STEP_S), ("slow", SLOW_STEP_S))]

@@ -9,8 +9,7 @@ import pytest
 
 import conveyor
 from conveyor import EngineConfig, GenerationConfig, pipeline
-
-from server_process import free_port
+from conveyor.testing.server_process import free_port
 
 
 def test_serve_starts_a_server_and_its_client_chats_in_a_session(smollm2_dir, tmp_path) -> None:

@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from server_process import ServerProcess
+from conveyor.testing.server_process import ServerProcess
 from unit.tiny_llama import LINEARS, TINY, write_checkpoint
 
 MAX_BATCH = 2  # the engine runs two sequences at a time: the flood queues in its scheduler

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from server_process import ServerProcess
+from conveyor.testing.server_process import ServerProcess
 
 KEY = "sk-conveyor-test"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]

@@ -10,13 +10,14 @@ import time
 import httpx
 import pytest
 
-from server_process import ServerProcess
+from conveyor.testing.serve import FAKE_ENGINE
+from conveyor.testing.server_process import ServerProcess
 
 
 def _start(smollm2_dir, tmp_path, *extra, delay: float = 0.0) -> ServerProcess:
     os.environ["CONVEYOR_FAKE_STEP_DELAY"] = str(delay)
     try:
-        return ServerProcess(smollm2_dir, "--engine-factory", "benchmarks.fake_engine:build", "--session-len", "4096", *extra, log_dir=tmp_path)
+        return ServerProcess(smollm2_dir, "--session-len", "4096", *extra, log_dir=tmp_path, engine_factory=FAKE_ENGINE)
     finally:
         os.environ.pop("CONVEYOR_FAKE_STEP_DELAY", None)
 
@@ -129,7 +130,8 @@ def test_hostile_frames_on_every_socket_leave_every_stage_serving(smollm2_dir, t
                        TokenizedReq("x2", "ipc:///nonexistent/reply", [], SamplingParams()),
                        Abort("nobody"), CancelSession(-1), SessionEnd(2**62), IngressGone(reply_to, "forged")],
             "detokenizer": [TokenBatch(["a", "b", "c"], [1], [], [0]),  # ragged columns
-                            Admitted("x3", "ipc:///nonexistent/reply", 5, SamplingParams(), prompt_tail=[10**12]),
+                            Admitted("x3", "ipc:///nonexistent/reply", 5, SamplingParams().detokenize_params(),
+                                     prompt_tail=[10**12]),
                             ErrorOut("x4", 400, "forged", reply_to="ipc:///nonexistent/reply")],
             "reply": [TextBatch(["a", "b"], ["t"], [], [0], [], [], []),
                       LoadReport("x", 0.0), ErrorOut("nobody", 500, "forged"),

@@ -1,7 +1,7 @@
 """Soak: mixed traffic for a while, with hostile frames and one SIGKILL per stage kind.
 
 A real ``conveyor serve api_server`` (two tokenizer workers) on the model-free engine of
-benchmarks/fake_engine.py, which keeps a KV block count like the real one; CONVEYOR_SOAK_S sets
+conveyor/testing/fake_engine.py, which keeps a KV block count like the real one; CONVEYOR_SOAK_S sets
 the length of the load (default 60 s, about 100 s in all on 2 cores). Eight clients loop over
 chat (whole and streamed), streams they abandon after a few chunks, batched completions with n=2
 and two-turn interactive sessions. Meanwhile: bad frames to every socket a stage binds (four
@@ -43,7 +43,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
-from server_process import ServerProcess, free_port
+from conveyor.testing.serve import FAKE_ENGINE
+from conveyor.testing.server_process import ServerProcess, free_port
 
 SOAK_S = float(os.environ.get("CONVEYOR_SOAK_S", "60"))
 CLIENTS = 8
@@ -338,8 +339,8 @@ def _metric(url: str, name: str, default: float | None = None) -> float:
 def test_soak_with_hostile_frames_and_a_kill_per_stage(smollm2_dir, tmp_path):
     os.environ["CONVEYOR_FAKE_STEP_DELAY"] = "0.004"  # requests last long enough to be in flight at a kill
     try:
-        srv = ServerProcess(smollm2_dir, "--engine-factory", "benchmarks.fake_engine:build", "--session-len", "4096",
-                            "--tokenizer-workers", "2", log_dir=tmp_path)
+        srv = ServerProcess(smollm2_dir, "--session-len", "4096", "--tokenizer-workers", "2", log_dir=tmp_path,
+                            engine_factory=FAKE_ENGINE)
     finally:
         os.environ.pop("CONVEYOR_FAKE_STEP_DELAY", None)
     proxy: ProxyProcess | None = None

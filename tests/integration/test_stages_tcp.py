@@ -16,7 +16,7 @@ import time
 import httpx
 import openai
 
-from server_process import free_base_port, free_port, wait_stages_healthy
+from conveyor.testing.server_process import free_base_port, free_port, wait_stages_healthy
 
 
 def _forged_request_gets_nothing(base: int, url: str) -> None:

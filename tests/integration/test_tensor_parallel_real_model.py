@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from conveyor import EngineConfig, GenerationConfig, pipeline
+from conveyor.testing.server_process import ServerProcess
 
 from chat_prompts import PROMPTS
-from server_process import ServerProcess
 
 GREEDY = GenerationConfig(max_new_tokens=16, top_k=1)
 PROMPTS_USED = PROMPTS[:10]

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import pytest
 
+from conveyor.testing.serve import FAKE_ENGINE
+from conveyor.testing.server_process import ServerProcess, free_port
 from conveyor.webchat import Piece, create_app
-from server_process import ServerProcess, free_port
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 if not os.path.exists(CHROMIUM):
@@ -96,8 +97,7 @@ def url_chat(smollm2_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("webchat-url")
     os.environ["CONVEYOR_FAKE_STEP_DELAY"] = "0.03"  # ~30 tokens/s: a reply streams long enough to cancel
     try:
-        server = ServerProcess(smollm2_dir, "--engine-factory", "benchmarks.fake_engine:build", "--session-len",
-                               "4096", log_dir=log_dir)
+        server = ServerProcess(smollm2_dir, "--session-len", "4096", log_dir=log_dir, engine_factory=FAKE_ENGINE)
     finally:
         os.environ.pop("CONVEYOR_FAKE_STEP_DELAY", None)
     try:

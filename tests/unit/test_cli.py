@@ -241,6 +241,7 @@ def test_api_server_checks_weights_and_tp_before_starting_stages(tmp_path, monke
 
 def test_api_server_still_starts_dummy_weights_and_factory_engines(tmp_path, monkeypatch) -> None:
     import conveyor.services.launcher as launcher
+    from conveyor.testing import serve as serve_fake
     from test_preflight import dense_model
 
     model = dense_model(tmp_path)
@@ -250,7 +251,8 @@ def test_api_server_still_starts_dummy_weights_and_factory_engines(tmp_path, mon
     monkeypatch.setattr(launcher, "serve", lambda args: started.append(args) or 0)
     base = ["serve", "api_server", str(model), "--server-name", "127.0.0.1", "--device", "cpu"]
     assert main([*base, "--server-port", str(_free_port()), "--dummy-weights", "tiny"]) == 0
-    assert main([*base, "--server-port", str(_free_port()), "--engine-factory", "benchmarks.fake_engine:build"]) == 0
+    # The engine factory is the test entry's flag (conveyor.testing.serve), not the product's.
+    assert serve_fake.main([*base[1:], "--server-port", str(_free_port())]) == 0
     assert [a.engine.load_format for a in started] == ["dummy", "auto"]
     assert [a.engine_factory for a in started] == [None, serve_fake.FAKE_ENGINE]
     with pytest.raises(SystemExit):

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from benchmarks.fake_engine import FakeEngine
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.protocol import Addresses, Finish
 from conveyor.protocol.sampling import SamplingParams
 from conveyor.services.engine import service as engine_service
+from conveyor.testing.fake_engine import FakeEngine
 
 TIMEOUT = 600.0
 TINY_LLAMA = dict(

@@ -1,5 +1,5 @@
 """The seams between stages, without a model: the codec, the engine service loop (driving the
-model-free engine of benchmarks/fake_engine.py) and the engine client's admission protocol.
+model-free engine of conveyor/testing/fake_engine.py) and the engine client's admission protocol.
 
 Every wait is a poll with a deadline, never a fixed sleep.
 """
@@ -17,12 +17,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from benchmarks.fake_engine import FakeEngine
 from conveyor.protocol import Abort, Addresses, Admitted, CancelSession, Codec, DetokenizerIn, EngineIn, \
     EngineStats, ErrorOut, Finish, GenerateReq, IngressGone, IngressIn, LoadReport, Ping, SamplingParams, SessionEnd, \
     StageStatus, StopReq, TextBatch, TokenBatch, TokenizedReq, TokenizerIn
 from conveyor.services.engine.service import EngineService
 from conveyor.services.engine_client import EngineClient, RequestError
+from conveyor.testing.fake_engine import FakeEngine
 
 DEADLINE = 10.0
 
@@ -48,7 +48,7 @@ def test_every_message_round_trips_through_its_socket_union() -> None:
         (EngineIn, TokenizedReq("r", "inproc://x", [1, 2, 3], params, session_id=4, first_turn_ids=[9, 1, 2, 3])),
         (EngineIn, Abort("r")), (EngineIn, CancelSession(4)), (EngineIn, SessionEnd(4)), (EngineIn, StopReq("r")),
         (EngineIn, Ping("inproc://x", 1.5, {"a": 1.0})),
-        (DetokenizerIn, Admitted("r", "inproc://x", 3, params, [2, 3], history_tokens=5)),
+        (DetokenizerIn, Admitted("r", "inproc://x", 3, params.detokenize_params(), [2, 3], history_tokens=5)),
         (DetokenizerIn, TokenBatch(["r"], [5], [int(Finish.STOP)], [0], [-0.1], [[(5, -0.1)]])),
         (DetokenizerIn, LoadReport("inproc://x", 1.0, EngineStats(running=1, kv_usage=0.5))),
         (IngressIn, TextBatch(["r"], ["a"], [[5]], [-1], [3], [1], [0])),
@@ -350,7 +350,7 @@ async def test_client_aborts_on_admission_when_its_consumer_left_early() -> None
         await stream.aclose()
         assert client.num_inflight == 0
         # Nothing can be aborted yet; the Admitted makes the client send the Abort.
-        await reply(Admitted("r1", client.reply_to, 3, SamplingParams()))
+        await reply(Admitted("r1", client.reply_to, 3, SamplingParams().detokenize_params()))
         abort = await _recv(engine_in, Codec(EngineIn), lambda m: isinstance(m, Abort))
         assert abort.rid == "r1"
         waiter = asyncio.ensure_future(client.wait_ended(["r1"]))
@@ -448,7 +448,8 @@ async def test_client_stops_a_request_past_the_request_timeout() -> None:
 
         task = asyncio.ensure_future(run())
         await _recv(feed, Codec(TokenizerIn), lambda m: isinstance(m, GenerateReq))
-        await reply(Admitted("r4", client.reply_to, 3, SamplingParams()))  # admitted, then never a token
+        # Admitted, then never a token.
+        await reply(Admitted("r4", client.reply_to, 3, SamplingParams().detokenize_params()))
         with pytest.raises(RequestError) as err:
             await asyncio.wait_for(task, DEADLINE)
         assert err.value.status == 504 and err.value.code == "request_timeout"
@@ -479,7 +480,7 @@ async def test_client_aborts_what_it_failed_and_what_it_does_not_know() -> None:
         tasks = [asyncio.ensure_future(run(rid)) for rid in ("f1", "f2")]
         for _ in tasks:
             await _recv(feed, Codec(TokenizerIn), lambda m: isinstance(m, GenerateReq))
-        await reply(Admitted("f1", client.reply_to, 3, SamplingParams()))
+        await reply(Admitted("f1", client.reply_to, 3, SamplingParams().detokenize_params()))
         await asyncio.wait_for(_until(lambda: client._requests["f1"].admitted), DEADLINE)
         client.fail_all("the detokenizer stage stopped")  # what a dead detokenizer's notice does
         for t in tasks:
@@ -487,13 +488,14 @@ async def test_client_aborts_what_it_failed_and_what_it_does_not_know() -> None:
                 await asyncio.wait_for(t, DEADLINE)
         codec = Codec(EngineIn)
         assert (await _recv(engine_in, codec, lambda m: isinstance(m, Abort))).rid == "f1"  # admitted: at once
-        await reply(Admitted("f2", client.reply_to, 3, SamplingParams()))  # admitted after it failed here
+        # Admitted after it failed here.
+        await reply(Admitted("f2", client.reply_to, 3, SamplingParams().detokenize_params()))
         assert (await _recv(engine_in, codec, lambda m: isinstance(m, Abort))).rid == "f2"
         # Tokens of a request this client never sent (an earlier ingress at this address): aborted once.
         await reply(TextBatch(["old"], ["x"], [[5]], [-1], [3], [1], [0]))
         await reply(TextBatch(["old"], ["y"], [[6]], [-1], [3], [2], [0]))
         await reply(TextBatch(["done"], ["z"], [[7]], [int(Finish.STOP)], [3], [1], [0]))  # ended: nothing to do
-        await reply(Admitted("marker", client.reply_to, 3, SamplingParams()))
+        await reply(Admitted("marker", client.reply_to, 3, SamplingParams().detokenize_params()))
         aborts = []
         while not aborts or aborts[-1] != "marker":
             aborts.append((await _recv(engine_in, codec, lambda m: isinstance(m, Abort))).rid)

@@ -1,7 +1,8 @@
 """An engine without a model: every running request gets one token per step, as fast as possible.
 
 For measuring the service stack (tokenizer, ZeroMQ hops, detokenizer, HTTP) without a GPU, and
-for fast stack tests: ``conveyor serve api_server --engine-factory benchmarks.fake_engine:build``.
+for fast stack tests: ``python -m conveyor.testing.serve api_server MODEL`` serves the real stages
+around it (``build`` is that entry's default ``--engine-factory``).
 It implements ``conveyor.engine.interface.Engine``, validates requests like ``LLMEngine`` and
 keeps a block count (one block per running request) so that leak checks mean the same thing.
 ``CONVEYOR_FAKE_STEP_DELAY`` (seconds) slows each step, for tests that need requests in flight.
@@ -10,13 +11,13 @@ keeps a block count (one block per running request) so that leak checks mean the
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from dataclasses import dataclass
 
-from conveyor.engine.config import EngineConfig
-from conveyor.engine.llm_engine import StepOutput
-from conveyor.protocol import EngineStats, Finish, InvalidRequestError, PromptTooLongError, SamplingParams, validate
+from .. import envs
+from ..engine.config import EngineConfig
+from ..engine.llm_engine import StepOutput
+from ..protocol import EngineStats, Finish, InvalidRequestError, PromptTooLongError, SamplingParams, validate
 
 FILLER = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs! "
 
@@ -141,10 +142,9 @@ class FakeEngine:
 
 
 def build(model_path: str, config: EngineConfig) -> FakeEngine:
-    """The engine factory ``--engine-factory`` names: cycles through the tokens of a filler text."""
-    from conveyor.services.tokenizer.preprocess import load_tokenizer
+    """The engine factory ``conveyor.testing.serve`` starts by default: cycles through the tokens of a filler text."""
+    from ..services.tokenizer.preprocess import load_tokenizer
 
     ids = load_tokenizer(model_path).encode(FILLER * 4, add_special_tokens=False)
-    delay = float(os.environ.get("CONVEYOR_FAKE_STEP_DELAY", "0"))
     return FakeEngine(ids, session_len=config.session_len or 8192, max_batch_size=config.max_batch_size,
-                      step_delay=delay)
+                      step_delay=envs.fake_step_delay())

@@ -1,4 +1,4 @@
-"""Start a real `conveyor serve api_server` process for tests, and find its stage processes."""
+"""Start a `conveyor serve api_server` process for tests and benchmarks, and find its stage processes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from conveyor.engine.tp_workers import free_port  # noqa: F401 - the tests import it from here
+from ..engine.tp_workers import free_port  # noqa: F401 - the tests import it from here
 
 
 def free_base_port() -> int:
@@ -53,29 +53,36 @@ def wait_stages_healthy(procs: dict[str, subprocess.Popen], url: str, timeout: f
 
 
 class ServerProcess:
-    """`conveyor serve api_server ...` in a subprocess, its log in a file."""
+    """`conveyor serve api_server ...` in a subprocess, its log in a file. With ``engine_factory``
+    ("module:callable", e.g. ``serve.FAKE_ENGINE``) the stages serve that callable's engine instead of
+    ``LLMEngine`` (``python -m conveyor.testing.serve``)."""
 
     def __init__(self, model: str | Path, *extra: str, log_dir: Path, api_key: str | None = None,
-                 start_timeout: float = 240.0, env: dict[str, str] | None = None):
+                 start_timeout: float = 240.0, env: dict[str, str] | None = None, engine_factory: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = log_dir / f"server-{self.port}.log"
-        args = [sys.executable, "-m", "conveyor.cli", "serve", "api_server", str(model),
+        command = ["conveyor.cli", "serve"] if engine_factory is None else ["conveyor.testing.serve"]
+        args = [sys.executable, "-m", *command, "api_server", str(model),
                 "--server-name", "127.0.0.1", "--server-port", str(self.port), "--log-level", "INFO", *extra]
+        if engine_factory is not None:
+            args += ["--engine-factory", engine_factory]
         if api_key:
             args += ["--api-keys", api_key]
         self._log = open(self.log_path, "w")
-        # The repository root on the path: an --engine-factory may name a module of benchmarks/.
+        # A checkout's root on the path: an engine factory may name a module of benchmarks/
+        # (benchmarks.timed_engine:build).
         root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])), **(env or {})}
+               "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),  # env: for a child process
+               **(env or {})}
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         self._wait_healthy(start_timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
-        from conveyor.serving import wait_until_healthy
+        from ..serving import wait_until_healthy
 
         try:
             wait_until_healthy(self.proc, self.url, timeout)
