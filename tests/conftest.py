@@ -36,10 +36,11 @@ def smollm2_dir() -> Path:
     Set CONVEYOR_OFFLINE=1 to skip instead of fetching.
     """
     from conveyor import default_model as fetch
+    from conveyor import envs
 
     dest = fetch.default_dest()
     if not (dest / "config.json").exists():
-        if os.environ.get("CONVEYOR_OFFLINE"):
+        if envs.is_set("CONVEYOR_OFFLINE"):
             pytest.skip(f"test model not cached at {dest} and CONVEYOR_OFFLINE is set")
         fetch.fetch(dest)
     return dest

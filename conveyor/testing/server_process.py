@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from ..engine.tp_workers import free_port  # noqa: F401 - the tests import it from here
+from ..engine.tp_workers import free_port  # the tests import it from here too
 
 
 def free_base_port() -> int:

@@ -11,8 +11,8 @@ import pytest
 
 from conveyor.protocol import GenerateReq, SamplingParams
 from conveyor.services.local_stack import EngineDiedError, LocalStack, RequestError
-from conveyor.testing.fake_engine import FILLER, FakeEngine
 from conveyor.services.tokenizer.preprocess import Preprocessor
+from conveyor.testing.fake_engine import FILLER, FakeEngine
 
 DEADLINE = 30.0
 
