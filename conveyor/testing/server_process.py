@@ -79,13 +79,24 @@ class ServerProcess:
                **(env or {})}
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
+        # The last --log-level wins (a test may pass WARNING): the launcher's INFO lines (the
+        # stages' pids, "serving") are in the log only at INFO.
+        self._logs_info = args[len(args) - 1 - args[::-1].index("--log-level") + 1].upper() == "INFO"
         self._wait_healthy(start_timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
         from ..serving import wait_until_healthy
 
+        deadline = time.monotonic() + timeout
         try:
             wait_until_healthy(self.proc, self.url, timeout)
+            # The ingress says READY only once it listens, so /health can answer before the
+            # launcher has read that READY: wait for its "serving" line, after which every
+            # stage's "ready (pid N)" line is in the log (tests read pids from there).
+            while self._logs_info and not re.search(r"INFO serving \S+ on http://", self.log()):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the launcher never said it serves")
+                time.sleep(0.05)
         except RuntimeError as exc:
             self.kill()
             raise RuntimeError(f"{exc}:\n{self.log()}") from None
