@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from conveyor.engine.config import KERNEL_MODES, TP_ALL_REDUCE_KINDS, EngineConfig, parse_cache_size
 from conveyor.lite import add_lite_parser
+from conveyor.protocol.sampling import INTERACTIVE_DEFAULTS
 from conveyor.services.tokenizer.chat_template import list_chat_templates
 
 
@@ -542,7 +543,7 @@ def _add_serve(sub) -> None:
     c.add_argument("--api-key", default=None, help="the server's API key, if it has any")
     c.add_argument("--session-id", type=int, default=None,
                    help="resume this session (default: a new one with a random id, ended on exit)")
-    c.add_argument("--request-output-len", type=int, default=512, help="most tokens per answer")
+    c.add_argument("--request-output-len", type=int, default=INTERACTIVE_DEFAULTS.max_new_tokens, help="most tokens per answer")
     c.set_defaults(func=_cmd_api_client)
     g = serve_sub.add_parser("gradio", help="web chat in the browser: a model in this process, or an api_server URL")
     g.add_argument("model_path_or_server", nargs="?", default=None, metavar="MODEL_PATH_OR_API_URL",
@@ -607,10 +608,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_chat.add_argument("--chat-template", default=None, help="a built-in template name (see conveyor list) or a JSON file of "
                         "ChatTemplateConfig fields")
     p_chat.add_argument("--model-name", default=None, help=_MODEL_NAME_HELP)
-    p_chat.add_argument("--max-new-tokens", type=int, default=512, help="most tokens per answer")
-    p_chat.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-    p_chat.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens (0: all)")
-    p_chat.add_argument("--top-p", type=float, default=0.8, help="sample from the likeliest tokens up to this probability")
+    # LMDeploy's `chat` samples as its interactive endpoint does: one definition of those defaults.
+    d = INTERACTIVE_DEFAULTS
+    p_chat.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="most tokens per answer")
+    p_chat.add_argument("--temperature", type=float, default=d.temperature, help="0 is greedy")
+    p_chat.add_argument("--top-k", type=int, default=d.top_k, help="sample from the k likeliest tokens (0: all)")
+    p_chat.add_argument("--top-p", type=float, default=d.top_p, help="sample from the likeliest tokens up to this probability")
     _engine_options(p_chat, cache_default=0.2)
     p_chat.set_defaults(func=_cmd_chat)
     _add_serve(sub)
