@@ -43,6 +43,9 @@ from conveyor.services.http import describe_validation_error, error_envelope, er
 
 from .backends import ChatBackend, Piece
 
+# The sampling fields a turn carries and the page shows (its inputs start at their defaults).
+SETTING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty")
+
 logger = logging.getLogger(__name__)
 
 IDLE_TIMEOUT_S = 3600.0  # a tab silent this long (closed without saying so) has its session ended
@@ -313,6 +316,9 @@ def create_app(backend: ChatBackend, idle_timeout_s: float = IDLE_TIMEOUT_S, clo
     with ``close_backend``, closes the backend."""
     chat = WebChat(backend, idle_timeout_s, leave_grace_s)
     page = resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
+    # The settings start at the interactive endpoint's defaults, written once in protocol/sampling.py.
+    for name in SETTING_FIELDS:
+        page = page.replace(f"%%{name}%%", f"{getattr(INTERACTIVE_DEFAULTS, name):g}")
 
     async def sweep_now_and_then() -> None:
         # A closed tab's session holds KV cache: end it soon after the grace time, not only when

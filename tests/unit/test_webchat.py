@@ -369,3 +369,14 @@ def test_gradio_command_checks_its_port_first(capsys):
         assert main(["serve", "gradio", "http://127.0.0.1:1", "--server-name", "127.0.0.1", "--server-port",
                      str(port)]) == 1
     assert "--server-port" in capsys.readouterr().err
+
+
+def test_the_page_settings_start_at_the_interactive_defaults(client):
+    from conveyor.protocol.sampling import INTERACTIVE_DEFAULTS
+    from conveyor.webchat.app import SETTING_FIELDS
+
+    page = client.get("/").text
+    assert "%%" not in page  # every placeholder filled
+    for name in SETTING_FIELDS:
+        value = re.search(rf'id="{name}"[^>]*value="([^"]*)"', page).group(1)
+        assert float(value) == getattr(INTERACTIVE_DEFAULTS, name), name
