@@ -1,8 +1,10 @@
-"""What the kernel test files share: error measures, the seed and poisoning fixtures, the markers
-that split interpreter and GPU cases, and the run of a file's interpreter cases in a child.
+"""What the kernel test files share: error measures, the markers that split interpreter and GPU
+cases, and the run of a file's interpreter cases in a child. Their fixtures (``seed``,
+``poisoned_empty``, ``forced``) are in conftest.py.
 
-A test file must set TRITON_INTERPRET (when it applies) before importing this module: importing
-it imports triton, which reads that variable once.
+Importing this module skips the importing test file where Triton is not installed. Whether Triton
+runs interpreted is decided once per process, before anything imports it: tests/conftest.py
+switches the interpreter on where there is no GPU.
 """
 
 from __future__ import annotations
@@ -10,15 +12,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
-from conveyor.kernels._triton import TRITON_INTERPRETED, set_kernel_mode
+from conveyor.kernels._triton import TRITON_INTERPRETED
 
 ROOT = Path(__file__).resolve().parents[2]
+
+pytest.importorskip("triton")  # the kernel tests compare Triton with the references
 
 interp = pytest.mark.skipif(
     not TRITON_INTERPRETED,
@@ -40,34 +43,6 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
     assert torch.isfinite(out).all(), "non-finite output (an unwritten element?)"
     err = rel_err(out, ref)
     assert err < tol, f"relative error {err:.3g} >= {tol:g}"
-
-
-@pytest.fixture
-def seed(request: pytest.FixtureRequest) -> int:
-    """A different, reproducible seed for every test case."""
-    return zlib.crc32(request.node.nodeid.encode())
-
-
-@pytest.fixture
-def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``torch.empty`` returns NaN-filled floats and -128-filled int8 tensors while the test runs."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):  # noqa: ANN002, ANN003 - torch.empty's signature
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        elif t.dtype == torch.int8:
-            t.fill_(-128)
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
-@pytest.fixture
-def forced(monkeypatch: pytest.MonkeyPatch, poisoned_empty: None) -> None:
-    """Dispatchers run Triton whatever the device (and unsupported inputs raise)."""
-    set_kernel_mode("triton")
 
 
 def run_interpreter_cases_in_child(test_file: str) -> None:

@@ -25,11 +25,6 @@ async def post_json(c: httpx.AsyncClient, path: str, body: dict[str, Any]) -> ht
     return await c.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class FakeEngineClient:
     """Echoes the prompt's words (the last message's, for chat), one token per delta.
 
@@ -138,16 +133,6 @@ class FakeEngineClient:
     async def end_session(self, session_id: int) -> None:
         self.ended.append(session_id)
         self.sessions.pop(session_id, None)
-
-
-@pytest.fixture
-def engine() -> FakeEngineClient:
-    return FakeEngineClient()
-
-
-@pytest.fixture
-def app(engine: FakeEngineClient):
-    return build_app(engine)
 
 
 def http(app: Any, **kw: Any) -> httpx.AsyncClient:

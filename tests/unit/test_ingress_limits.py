@@ -21,16 +21,6 @@ from test_ingress import PROMPT, FakeEngineClient, assert_error, chat_body, http
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-def engine() -> FakeEngineClient:
-    return FakeEngineClient()
-
-
 async def test_a_prompt_over_the_character_cap_is_refused_before_tokenizing(engine) -> None:
     app = build_app(engine, limits=IngressLimits(max_prompt_chars=100))
     big = "x " * 60  # 120 characters

@@ -8,7 +8,6 @@ import logging
 import pytest
 
 from test_ingress import PROMPT, assert_error, chat_body, http
-from test_ingress import anyio_backend, app, engine  # noqa: F401  (the ingress tests' fixtures)
 
 pytestmark = pytest.mark.anyio
 

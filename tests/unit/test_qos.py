@@ -161,11 +161,6 @@ def test_users_who_may_not_send_get_403() -> None:
         assert exc.value.status == 403 and says in exc.value.message
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_ingress_sets_priority_and_answers_429_in_openai_envelope() -> None:
     engine = FakeEngineClient()

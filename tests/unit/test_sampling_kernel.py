@@ -10,7 +10,6 @@
 """
 
 import math
-import zlib
 
 import pytest
 import torch
@@ -35,35 +34,16 @@ M32 = 0xFFFFFFFF
 
 
 @pytest.fixture
-def seed(request: pytest.FixtureRequest) -> int:
-    """A different, reproducible seed for every test case."""
-    return zlib.crc32(request.node.nodeid.encode())
-
-
-@pytest.fixture
-def tdev(monkeypatch: pytest.MonkeyPatch) -> str:
-    """Where Triton can run in this process, with dispatchers forced to it and NaN-filled buffers.
-
-    CPU under the interpreter, else CUDA; skips when neither. ``torch.empty`` returns NaN-filled
-    floats, so a partial result the kernel forgets to write shows.
+def tdev(forced: None) -> str:
+    """Where Triton can run in this process, with dispatchers forced to it and poisoned buffers
+    (``forced``: ``torch.empty`` returns NaN-filled floats, so a partial result the kernel forgets
+    to write shows). CPU under the interpreter, else CUDA; skips when neither.
     """
     if TRITON_INTERPRETED:
-        device = "cpu"
-    elif HAS_TRITON and torch.cuda.is_available():
-        device = "cuda"
-    else:
-        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before triton is imported) or CUDA")
-    real_empty = torch.empty
-
-    def empty(*args: object, **kwargs: object) -> torch.Tensor:
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-    set_kernel_mode("triton")
-    return device
+        return "cpu"
+    if HAS_TRITON and torch.cuda.is_available():
+        return "cuda"
+    pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before triton is imported) or CUDA")
 
 
 def lowbias32_py(x: int) -> int:
@@ -114,7 +94,8 @@ def test_hash_matches_plain_python(seed: int) -> None:
     steps = [0, 7, 1, 2**31, 3, 2**32 - 1]
     vocab = 300
     noise = exponential_noise_ref(i64(seeds), i64(steps), vocab).double()
-    expected = torch.tensor([[noise_py(s, t, j) for j in range(vocab)] for s, t in zip(seeds, steps)], dtype=torch.float64)
+    expected = torch.tensor([[noise_py(s, t, j) for j in range(vocab)] for s, t in zip(seeds, steps)],
+                            dtype=torch.float64)
     # Same bits in, so only the float32 log differs from float64's: ~1e-7 relative.
     torch.testing.assert_close(noise, expected, rtol=5e-7, atol=0)
 
