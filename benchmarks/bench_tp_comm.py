@@ -163,7 +163,7 @@ def plan_cost_us(batch: int, iters: int = 2000) -> float:
     codec = Codec(RankIn)
     plan = _decode_plan(batch)
     times = []
-    for i in range(iters):
+    for _ in range(iters):
         t = time.perf_counter()
         codec.send(sock, plan)
         sock.recv()
@@ -198,7 +198,7 @@ def gloo_plan_cost_us(batch: int, iters: int = 1000) -> float:
     """The same plan as ``plan_cost_us`` sent by gloo broadcasts (size, payload), half a round trip."""
     import torch.distributed as dist
 
-    from conveyor.engine.tp_workers import free_port
+    from conveyor.protocol.addresses import free_port
     from conveyor.protocol.codec import Codec
     from conveyor.protocol.tp import RankIn
 
@@ -223,7 +223,7 @@ def gloo_plan_cost_us(batch: int, iters: int = 1000) -> float:
 
 def main() -> None:
     from benchmarks.common import record, save
-    from conveyor.engine.tp_workers import free_port
+    from conveyor.protocol.addresses import free_port
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=None, help="GPUs (default: all visible; 0: skip the all-reduce)")

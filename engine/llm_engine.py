@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..kernels import set_kernel_mode
+from ..protocol.addresses import free_port
 from ..protocol.checks import check_int64, check_token_ids
 from ..protocol.errors import InvalidRequestError, PromptTooLongError, SessionBusyError
 from ..protocol.messages import EngineStats, Finish
@@ -38,7 +39,7 @@ from .peer_all_reduce import check_all_reduce
 from .rank_timing import RankTiming, StepHook
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
-from .tp_workers import TPWorkers, free_port
+from .tp_workers import TPWorkers
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -37,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from ..protocol.addresses import free_port
 from ..protocol.codec import Codec
 from ..protocol.errors import EngineConfigError
 from ..protocol.tp import HEARTBEAT_S, RankIn, RankOut, RankStatus, StepKind, StepPlan
@@ -56,13 +56,6 @@ READY_TIMEOUT_S = 1800.0  # loading a large checkpoint and capturing graphs take
 
 class TPWorkerError(RuntimeError):
     """A tensor-parallel rank died, froze or failed; the engine cannot go on."""
-
-
-def free_port() -> int:
-    """A TCP port free on this host now (for the process group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TPWorkers:
@@ -258,7 +251,8 @@ def _follow_timed(runner: ModelRunner, plans: zmq.Socket, codec: Codec, timing: 
 def run_tp_rank(rank: int, size: int, init_method: str, plan_address: str, status_address: str,
                 model_path: str, config: EngineConfig, log_level: str = "INFO") -> None:
     """Entry point of tensor-parallel rank ``rank`` (1..size-1): build the shard, then follow plans."""
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(process)d rank{rank} %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=log_level,
+                        format=f"%(asctime)s %(process)d rank{rank} %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 decides
     threading.Thread(target=_exit_with_parent, name="tp-parent", daemon=True).start()
     ctx = zmq.Context()
@@ -293,7 +287,7 @@ def run_tp_rank(rank: int, size: int, init_method: str, plan_address: str, statu
             _follow_timed(runner, plans, in_codec, timing)
             close_tp()
             timing.write()
-    except Exception as exc:  # noqa: BLE001 - report to rank 0, then exit
+    except Exception as exc:  # report to rank 0, then exit
         logger.exception("tensor-parallel rank %d failed", rank)
         error = f"{type(exc).__name__}: {exc}" if isinstance(exc, EngineConfigError) else traceback.format_exc(limit=3)
         out_codec.send(status, RankStatus(rank, "failed", os.getpid(), error))

@@ -22,6 +22,14 @@ from .. import envs
 from .security import CurveKeys, SecurityError
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the tensor-parallel rendezvous, test servers); another
+    process may take it before the caller binds it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """Where the owning stage binds, and where its peers connect."""
@@ -52,14 +60,14 @@ class Addresses:
     def inproc(cls) -> "Addresses":
         """Threads of one process; unique names so several pipelines can coexist."""
         tag = uuid.uuid4().hex[:8]
-        ep = lambda name: Endpoint(f"inproc://conveyor-{tag}-{name}", f"inproc://conveyor-{tag}-{name}")  # noqa: E731
+        ep = lambda name: Endpoint(f"inproc://conveyor-{tag}-{name}", f"inproc://conveyor-{tag}-{name}")
         return cls(ep("tokenizer"), ep("engine"), ep("detokenizer"), ep("launcher"), kind="inproc")
 
     @classmethod
     def ipc(cls, run_dir: str | None = None) -> "Addresses":
         """Processes on one host, sockets in a fresh private directory."""
         run_dir = run_dir or tempfile.mkdtemp(prefix="conveyor-")
-        ep = lambda name: Endpoint(f"ipc://{run_dir}/{name}", f"ipc://{run_dir}/{name}")  # noqa: E731
+        ep = lambda name: Endpoint(f"ipc://{run_dir}/{name}", f"ipc://{run_dir}/{name}")
         return cls(ep("tokenizer"), ep("engine"), ep("detokenizer"), ep("launcher"), kind="ipc", run_dir=run_dir)
 
     @classmethod

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from ..engine.tp_workers import free_port  # the tests import it from here too
+from ..protocol.addresses import free_port  # the tests import it from here too
 
 
 def free_base_port() -> int:
@@ -74,9 +74,8 @@ class ServerProcess:
         # A checkout's root on the path: an engine factory may name a module of benchmarks/
         # (benchmarks.timed_engine:build).
         root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),  # env: for a child process
-               **(env or {})}
+        pythonpath = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))  # env: for a child process
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, **(env or {})}
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         # The last --log-level wins (a test may pass WARNING): the launcher's INFO lines (the

@@ -22,6 +22,7 @@ import pytest
 
 from conveyor.testing.serve import FAKE_ENGINE
 from conveyor.testing.server_process import ServerProcess, free_port
+from conveyor.testing.waiting import wait_until
 
 KEY = "sk-proxy-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -76,15 +77,6 @@ class ProxyProcess:
         self._log.close()
 
 
-def wait_until(predicate, what: str, timeout: float = 30.0, log=None) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            tail = f"; log:\n{log()[-4000:]}" if log else ""
-            raise AssertionError(f"timed out waiting for {what}{tail}")
-        time.sleep(0.1)
-
-
 def served(node: ServerProcess) -> int:
     """Generation requests ``node``'s ingress has finished (its e2e latency histogram's count)."""
     text = httpx.get(f"{node.url}/metrics", headers=AUTH, timeout=10).text
@@ -114,9 +106,9 @@ def nodes(smollm2_dir, proxy, tmp_path_factory):
     made: dict[str, ServerProcess] = {}
 
     def start(name: str, step_s: float) -> None:
-        made[name] = ServerProcess(smollm2_dir, "--session-len", "4096", "--proxy-url", proxy.url, "--proxy-admin-key-file",
-                                   str(proxy.admin_key_file), log_dir=log_dir, api_key=KEY, engine_factory=FAKE_ENGINE,
-                                   env={"CONVEYOR_FAKE_STEP_DELAY": str(step_s)})
+        made[name] = ServerProcess(smollm2_dir, "--session-len", "4096", "--proxy-url", proxy.url,
+                                   "--proxy-admin-key-file", str(proxy.admin_key_file), log_dir=log_dir, api_key=KEY,
+                                   engine_factory=FAKE_ENGINE, env={"CONVEYOR_FAKE_STEP_DELAY": str(step_s)})
 
     threads = [threading.Thread(target=start, args=a) for a in (("fast", FAST_STEP_S), ("slow", SLOW_STEP_S))]
     for t in threads:

@@ -12,6 +12,7 @@ import pytest
 
 from conveyor.testing.serve import FAKE_ENGINE
 from conveyor.testing.server_process import ServerProcess
+from conveyor.testing.waiting import wait_until
 
 
 def _start(smollm2_dir, tmp_path, *extra, delay: float = 0.0) -> ServerProcess:
@@ -49,17 +50,6 @@ def _metric_stat(url: str, stat: str) -> float:
     return _metric(url, f'conveyor_stage_stat{{stat="{stat}"}}')
 
 
-def _wait_until(predicate, what: str, timeout: float = 30.0, srv: ServerProcess | None = None) -> None:
-    """Poll ``predicate`` (every 50 ms) until it holds; fail after ``timeout`` seconds, with the
-    server's log in the message when ``srv`` is given (a CI failure is otherwise undiagnosable)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            log = srv.log()[-6000:] if srv is not None else ""
-            raise AssertionError(f"timed out waiting for {what}" + (f"; the server's log ends:\n{log}" if log else ""))
-        time.sleep(0.05)
-
-
 def _generating(url: str, n: int = 1) -> bool:
     """At least ``n`` requests in flight and the engine producing tokens for them."""
     return (_metric(url, "conveyor_requests_in_flight") >= n
@@ -72,7 +62,7 @@ def test_killing_one_of_two_tokenizers_under_load_hangs_nothing(smollm2_dir, tmp
         victim = srv.stage_pids("tokenizer")[0]
         with cf.ThreadPoolExecutor(32) as pool:
             futures = [pool.submit(_chat, srv.url, 200, i % 2 == 0) for i in range(64)]
-            _wait_until(lambda: _generating(srv.url, 8), "requests in flight")
+            wait_until(lambda: _generating(srv.url, 8), "requests in flight")
             os.kill(victim, signal.SIGKILL)
             results = [f.result(timeout=90) for f in futures]  # none may hang
         for status, body in results:
@@ -93,7 +83,7 @@ def test_the_last_tokenizer_killed_gives_503_at_once(smollm2_dir, tmp_path):
         assert _chat(srv.url, 5)[0] == 200
         worker = srv.stage_pids("tokenizer")[0]
         os.kill(worker, signal.SIGKILL)
-        _wait_until(lambda: not _alive(worker), "the worker to die")
+        wait_until(lambda: not _alive(worker), "the worker to die")
         start = time.monotonic()
         status, body = _chat(srv.url, 5, timeout=30)  # before: hung until the client gave up
         # 503 at once while no worker is connected (the launcher restarts it within seconds, and
@@ -159,12 +149,12 @@ def test_hostile_frames_on_every_socket_leave_every_stage_serving(smollm2_dir, t
                 assert _alive(pid), stage
         status, body = _chat(srv.url, 20)
         assert status == 200 and '"finish_reason"' in body
-        _wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 200, "/health 200")
+        wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 200, "/health 200")
         # The drops are counted (a forged LoadReport above may stand until the next real ping).
-        _wait_until(lambda: _metric_stat(srv.url, "engine_bad_frames") > 0
+        wait_until(lambda: _metric_stat(srv.url, "engine_bad_frames") > 0
                     and _metric_stat(srv.url, "detokenizer_bad_frames") > 0
                     and _metric_stat(srv.url, "launcher_bad_frames") > 0
-                    and _metric_stat(srv.url, "launcher_refused_ready") == 1, "the bad frames counted", srv=srv)
+                    and _metric_stat(srv.url, "launcher_refused_ready") == 1, "the bad frames counted", log=srv.log)
         assert "ignored a stage notice without the launcher's token" in srv.log()
     finally:
         srv.terminate()
@@ -177,7 +167,7 @@ def test_a_drain_past_its_timeout_ends_the_streams_and_exits_on_time(smollm2_dir
     srv = _start(smollm2_dir, tmp_path, "--drain-timeout", "2", delay=0.02)
     with cf.ThreadPoolExecutor(1) as pool:
         stream = pool.submit(_chat, srv.url, 2000, True, 90)  # ~40 s of generation
-        _wait_until(lambda: _generating(srv.url), "the stream to start", srv=srv)
+        wait_until(lambda: _generating(srv.url), "the stream to start", log=srv.log)
         stopped = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         status, body = stream.result(timeout=60)
@@ -200,7 +190,7 @@ def test_engine_death_fails_its_streams_at_once_and_the_engine_comes_back(smollm
         assert open(f"/proc/{engine}/comm").read().startswith("conveyor:")  # its role, as ps shows it
         with cf.ThreadPoolExecutor(2) as pool:
             streaming = pool.submit(_chat, srv.url, 100_000 // 100, True, 90)
-            _wait_until(lambda: _generating(srv.url), "the stream to start")
+            wait_until(lambda: _generating(srv.url), "the stream to start")
             killed = time.monotonic()
             os.kill(engine, signal.SIGKILL)
             status, body = streaming.result(timeout=90)
@@ -208,8 +198,8 @@ def test_engine_death_fails_its_streams_at_once_and_the_engine_comes_back(smollm
         assert status == 200 and '"error"' in body and body.rstrip().endswith("data: [DONE]")
         assert time.monotonic() - killed < 8
         # The launcher restarts it; the server serves again and says how often it restarted.
-        _wait_until(lambda: len(srv.stage_pids("engine")) == 2, "the engine to restart", timeout=60)
-        _wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 200, "/health 200", 60)
+        wait_until(lambda: len(srv.stage_pids("engine")) == 2, "the engine to restart", timeout=60)
+        wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 200, "/health 200", 60)
         assert _chat(srv.url, 5)[0] == 200
         assert _metric(srv.url, 'conveyor_stage_restarts{stage="engine"}') == 1.0
         assert _metric(srv.url, 'conveyor_stage_up{stage="engine"}') == 1.0
@@ -223,8 +213,8 @@ def test_a_dead_detokenizer_shows_in_health_at_once_and_comes_back(smollm2_dir, 
         detok = srv.stage_pids("detokenizer")[0]
         os.kill(detok, signal.SIGKILL)
         # Before: /health said 200 for ~10 s. Now the launcher tells the ingress within a second.
-        _wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 503, "/health 503", 3)
-        _wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 200, "/health 200", 60)
+        wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 503, "/health 503", 3)
+        wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 200, "/health 200", 60)
         assert _chat(srv.url, 5)[0] == 200
     finally:
         srv.terminate()
@@ -234,7 +224,7 @@ def test_a_stage_that_keeps_dying_makes_the_launcher_exit_1(smollm2_dir, tmp_pat
     srv = _start(smollm2_dir, tmp_path, "--max-restarts", "1")
     first = srv.stage_pids("tokenizer")[0]
     os.kill(first, signal.SIGKILL)
-    _wait_until(lambda: len(srv.stage_pids("tokenizer")) == 2, "the tokenizer to restart", timeout=60, srv=srv)
+    wait_until(lambda: len(srv.stage_pids("tokenizer")) == 2, "the tokenizer to restart", timeout=60, log=srv.log)
     os.kill(srv.stage_pids("tokenizer")[1], signal.SIGKILL)
     assert srv.proc.wait(60) == 1  # an outer supervisor (systemd, compose restart:) takes over
     srv.terminate()
@@ -245,9 +235,9 @@ def test_sigterm_drains_in_flight_requests(smollm2_dir, tmp_path):
     run = srv.run_dir()
     with cf.ThreadPoolExecutor(2) as pool:
         inflight = pool.submit(_chat, srv.url, 150, True, 90)  # ~1.5 s of generation
-        _wait_until(lambda: _generating(srv.url), "the stream to start")
+        wait_until(lambda: _generating(srv.url), "the stream to start")
         srv.proc.send_signal(signal.SIGTERM)
-        _wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 503, "the drain to begin")
+        wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 503, "the drain to begin")
         # New clients are still accepted and told to come back (before: connection refused).
         late = httpx.post(f"{srv.url}/v1/chat/completions", timeout=10,
                           json={"messages": [{"role": "user", "content": "hi"}]})
@@ -280,15 +270,15 @@ def test_an_ingress_killed_with_streams_in_flight_frees_the_engine(smollm2_dir, 
         ingress = srv.stage_pids("ingress")[0]
         with cf.ThreadPoolExecutor(2) as pool:
             streams = [pool.submit(_chat, srv.url, 2000, True, 90) for _ in range(2)]
-            _wait_until(lambda: _generating(srv.url, 2), "two streams to start", srv=srv)
+            wait_until(lambda: _generating(srv.url, 2), "two streams to start", log=srv.log)
             os.kill(ingress, signal.SIGKILL)
             for s in streams:
                 with pytest.raises(httpx.HTTPError):
                     s.result(timeout=60)
-        _wait_until(lambda: len(srv.stage_pids("ingress")) == 2, "the ingress to restart", timeout=60, srv=srv)
-        _wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 200, "/health 200", 60, srv)
+        wait_until(lambda: len(srv.stage_pids("ingress")) == 2, "the ingress to restart", timeout=60, log=srv.log)
+        wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 200, "/health 200", 60, log=srv.log)
         # 2000 tokens at 20 ms a step is 40 s: both are aborted long before (the launcher's IngressGone).
-        _wait_until(lambda: _running(srv.url) == 0, "the engine to abort the dead ingress's requests", 10, srv)
+        wait_until(lambda: _running(srv.url) == 0, "the engine to abort the dead ingress's requests", 10, log=srv.log)
         assert _metric_stat(srv.url, "engine_orphans_aborted") == 2
         assert _chat(srv.url, 5)[0] == 200
     finally:
@@ -301,13 +291,13 @@ def test_a_dead_detokenizer_leaves_no_request_running(smollm2_dir, tmp_path):
     try:
         with cf.ThreadPoolExecutor(2) as pool:
             streams = [pool.submit(_chat, srv.url, 2000, True, 90) for _ in range(2)]
-            _wait_until(lambda: _generating(srv.url, 2), "two streams to start", srv=srv)
+            wait_until(lambda: _generating(srv.url, 2), "two streams to start", log=srv.log)
             os.kill(srv.stage_pids("detokenizer")[0], signal.SIGKILL)
             for s in streams:
                 status, body = s.result(timeout=60)
                 assert status == 200 and '"error"' in body
-        _wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 200, "/health 200", 60, srv)
-        _wait_until(lambda: _running(srv.url) == 0, "the engine to abort the failed requests", 10, srv)
+        wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 200, "/health 200", 60, log=srv.log)
+        wait_until(lambda: _running(srv.url) == 0, "the engine to abort the failed requests", 10, log=srv.log)
     finally:
         srv.terminate()
 
@@ -320,7 +310,7 @@ def test_killing_the_launcher_ends_every_stage(smollm2_dir, tmp_path):
         run = srv.run_dir()
         os.kill(srv.proc.pid, signal.SIGKILL)
         srv.proc.wait(10)
-        _wait_until(lambda: not any(_alive(p) for p in pids.values()),
+        wait_until(lambda: not any(_alive(p) for p in pids.values()),
                     f"every stage to exit (alive: {[n for n, p in pids.items() if _alive(p)]})", 30)
         assert not run.exists()
         with pytest.raises(httpx.ConnectError):

@@ -12,7 +12,7 @@ from typing import Any
 
 import uvicorn
 
-from conveyor.engine.tp_workers import free_port
+from conveyor.testing.server_process import free_port
 from conveyor.services.proxy import build_proxy_app
 
 MODEL = "stand-in"

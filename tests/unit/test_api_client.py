@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import socket
 import subprocess
 import sys
 import threading
@@ -16,19 +15,14 @@ import uvicorn
 
 from conveyor.api_client import APIClient, APIConnectionError, normalize_url, terminal_chat
 from conveyor.services.ingress.app import build_app
+from conveyor.testing.server_process import free_port
 from test_ingress import FakeEngineClient
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
 def served() -> Iterator[tuple[FakeEngineClient, str]]:
     """The ingress on a fake engine, served by uvicorn on its own loop in a thread."""
-    engine, port = FakeEngineClient(), _free_port()
+    engine, port = FakeEngineClient(), free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="off"))
     thread = threading.Thread(target=asyncio.run, args=(server.serve(),), daemon=True)
@@ -75,11 +69,11 @@ def test_a_fast_second_turn_waits_for_the_first_to_end(served) -> None:
 
 
 def test_no_server_is_one_line_not_a_traceback(capsys) -> None:
-    assert terminal_chat(f"localhost:{_free_port()}") == 1
+    assert terminal_chat(f"localhost:{free_port()}") == 1
     err = capsys.readouterr().err
     assert "is the server running" in err and "Traceback" not in err
     with pytest.raises(APIConnectionError, match="cannot connect"):
-        APIClient(f"http://127.0.0.1:{_free_port()}").available_models
+        _ = APIClient(f"http://127.0.0.1:{free_port()}").available_models  # the property asks the server
     assert normalize_url("localhost:23333/") == "http://localhost:23333"
     assert normalize_url("https://h:1") == "https://h:1"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conveyor.cli import _engine_config, build_parser, hyphenate_options, main
+from conveyor.testing.server_process import free_port
 
 
 def _parse(*argv: str):
@@ -184,14 +185,6 @@ def test_a_taken_port_is_refused_before_any_model_loads(command: str, capsys) ->
     assert f"cannot serve on 127.0.0.1:{port}" in err and "--server-port" in err
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_api_server_with_a_missing_model_exits_2_with_one_line_in_seconds() -> None:
     """A real process: no stage starts, nothing is taken for a hub id, no traceback."""
     import subprocess
@@ -202,7 +195,7 @@ def test_api_server_with_a_missing_model_exits_2_with_one_line_in_seconds() -> N
     conveyor = Path(sys.executable).with_name("conveyor")
     start = time.monotonic()
     done = subprocess.run([str(conveyor), "serve", "api_server", "/nonexistent", "--server-name", "127.0.0.1",
-                           "--server-port", str(_free_port())], capture_output=True, text=True, timeout=60)
+                           "--server-port", str(free_port())], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [
         "conveyor: model path '/nonexistent' does not exist: give a Hugging Face model directory "
@@ -233,7 +226,7 @@ def test_api_server_checks_weights_and_tp_before_starting_stages(tmp_path, monke
         del tensors["model.layers.0.self_attn.q_proj.weight"]
         save_file(tensors, str(weights))
     monkeypatch.setattr(launcher, "serve", lambda *a, **k: pytest.fail("started the stages"))
-    argv = ["serve", "api_server", str(model), "--server-name", "127.0.0.1", "--server-port", str(_free_port())]
+    argv = ["serve", "api_server", str(model), "--server-name", "127.0.0.1", "--server-port", str(free_port())]
     assert main([*argv, *flags]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and re.search(message, err), err
@@ -250,13 +243,13 @@ def test_api_server_still_starts_dummy_weights_and_factory_engines(tmp_path, mon
     started = []
     monkeypatch.setattr(launcher, "serve", lambda args: started.append(args) or 0)
     base = ["serve", "api_server", str(model), "--server-name", "127.0.0.1", "--device", "cpu"]
-    assert main([*base, "--server-port", str(_free_port()), "--dummy-weights", "tiny"]) == 0
+    assert main([*base, "--server-port", str(free_port()), "--dummy-weights", "tiny"]) == 0
     # The engine factory is the test entry's flag (conveyor.testing.serve), not the product's.
-    assert serve_fake.main([*base[1:], "--server-port", str(_free_port())]) == 0
+    assert serve_fake.main([*base[1:], "--server-port", str(free_port())]) == 0
     assert [a.engine.load_format for a in started] == ["dummy", "auto"]
     assert [a.engine_factory for a in started] == [None, serve_fake.FAKE_ENGINE]
     with pytest.raises(SystemExit):
-        main([*base, "--server-port", str(_free_port()), "--engine-factory", serve_fake.FAKE_ENGINE])
+        main([*base, "--server-port", str(free_port()), "--engine-factory", serve_fake.FAKE_ENGINE])
 
 
 def test_the_execution_flags_reach_the_engine_config() -> None:

@@ -21,6 +21,7 @@ from conveyor.protocol import Addresses, Finish
 from conveyor.protocol.sampling import SamplingParams
 from conveyor.services.engine import service as engine_service
 from conveyor.testing.fake_engine import FakeEngine
+from conveyor.testing.waiting import wait_until
 
 TIMEOUT = 600.0
 TINY_LLAMA = dict(
@@ -174,16 +175,6 @@ class _CountingEngine(FakeEngine):
         return 0
 
 
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    """Poll ``predicate`` until it is truthy; fail after ``timeout`` seconds."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.002)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_the_service_releases_idle_sessions_while_it_has_no_work(monkeypatch):
     every = 0.05  # instead of 1 s, so that several periods pass quickly
     monkeypatch.setattr(engine_service, "RELEASE_IDLE_EVERY_S", every)
@@ -197,7 +188,7 @@ def test_the_service_releases_idle_sessions_while_it_has_no_work(monkeypatch):
     thread = threading.Thread(target=service.serve, args=(stop,), daemon=True)
     thread.start()
     try:
-        wait_for(lambda: len(engine.release_calls) >= 4, what="four release_idle_sessions calls")
+        wait_until(lambda: len(engine.release_calls) >= 4, "four release_idle_sessions calls", 10, every=0.002)
         assert not engine.has_work  # called from the idle loop, no step needed
         calls = engine.release_calls[:4]
         # At most once per period: the loop wakes every 0.2 s when idle, so the gaps are between

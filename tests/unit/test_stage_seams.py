@@ -23,19 +23,9 @@ from conveyor.protocol import Abort, Addresses, Admitted, CancelSession, Codec, 
 from conveyor.services.engine.service import EngineService
 from conveyor.services.engine_client import EngineClient, RequestError
 from conveyor.testing.fake_engine import FakeEngine
+from conveyor.testing.waiting import wait_until
 
 DEADLINE = 10.0
-
-
-def wait_for(predicate, timeout: float = DEADLINE, what: str = "condition"):
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.002)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # ---- codec ---------------------------------------------------------------------------------------
@@ -71,7 +61,7 @@ def test_recv_all_drops_a_malformed_frame_and_keeps_the_rest() -> None:
         push.send(msgspec.msgpack.encode(["wrong", "shape"]))
         push.send(codec.encode(StopReq("b")))
         got: list = []
-        wait_for(lambda: got.extend(codec.recv_all(pull)) or len(got) >= 2, what="two good frames")
+        wait_until(lambda: got.extend(codec.recv_all(pull)) or len(got) >= 2, "two good frames", DEADLINE, every=0.002)
         assert got == [Abort("a"), StopReq("b")]
         pull.close(0)
         push.close(0)
@@ -107,7 +97,7 @@ class _Ring:
         def ready():
             self.received.extend(self.out_codec.recv_all(self.out))
             return predicate(self.received)
-        return wait_for(ready, what=what)
+        return wait_until(ready, what, DEADLINE, every=0.002)
 
     def close(self) -> None:
         self.stop.set()
@@ -218,7 +208,7 @@ def test_pings_report_requests_waiting_behind_a_long_step(ring) -> None:
         report = ring.until(lambda got: next((m for m in got if isinstance(m, LoadReport)), None), "a LoadReport")
         return report.stage_stats["engine_backlog"] == n
 
-    wait_for(lambda: backlog(1), what="the request in the backlog")
+    wait_until(lambda: backlog(1), "the request in the backlog", DEADLINE, every=0.002)
     time.sleep(0.3)  # its wait for the step loop grows while the step runs
     ring.received.clear()
     ring.send(Ping("inproc://ingress", 1.0))
@@ -226,7 +216,7 @@ def test_pings_report_requests_waiting_behind_a_long_step(ring) -> None:
     assert report.stage_stats["engine_backlog_age_s"] >= 0.3
     release.set()
     ring.until(lambda got: any(isinstance(m, Admitted) and m.rid == "late" for m in got), "the admission")
-    wait_for(lambda: backlog(0), what="an empty backlog")
+    wait_until(lambda: backlog(0), "an empty backlog", DEADLINE, every=0.002)
     last = next(m for m in reversed(ring.received) if isinstance(m, LoadReport))
     assert last.stage_stats["engine_backlog_age_s"] == 0.0
     held.join(DEADLINE)
@@ -533,11 +523,6 @@ async def _until(predicate) -> None:
         await asyncio.sleep(0.005)
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def test_the_output_thread_ends_quietly_when_the_context_is_terminated(monkeypatch):
     """Shutting down terminates the ZeroMQ context while the engine's output thread may still
     hold a message: its send raises ContextTerminated, which ends the thread, not as an error."""
@@ -558,7 +543,7 @@ def test_the_output_thread_ends_quietly_when_the_context_is_terminated(monkeypat
 
     term = threading.Thread(target=ctx.term, daemon=True)  # returns once every socket is closed
     term.start()
-    wait_for(terminating, what="the context to start terminating")
+    wait_until(terminating, "the context to start terminating", DEADLINE, every=0.002)
     probe.close(0)
     service._outbox.put(LoadReport("ingress-0", 0.0))
     thread.join(DEADLINE)

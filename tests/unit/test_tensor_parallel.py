@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 from conveyor.engine.tp_workers import TPWorkerError
 from conveyor.protocol import EngineConfigError
 from conveyor.protocol.sampling import SamplingParams
+from conveyor.testing.waiting import wait_until
 
 from test_awq_engine import AWQ_CONFIG, GROUP as AWQ_GROUP, rtn_awq, write_models as write_awq_models
 from test_w8a8_engine import write_models as write_w8a8_models
@@ -205,10 +205,8 @@ def test_a_frozen_rank_is_found_and_every_rank_stopped(dense_dir, monkeypatch) -
         workers.hang_timeout = 2.0  # (EngineConfig.tp_hang_timeout; 30 s by default)
         pid = workers.procs[0].pid
         os.kill(pid, signal.SIGSTOP)  # alive but frozen: its heartbeat stops
-        deadline = time.monotonic() + 20
-        while workers.failure is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert workers.failure is not None and "heartbeat" in workers.failure
+        wait_until(lambda: workers.failure is not None, "the frozen rank to be found", 20, every=0.1)
+        assert "heartbeat" in workers.failure
         assert not any(p.is_alive() for p in workers.procs)  # killed, stopped or not
         # removed before on_failure, which in the engine process leaves by os._exit (no clean-up after it)
         assert not Path(workers._dir).exists()

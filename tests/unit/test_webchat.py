@@ -15,6 +15,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conveyor.api_client import APIConnectionError, APIError
+from conveyor.testing.server_process import free_port
+from conveyor.testing.waiting import wait_until
 from conveyor.webchat import Piece, create_app
 
 
@@ -92,13 +94,6 @@ def new_tab(client) -> str:
 
 def lines(r) -> list[dict]:
     return [json.loads(line) for line in r.iter_lines() if line.strip()]
-
-
-def wait_for(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def test_page_is_self_contained(client):
@@ -245,8 +240,8 @@ def test_a_page_that_goes_away_mid_reply_stops_it(client, backend):
     with client.stream("POST", f"/api/sessions/{tab}/turns", json={"prompt": "long", "max_new_tokens": 2000}) as r:
         next(r.iter_lines())
     # The response was closed unread: the app stops the turn instead of generating for nobody.
-    wait_for(lambda: backend.stop_calls)
-    wait_for(lambda: not client.app.state.webchat.tabs[tab].busy)
+    wait_until(lambda: backend.stop_calls, timeout=5, every=0.01)
+    wait_until(lambda: not client.app.state.webchat.tabs[tab].busy, timeout=5, every=0.01)
 
 
 def test_a_reloaded_page_gets_its_session_back_under_a_new_token(client, backend):
@@ -292,7 +287,7 @@ def test_a_left_tab_not_taken_back_is_ended(backend):
         client.post(f"/api/sessions/{left}/leave")
         client.post(f"/api/sessions/{back}/leave")
         assert client.post("/api/sessions", json={"resume": back}).json()["resumed"] is True
-        wait_for(lambda: backend.ended)  # by the periodic sweep: no other tab needs to open
+        wait_until(lambda: backend.ended, timeout=5, every=0.01)  # by the periodic sweep: no other tab needs to open
         time.sleep(0.15)
         assert backend.ended == [1]
         assert client.post("/api/sessions", json={"resume": left}).json()["resumed"] is False
@@ -308,7 +303,7 @@ def test_a_left_tab_is_ended_even_if_the_backend_refuses(backend):
     with TestClient(create_app(backend, leave_grace_s=0.05)) as client:
         tab = new_tab(client)
         client.post(f"/api/sessions/{tab}/leave")
-        wait_for(lambda: backend.ended == [1])
+        wait_until(lambda: backend.ended == [1], timeout=5, every=0.01)
         assert tab not in client.app.state.webchat.tabs
         assert new_tab(client)  # the sweep that open runs first does not fail it
 
@@ -333,14 +328,6 @@ def test_shutdown_ends_every_session_and_closes_the_backend(backend):
 
 # ---- the command line --------------------------------------------------------------------------
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("argv, says", [
     (["http://127.0.0.1:1", "--tp", "2", "--chat-template", "chatml"], "--tp, --chat-template: the api_server"),
     (["http://127.0.0.1:1"], "cannot connect to http://127.0.0.1:1"),
@@ -353,7 +340,7 @@ def test_gradio_command_refuses_what_it_would_ignore(monkeypatch, capsys, argv, 
     from conveyor.cli import main
 
     monkeypatch.setattr(conveyor.default_model, "fetch", lambda *a, **k: pytest.fail("loaded a model"))
-    assert main(["serve", "gradio", *argv, "--server-name", "127.0.0.1", "--server-port", str(_free_port())]) == 2
+    assert main(["serve", "gradio", *argv, "--server-name", "127.0.0.1", "--server-port", str(free_port())]) == 2
     assert says in capsys.readouterr().err
 
 
