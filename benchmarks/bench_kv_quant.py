@@ -11,7 +11,8 @@ scales of a block contiguous). Prints µs and the effective read bandwidth of th
 
 ``--variants`` times launch variants of the quantized decode kernel instead, each
 ``label=tune,block_n,num_warps,num_stages,maxnreg,simt`` (fields of ``AttentionTuning``,
-simt 1: the CUDA-core walk, 2: the tensor-core walk; a missing or 0 field keeps the default, ``label=`` is the default launch; tune is the kernel's TUNE
+simt 1: the CUDA-core walk, 2: the tensor-core walk; a missing or 0 field keeps the default,
+``label=`` is the default launch; tune is the kernel's TUNE
 bits, ``policy.VARIANT_BITS``, turned into the named variant flags), timed back to back (the
 kernel's own time) and one call at a time (``eager``, as the policy rows). ``--before`` adds the
 kernel of an older checkout copied to ``kernels/_attention_before.py`` (not committed), ``--check``
@@ -153,7 +154,7 @@ def main() -> None:
         for head_major in ((False,) if policy == 0 else (False, True)):
             layout = KVCacheLayout(policy, d)
             kc, ks, vc, vs = make_cache(policy, blocks, bs, hkv, d, dt, head_major)
-            attn = lambda: paged_attention(q, kc, vc, tables, cu, lens, d**-0.5, max_seqlen_q=1,  # noqa: E731
+            attn = lambda: paged_attention(q, kc, vc, tables, cu, lens, d**-0.5, max_seqlen_q=1,
                                            max_seqlen_k=4096, k_scales=ks, v_scales=vs)
             us = cuda_time_us(attn, 50)
             kv_bytes = 2 * b * ctx * hkv * layout.bytes_per_head(dt)
@@ -163,7 +164,7 @@ def main() -> None:
             pos = torch.full((b,), ctx, device=dev, dtype=torch.int64)
             cs = torch.randn(8192, d, device=dev, dtype=torch.float32)
             slots = (tables[:, -1].long() * bs + (ctx % bs))
-            store = lambda: rotate_and_store_kv(qq, kk, vv, pos, cs, kc, vc, slots, ks, vs)  # noqa: E731
+            store = lambda: rotate_and_store_kv(qq, kk, vv, pos, cs, kc, vc, slots, ks, vs)
             store_us = cuda_time_us(store, 50)
             label = f"p{policy}" + ("_headmajor" if head_major else "")
             print(f"{label:>14}: attention {us:8.1f} us ({kv_bytes / us / 1e3:7.0f} GB/s of KV), "

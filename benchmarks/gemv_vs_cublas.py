@@ -63,7 +63,7 @@ def main() -> None:
         print(f"bn{bn:<2} bk{bk:<4} w{warps} s{stages}: per token {total:7.0f} us (rel err {worst:.1e}) "
               + " ".join(f"{s}={t:.1f}" for s, t in times.items()), flush=True)
     results.sort(key=lambda r: r[0])
-    for total, cfg, times, worst in results[:3]:  # the best three with other pipeline depths
+    for _total, cfg, _times, worst in results[:3]:  # the best three with other pipeline depths
         for stages in (1, 2, 4, 5):
             bn, bk, warps, _ = cfg
             t = {name: time_us(lambda x=x, w=w: gemv_triton(x, w, block_n=bn, block_k=bk, num_warps=warps,

@@ -34,7 +34,8 @@ def main() -> None:
     args = ap.parse_args()
     engine = dummy_engine(args.model, args.dtype)
     records = []
-    print(f"{'batch':>5} {'in':>5} {'out':>5} {'overlap':>8} | {'out tok/s':>10} {'ttft ms':>9} {'p50 ms':>7}", flush=True)
+    print(f"{'batch':>5} {'in':>5} {'out':>5} {'overlap':>8} | {'out tok/s':>10} {'ttft ms':>9} {'p50 ms':>7}",
+          flush=True)
     for batch, input_len, output_len in args.case:
         run_case(engine, batch, input_len, min(output_len, 4), seed=1)  # warm-up: compile kernels
         runs: dict[bool, list[dict]] = {True: [], False: []}

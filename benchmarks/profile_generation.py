@@ -130,7 +130,8 @@ def main() -> None:
           f"{engine.config.block_size}, activations {engine.runner.activation_bytes / 2**30:.2f} GiB, "
           f"graphs {graphs.sizes if graphs else None}", flush=True)
     records = []
-    header = f"{'batch':>5} {'in':>5} {'out':>5} | {'out tok/s':>10} {'ttft ms':>9} {'p50 ms':>7} {'p99 ms':>7} {'peak GB':>8}"
+    header = (f"{'batch':>5} {'in':>5} {'out':>5} | {'out tok/s':>10} {'ttft ms':>9} {'p50 ms':>7} {'p99 ms':>7} "
+              f"{'peak GB':>8}")
     print(header, flush=True)
     for batch in batches:
         for input_len, output_len in cases:
@@ -143,7 +144,8 @@ def main() -> None:
                 engine="conveyor", model=args.model, precision=args.dtype, benchmark="profile_generation",
                 batch=batch, input_len=input_len, output_len=output_len, model_format=args.model_format or "hf",
                 quant_policy=args.quant_policy, tp=args.tp, kv_blocks=engine.runner.num_blocks,
-                kv_tokens=engine.runner.num_blocks * engine.config.block_size, cuda_graphs=bool(graphs and engine.runner.use_cuda_graphs), **r,
+                kv_tokens=engine.runner.num_blocks * engine.config.block_size,
+                cuda_graphs=bool(graphs and engine.runner.use_cuda_graphs), **r,
             ))
     path = save(records + baseline, args.name or f"profile_generation_{args.model}")
     engine.close()  # tensor parallel: stops the other ranks

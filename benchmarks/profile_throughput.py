@@ -17,9 +17,10 @@ span the GPU can still wait on kernel launches (eager prefill), so it is an uppe
 ``--profile START:COUNT`` runs those steps under torch.profiler and prints (and records) their
 kernels by GPU time and how long the host blocked on the GPU; the profiler slows the run.
 
-``--rank-timing DIR`` (tensor parallel; ``EngineConfig.rank_timing_dir``): every rank logs each step's wait for its plan,
-host time building and launching it, and GPU span (``engine/rank_timing.py``); the table per rank
-and step kind is printed at the end and saved in the record (``rank_timing``).
+``--rank-timing DIR`` (tensor parallel; ``EngineConfig.rank_timing_dir``): every rank logs each
+step's wait for its plan, host time building and launching it, and GPU span
+(``engine/rank_timing.py``); the table per rank and step kind is printed at the end and saved in
+the record (``rank_timing``).
 """
 
 from __future__ import annotations
@@ -189,7 +190,8 @@ def main() -> None:
             continue
         print(f"{k:>14}: {v:.3f}" if isinstance(v, float) else f"{k:>14}: {v}")
     rec = record(engine="conveyor", model=args.model, precision=args.dtype, benchmark="profile_throughput",
-                 batch=args.max_batch_size, quant_policy=args.quant_policy, tp=args.tp, dataset=args.dataset.name, **result)
+                 batch=args.max_batch_size, quant_policy=args.quant_policy, tp=args.tp, dataset=args.dataset.name,
+                 **result)
     path = save([rec], args.name or f"profile_throughput_{args.model}")
     print(f"saved {path}", flush=True)
     engine.close()  # every rank writes its step times (--rank-timing) as it stops

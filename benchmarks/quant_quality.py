@@ -144,7 +144,8 @@ def main() -> None:
     print("\n| model | ppl | increase over fp32 | loaded as | quantize s |\n| --- | --- | --- | --- | --- |")
     for row in rows:
         secs = "" if row["quantize_seconds"] is None else f"{row['quantize_seconds']:.0f}"
-        print(f"| {row['model']} | {row['ppl']:.3f} | {100 * row['ppl_increase']:+.1f} % | {row['loaded_as']} | {secs} |")
+        print(f"| {row['model']} | {row['ppl']:.3f} | {100 * row['ppl_increase']:+.1f} % | {row['loaded_as']} "
+              f"| {secs} |")
     if ratio is not None:
         print(f"\nAWQ's perplexity increase is {ratio:.2f}x RTN's ({RESULTS / f'{name}.json'})")
 

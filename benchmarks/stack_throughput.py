@@ -83,13 +83,14 @@ async def run_level(url: str, model: str, concurrency: int, tokens: int, rounds:
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     ttfts = sorted(r[0] * 1000 for r in results)
-    per_tok_us = lambda s: 1e6 * delta(s) / max(delivered, 1)  # noqa: E731
+    per_tok_us = lambda s: 1e6 * delta(s) / max(delivered, 1)
     return {
         "concurrency": concurrency, "requests": len(results), "tokens_per_request": tokens,
         "wall_s": round(wall, 3),
         "delivered_tok_s": round(delivered / wall, 1),
         "engine_produced_tok_s": round(produced / wall, 1),
-        "ttft_ms_mean": round(statistics.mean(ttfts), 2), "ttft_ms_p99": round(ttfts[max(math.ceil(0.99 * len(ttfts)) - 1, 0)], 2),  # nearest rank
+        "ttft_ms_mean": round(statistics.mean(ttfts), 2),
+        "ttft_ms_p99": round(ttfts[max(math.ceil(0.99 * len(ttfts)) - 1, 0)], 2),  # nearest rank
         "engine_busy_us_per_token": round(per_tok_us("engine_busy_s"), 2),
         # What the fake engine could produce if nothing downstream held it back.
         "engine_capacity_tok_s": round(delivered / max(delta("engine_busy_s"), 1e-9), 1),
@@ -119,7 +120,7 @@ def main() -> None:
     records = []
     try:
         model = httpx.get(f"{srv.url}/v1/models").json()["data"][0]["id"]
-        for c in args.concurrency:  # noqa: B007
+        for c in args.concurrency:
             rec = asyncio.run(run_level(srv.url, model, c, args.tokens, args.rounds))
             rec.update(engine="conveyor-stack(fake engine)", gpu=None, model="fake", precision=None,
                        benchmark="stack_throughput", batch=c, input_len=None, output_len=args.tokens,

@@ -88,7 +88,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=32)
     args = ap.parse_args()
-    path = write_checkpoint(args.model, args.layers, Path(tempfile.gettempdir()) / f"tp-check-{args.model}-{args.layers}")
+    path = write_checkpoint(args.model, args.layers,
+                            Path(tempfile.gettempdir()) / f"tp-check-{args.model}-{args.layers}")
     from benchmarks.dummy_model import SHAPES
 
     rng = random.Random(0)

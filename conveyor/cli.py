@@ -484,8 +484,8 @@ def _server_options(s: argparse.ArgumentParser) -> None:
                         f"and leave (also the first of ${ADMIN_KEYS_ENV}); without one this server joins only a "
                         "proxy on its own host that has no admin keys")
     s.add_argument("--model-name", default=None, help="the name /v1/models reports (default: the folder name)")
-    s.add_argument("--chat-template", default=None, help="a built-in template name (see conveyor list) or a JSON file of "
-                        "ChatTemplateConfig fields")
+    s.add_argument("--chat-template", default=None,
+                   help="a built-in template name (see conveyor list) or a JSON file of ChatTemplateConfig fields")
     s.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     s.add_argument("--max-restarts", type=int, default=5,
                    help="restarts of one stage within a minute; one more and the server exits 1 (for systemd/compose)")
@@ -543,7 +543,8 @@ def _add_serve(sub) -> None:
     c.add_argument("--api-key", default=None, help="the server's API key, if it has any")
     c.add_argument("--session-id", type=int, default=None,
                    help="resume this session (default: a new one with a random id, ended on exit)")
-    c.add_argument("--request-output-len", type=int, default=INTERACTIVE_DEFAULTS.max_new_tokens, help="most tokens per answer")
+    c.add_argument("--request-output-len", type=int, default=INTERACTIVE_DEFAULTS.max_new_tokens,
+                   help="most tokens per answer")
     c.set_defaults(func=_cmd_api_client)
     g = serve_sub.add_parser("gradio", help="web chat in the browser: a model in this process, or an api_server URL")
     g.add_argument("model_path_or_server", nargs="?", default=None, metavar="MODEL_PATH_OR_API_URL",
@@ -605,15 +606,16 @@ def build_parser() -> argparse.ArgumentParser:
     p_chat = sub.add_parser("chat", help="chat with a model in the terminal (in-process engine)")
     p_chat.add_argument("model", nargs="?", default=None,
                         help="model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
-    p_chat.add_argument("--chat-template", default=None, help="a built-in template name (see conveyor list) or a JSON file of "
-                        "ChatTemplateConfig fields")
+    p_chat.add_argument("--chat-template", default=None,
+                        help="a built-in template name (see conveyor list) or a JSON file of ChatTemplateConfig fields")
     p_chat.add_argument("--model-name", default=None, help=_MODEL_NAME_HELP)
     # LMDeploy's `chat` samples as its interactive endpoint does: one definition of those defaults.
     d = INTERACTIVE_DEFAULTS
     p_chat.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="most tokens per answer")
     p_chat.add_argument("--temperature", type=float, default=d.temperature, help="0 is greedy")
     p_chat.add_argument("--top-k", type=int, default=d.top_k, help="sample from the k likeliest tokens (0: all)")
-    p_chat.add_argument("--top-p", type=float, default=d.top_p, help="sample from the likeliest tokens up to this probability")
+    p_chat.add_argument("--top-p", type=float, default=d.top_p,
+                        help="sample from the likeliest tokens up to this probability")
     _engine_options(p_chat, cache_default=0.2)
     p_chat.set_defaults(func=_cmd_chat)
     _add_serve(sub)

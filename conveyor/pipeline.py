@@ -17,7 +17,11 @@ from conveyor.engine.weight_loader import load_model_config
 from conveyor.messages import GenerationConfig, Response
 from conveyor.protocol import EngineConfigError, GenerateReq, InvalidRequestError, rebuild_error
 from conveyor.services.local_stack import EngineDiedError, LocalStack, RequestError, RequestOutput
-from conveyor.services.tokenizer.chat_template import ChatTemplateConfig, UnknownChatTemplateError, template_for_model_name
+from conveyor.services.tokenizer.chat_template import (
+    ChatTemplateConfig,
+    UnknownChatTemplateError,
+    template_for_model_name,
+)
 from conveyor.services.tokenizer.preprocess import Preprocessor, Prompt
 
 logger = logging.getLogger(__name__)

@@ -51,8 +51,9 @@ def resolve_engine_inputs(model_path: str | Path, config: EngineConfig, rank: in
     model_config = load_model_config(path)
     model_config.quant = resolve_quant_format(model_config, config.model_format,
                                               dummy_weights=config.load_format == "dummy")
+    quant = model_config.quant
     check_tp_shapes(model_config.num_heads, model_config.num_kv_heads, model_config.head_dim,
                     model_config.intermediate_size, config.tp,
-                    model_config.quant.group_size if model_config.quant and model_config.quant.method == "awq" else None)
+                    quant.group_size if quant and quant.method == "awq" else None)
     device = pick_device(config.device, rank, config.tp)
     return path, model_config, device, pick_dtype(config.dtype, model_config.dtype, device)

@@ -61,7 +61,8 @@ class PeerAllReduce:
 
     def __init__(self, kind: str, group, device: torch.device, max_bytes: int = PEER_ALLREDUCE_MAX_BYTES):
         if kind not in TP_ALL_REDUCE_KINDS[1:]:
-            raise EngineConfigError(f"no peer all-reduce called {kind!r}: pick one of {', '.join(TP_ALL_REDUCE_KINDS[1:])}")
+            raise EngineConfigError(
+                f"no peer all-reduce called {kind!r}: pick one of {', '.join(TP_ALL_REDUCE_KINDS[1:])}")
         import torch.distributed._symmetric_memory as symm_mem
 
         self.kind = kind

@@ -132,7 +132,7 @@ def read_model_config(path: Path) -> ModelConfig:
     except KeyError as exc:
         raise UnsupportedModelError(f"{path}'s config lacks {exc}, which the engine needs: download the model's "
                                     "config.json again") from exc
-    except Exception as exc:  # noqa: BLE001 - a GGUF file transformers cannot read, an unreadable file
+    except Exception as exc:  # a GGUF file transformers cannot read, an unreadable file
         raise UnsupportedModelError(f"cannot read the config of {path} ({type(exc).__name__}: "
                                     f"{_one_line(str(exc))}): download the model again") from exc
 

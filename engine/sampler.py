@@ -53,7 +53,8 @@ class DeviceSamples:
         """Queue the device-to-host copies (CUDA only; on the CPU ``fetch`` reads directly)."""
         if self.token_ids.device.type != "cuda":
             return
-        self._host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+        self._host = [None if t is None
+                      else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                       for t in self._device_tensors()]
         self._ready = torch.cuda.Event()
         self._ready.record()
@@ -117,8 +118,9 @@ class Sampler:
 
     ``sample`` never synchronizes with the device: per-row parameters are read on the host and
     moved without blocking, and no decision depends on tensor values; the caller reads the ids
-    back when it needs them (``DeviceSamples.fetch``). Calling the sampler does both at once. A batch that is all plain greedy (no penalty, no ban
-    that applies, no logprobs) skips everything but the argmax, with identical results.
+    back when it needs them (``DeviceSamples.fetch``). Calling the sampler does both at once. A
+    batch that is all plain greedy (no penalty, no ban that applies, no logprobs) skips everything
+    but the argmax, with identical results.
     """
 
     def __call__(self, *args, **kwargs) -> SamplerOutput:

@@ -70,7 +70,7 @@ def _download_from_hub(repo_id: str, revision: str | None, download_dir: str | P
                 repo_id, revision=revision, cache_dir=cache_dir,
                 allow_patterns=_HUB_META_PATTERNS + ["*.bin"], ignore_patterns=_HUB_IGNORE_PATTERNS,
             ))
-    except Exception as exc:  # noqa: BLE001 - any hub failure gets the same advice
+    except Exception as exc:  # any hub failure gets the same advice
         raise EngineConfigError(
             f"could not download {repo_id!r} from the Hugging Face hub ({type(exc).__name__}: {exc}). "
             "Check the id and network access (HF_TOKEN for gated models), or pass a local directory."

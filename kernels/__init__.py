@@ -26,17 +26,7 @@ from .rms_norm import (
 )
 from .rotary import apply_rotary, apply_rotary_ref, apply_rotary_triton
 from .sampling import seeded_race, seeded_race_ref, seeded_race_triton
-
-__all__ = [
-    "HAS_TRITON", "KERNEL_MODES", "kernel_mode", "set_kernel_mode", "add_rms_norm", "add_rms_norm_ref", "add_rms_norm_triton", "apply_rotary",
-    "apply_rotary_ref", "apply_rotary_triton", "paged_attention", "paged_attention_ref",
-    "paged_attention_triton", "rms_norm", "rotate_and_store_kv", "rotate_and_store_kv_ref",
-    "rotate_and_store_kv_triton", "rms_norm_ref", "rms_norm_triton", "seeded_race",
-    "seeded_race_ref", "seeded_race_triton", "silu_and_mul",
-    "silu_and_mul_ref", "silu_and_mul_triton", "store_kv", "store_kv_ref", "store_kv_triton",
-]
-
-from .w4a16 import (  # noqa: E402 - appended with the W4A16 kernels
+from .w4a16 import (
     awq_pack,
     awq_unpack,
     dequantize_awq_ref,
@@ -44,12 +34,7 @@ from .w4a16 import (  # noqa: E402 - appended with the W4A16 kernels
     w4a16_matmul_ref,
     w4a16_matmul_triton,
 )
-
-__all__ += [
-    "awq_pack", "awq_unpack", "dequantize_awq_ref", "w4a16_matmul", "w4a16_matmul_ref", "w4a16_matmul_triton",
-]
-
-from .w8a8 import (  # noqa: E402 - appended with the W8A8 kernels
+from .w8a8 import (
     int8_matmul,
     int8_matmul_int_mm,
     int8_matmul_ref,
@@ -62,7 +47,14 @@ from .w8a8 import (  # noqa: E402 - appended with the W8A8 kernels
     rms_norm_quant_triton,
 )
 
-__all__ += [
-    "int8_matmul", "int8_matmul_int_mm", "int8_matmul_ref", "int8_matmul_triton", "quant_per_token",
-    "quant_per_token_ref", "quant_per_token_triton", "rms_norm_quant", "rms_norm_quant_ref", "rms_norm_quant_triton",
+__all__ = [
+    "HAS_TRITON", "KERNEL_MODES", "kernel_mode", "set_kernel_mode", "add_rms_norm", "add_rms_norm_ref",
+    "add_rms_norm_triton", "apply_rotary", "apply_rotary_ref", "apply_rotary_triton", "paged_attention",
+    "paged_attention_ref", "paged_attention_triton", "rms_norm", "rotate_and_store_kv", "rotate_and_store_kv_ref",
+    "rotate_and_store_kv_triton", "rms_norm_ref", "rms_norm_triton", "seeded_race", "seeded_race_ref",
+    "seeded_race_triton", "silu_and_mul", "silu_and_mul_ref", "silu_and_mul_triton", "store_kv", "store_kv_ref",
+    "store_kv_triton", "awq_pack", "awq_unpack", "dequantize_awq_ref", "w4a16_matmul", "w4a16_matmul_ref",
+    "w4a16_matmul_triton", "int8_matmul", "int8_matmul_int_mm", "int8_matmul_ref", "int8_matmul_triton",
+    "quant_per_token", "quant_per_token_ref", "quant_per_token_triton", "rms_norm_quant", "rms_norm_quant_ref",
+    "rms_norm_quant_triton",
 ]

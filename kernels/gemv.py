@@ -107,7 +107,8 @@ def gemv_triton(
 
 
 def _problem(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    supported = x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES
+    supported = (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in FLOAT_DTYPES
+                 and weight.dtype in FLOAT_DTYPES)
     return None if supported else f"x {tuple(x.shape)} {x.dtype}"
 
 

@@ -297,7 +297,8 @@ def _int8_matmul_kernel(
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0)
             b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0)
-        acc = tl.dot(a, b, acc, out_dtype=tl.int32)  # int8 x int8 -> int32: exact (Triton 3.6 needs out_dtype to match acc)
+        # int8 x int8 -> int32: exact (Triton 3.6 needs out_dtype to match acc)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 

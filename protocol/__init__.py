@@ -46,9 +46,9 @@ from .security import CurveKeys, SecurityError
 
 __all__ = [
     "FINISH_REASONS", "Abort", "Addresses", "Admitted", "CancelSession", "Codec", "ConveyorError", "CurveKeys",
-    "DetokenizeParams", "DetokenizerIn", "EngineConfigError", "EngineIn", "EngineStats", "Endpoint", "ErrorOut", "Finish",
-    "GenerateReq", "IngressGone", "IngressIn", "InvalidRequestError", "LauncherIn", "LoadReport", "Ping",
-    "PromptTooLongError", "Ready", "SamplingParams", "SecurityError", "SessionBusyError", "SessionEnd", "Stage", "StageStatus", "StopReq", "TextBatch",
-    "TokenBatch", "TokenizedReq", "TokenizerIn", "UnsupportedModelError", "error_code", "rebuild_error",
-    "validate",
+    "DetokenizeParams", "DetokenizerIn", "EngineConfigError", "EngineIn", "EngineStats", "Endpoint", "ErrorOut",
+    "Finish", "GenerateReq", "IngressGone", "IngressIn", "InvalidRequestError", "LauncherIn", "LoadReport", "Ping",
+    "PromptTooLongError", "Ready", "SamplingParams", "SecurityError", "SessionBusyError", "SessionEnd", "Stage",
+    "StageStatus", "StopReq", "TextBatch", "TokenBatch", "TokenizedReq", "TokenizerIn", "UnsupportedModelError",
+    "error_code", "rebuild_error", "validate",
 ]

@@ -303,7 +303,7 @@ class EngineClient:
                 continue
             try:
                 await self._dispatch(msg)
-            except Exception:  # noqa: BLE001 - a well-formed but inconsistent message (ragged columns, ...)
+            except Exception:  # a well-formed but inconsistent message (ragged columns, ...)
                 logger.exception("dropped a %s that could not be applied", type(msg).__name__)
 
     async def _dispatch(self, msg) -> None:

@@ -127,7 +127,8 @@ class Deployment:
             if not self.addresses.is_reply_address(msg.info["reply_to"]):
                 logger.warning("ingress named %r as its address, not one of this deployment's", msg.info["reply_to"])
                 return True
-            self._to_ingress = open_socket(self._ctx, zmq.PUSH, connect=msg.info["reply_to"], curve=self.addresses.curve)
+            self._to_ingress = open_socket(self._ctx, zmq.PUSH, connect=msg.info["reply_to"],
+                                           curve=self.addresses.curve)
             self._ingress_reply_to = msg.info["reply_to"]
         if self._restarts.get(name):
             self._tell_ingress(name, True, msg.pid)
@@ -211,7 +212,7 @@ class Deployment:
         if ingress is not None and ingress.is_alive():
             ingress.terminate()  # SIGTERM: the ingress drains, then exits
             ingress.join(self.args.drain_timeout + 10)
-        for name, proc in self.procs.items():
+        for proc in self.procs.values():
             if proc.is_alive():
                 proc.terminate()
         for name, proc in self.procs.items():
@@ -264,7 +265,8 @@ class Deployment:
 
 def serve(args: ServerArgs) -> int:
     """Run a server in the foreground until SIGTERM/SIGINT; returns the exit code."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -78,7 +78,7 @@ class LocalStack:
     def _guard(self, name: str, fn: Callable[[], None]) -> None:
         try:
             fn()
-        except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
+        except BaseException as exc:  # reported to every waiting request
             if self._stop.is_set():  # torn down mid-send by close(): nobody waits on it any more
                 logger.debug("stage %s stopped during shutdown: %r", name, exc)
                 return

@@ -196,7 +196,7 @@ class WebChat:
             if (gone or now - tab.last_used > self.idle_timeout_s) and not tab.busy:
                 try:
                     await self.end(token)
-                except Exception:  # noqa: BLE001 - the api_server may be gone; the tab is forgotten anyway
+                except Exception:  # the api_server may be gone; the tab is forgotten anyway
                     logger.warning("could not end a chat session that was left", exc_info=True)
 
     async def turn(self, token: str, body: TurnRequest) -> AsyncIterator[bytes]:
@@ -260,7 +260,7 @@ class WebChat:
     def _stop_quietly(self, session_id: int) -> None:
         try:
             self.backend.stop(session_id)
-        except Exception:  # noqa: BLE001 - the turn may have ended, or the api_server gone
+        except Exception:  # the turn may have ended, or the api_server gone
             logger.debug("stopping session %d failed", session_id, exc_info=True)
 
     @staticmethod
@@ -306,7 +306,7 @@ class WebChat:
         for token in list(self.tabs):
             try:
                 await self.end(token)
-            except Exception:  # noqa: BLE001 - the api_server may be gone already
+            except Exception:  # the api_server may be gone already
                 logger.warning("could not end a chat session on shutdown", exc_info=True)
 
 

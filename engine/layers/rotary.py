@@ -172,7 +172,7 @@ class RotaryEmbedding(nn.Module):
         )
         return cache.to(device) if device is not None else cache
 
-    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
+    def _apply(self, fn, recurse: bool = True):  # nn.Module's signature
         super()._apply(fn, recurse)
         if self.cos_sin_cache.dtype != torch.float32:
             # A cast (model.half() etc.) must not lose the table's precision: rebuild it.

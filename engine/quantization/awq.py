@@ -101,7 +101,7 @@ def search_scale(group: ScaleGroup, record: InputRecord, config: AwqConfig,
         candidates.append((alpha, candidate_scales(x_mean, alpha, w_mean)))
     losses = []
     try:
-        for alpha, s in candidates:
+        for _alpha, s in candidates:
             sw = s.to(originals[0].dtype).view(1, -1)
             for lin, w in zip(linears, originals):
                 lin.weight.copy_(fake_quantize(w * sw, config.w_bits, config.w_group_size) / sw)
@@ -181,7 +181,7 @@ def awq_layer(layer: nn.Module, runner: LayerwiseRunner, config: AwqConfig,
     groups = scale_groups(layer, runner)
     # Every group is searched on the layer as it was (AutoAWQ's order); then all scales are folded.
     found = [(g, search_scale(g, records[g.input_name], config, runner)) for g in groups]
-    for group, (scales, alpha, rtn_loss, best_loss) in found:
+    for group, (_scales, alpha, rtn_loss, best_loss) in found:
         report.alphas[group.name], report.rtn_loss[group.name], report.best_loss[group.name] = (
             alpha, rtn_loss, best_loss)
     for group, (scales, *_) in found:

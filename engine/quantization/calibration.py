@@ -257,7 +257,8 @@ def read_model_config(model_dir: Path, tool: str) -> dict:
             "fp16/bf16/fp32 checkpoint")
     config = json.loads(config_path.read_text())
     if config.get("quantization_config"):
-        raise QuantizationError(f"{model_dir} is already quantized ({config['quantization_config'].get('quant_method')})")
+        method = config["quantization_config"].get("quant_method")
+        raise QuantizationError(f"{model_dir} is already quantized ({method})")
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise QuantizationError(

@@ -72,7 +72,8 @@ def smooth_layer(layer: nn.Module, runner: LayerwiseRunner, absmax: dict[str, to
 
 @torch.no_grad()
 def quantize_int8(layer: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
-    """Every decoder linear of ``layer`` as stored tensors: ``weight`` int8 [out, in], ``weight_scale`` float32 [out, 1]."""
+    """Every decoder linear of ``layer`` as stored tensors: ``weight`` int8 [out, in], ``weight_scale``
+    float32 [out, 1]."""
     stored = {}
     for name, lin in decoder_linears(layer).items():
         q, scale = quant_per_token_ref(lin.weight)

@@ -76,6 +76,6 @@ from .reference import dequantize_awq_ref, w4a16_matmul_ref
 
 __all__ = [
     "AWQ_NIBBLE_OF_COLUMN", "AWQ_PACK_ORDER", "DEQUANT_MIN_ROWS", "PACK", "GemmConfig", "GemvConfig", "awq_pack",
-    "awq_unpack", "check_awq_shapes", "dequantize_awq_ref", "dequantize_awq_triton", "gemm_config", "gemv_config", "w4a16_matmul",
-    "w4a16_matmul_ref", "w4a16_matmul_triton",
+    "awq_unpack", "check_awq_shapes", "dequantize_awq_ref", "dequantize_awq_triton", "gemm_config", "gemv_config",
+    "w4a16_matmul", "w4a16_matmul_ref", "w4a16_matmul_triton",
 ]

@@ -92,7 +92,7 @@ def serve_detokenizer(ctx: zmq.Context, addresses: Addresses, detok: Detokenizer
                     bad_messages += 1
                     if bad_messages & (bad_messages - 1) == 0:  # 1st, 2nd, 4th, ...: a flood logs little
                         logger.warning("dropped a malformed message (%d so far): %s", bad_messages, exc)
-                except Exception:  # noqa: BLE001 - an inconsistent message must not stop the stage
+                except Exception:  # an inconsistent message must not stop the stage
                     bad_messages += 1
                     logger.exception("dropped a %s that could not be applied", type(msg).__name__)
                 busy += time.perf_counter() - start

@@ -196,7 +196,7 @@ class EngineService:
         for msg in msgs:
             try:
                 self._apply(msg)
-            except Exception:  # noqa: BLE001 - one message must not take every request down with the engine
+            except Exception:  # one message must not take every request down with the engine
                 logger.exception("dropped a %s that could not be applied", type(msg).__name__)
 
     def _apply(self, msg: Any) -> None:
@@ -260,7 +260,7 @@ class EngineService:
             self._outbox.put(ErrorOut(msg.rid, 400, str(exc), param=getattr(exc, "param", None),
                                       code=error_code(exc), reply_to=msg.reply_to))
             return
-        except Exception:  # noqa: BLE001 - one bad request must not stop the engine; details stay in the log
+        except Exception:  # one bad request must not stop the engine; details stay in the log
             logger.exception("adding request %s failed", msg.rid)
             err = internal_error(msg.rid, "engine")
             err.reply_to = msg.reply_to

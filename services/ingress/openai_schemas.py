@@ -262,7 +262,8 @@ class ChatCompletionRequest(_SamplingBody):
 class CompletionRequest(_SamplingBody):
     """POST /v1/completions (legacy text completions)."""
 
-    prompt: NonEmptyStr | NonEmpty[list[NonEmptyStr]] | NonEmpty[list[TokenId]] | NonEmpty[list[NonEmpty[list[TokenId]]]] = Field(
+    prompt: (NonEmptyStr | NonEmpty[list[NonEmptyStr]] | NonEmpty[list[TokenId]]
+             | NonEmpty[list[NonEmpty[list[TokenId]]]]) = Field(
         description="A string, a list of strings, a list of token ids, or a list of token-id lists.")
     max_tokens: int_in(1, INT32_MAX) | None = Field(16, description="Default 16, as OpenAI's.")
     echo: bool = Field(False, description="Prepend the prompt to the text (the prompt gets no logprobs).")

@@ -390,6 +390,6 @@ async def stream_body(first: Event | None, events: AsyncIterator[Event], fmt: Re
     except RequestError as exc:  # the headers are gone already: report it in the stream
         logger.info("request failed mid-stream: %s", exc.message)
         yield fmt.error(exc)
-    except Exception:  # noqa: BLE001 - a stream must end with a readable error, not a cut connection
+    except Exception:  # a stream must end with a readable error, not a cut connection
         logger.exception("unexpected error while streaming")
         yield fmt.error(RequestError(500, "internal error while streaming", type="internal_error"))

@@ -55,7 +55,7 @@ def serve_tokenizer(ctx: zmq.Context, addresses: Addresses, pre: Preprocessor,
                 except ConveyorError as exc:
                     replies.send(msg.reply_to, ErrorOut(msg.rid, 400, str(exc), param=getattr(exc, "param", None),
                                                         code=error_code(exc)))
-                except Exception:  # noqa: BLE001 - report, keep serving; the details stay in the log
+                except Exception:  # report, keep serving; the details stay in the log
                     logger.exception("tokenizing request %s failed", msg.rid)
                     replies.send(msg.reply_to, internal_error(msg.rid, "tokenizer"))
                 busy += time.perf_counter() - start

@@ -82,7 +82,8 @@ def test_checkpoint_has_autoawq_gemm_tensors(awq_dir: Path):
                 assert qzeros.dtype == torch.int32 and qzeros.shape == (k // GROUP, n // 8)
                 assert scales.dtype == torch.float16 and scales.shape == (k // GROUP, n)
                 assert torch.isfinite(scales).all() and (scales > 0).all()
-        for name in ("model.embed_tokens.weight", "model.norm.weight", f"model.layers.{LAYERS - 1}.input_layernorm.weight"):
+        for name in ("model.embed_tokens.weight", "model.norm.weight",
+                     f"model.layers.{LAYERS - 1}.input_layernorm.weight"):
             assert f.get_tensor(name).dtype == torch.float16
         assert "lm_head.weight" not in names  # tied to the embedding, as in the original
     assert len(names) == LAYERS * (7 * 3 + 2) + 2

@@ -116,7 +116,7 @@ def test_stream_concatenation_equals_non_stream(pipe):
 
 def test_prefix_cache_reuses_blocks_and_keeps_tokens(prefix_pipe, pipe):
     system = "You are a careful assistant. " * 12  # a long shared prefix, several blocks
-    msgs = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]  # noqa: E731
+    msgs = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]
     first = prefix_pipe(msgs("Name a fruit."), GREEDY)
     second = prefix_pipe(msgs("Name a planet."), GREEDY)
     assert first.num_cached_tokens == 0

@@ -23,8 +23,8 @@ def test_served_benchmark_report(smollm2_dir, tmp_path):
     data = tmp_path / "work.jsonl"
     data.write_text("".join(json.dumps({"input_len": i, "output_len": o}) + "\n" for i, o in LENGTHS))
     timeline, stacks = tmp_path / "timeline.json", tmp_path / "stacks"
-    srv = ServerProcess(smollm2_dir, "--dummy-weights", "tiny", "--max-batch-size", "4", "--cache-max-entry-count", "64",
-                        "--cache-block-seq-len", "16", "--log-level", "WARNING",
+    srv = ServerProcess(smollm2_dir, "--dummy-weights", "tiny", "--max-batch-size", "4",
+                        "--cache-max-entry-count", "64", "--cache-block-seq-len", "16", "--log-level", "WARNING",
                         engine_factory="benchmarks.timed_engine:build", log_dir=tmp_path,
                         env={"CONVEYOR_ENGINE_TIMELINE": str(timeline), "CONVEYOR_STACK_SAMPLES": str(stacks)})
     try:
@@ -32,7 +32,8 @@ def test_served_benchmark_report(smollm2_dir, tmp_path):
         out = tmp_path / "record.json"
         run = subprocess.run([sys.executable, "-m", "benchmarks.profile_restful_api", "--base-url", srv.url,
                               "--dataset-path", str(data), "--max-concurrency", "3", "--server-pid", str(srv.proc.pid),
-                              "--batch", "4", "--workers", "2", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                              "--batch", "4", "--workers", "2", "--out", str(out)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stdout + run.stderr
     finally:
         srv.terminate()

@@ -38,7 +38,8 @@ def tiny_model_with_smollm2_tokenizer(smollm2_dir: Path, path: Path) -> Path:
     vocab, hidden = 49152, TINY["hidden_size"]
     gen = torch.Generator().manual_seed(0)
     tensors = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen) * 0.5,
-               "model.norm.weight": torch.ones(hidden), "lm_head.weight": torch.randn(vocab, hidden, generator=gen) * 0.1}
+               "model.norm.weight": torch.ones(hidden),
+               "lm_head.weight": torch.randn(vocab, hidden, generator=gen) * 0.1}
     for i in range(TINY["num_hidden_layers"]):
         for norm in ("input_layernorm", "post_attention_layernorm"):
             tensors[f"model.layers.{i}.{norm}.weight"] = torch.ones(hidden)

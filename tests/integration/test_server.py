@@ -234,7 +234,7 @@ def test_terminal_api_client(server):
     import sys
 
     done = subprocess.run([sys.executable, "-m", "conveyor.cli", "serve", "api_client", server.url, "--api-key", KEY,
-                           "--session-id", "21", "--request-output-len", "16"], input="What is the capital of France?\nexit\n",
-                          capture_output=True, text=True, timeout=120)
+                           "--session-id", "21", "--request-output-len", "16"],
+                          input="What is the capital of France?\nexit\n", capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "connected to" in done.stdout and len(done.stdout.splitlines()) >= 2

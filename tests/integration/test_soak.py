@@ -431,11 +431,12 @@ def test_soak_with_hostile_frames_and_a_kill_per_stage(smollm2_dir, tmp_path):
         by_window = {w: collections.Counter(o.detail[:40] for o in outcomes if not o.ok and o.start <= e and o.end >= s)
                      for w, s, e in chaos.windows}
         print(f"soak: failures by kill window: {by_window}")
+        rss = ", ".join(f"{n}: {b // 1024}->{e // 1024}" for n, (b, e) in readings.items())
         print(f"soak: {len(outcomes)} requests, {served} served, "
               f"{sum(not o.ok for o in outcomes) - len(timed_out)} failed inside kill windows, "
               f"{len(timed_out)} timed out on the hanging node ({hanging.hits} reached it); "
               f"windows {[(w, round(e - s, 1)) for w, s, e in chaos.windows]}; "
-              f"RSS MiB (before, after) {{{', '.join(f'{n}: {b // 1024}->{e // 1024}' for n, (b, e) in readings.items())}}}")
+              f"RSS MiB (before, after) {{{rss}}}")
     finally:
         stop.set()
         for part in (proxy, hanging):

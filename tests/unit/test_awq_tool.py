@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -151,6 +152,18 @@ def test_folding_scales_keeps_the_unquantized_model(kv_heads: int):
     torch.testing.assert_close(logits(model, ids), before, rtol=1e-4, atol=1e-4)
 
 
+def _scaled_loss(group, before: dict[str, torch.Tensor], x: torch.Tensor, ref: torch.Tensor,
+                 scales: torch.Tensor) -> float:
+    """``group``'s output error against ``ref`` with its weights ``before`` scaled, quantized (4
+    bits, groups of 32) and unscaled; the weights are put back after."""
+    for n, lin in group.linears.items():
+        lin.weight.copy_(fake_quantize(before[n] * scales, 4, 32) / scales)
+    loss = float((group.block(x) - ref).pow(2).mean())
+    for n, lin in group.linears.items():
+        lin.weight.copy_(before[n])
+    return loss
+
+
 @pytest.mark.parametrize("duo", [False, True], ids=["paper-scales", "duo-scales"])
 def test_search_never_worse_than_alpha_zero_or_rtn(duo: bool):
     model = tiny_model(kv_heads=4)
@@ -165,19 +178,12 @@ def test_search_never_worse_than_alpha_zero_or_rtn(duo: bool):
         x = record.kept
         ref = group.block(x)
 
-        def loss_with(scales: torch.Tensor) -> float:
-            for n, lin in group.linears.items():
-                lin.weight.copy_(fake_quantize(before[n] * scales, 4, 32) / scales)
-            loss = float((group.block(x) - ref).pow(2).mean())
-            for n, lin in group.linears.items():
-                lin.weight.copy_(before[n])
-            return loss
-
         scales, alpha, rtn_loss, best_loss = search_scale(group, record, config, runner)
         assert all(torch.equal(lin.weight, before[n]) for n, lin in group.linears.items())  # restored
         assert alpha is None or 0 <= alpha < 1
         # Its objective, recomputed here: plain RTN, alpha = 0, and what it chose.
         w_mean = _weight_mean(list(group.linears.values()), 32) if duo else None
+        loss_with = functools.partial(_scaled_loss, group, before, x, ref)
         assert rtn_loss == pytest.approx(loss_with(torch.ones_like(scales)), rel=1e-4)
         assert best_loss == pytest.approx(loss_with(scales), rel=1e-4)
         assert best_loss <= rtn_loss

@@ -24,7 +24,10 @@ def refs(bm: BlockManager) -> list[int]:
     return [b.ref_count for b in bm.blocks]
 
 
-def compute(bm: BlockManager, s: Sequence, n: int, prefix: PrefixMatch = PrefixMatch()) -> None:
+NO_PREFIX = PrefixMatch()  # frozen: one shared default is safe
+
+
+def compute(bm: BlockManager, s: Sequence, n: int, prefix: PrefixMatch = NO_PREFIX) -> None:
     """Allocate for ``n`` more tokens, then mark them computed and publish full blocks (one step)."""
     assert bm.allocate(s, n, prefix)
     s.num_computed_tokens += n

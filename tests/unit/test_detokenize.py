@@ -112,7 +112,7 @@ def test_incomplete_char_released_on_finish(smollm2_tokenizer):
 def test_stop_string_across_tokens(smollm2_tokenizer, include):
     ids = enc(smollm2_tokenizer, "Hello there. STOP_HERE and more text")
     det = IncrementalDetokenizer(smollm2_tokenizer, stop_strings=["STOP_HERE"], include_stop_str=include)
-    for n, i in enumerate(ids, 1):
+    for n, i in enumerate(ids, 1):  # noqa: B007 - n is read after the loop: the tokens it took
         res = det.step([i])
         assert "STOP" not in det.output_text or (include and res.stopped)
         if res.stopped:

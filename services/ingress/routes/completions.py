@@ -58,7 +58,7 @@ def install_completions(app: FastAPI, ing: Ingress) -> None:
                                    param="echo")
             try:
                 texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
-            except Exception as exc:  # noqa: BLE001 - ids outside the vocabulary
+            except Exception as exc:  # ids outside the vocabulary
                 raise RequestError(400, f"the prompt's token ids do not decode: {exc}", param="prompt") from exc
             echo = [t for t in texts for _ in range(n)]
         max_new = body.max_tokens or client.session_len  # null: as the chat route, up to the context's end
