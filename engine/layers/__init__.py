@@ -1,6 +1,6 @@
 """Model building blocks: linear, norm, rotary, attention, activation, embedding layers."""
 
-from .activation import SiluAndMul
+from .activation import GeluAndMul, SiluAndMul, act_and_mul
 from .attention import Attention
 from .embedding import LMHead, VocabEmbedding
 from .linear import (
@@ -15,7 +15,7 @@ from .norm import RMSNorm
 from .rotary import RotaryEmbedding, get_rope
 
 __all__ = [
-    "Attention", "LMHead", "LinearBase", "LinearMethod", "MergedLinear", "QKVLinear", "RMSNorm",
+    "Attention", "GeluAndMul", "LMHead", "LinearBase", "LinearMethod", "MergedLinear", "QKVLinear", "RMSNorm",
     "RotaryEmbedding", "RowParallelLinear", "SiluAndMul", "UnquantizedLinearMethod", "VocabEmbedding",
-    "get_rope",
+    "act_and_mul", "get_rope",
 ]

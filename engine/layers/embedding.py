@@ -21,10 +21,15 @@ from ..weight_loader import narrow
 class VocabEmbedding(nn.Module):
     """Token id -> hidden vector lookup table ``[vocab, hidden]`` (this rank's rows of it)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, shared: nn.Parameter | None = None) -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, shared: nn.Parameter | None = None, scale: float = 1.0
+    ) -> None:
         super().__init__()
         tp = tp_group()
         self.vocab_size = vocab_size
+        # Multiplies every looked-up row (Gemma scales its embeddings by sqrt(hidden)); the
+        # product is taken in the table's dtype, as Hugging Face does.
+        self.scale = scale
         self.rows = -(-vocab_size // tp.size)  # per rank
         self.start = tp.rank * self.rows
         if shared is not None:  # another table's rows, split alike (a tied LM head)
@@ -49,11 +54,15 @@ class VocabEmbedding(nn.Module):
         """[T] -> [T, hidden]."""
         tp = tp_group()
         if not tp.active:
-            return F.embedding(input_ids, self.weight)
-        local = input_ids - self.start
-        mine = (local >= 0) & (local < self.rows)
-        out = F.embedding(torch.where(mine, local, 0), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        return tp.all_reduce(out)
+            out = F.embedding(input_ids, self.weight)
+        else:
+            local = input_ids - self.start
+            mine = (local >= 0) & (local < self.rows)
+            out = F.embedding(torch.where(mine, local, 0), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+            out = tp.all_reduce(out)
+        if self.scale != 1.0:
+            out = out * torch.tensor(self.scale, dtype=out.dtype)
+        return out
 
 
 class LMHead(VocabEmbedding):

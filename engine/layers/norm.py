@@ -11,17 +11,39 @@ from torch import nn
 
 from ...kernels import add_rms_norm, rms_norm
 from ...kernels.w8a8 import rms_norm_quant
+from ..weight_loader import materialize
 from .w8a8_linear import Int8Rows
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned scale (Llama's ``LlamaRMSNorm``)."""
+    """Root-mean-square norm with a learned scale (Llama's ``LlamaRMSNorm``).
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, quantize_output: bool = False) -> None:
+    ``weight_offset`` is for checkpoints that store the scale minus a constant: Gemma's norms
+    multiply by ``(1 + weight)``. The offset is added once, when the checkpoint tensor is loaded,
+    so the forward (and its fused kernels) is the plain norm; the parameter holds the true scale.
+    """
+
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, quantize_output: bool = False, weight_offset: float = 0.0
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.quantize_output = quantize_output
+        self.weight_offset = weight_offset
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        if weight_offset:
+            self.weight.weight_loader = self.weight_loader
+
+    @torch.no_grad()
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """Copy a checkpoint scale into ``param``, adding ``weight_offset`` in float32 first."""
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} is not fused; got shard {shard_id!r}")
+        loaded = materialize(loaded)
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"checkpoint tensor for {type(self).__name__} has shape {tuple(loaded.shape)}, "
+                             f"expected {tuple(param.shape)}")
+        param.data.copy_(loaded.to(torch.float32) + self.weight_offset)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
