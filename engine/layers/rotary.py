@@ -10,6 +10,14 @@ the unscaled base up to ``max_position_embeddings``). That equals Hugging Face f
 up to ``max_position_embeddings`` and for tokens decoded one at a time past it; a single prefill
 longer than ``max_position_embeddings`` differs slightly (HF uses one base for the whole prompt).
 LMDeploy's ``rope_scaling_factor`` engine setting maps to this type.
+
+LongRoPE (Phi-3's 128k models; ``su`` in older configs) has the same kind of switch: Hugging Face
+rotates with the ``short_factor`` frequencies while the sequence fits the pretraining length
+(``original_max_position_embeddings``) and with ``long_factor`` once it is longer. Rows below that
+length here use the short frequencies and rows past it the long ones: equal to Hugging Face for
+every sequence that fits, and for tokens decoded one at a time past it (its cached keys keep the
+rotation they got); a single prefill longer than the pretraining length differs (HF rotates all
+of it with the long frequencies).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from ...protocol.errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "su")
 
 
 def _base_inv_freq(base: float, dim: int, device: torch.device | None = None) -> torch.Tensor:
@@ -85,6 +93,28 @@ def _yarn_inv_freq(
     return inv_freq, float(attention_factor)
 
 
+def _longrope_cos_sin_cache(
+    base: float, dim: int, scaling: dict[str, Any], max_position_embeddings: int, max_position: int
+) -> torch.Tensor:
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+
+    def table(ext_factors: list[float], start: int, stop: int) -> torch.Tensor:
+        if len(ext_factors) != dim // 2:
+            raise UnsupportedModelError(f"longrope factors have {len(ext_factors)} entries; head_dim {dim} "
+                                        f"needs {dim // 2}")
+        inv_freq = 1.0 / (torch.tensor(ext_factors, dtype=torch.float32) * base**exponents)
+        return torch.arange(start, stop, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+
+    within = min(max_position, original)
+    freqs = torch.cat([table(scaling["short_factor"], 0, within), table(scaling["long_factor"], within, max_position)])
+    return torch.cat([freqs.cos() * attention_factor, freqs.sin() * attention_factor], dim=-1)
+
+
 def compute_cos_sin_cache(
     head_dim: int,
     base: float,
@@ -108,6 +138,8 @@ def compute_cos_sin_cache(
         inv_freq, attention_factor = _yarn_inv_freq(base, dim, scaling, max_position_embeddings)
     elif rope_type == "dynamic":
         return _dynamic_cos_sin_cache(base, dim, float(scaling["factor"]), max_position_embeddings, max_position)
+    elif rope_type in ("longrope", "su"):
+        return _longrope_cos_sin_cache(base, dim, scaling, max_position_embeddings, max_position)
     else:
         raise ValueError(f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
     freqs = positions[:, None] * inv_freq[None, :]
@@ -205,7 +237,7 @@ def get_rope(config: Any, rope_scaling_factor: float = 0.0, max_position: int | 
             )
         if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
             raise UnsupportedModelError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
-        if rope_type in ("llama3", "yarn"):
+        if rope_type in ("llama3", "yarn", "longrope", "su"):
             # Some configs (Phi-3 style) keep the pretraining length at top level; HF prefers it.
             raw = getattr(config, "raw", {}) or {}
             original = raw.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
