@@ -57,8 +57,13 @@ class BaseChatTemplate:
     stop_words: list[str] = field(default_factory=list)
 
     name: ClassVar[str] = "base"
-    # Lowercased substrings of a model name/path that select this template.
+    # Lowercased substrings of a model name/path that select this template, and ones that rule it
+    # out (a more specific family's: "qwen3" is not "qwen", "llama-3.1-" is not "llama3").
     match_patterns: ClassVar[tuple[str, ...]] = ()
+    exclude_patterns: ClassVar[tuple[str, ...]] = ()
+    # What ends a prompt where the assistant speaks, when it is not ``assistant`` (ChatGLM3 and
+    # GLM-4 prompt with the bare ``<|assistant|>``; the model writes the newline itself).
+    generation_prompt: ClassVar[str | None] = None
     # Models without a system role (llama2, mistral) put the system block inside the first user turn.
     system_in_user: ClassVar[bool] = False
     # True when the prompt already holds the BOS the tokenizer adds (encode with add_special_tokens=False).
@@ -68,7 +73,11 @@ class BaseChatTemplate:
     def match(cls, model_path: str) -> bool:
         """True when the lowercased model name or path contains one of ``match_patterns``."""
         lowered = model_path.lower()
-        return any(p in lowered for p in cls.match_patterns)
+        return (any(p in lowered for p in cls.match_patterns)
+                and not any(p in lowered for p in cls.exclude_patterns))
+
+    def _assistant_prompt(self) -> str:
+        return self.assistant if self.generation_prompt is None else self.generation_prompt
 
     def get_prompt(self, prompt: str, sequence_start: bool = True) -> str:
         """Prompt for one user turn; later turns of a session (sequence_start=False) get no system prompt."""
@@ -77,7 +86,7 @@ class BaseChatTemplate:
         if sequence_start:
             return self._render([{"role": "user", "content": prompt}])
         # The previous turn ended at the generated eoa, so only the separator is missing.
-        return f"{self.separator}{self.user}{prompt}{self.eoh}{self.assistant}"
+        return f"{self.separator}{self.user}{prompt}{self.eoh}{self._assistant_prompt()}"
 
     def messages2prompt(self, messages: Messages, sequence_start: bool = True) -> str:
         """Prompt for a user string or an OpenAI-style message list, ending where the assistant speaks."""
@@ -105,7 +114,7 @@ class BaseChatTemplate:
                 ret += f"{self.assistant}{content}{self.eoa}{self.separator}"
             else:
                 raise ValueError(f"unsupported message role {role!r}: use 'system', 'user' or 'assistant'")
-        return f"{ret}{pending}{self.assistant}"
+        return f"{ret}{pending}{self._assistant_prompt()}"
 
 
 # Fields a ChatTemplateConfig may override on a template: the template's own, declared once above
@@ -167,9 +176,10 @@ class Qwen(ChatML):
     meta_instruction: str | None = "You are a helpful assistant."
     stop_words: list[str] = field(default_factory=lambda: ["<|im_end|>", "<|endoftext|>"])
     match_patterns: ClassVar[tuple[str, ...]] = ("qwen",)
+    exclude_patterns: ClassVar[tuple[str, ...]] = ("qwen3",)
 
 
-@register_chat_template("internlm2")
+@register_chat_template("internlm2", "internlm3")
 @dataclass
 class InternLM2(ChatML):
     """InternLM2 chat models: ChatML with InternLM's default system prompt."""
@@ -182,7 +192,7 @@ class InternLM2(ChatML):
         "user such as English and 中文."
     )
     stop_words: list[str] = field(default_factory=lambda: ["<|im_end|>", "<|action_end|>"])
-    match_patterns: ClassVar[tuple[str, ...]] = ("internlm2",)
+    match_patterns: ClassVar[tuple[str, ...]] = ("internlm2", "internlm3")
 
 
 @register_chat_template("llama3")
@@ -198,6 +208,7 @@ class Llama3(BaseChatTemplate):
     eoa: str = "<|eot_id|>"
     stop_words: list[str] = field(default_factory=lambda: ["<|eot_id|>", "<|end_of_text|>"])
     match_patterns: ClassVar[tuple[str, ...]] = ("llama-3", "llama3", "llama_3")
+    exclude_patterns: ClassVar[tuple[str, ...]] = ("llama-3.1-", "llama3.1-", "llama-3.2-", "llama3.2-")
 
 
 @register_chat_template("llama2")
@@ -256,6 +267,179 @@ class Vicuna(BaseChatTemplate):
     eoa: str = "</s>"
     stop_words: list[str] = field(default_factory=lambda: ["</s>"])
     match_patterns: ClassVar[tuple[str, ...]] = ("vicuna",)
+
+
+@register_chat_template("baichuan2")
+@dataclass
+class Baichuan2(BaseChatTemplate):
+    """Baichuan2 chat: ``<reserved_106>`` before each user turn, ``<reserved_107>`` before each answer.
+
+    As Baichuan2's ``generation_utils.build_chat_input``: the system text first, bare, and no token
+    between an answer and the next user turn (the model ends its answer with ``</s>``).
+    """
+
+    user: str = "<reserved_106>"
+    assistant: str = "<reserved_107>"
+    stop_words: list[str] = field(default_factory=lambda: ["</s>"])
+    match_patterns: ClassVar[tuple[str, ...]] = ("baichuan2",)
+
+    @classmethod
+    def match(cls, model_path: str) -> bool:
+        """LMDeploy's rule: a Baichuan2 *chat* model (the base models take plain text)."""
+        return super().match(model_path) and "chat" in model_path.lower()
+
+
+@register_chat_template("chatglm2", "chatglm")
+@dataclass
+class ChatGLM2(BaseChatTemplate):
+    """ChatGLM2-6B: ``[Round n]\\n\\n问：...\\n\\n答：...\\n\\n`` with rounds counted from 1.
+
+    The format of ChatGLM2's ``build_prompt`` (modeling_chatglm.py); it has no Jinja template and no
+    system role, so a system message goes in front of the first round, followed by a blank line.
+    The ``[gMASK]sop`` prefix is added by its tokenizer. LMDeploy names this template ``chatglm``.
+    """
+
+    eosys: str = "\n\n"
+    user: str = "问："
+    eoh: str = "\n\n"
+    assistant: str = "答："
+    eoa: str = "\n\n"
+    stop_words: list[str] = field(default_factory=lambda: ["</s>"])
+    match_patterns: ClassVar[tuple[str, ...]] = ("chatglm2",)
+
+    def get_prompt(self, prompt: str, sequence_start: bool = True) -> str:
+        """One round. A later turn of a session (sequence_start=False) does not know its round number
+        and goes without the ``[Round n]`` line; send the whole chat (messages2prompt) to have it."""
+        if sequence_start:
+            return self._render([{"role": "user", "content": prompt}])
+        return f"{self.eoa}{self.user}{prompt}{self.eoh}{self.assistant}"
+
+    def _render(self, messages: list[dict[str, Any]], sequence_start: bool = True) -> str:
+        ret, rounds = "", 0
+        for msg in messages:
+            role, content = msg.get("role"), _text(msg.get("content", ""))
+            if role == "system":
+                ret += f"{content}{self.eosys}"
+            elif role == "user":
+                rounds += 1
+                ret += f"[Round {rounds}]\n\n{self.user}{content}{self.eoh}{self.assistant}"
+            elif role == "assistant":
+                ret += f"{content}{self.eoa}"
+            else:
+                raise ValueError(f"unsupported message role {role!r}: use 'system', 'user' or 'assistant'")
+        return ret  # ends at 答： after a user turn; after an answer, where the next round starts
+
+
+@register_chat_template("chatglm3")
+@dataclass
+class ChatGLM3(BaseChatTemplate):
+    """ChatGLM3-6B: ``<|role|>\\n content`` per message, the prompt ends with a bare ``<|assistant|>``.
+
+    As THUDM/chatglm3-6b's tokenizer_config.json chat_template, without its leading ``[gMASK]sop``:
+    the ChatGLM3 tokenizer adds those prefix tokens when it encodes, as others add BOS.
+    """
+
+    system: str = "<|system|>\n "
+    user: str = "<|user|>\n "
+    assistant: str = "<|assistant|>\n "
+    stop_words: list[str] = field(default_factory=lambda: ["<|user|>", "<|observation|>", "</s>"])
+    match_patterns: ClassVar[tuple[str, ...]] = ("chatglm3",)
+    generation_prompt: ClassVar[str | None] = "<|assistant|>"
+
+
+@register_chat_template("glm4")
+@dataclass
+class GLM4(ChatGLM3):
+    """GLM-4 chat (glm-4-9b-chat): ChatGLM3's layout without the space after each role's newline.
+
+    As THUDM/glm-4-9b-chat's tokenizer_config.json chat_template (tools aside), without its leading
+    ``[gMASK]<sop>``, which the GLM-4 tokenizer adds when it encodes.
+    """
+
+    system: str = "<|system|>\n"
+    user: str = "<|user|>\n"
+    assistant: str = "<|assistant|>\n"
+    stop_words: list[str] = field(default_factory=lambda: ["<|user|>", "<|endoftext|>", "<|observation|>"])
+    match_patterns: ClassVar[tuple[str, ...]] = ("glm-4", "glm4")
+    exclude_patterns: ClassVar[tuple[str, ...]] = ("chatglm",)
+
+
+@register_chat_template("gemma")
+@dataclass
+class Gemma(BaseChatTemplate):
+    """Gemma instruct: ``<start_of_turn>user\\n...<end_of_turn>\\n<start_of_turn>model\\n``.
+
+    Gemma has no system role: as Gemma 3's template does, a system message opens the first user
+    turn followed by a blank line (Gemma 1/2's templates refuse a system message instead).
+    """
+
+    eosys: str = "\n\n"
+    user: str = "<start_of_turn>user\n"
+    eoh: str = "<end_of_turn>\n"
+    assistant: str = "<start_of_turn>model\n"
+    # The model stops at <end_of_turn>; the newline after it belongs before the next turn.
+    eoa: str = "<end_of_turn>"
+    separator: str = "\n"
+    stop_words: list[str] = field(default_factory=lambda: ["<end_of_turn>"])
+    match_patterns: ClassVar[tuple[str, ...]] = ("gemma",)
+    system_in_user: ClassVar[bool] = True
+
+
+@register_chat_template("phi-3")
+@dataclass
+class Phi3(BaseChatTemplate):
+    """Phi-3 / Phi-3.5 instruct: ``<|role|>\\n...<|end|>\\n`` per message."""
+
+    system: str = "<|system|>\n"
+    eosys: str = "<|end|>\n"
+    user: str = "<|user|>\n"
+    eoh: str = "<|end|>\n"
+    assistant: str = "<|assistant|>\n"
+    eoa: str = "<|end|>"
+    separator: str = "\n"
+    stop_words: list[str] = field(default_factory=lambda: ["<|end|>", "<|endoftext|>", "<|assistant|>"])
+    match_patterns: ClassVar[tuple[str, ...]] = ("phi-3",)
+
+    @classmethod
+    def match(cls, model_path: str) -> bool:
+        """LMDeploy's rule: a Phi-3 *instruct* model."""
+        return super().match(model_path) and "instruct" in model_path.lower()
+
+
+@register_chat_template("falcon")
+@dataclass
+class Falcon(Base):
+    """Falcon (LMDeploy's ``falcon``): no chat format, the text as is; Falcon 3's tokenizers ship a
+    Jinja template, which is used instead when present."""
+
+    match_patterns: ClassVar[tuple[str, ...]] = ("falcon",)
+
+
+@register_chat_template("llama3_1", "llama3_2")
+@dataclass
+class Llama3_1(Llama3):
+    """Llama 3.1 / 3.2 instruct: Llama 3 with the knowledge-date header that opens every system block.
+
+    As Meta's published template (tools aside): the system block is always there, empty when the
+    chat has no system message, and starts with ``Cutting Knowledge Date: December 2023`` and
+    ``Today Date: 26 Jul 2024`` (the template's default date_string).
+    """
+
+    system: str = ("<|start_header_id|>system<|end_header_id|>\n\n"
+                   "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n")
+    meta_instruction: str | None = ""
+    stop_words: list[str] = field(default_factory=lambda: ["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"])
+    match_patterns: ClassVar[tuple[str, ...]] = ("llama-3.1-", "llama3.1-", "llama-3.2-", "llama3.2-")
+    exclude_patterns: ClassVar[tuple[str, ...]] = ()
+
+
+@register_chat_template("qwen3")
+@dataclass
+class Qwen3(ChatML):
+    """Qwen3: ChatML with no default system prompt (the model thinks first unless told not to)."""
+
+    stop_words: list[str] = field(default_factory=lambda: ["<|im_end|>", "<|endoftext|>"])
+    match_patterns: ClassVar[tuple[str, ...]] = ("qwen3",)
 
 
 class HFChatTemplate:

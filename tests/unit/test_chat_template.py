@@ -40,6 +40,27 @@ EXPECTED = {
     "llama2": "[INST] <<SYS>>\nS\n<</SYS>>\n\nU1 [/INST] A1 </s><s>[INST] U2 [/INST] ",
     "mistral": "[INST] S\n\nU1 [/INST]A1</s>[INST] U2 [/INST]",
     "vicuna": "S USER: U1 ASSISTANT: A1</s>USER: U2 ASSISTANT: ",
+    # Issue 30's families; each is checked against its published template in
+    # test_chat_templates_families.py.
+    "internlm3": CHATML,
+    "qwen3": CHATML,
+    "baichuan2": "S<reserved_106>U1<reserved_107>A1<reserved_106>U2<reserved_107>",
+    "chatglm2": "S\n\n[Round 1]\n\n问：U1\n\n答：A1\n\n[Round 2]\n\n问：U2\n\n答：",
+    "chatglm": "S\n\n[Round 1]\n\n问：U1\n\n答：A1\n\n[Round 2]\n\n问：U2\n\n答：",
+    "chatglm3": "<|system|>\n S<|user|>\n U1<|assistant|>\n A1<|user|>\n U2<|assistant|>",
+    "glm4": "<|system|>\nS<|user|>\nU1<|assistant|>\nA1<|user|>\nU2<|assistant|>",
+    "gemma": ("<start_of_turn>user\nS\n\nU1<end_of_turn>\n<start_of_turn>model\nA1<end_of_turn>\n"
+              "<start_of_turn>user\nU2<end_of_turn>\n<start_of_turn>model\n"),
+    "phi-3": ("<|system|>\nS<|end|>\n<|user|>\nU1<|end|>\n<|assistant|>\nA1<|end|>\n<|user|>\nU2<|end|>\n"
+              "<|assistant|>\n"),
+    "falcon": "SU1A1U2",
+    **dict.fromkeys(("llama3_1", "llama3_2"), (
+        "<|start_header_id|>system<|end_header_id|>\n\n"
+        "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\nS<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nU1<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nA1<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nU2<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")),
 }
 
 
@@ -150,7 +171,8 @@ def test_json_roundtrip(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("path", "name"), [
     ("meta-llama/Meta-Llama-3-8B-Instruct", "llama3"),
-    ("/models/llama3.1-8b", "llama3"),
+    ("/models/llama3-8b", "llama3"),
+    ("/models/llama3.1-8b", "llama3_1"),  # LMDeploy's llama3_1 rule: "llama3.1-" / "llama-3.1-"
     ("meta-llama/Llama-2-7b-chat-hf", "llama2"),
     ("Qwen/Qwen2-7B-Instruct", "qwen"),
     ("internlm/internlm2-chat-7b", "internlm2"),
