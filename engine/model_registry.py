@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 
-from ..protocol.errors import UnsupportedModelError
+from ..protocol.errors import EngineConfigError, UnsupportedModelError
 
 # architecture name -> (module under engine/models/, class name). A new family is one line here
 # and one file there.
@@ -20,7 +20,23 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "InternLM2ForCausalLM": ("internlm2", "InternLM2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "InternLM3ForCausalLM": ("internlm3", "InternLM3ForCausalLM"),
+    "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
+    "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
 }
+
+# Architectures a tensor-parallel rank cannot run a slice of, and why (refused before any rank starts).
+SINGLE_RANK_ONLY: dict[str, str] = {
+    "Olmo2ForCausalLM": "its q/k RMSNorm takes one mean over all heads, which no rank holds",
+}
+
+
+def check_tp_support(arch: str, tp: int) -> None:
+    """EngineConfigError for a tp > 1 that ``arch`` cannot be split over."""
+    if tp > 1 and arch in SINGLE_RANK_ONLY:
+        raise EngineConfigError(f"tp={tp}: {arch} runs at tp=1 only ({SINGLE_RANK_ONLY[arch]}); use tp=1")
 
 
 def unsupported(names: Sequence[str] | str | None) -> UnsupportedModelError:

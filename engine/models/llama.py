@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -22,11 +23,12 @@ from ..layers import (
     RMSNorm,
     RowParallelLinear,
     RotaryEmbedding,
-    SiluAndMul,
     VocabEmbedding,
+    act_and_mul,
     get_rope,
 )
 from ..layers.linear import ShardId
+from ..layers.qk_norm import QKNorm
 from ..model_config import ModelConfig
 from ..weight_loader import materialize
 
@@ -50,12 +52,29 @@ def hands_over_int8(config: ModelConfig) -> bool:
     return config.quant is not None and config.quant.takes_int8_input
 
 
+@dataclass(frozen=True)
+class LlamaVariant:
+    """What a family changes in the Llama computation besides biases and weight names (the
+    family's ``variant(config)`` builds it): the MLP's gate activation (a ``hidden_act`` name),
+    the offset its RMSNorm checkpoints leave out (Gemma stores ``weight - 1``), and the factor
+    the embedding rows are multiplied by (Gemma: ``sqrt(hidden_size)``)."""
+
+    hidden_act: str = "silu"
+    norm_weight_offset: float = 0.0
+    embed_scale: float = 1.0
+    # RMSNorm of q and k before rotary: None, "per_head" (Qwen3) or "full" (OLMo 2); layers/qk_norm.py.
+    qk_norm: str | None = None
+    # The decoder block's class (same constructor as LlamaDecoderLayer); None: Llama's pre-norm block.
+    decoder_layer: type[nn.Module] | None = None
+
+
 class LlamaAttention(nn.Module):
     """Fused QKV projection, RoPE, paged attention, output projection; under tensor parallel,
     this rank's heads (``QKVLinear`` picks them) and its part of o_proj's inputs."""
 
     def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool
+        self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+        variant: LlamaVariant | None = None,
     ) -> None:
         super().__init__()
         h, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
@@ -65,6 +84,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(h * d, config.hidden_size, bias=o_bias, method=linear_method(config))
         self.rotary_emb = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, d)
+        qk_norm = (variant or LlamaVariant()).qk_norm
+        self.q_norm = self.k_norm = None
+        if qk_norm is not None:
+            self.q_norm = QKNorm(qk_norm, self.num_heads, d, config.rms_norm_eps)
+            self.k_norm = QKNorm(qk_norm, self.num_kv_heads, d, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]."""
@@ -72,22 +96,22 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         # RoPE is applied inside attention, fused with the KV-cache write (kernels/kv_cache.py).
         return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb.cos_sin_cache))
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU MLP over a fused gate/up projection."""
+    """Gated MLP (SwiGLU, or the variant's activation) over a fused gate/up projection."""
 
-    def __init__(self, config: ModelConfig, bias: bool) -> None:
+    def __init__(self, config: ModelConfig, bias: bool, variant: LlamaVariant | None = None) -> None:
         super().__init__()
-        act = config.raw.get("hidden_act", config.raw.get("hidden_activation", "silu"))
-        if act not in ("silu", "swish"):
-            raise UnsupportedModelError(f"MLP activation {act!r} is not supported (only silu)")
+        act = (variant or LlamaVariant()).hidden_act
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias, method=linear_method(config))
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, method=linear_method(config))
-        self.act = SiluAndMul(quantize_output=hands_over_int8(config))
+        self.act = act_and_mul(act, quantize_output=hands_over_int8(config))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]."""
@@ -98,14 +122,16 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention + MLP block; the residual add is fused into the next norm."""
 
     def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool
+        self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
+        variant: LlamaVariant | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias)
-        self.mlp = LlamaMLP(config, mlp_bias)
-        quantize = hands_over_int8(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize_output=quantize)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize_output=quantize)
+        variant = variant or LlamaVariant()
+        self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias, variant)
+        self.mlp = LlamaMLP(config, mlp_bias, variant)
+        quantize, offset = hands_over_int8(config), variant.norm_weight_offset
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize, offset)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize, offset)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -125,14 +151,17 @@ class LlamaModel(nn.Module):
     """Embedding, decoder stack, final norm."""
 
     def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool
+        self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
+        variant: LlamaVariant | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        variant = variant or LlamaVariant()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, scale=variant.embed_scale)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, qkv_bias, o_bias, mlp_bias) for _ in range(config.num_layers)
+            (variant.decoder_layer or LlamaDecoderLayer)(config, rotary, qkv_bias, o_bias, mlp_bias, variant)
+            for _ in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, weight_offset=variant.norm_weight_offset)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[T] ids and positions -> [T, hidden] final-normed hidden states."""
@@ -164,15 +193,29 @@ class LlamaForCausalLM(nn.Module):
         self._warn_unsupported(config)
         rotary = get_rope(config, rope_scaling_factor, max_position)
         qkv_bias, o_bias = self.attention_biases(config)
-        mlp_bias = bool(config.raw.get("mlp_bias", False))
-        self.model = LlamaModel(config, rotary, qkv_bias, o_bias, mlp_bias)
-        tie = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.model = LlamaModel(config, rotary, qkv_bias, o_bias, self.mlp_bias(config), self.variant(config))
+        tie = self.model.embed_tokens if self.ties_embeddings(config) else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie)
 
     @staticmethod
     def attention_biases(config: ModelConfig) -> tuple[bool, bool]:
         """(q/k/v bias, o_proj bias); Llama's ``attention_bias`` covers both."""
         return config.attention_bias, config.attention_bias
+
+    @staticmethod
+    def mlp_bias(config: ModelConfig) -> bool:
+        """Whether gate/up/down carry a bias (Llama's ``mlp_bias``)."""
+        return bool(config.raw.get("mlp_bias", False))
+
+    @staticmethod
+    def variant(config: ModelConfig) -> LlamaVariant:
+        """The family's changes to the Llama computation; Llama's MLP takes ``hidden_act``."""
+        return LlamaVariant(hidden_act=config.raw.get("hidden_act", config.raw.get("hidden_activation", "silu")))
+
+    @staticmethod
+    def ties_embeddings(config: ModelConfig) -> bool:
+        """Whether the LM head reuses the input embedding (config.json's ``tie_word_embeddings``)."""
+        return config.tie_word_embeddings
 
     @staticmethod
     def _warn_unsupported(config: ModelConfig) -> None:

@@ -1,0 +1,202 @@
+"""Gemma (v1) and Phi-3 against transformers: tiny random models built with transformers' own
+config classes, saved with ``save_pretrained``, loaded by the engine; logits (CPU, float32) and
+greedy tokens must match. The helpers are test_models.py's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_models import (
+    TINY,
+    PagedCache,
+    assert_close,
+    hf_logits,
+    load_ours,
+    random_tokens,
+    save_tiny,
+)
+from tiny_llama import engine, greedy
+from transformers import AutoModelForCausalLM, GemmaConfig, Phi3Config
+
+from conveyor.engine.model_config import ModelConfig
+from conveyor.engine.models import build_model
+from conveyor.protocol.errors import UnsupportedModelError
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny models: see tests/conftest.py
+
+IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_HALF = TINY["hidden_size"] // TINY["num_attention_heads"] // 2  # longrope factors per head
+
+
+def _longrope_config() -> Phi3Config:
+    """Phi-3 128k style: longrope short/long factors and a 16-position pretraining length."""
+    gen = torch.Generator().manual_seed(7)
+    short = (1 + torch.rand(_HALF, generator=gen)).tolist()
+    long = (1 + 4 * torch.rand(_HALF, generator=gen)).tolist()
+    return Phi3Config(**TINY, sliding_window=None, original_max_position_embeddings=16, **IDS, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short, "long_factor": long,
+    })
+
+
+def _configs() -> dict[str, object]:
+    return {
+        # head_dim from the config (4 heads * 32 = 128 != hidden 64, as on Gemma-7B); tied head.
+        "gemma": GemmaConfig(**TINY, head_dim=32, **IDS),
+        # The released configs' legacy hidden_act="gelu" (meaning tanh), rewritten on disk; MQA.
+        "gemma_legacy_gelu_mqa": GemmaConfig(**{**TINY, "num_key_value_heads": 1}, head_dim=16, **IDS),
+        "phi3": Phi3Config(**TINY, sliding_window=None, original_max_position_embeddings=256, **IDS),
+        "phi3_tied": Phi3Config(**TINY, sliding_window=None, original_max_position_embeddings=256,
+                                tie_word_embeddings=True, **IDS),
+    }
+
+
+@pytest.fixture(scope="module", params=sorted(_configs()))
+def tiny(request, tmp_path_factory) -> tuple[torch.nn.Module, torch.nn.Module, Path]:
+    """(HF reference model loaded back from disk, ours loaded from the same files, the directory)."""
+    name = request.param
+    path = tmp_path_factory.mktemp(name)
+    save_tiny(_configs()[name], path)
+    if name == "gemma_legacy_gelu_mqa":
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["hidden_act"] = "gelu"
+        cfg.pop("hidden_activation", None)
+        (path / "config.json").write_text(json.dumps(cfg))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf, load_ours(path), path
+
+
+def test_prefill_matches_hf(tiny) -> None:
+    """Single-sequence prefills of several lengths."""
+    hf, ours, _ = tiny
+    cache = PagedCache(ours)
+    for sid, n in enumerate((5, 13, 30)):
+        tokens = random_tokens(n, seed=sid)
+        assert_close(cache.step({sid: tokens})[sid], hf_logits(hf, tokens))
+
+
+def test_two_sequence_batch_matches_hf(tiny) -> None:
+    """Two sequences flattened into one prefill batch."""
+    hf, ours, _ = tiny
+    a, b = random_tokens(11, seed=10), random_tokens(6, seed=11)
+    out = PagedCache(ours, seed=1).step({0: a, 1: b})
+    assert_close(out[0], hf_logits(hf, a))
+    assert_close(out[1], hf_logits(hf, b))
+
+
+def test_prefill_then_decode_matches_hf(tiny) -> None:
+    """Prefill, then a batched and a single decode step reading the cached keys."""
+    hf, ours, _ = tiny
+    a, b = random_tokens(9, seed=20), random_tokens(4, seed=21)
+    cache = PagedCache(ours, seed=2)
+    cache.step({0: a[:-2], 1: b[:-1]})
+    out_b = cache.step({0: [a[-2]], 1: [b[-1]]})  # batched decode
+    out_a = cache.step({0: [a[-1]]})
+    assert_close(out_a[0][-1], hf_logits(hf, a)[-1])
+    assert_close(out_b[1][-1], hf_logits(hf, b)[-1])
+
+
+def test_chunked_prefill_matches_hf(tiny) -> None:
+    """A prefill split in two chunks (the second attends to the cached first)."""
+    hf, ours, _ = tiny
+    tokens = random_tokens(14, seed=30)
+    cache = PagedCache(ours, seed=4)
+    first = cache.step({0: tokens[:6]})[0]
+    second = cache.step({0: tokens[6:]})[0]
+    assert_close(torch.cat([first, second]), hf_logits(hf, tokens))
+
+
+def _until_eos(tokens: list[int], eos: int) -> list[int]:
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def test_greedy_tokens_match_hf_generate(tiny) -> None:
+    """Greedy decoding through the engine (scheduler, runner, sampler) equals ``generate``."""
+    hf, _, path = tiny
+    prompt = random_tokens(7, seed=50)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    ours = greedy(engine(path), prompt, n=12)
+    eos = IDS["eos_token_id"]
+    assert _until_eos(ours, eos) == _until_eos(ref, eos)
+
+
+def test_gemma_weights_are_offset_and_tied(tiny) -> None:
+    """Gemma's norms hold ``1 + checkpoint weight``; its LM head is the embedding (one Parameter)."""
+    hf, ours, _ = tiny
+    if ours.config.architecture != "GemmaForCausalLM":
+        pytest.skip("Gemma only")
+    assert_close(ours.model.norm.weight, hf.model.norm.weight + 1)
+    assert ours.lm_head.tied and ours.lm_head.weight is ours.model.embed_tokens.weight
+
+
+@pytest.fixture(scope="module")
+def longrope(tmp_path_factory) -> tuple[torch.nn.Module, torch.nn.Module, Path]:
+    path = tmp_path_factory.mktemp("phi3_longrope")
+    save_tiny(_longrope_config(), path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), load_ours(path), path
+
+
+def test_phi3_longrope_within_the_pretraining_length(longrope) -> None:
+    """Up to original_max_position_embeddings (16) HF rotates with the short factors, as we do."""
+    hf, ours, _ = longrope
+    cache = PagedCache(ours)
+    for sid, n in enumerate((5, 16)):
+        tokens = random_tokens(n, seed=60 + sid)
+        assert_close(cache.step({sid: tokens})[sid], hf_logits(hf, tokens))
+
+
+def test_phi3_longrope_decoding_past_the_pretraining_length(longrope) -> None:
+    """Tokens decoded one at a time past 16 positions: HF switches to the long factors for them
+    (its cached keys keep the short rotation), as our table's rows past 16 do."""
+    hf, ours, path = longrope
+    tokens = random_tokens(24, seed=70)
+    cache = PagedCache(ours, seed=6)
+    ours_rows = [cache.step({0: tokens[:10]})[0]] + [cache.step({0: [t]})[0] for t in tokens[10:]]
+    with torch.no_grad():
+        out = hf(torch.tensor([tokens[:10]]), use_cache=True)
+        rows, past = [out.logits[0]], out.past_key_values
+        for t in tokens[10:]:
+            out = hf(torch.tensor([[t]]), past_key_values=past, use_cache=True)
+            rows.append(out.logits[0])
+            past = out.past_key_values
+    assert_close(torch.cat(ours_rows), torch.cat(rows).float())
+    prompt = random_tokens(7, seed=71)  # 7 + 14 tokens: the last ones past 16
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False)[0, len(prompt):].tolist()
+    eos = IDS["eos_token_id"]
+    assert _until_eos(greedy(engine(path), prompt, n=14), eos) == _until_eos(ref, eos)
+
+
+def test_phi3_su_spelling_loads_as_longrope(longrope, tmp_path: Path) -> None:
+    """Older Phi-3 configs: top-level rope_theta and rope_scaling={"type": "su", ...}."""
+    hf, _, path = longrope
+    for f in path.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((path / "config.json").read_text())
+    params = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = params["rope_theta"]
+    cfg["rope_scaling"] = {"type": "su", "short_factor": params["short_factor"], "long_factor": params["long_factor"]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    tokens = random_tokens(12, seed=80)
+    cache = PagedCache(load_ours(tmp_path), seed=7)
+    ours = [cache.step({0: tokens[:9]})[0]] + [cache.step({0: [t]})[0] for t in tokens[9:]]
+    assert_close(torch.cat(ours), hf_logits(hf, tokens))
+
+
+def test_phi3_partial_rotary_is_refused_before_loading(tmp_path: Path) -> None:
+    """Phi-4-mini's partial rotary embedding is refused when the model is built, with no weights read."""
+    cfg = Phi3Config(**TINY, partial_rotary_factor=0.5, **IDS).to_dict()
+    cfg["architectures"] = ["Phi3ForCausalLM"]
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
+        build_model(ModelConfig.from_dict(cfg), dtype=torch.float32)
+
+
+def test_gemma2_is_not_taken_for_gemma() -> None:
+    """Gemma 2 (sliding windows, soft-capping) stays unsupported: refused when its config is read."""
+    cfg = GemmaConfig(**TINY, **IDS).to_dict()
+    cfg.update(architectures=["Gemma2ForCausalLM"], model_type="gemma2")
+    with pytest.raises(UnsupportedModelError, match="Gemma2ForCausalLM"):
+        ModelConfig.from_dict(cfg)
