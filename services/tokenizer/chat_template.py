@@ -269,6 +269,39 @@ class Vicuna(BaseChatTemplate):
     match_patterns: ClassVar[tuple[str, ...]] = ("vicuna",)
 
 
+@register_chat_template("internlm")
+@dataclass
+class InternLM(BaseChatTemplate):
+    """InternLM (v1) chat, internlm-chat-7b/20b: ``<|System|>:...\\n<|User|>:...\\n<|Bot|>:...<eoa>\\n``.
+
+    No Jinja template was published for it; the strings are the format of its ``build_inputs``
+    (modeling_internlm.py of internlm-chat-7b v1.1 and internlm-chat-20b), as LMDeploy's ``internlm``.
+    """
+
+    system: str = "<|System|>:"
+    meta_instruction: str | None = (
+        "You are an AI assistant whose name is InternLM (书生·浦语).\n"
+        "- InternLM (书生·浦语) is a conversational language model that is developed by Shanghai AI "
+        "Laboratory (上海人工智能实验室). It is designed to be helpful, honest, and harmless.\n"
+        "- InternLM (书生·浦语) can understand and communicate fluently in the language chosen by the "
+        "user such as English and 中文.\n"
+    )
+    eosys: str = "\n"
+    user: str = "<|User|>:"
+    eoh: str = "\n"
+    assistant: str = "<|Bot|>:"
+    eoa: str = "<eoa>"
+    separator: str = "\n"
+    stop_words: list[str] = field(default_factory=lambda: ["<eoa>"])
+    match_patterns: ClassVar[tuple[str, ...]] = ("internlm",)
+    exclude_patterns: ClassVar[tuple[str, ...]] = ("internlm2", "internlm3", "8k")
+
+    @classmethod
+    def match(cls, model_path: str) -> bool:
+        """LMDeploy's rule: an ``internlm`` *chat* model that is not InternLM2/3 (nor the 8k one)."""
+        return super().match(model_path) and "chat" in model_path.lower()
+
+
 @register_chat_template("baichuan2")
 @dataclass
 class Baichuan2(BaseChatTemplate):

@@ -44,6 +44,7 @@ EXPECTED = {
     # test_chat_templates_families.py.
     "internlm3": CHATML,
     "qwen3": CHATML,
+    "internlm": "<|System|>:S\n<|User|>:U1\n<|Bot|>:A1<eoa>\n<|User|>:U2\n<|Bot|>:",
     "baichuan2": "S<reserved_106>U1<reserved_107>A1<reserved_106>U2<reserved_107>",
     "chatglm2": "S\n\n[Round 1]\n\n问：U1\n\n答：A1\n\n[Round 2]\n\n问：U2\n\n答：",
     "chatglm": "S\n\n[Round 1]\n\n问：U1\n\n答：A1\n\n[Round 2]\n\n问：U2\n\n答：",

@@ -7,7 +7,7 @@ hub), the template text is written below as a fixture and rendered with jinja2 t
 same string for a system message, two user turns with an answer between, and the generation prompt.
 BOS-like prefixes (``bos_token``, ChatGLM's ``[gMASK]sop``) are left out on both sides: the
 tokenizer adds those when it encodes, so the built-ins never write them.
-Where no Jinja was published (Baichuan2, ChatGLM2) the expected string is the format
+Where no Jinja was published (InternLM v1, Baichuan2, ChatGLM2) the expected string is the format
 of the model's own prompt-building code, cited at each case.
 """
 
@@ -270,6 +270,10 @@ def test_gemma_1_template_refuses_system_the_builtin_folds_it_like_gemma_3() -> 
 
 # Families with no published Jinja template: the prompt their own code builds.
 DOCUMENTED = {
+    # internlm/internlm-chat-7b (v1.1) and internlm-chat-20b, modeling_internlm.py build_inputs:
+    # "<|System|>:{meta}\n" then "<|User|>:{query}\n<|Bot|>:{response}<eoa>\n" per round.
+    "internlm": ("<|System|>:You are terse.\n<|User|>:Hi there\n<|Bot|>:Hello, how can I help?<eoa>\n"
+                 "<|User|>:Name a prime.\n<|Bot|>:"),
     # baichuan-inc/Baichuan2-7B-Chat generation_utils.py build_chat_input: system tokens, then
     # user_token_id (195, <reserved_106>) + query, assistant_token_id (196, <reserved_107>) + answer.
     "baichuan2": ("You are terse.<reserved_106>Hi there<reserved_107>Hello, how can I help?"
@@ -288,12 +292,19 @@ def test_builtin_equals_documented_format(name: str) -> None:
     assert _builtin(name, SYSTEM + TURNS) == DOCUMENTED[name]
 
 
+def test_internlm_default_system_prompt() -> None:
+    prompt = _builtin("internlm", [{"role": "user", "content": "Hi"}])
+    assert prompt.startswith("<|System|>:You are an AI assistant whose name is InternLM")
+    assert prompt.endswith("中文.\n\n<|User|>:Hi\n<|Bot|>:")
+
+
 def test_chatglm2_first_turn_and_alias() -> None:
     assert _builtin("chatglm2", [{"role": "user", "content": "你好"}]) == "[Round 1]\n\n问：你好\n\n答："
     assert CHAT_TEMPLATES["chatglm"] is CHAT_TEMPLATES["chatglm2"]  # LMDeploy's name for it
 
 
 @pytest.mark.parametrize(("name", "stops"), [
+    ("internlm", ["<eoa>"]),
     ("baichuan2", ["</s>"]),
     ("chatglm2", ["</s>"]),
     ("chatglm3", ["<|user|>", "<|observation|>"]),
@@ -320,6 +331,7 @@ def test_stop_words(name: str, stops: list[str]) -> None:
     ("glm4", "<|user|>\nnext<|assistant|>"),
     ("llama3_1", "<|start_header_id|>user<|end_header_id|>\n\nnext<|eot_id|>"
                  "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+    ("internlm", "\n<|User|>:next\n<|Bot|>:"),
 ])
 def test_later_turn_of_a_session(name: str, expected: str) -> None:
     template = CHAT_TEMPLATES[name]()
@@ -337,6 +349,9 @@ def test_later_turn_of_a_session(name: str, expected: str) -> None:
     ("meta-llama/Meta-Llama-3.1-70B-Instruct", "llama3_1"),
     ("meta-llama/Llama-3.2-3B-Instruct", "llama3_1"),
     ("meta-llama/Meta-Llama-3-8B-Instruct", "llama3"),
+    ("internlm/internlm-chat-7b", "internlm"),
+    ("internlm/internlm-chat-20b", "internlm"),
+    ("internlm/internlm-7b", "base"),  # LMDeploy: only the chat models
     ("internlm/internlm2-chat-7b", "internlm2"),
     ("internlm/internlm3-8b-instruct", "internlm2"),  # LMDeploy's internlm3 is InternLM2's template
     ("baichuan-inc/Baichuan2-13B-Chat", "baichuan2"),
@@ -354,7 +369,7 @@ def test_match_from_path(path: str, name: str) -> None:
     assert get_chat_template(path).name == name
 
 
-@pytest.mark.parametrize("name", ["baichuan2", "chatglm2", "chatglm", "chatglm3", "glm4",
+@pytest.mark.parametrize("name", ["internlm", "baichuan2", "chatglm2", "chatglm", "chatglm3", "glm4",
                                   "gemma", "phi-3", "falcon", "llama3_1", "llama3_2", "qwen3",
                                   "internlm3"])
 def test_issue_30_names_are_registered(name: str) -> None:

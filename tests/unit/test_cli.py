@@ -135,8 +135,8 @@ def test_chat_model_name_picks_the_chat_template_as_lmdeploy(monkeypatch, capsys
     monkeypatch.setattr(conveyor.default_model, "local_path", lambda model, say=None: model)
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # no prompt: the chat ends at once
     # the real pipeline() refuses a name of no built-in template before it loads anything
-    assert main(["chat", "no/such/model", "--model-name", "internlm-chat-7b"]) == 2
-    assert "'internlm-chat-7b' names no built-in chat template" in capsys.readouterr().err
+    assert main(["chat", "no/such/model", "--model-name", "no-such-chat-7b"]) == 2
+    assert "'no-such-chat-7b' names no built-in chat template" in capsys.readouterr().err
     calls = []
 
     class Pipe:

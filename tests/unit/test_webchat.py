@@ -333,7 +333,7 @@ def test_shutdown_ends_every_session_and_closes_the_backend(backend):
     (["http://127.0.0.1:1"], "cannot connect to http://127.0.0.1:1"),
     (["some/model", "--api-key", "k"], "--api-key is for an api_server URL"),
     (["http://127.0.0.1:1", "--model-name", "qwen-7b"], "--model-name: the api_server"),
-    (["some/model", "--model-name", "internlm-chat-7b"], "'internlm-chat-7b' names no built-in chat template"),
+    (["some/model", "--model-name", "no-such-chat-7b"], "'no-such-chat-7b' names no built-in chat template"),
 ])
 def test_gradio_command_refuses_what_it_would_ignore(monkeypatch, capsys, argv, says):
     import conveyor.default_model
