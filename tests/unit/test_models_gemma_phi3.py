@@ -115,12 +115,12 @@ def _until_eos(tokens: list[int], eos: int) -> list[int]:
 def test_greedy_tokens_match_hf_generate(tiny) -> None:
     """Greedy decoding through the engine (scheduler, runner, sampler) equals ``generate``."""
     hf, _, path = tiny
-    prompt = random_tokens(7, seed=50)
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
-    ours = greedy(engine(path), prompt, n=12)
-    eos = IDS["eos_token_id"]
-    assert _until_eos(ours, eos) == _until_eos(ref, eos)
+    eng, eos = engine(path), IDS["eos_token_id"]
+    for seed in (50, 54, 55):  # the tiny Gemmas repeat one token after 50; 54 and 55 change along the way
+        prompt = random_tokens(7, seed=seed)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+        assert _until_eos(greedy(eng, prompt, n=12), eos) == _until_eos(ref, eos)
 
 
 def test_gemma_weights_are_offset_and_tied(tiny) -> None:
