@@ -14,6 +14,7 @@ from ..protocol.errors import EngineConfigError
 from .config import EngineConfig
 from .distributed import check_tp_shapes
 from .model_config import ModelConfig, parse_dtype
+from .model_registry import check_tp_support
 from .quant_format import resolve_quant_format
 from .weight_loader import load_model_config, resolve_model_path
 
@@ -52,6 +53,7 @@ def resolve_engine_inputs(model_path: str | Path, config: EngineConfig, rank: in
     model_config.quant = resolve_quant_format(model_config, config.model_format,
                                               dummy_weights=config.load_format == "dummy")
     quant = model_config.quant
+    check_tp_support(model_config.architecture, config.tp)
     check_tp_shapes(model_config.num_heads, model_config.num_kv_heads, model_config.head_dim,
                     model_config.intermediate_size, config.tp,
                     quant.group_size if quant and quant.method == "awq" else None)

@@ -152,7 +152,9 @@ def check_tensor_parallel(model_config: ModelConfig, config: EngineConfig) -> No
     if config.tp == 1:
         return
     from .distributed import check_tp_shapes
+    from .model_registry import check_tp_support
 
+    check_tp_support(model_config.architecture, config.tp)
     quant = model_config.quant
     check_tp_shapes(model_config.num_heads, model_config.num_kv_heads, model_config.head_dim,
                     model_config.intermediate_size, config.tp,

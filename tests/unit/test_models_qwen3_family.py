@@ -1,0 +1,173 @@
+"""Qwen3, InternLM3, OLMo 2, the Mistral-Nemo shape (head_dim from the config) and Llama 3.1's
+rope scaling against transformers: tiny random models built with transformers' own config classes,
+saved with ``save_pretrained``, loaded by the engine; logits (CPU, float32) and greedy tokens
+must match. The helpers are test_models.py's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_models import (
+    TINY,
+    PagedCache,
+    assert_close,
+    hf_logits,
+    load_ours,
+    random_tokens,
+    save_tiny,
+)
+from tiny_llama import engine, greedy
+from transformers import AutoModelForCausalLM, InternLM3Config, LlamaConfig, MistralConfig, Olmo2Config, Qwen3Config
+
+from conveyor.engine.model_config import ModelConfig
+from conveyor.engine.models import build_model
+from conveyor.protocol.errors import EngineConfigError, UnsupportedModelError
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny models: see tests/conftest.py
+
+IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# Llama 3.1's rope_scaling, with an original context short enough that the tiny head's
+# frequencies fall in all three bands (kept, blended, divided by factor).
+LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+# Each saved config.json's architectures, where transformers' class writes another name.
+ARCHITECTURE = {"internlm3": "InternLM3ForCausalLM"}
+
+
+def _configs() -> dict[str, object]:
+    return {
+        # head_dim 32 from the config: 4 heads * 32 = 128 != hidden 64 (Qwen3's 128 everywhere).
+        "qwen3": Qwen3Config(**TINY, head_dim=32, **IDS),
+        "qwen3_tied_mqa_bias": Qwen3Config(**{**TINY, "num_key_value_heads": 1}, head_dim=16,
+                                           tie_word_embeddings=True, attention_bias=True, **IDS),
+        "internlm3": InternLM3Config(**TINY, head_dim=32, **IDS),
+        # q/k norms over the whole projection; norms after attention and the MLP, none before.
+        "olmo2": Olmo2Config(**TINY, **IDS),
+        # Mistral-Nemo: head_dim 128 with hidden 5120 / 32 heads = 160; here 32 vs 16.
+        "mistral_nemo_shape": MistralConfig(**TINY, head_dim=32, sliding_window=None, **IDS),
+        # Llama 3.1: llama3 rope scaling (and a head_dim of its own, as Llama 3.2 1B/3B would allow).
+        "llama31_rope": LlamaConfig(**TINY, head_dim=32, rope_parameters=LLAMA31_ROPE, **IDS),
+    }
+
+
+@pytest.fixture(scope="module", params=sorted(_configs()))
+def tiny(request, tmp_path_factory) -> tuple[torch.nn.Module, torch.nn.Module, Path]:
+    """(HF reference model loaded back from disk, ours loaded from the same files, the directory)."""
+    name = request.param
+    path = tmp_path_factory.mktemp(name)
+    save_tiny(_configs()[name], path)
+    if name in ARCHITECTURE:
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["architectures"] = [ARCHITECTURE[name]]
+        (path / "config.json").write_text(json.dumps(cfg))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf, load_ours(path), path
+
+
+def test_prefill_matches_hf(tiny) -> None:
+    """Single-sequence prefills of several lengths (past the llama3 original context of 32)."""
+    hf, ours, _ = tiny
+    cache = PagedCache(ours)
+    for sid, n in enumerate((5, 13, 40)):
+        tokens = random_tokens(n, seed=sid)
+        assert_close(cache.step({sid: tokens})[sid], hf_logits(hf, tokens))
+
+
+def test_two_sequence_batch_matches_hf(tiny) -> None:
+    """Two sequences flattened into one prefill batch."""
+    hf, ours, _ = tiny
+    a, b = random_tokens(11, seed=10), random_tokens(6, seed=11)
+    out = PagedCache(ours, seed=1).step({0: a, 1: b})
+    assert_close(out[0], hf_logits(hf, a))
+    assert_close(out[1], hf_logits(hf, b))
+
+
+def test_prefill_then_decode_matches_hf(tiny) -> None:
+    """Prefill, then a batched and a single decode step reading the cached keys."""
+    hf, ours, _ = tiny
+    a, b = random_tokens(9, seed=20), random_tokens(4, seed=21)
+    cache = PagedCache(ours, seed=2)
+    cache.step({0: a[:-2], 1: b[:-1]})
+    out_b = cache.step({0: [a[-2]], 1: [b[-1]]})  # batched decode
+    out_a = cache.step({0: [a[-1]]})
+    assert_close(out_a[0][-1], hf_logits(hf, a)[-1])
+    assert_close(out_b[1][-1], hf_logits(hf, b)[-1])
+
+
+def test_chunked_prefill_matches_hf(tiny) -> None:
+    """A prefill split in two chunks (the second attends to the cached first)."""
+    hf, ours, _ = tiny
+    tokens = random_tokens(14, seed=30)
+    cache = PagedCache(ours, seed=4)
+    first = cache.step({0: tokens[:6]})[0]
+    second = cache.step({0: tokens[6:]})[0]
+    assert_close(torch.cat([first, second]), hf_logits(hf, tokens))
+
+
+def _until_eos(tokens: list[int], eos: int) -> list[int]:
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def test_greedy_tokens_match_hf_generate(tiny) -> None:
+    """Greedy decoding through the engine (scheduler, runner, sampler) equals ``generate``."""
+    hf, _, path = tiny
+    eos = IDS["eos_token_id"]
+    eng = engine(path)
+    try:
+        for seed in (50, 51, 52):  # three prompts through one engine
+            prompt = random_tokens(7, seed=seed)
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+            assert _until_eos(greedy(eng, prompt, n=12), eos) == _until_eos(ref.tolist(), eos)
+    finally:
+        eng.close()
+
+
+def test_head_dim_and_qk_norms_come_from_the_config(tiny) -> None:
+    """The attention uses the config's head_dim; Qwen3 alone has the [head_dim] q/k norm scales."""
+    hf, ours, _ = tiny
+    attn = ours.model.layers[0].self_attn
+    head_dim = getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
+    assert attn.head_dim == head_dim
+    assert attn.rotary_emb.cos_sin_cache.shape[-1] == head_dim
+    if ours.config.architecture in ("Qwen3ForCausalLM", "Olmo2ForCausalLM"):
+        assert_close(attn.q_norm.weight, hf.model.layers[0].self_attn.q_norm.weight)
+        assert_close(attn.k_norm.weight, hf.model.layers[0].self_attn.k_norm.weight)
+    else:
+        assert attn.q_norm is None and attn.k_norm is None
+
+
+def test_internlm3_unequal_bias_flags_are_refused_before_loading() -> None:
+    """transformers refuses qkv_bias != bias; so does the engine, when the model is built."""
+    cfg = InternLM3Config(**TINY, head_dim=32, **IDS).to_dict()
+    cfg.update(architectures=["InternLM3ForCausalLM"], qkv_bias=True, bias=False)
+    cfg.pop("attention_bias", None)
+    cfg.pop("mlp_bias", None)
+    with pytest.raises(UnsupportedModelError, match="qkv_bias"):
+        build_model(ModelConfig.from_dict(cfg), dtype=torch.float32)
+
+
+def test_olmo2_at_tp2_is_refused_before_any_rank_starts(tiny) -> None:
+    """OLMo 2's q/k norm takes its mean over all heads: tp>1 is an EngineConfigError naming tp=1."""
+    _, ours, path = tiny
+    if ours.config.architecture != "Olmo2ForCausalLM":
+        pytest.skip("OLMo 2 only")
+    with pytest.raises(EngineConfigError, match="tp=1"):
+        engine(path, tp=2)
+
+
+@pytest.mark.parametrize("tp", [2])
+def test_qwen3_tp_matches_tp1(tiny, tp) -> None:
+    """Qwen3's per-head q/k norms under tensor parallel (CPU, gloo): each rank's heads normed with
+    the whole [head_dim] scale give tp=1's greedy tokens and logprobs."""
+    from test_tensor_parallel import _run, _same
+
+    _, ours, path = tiny
+    if ours.config.architecture != "Qwen3ForCausalLM":
+        pytest.skip("Qwen3 only")
+    (trace1, ppl1), (trace_tp, ppl_tp) = _run(path, 1), _run(path, tp)
+    _same(trace1, trace_tp)
+    assert ppl_tp == pytest.approx(ppl1, rel=1e-4)
