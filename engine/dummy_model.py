@@ -50,6 +50,25 @@ SHAPES: dict[str, dict[str, Any]] = {
     # meta-llama/Llama-2-70b-hf: 138 GB of fp16 weights, more than one H200 holds (tensor parallel)
     "llama2-70b": {**_LLAMA2_COMMON, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
                    "num_key_value_heads": 8, "intermediate_size": 28672},
+    # Qwen/Qwen3-8B
+    "qwen3-8b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+                 "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936, "rope_theta": 1000000.0,
+                 "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                 "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16"},
+    # microsoft/Phi-3-mini-4k-instruct (its 2047-token sliding window is not applied yet)
+    "phi3-mini": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_act": "silu",
+                  "hidden_size": 3072, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                  "intermediate_size": 8192, "vocab_size": 32064, "rope_theta": 10000.0,
+                  "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                  "sliding_window": 2047, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 32000,
+                  "torch_dtype": "bfloat16"},
+    # google/gemma-7b
+    "gemma-7b": {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "hidden_act": "gelu",
+                 "hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 16,
+                 "head_dim": 256, "intermediate_size": 24576, "vocab_size": 256000, "rope_theta": 10000.0,
+                 "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                 "bos_token_id": 2, "eos_token_id": 1, "torch_dtype": "bfloat16"},
     # A toy of the same family, for smoke-testing the benchmarks on a CPU.
     "tiny": {**_LLAMA2_COMMON, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000},
