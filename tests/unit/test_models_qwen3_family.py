@@ -20,11 +20,15 @@ from test_models import (
     save_tiny,
 )
 from tiny_llama import engine, greedy
-from transformers import AutoModelForCausalLM, InternLM3Config, LlamaConfig, MistralConfig, Olmo2Config, Qwen3Config
+import transformers
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Olmo2Config, Qwen3Config
 
 from conveyor.engine.model_config import ModelConfig
 from conveyor.engine.models import build_model
 from conveyor.protocol.errors import EngineConfigError, UnsupportedModelError
+
+# transformers added InternLM3 late (5.17 lacks it): its cases run where it is installed.
+InternLM3Config = getattr(transformers, "InternLM3Config", None)
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny models: see tests/conftest.py
 
@@ -43,14 +47,13 @@ def _configs() -> dict[str, object]:
         "qwen3": Qwen3Config(**TINY, head_dim=32, **IDS),
         "qwen3_tied_mqa_bias": Qwen3Config(**{**TINY, "num_key_value_heads": 1}, head_dim=16,
                                            tie_word_embeddings=True, attention_bias=True, **IDS),
-        "internlm3": InternLM3Config(**TINY, head_dim=32, **IDS),
         # q/k norms over the whole projection; norms after attention and the MLP, none before.
         "olmo2": Olmo2Config(**TINY, **IDS),
         # Mistral-Nemo: head_dim 128 with hidden 5120 / 32 heads = 160; here 32 vs 16.
         "mistral_nemo_shape": MistralConfig(**TINY, head_dim=32, sliding_window=None, **IDS),
         # Llama 3.1: llama3 rope scaling (and a head_dim of its own, as Llama 3.2 1B/3B would allow).
         "llama31_rope": LlamaConfig(**TINY, head_dim=32, rope_parameters=LLAMA31_ROPE, **IDS),
-    }
+    } | ({"internlm3": InternLM3Config(**TINY, head_dim=32, **IDS)} if InternLM3Config else {})
 
 
 @pytest.fixture(scope="module", params=sorted(_configs()))
@@ -140,6 +143,7 @@ def test_head_dim_and_qk_norms_come_from_the_config(tiny) -> None:
         assert attn.q_norm is None and attn.k_norm is None
 
 
+@pytest.mark.skipif(InternLM3Config is None, reason="this transformers has no InternLM3")
 def test_internlm3_unequal_bias_flags_are_refused_before_loading() -> None:
     """transformers refuses qkv_bias != bias; so does the engine, when the model is built."""
     cfg = InternLM3Config(**TINY, head_dim=32, **IDS).to_dict()
