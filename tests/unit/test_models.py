@@ -155,22 +155,87 @@ def tiny(request, tmp_path_factory) -> tuple[torch.nn.Module, torch.nn.Module]:
     return hf, load_ours(path)
 
 
-def test_prefill_matches_hf(tiny) -> None:
+# The HF parity checks every family's tests run on (hf, ours): one definition, each family's file
+# calls them from its own tests.
+def check_prefills(hf, ours, lengths=(5, 13, 30)) -> None:
     """Single-sequence prefills of several lengths, each into fresh non-contiguous blocks."""
-    hf, ours = tiny
     cache = PagedCache(ours)
-    for sid, n in enumerate((5, 13, 30)):
+    for sid, n in enumerate(lengths):
         tokens = random_tokens(n, seed=sid)
         assert_close(cache.step({sid: tokens})[sid], hf_logits(hf, tokens))
 
 
-def test_two_sequence_batch_matches_hf(tiny) -> None:
+def check_two_sequence_batch(hf, ours) -> None:
     """Two sequences flattened into one prefill batch."""
-    hf, ours = tiny
     a, b = random_tokens(11, seed=10), random_tokens(6, seed=11)
     out = PagedCache(ours, seed=1).step({0: a, 1: b})
     assert_close(out[0], hf_logits(hf, a))
     assert_close(out[1], hf_logits(hf, b))
+
+
+def check_prefill_then_decode(hf, ours) -> None:
+    """Prefill, then a batched and a single decode step reading the cached keys."""
+    a, b = random_tokens(9, seed=20), random_tokens(4, seed=21)
+    cache = PagedCache(ours, seed=2)
+    cache.step({0: a[:-2], 1: b[:-1]})
+    out_b = cache.step({0: [a[-2]], 1: [b[-1]]})  # batched decode
+    out_a = cache.step({0: [a[-1]]})
+    assert_close(out_a[0][-1], hf_logits(hf, a)[-1])
+    assert_close(out_b[1][-1], hf_logits(hf, b)[-1])
+
+
+def check_triton_kernels(hf, ours) -> None:
+    """The whole model through the Triton kernels: on CPU under Triton's interpreter (skipped
+    where this process cannot interpret), on a GPU compiled."""
+    from conveyor.kernels._triton import HAS_TRITON, TRITON_INTERPRETED, set_kernel_mode
+
+    if not HAS_TRITON or not TRITON_INTERPRETED:
+        pytest.skip("needs Triton's interpreter in this process (CPU tensors)")
+    set_kernel_mode("triton")
+    a = random_tokens(9, seed=40)
+    cache = PagedCache(ours, seed=5)
+    prefill = cache.step({0: a[:-1]})[0]
+    decode = cache.step({0: [a[-1]]})[0]
+    ref = hf_logits(hf, a)
+    assert_close(prefill, ref[:-1])
+    assert_close(decode[-1], ref[-1])
+
+
+def check_chunked_prefill(hf, ours) -> None:
+    """A prefill split in two chunks (the second attends to the cached first)."""
+    tokens = random_tokens(14, seed=30)
+    cache = PagedCache(ours, seed=4)
+    first = cache.step({0: tokens[:6]})[0]
+    second = cache.step({0: tokens[6:]})[0]
+    assert_close(torch.cat([first, second]), hf_logits(hf, tokens))
+
+
+def until_eos(tokens: list[int], eos: int) -> list[int]:
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def check_greedy_matches_generate(hf, path, eos: int, seeds=(50, 51, 52)) -> None:
+    """Greedy decoding through one engine (scheduler, runner, sampler) equals ``generate`` for
+    7-token prompts of these seeds, 12 new tokens, compared up to the end token."""
+    from tiny_llama import engine, greedy
+
+    eng = engine(path)
+    try:
+        for seed in seeds:
+            prompt = random_tokens(7, seed=seed)
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+            assert until_eos(greedy(eng, prompt, n=12), eos) == until_eos(ref.tolist(), eos)
+    finally:
+        eng.close()
+
+
+def test_prefill_matches_hf(tiny) -> None:
+    check_prefills(*tiny)
+
+
+def test_two_sequence_batch_matches_hf(tiny) -> None:
+    check_two_sequence_batch(*tiny)
 
 
 def test_prefill_then_decode_matches_hf(tiny) -> None:
@@ -188,32 +253,12 @@ def test_prefill_then_decode_matches_hf(tiny) -> None:
     assert_close(cache2.step({0: [b[-1]]})[0][-1], ref_b)
 
 
-def test_triton_kernels_match_hf(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The whole model through the Triton kernels (fused rotary + KV store, paged attention,
-    norms, activation): on CPU under Triton's interpreter, on a GPU compiled."""
-    from conveyor.kernels._triton import HAS_TRITON, TRITON_INTERPRETED, set_kernel_mode
-
-    if not HAS_TRITON or not TRITON_INTERPRETED:
-        pytest.skip("needs Triton's interpreter in this process (CPU tensors)")
-    set_kernel_mode("triton")
-    hf, ours = tiny
-    a = random_tokens(9, seed=40)
-    cache = PagedCache(ours, seed=5)
-    prefill = cache.step({0: a[:-1]})[0]
-    decode = cache.step({0: [a[-1]]})[0]
-    ref = hf_logits(hf, a)
-    assert_close(prefill, ref[:-1])
-    assert_close(decode[-1], ref[-1])
+def test_triton_kernels_match_hf(tiny) -> None:
+    check_triton_kernels(*tiny)
 
 
 def test_chunked_prefill_matches_hf(tiny) -> None:
-    """A prefill split in two chunks (the second attends to the cached first)."""
-    hf, ours = tiny
-    tokens = random_tokens(14, seed=30)
-    cache = PagedCache(ours, seed=4)
-    first = cache.step({0: tokens[:6]})[0]
-    second = cache.step({0: tokens[6:]})[0]
-    assert_close(torch.cat([first, second]), hf_logits(hf, tokens))
+    check_chunked_prefill(*tiny)
 
 
 def test_forward_without_kv_cache(tiny) -> None:

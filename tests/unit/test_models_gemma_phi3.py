@@ -10,6 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from test_models import (
+    until_eos,
+    check_greedy_matches_generate,
+    check_chunked_prefill,
+    check_prefill_then_decode,
+    check_prefills,
+    check_triton_kernels,
+    check_two_sequence_batch,
     TINY,
     PagedCache,
     assert_close,
@@ -71,74 +78,39 @@ def tiny(request, tmp_path_factory) -> tuple[torch.nn.Module, torch.nn.Module, P
 def test_prefill_matches_hf(tiny) -> None:
     """Single-sequence prefills of several lengths."""
     hf, ours, _ = tiny
-    cache = PagedCache(ours)
-    for sid, n in enumerate((5, 13, 30)):
-        tokens = random_tokens(n, seed=sid)
-        assert_close(cache.step({sid: tokens})[sid], hf_logits(hf, tokens))
+    check_prefills(hf, ours)
 
 
 def test_two_sequence_batch_matches_hf(tiny) -> None:
     """Two sequences flattened into one prefill batch."""
     hf, ours, _ = tiny
-    a, b = random_tokens(11, seed=10), random_tokens(6, seed=11)
-    out = PagedCache(ours, seed=1).step({0: a, 1: b})
-    assert_close(out[0], hf_logits(hf, a))
-    assert_close(out[1], hf_logits(hf, b))
+    check_two_sequence_batch(hf, ours)
 
 
 def test_prefill_then_decode_matches_hf(tiny) -> None:
     """Prefill, then a batched and a single decode step reading the cached keys."""
     hf, ours, _ = tiny
-    a, b = random_tokens(9, seed=20), random_tokens(4, seed=21)
-    cache = PagedCache(ours, seed=2)
-    cache.step({0: a[:-2], 1: b[:-1]})
-    out_b = cache.step({0: [a[-2]], 1: [b[-1]]})  # batched decode
-    out_a = cache.step({0: [a[-1]]})
-    assert_close(out_a[0][-1], hf_logits(hf, a)[-1])
-    assert_close(out_b[1][-1], hf_logits(hf, b)[-1])
+    check_prefill_then_decode(hf, ours)
 
 
 def test_triton_kernels_match_hf(tiny) -> None:
     """The whole model through the Triton kernels (norms with Gemma's offset weights, fused rotary
     + KV store, paged attention): on CPU under Triton's interpreter, on a GPU compiled."""
-    from conveyor.kernels._triton import HAS_TRITON, TRITON_INTERPRETED, set_kernel_mode
-
-    if not HAS_TRITON or not TRITON_INTERPRETED:
-        pytest.skip("needs Triton's interpreter in this process (CPU tensors)")
-    set_kernel_mode("triton")
     hf, ours, _ = tiny
-    a = random_tokens(9, seed=40)
-    cache = PagedCache(ours, seed=5)
-    prefill = cache.step({0: a[:-1]})[0]
-    decode = cache.step({0: [a[-1]]})[0]
-    ref = hf_logits(hf, a)
-    assert_close(prefill, ref[:-1])
-    assert_close(decode[-1], ref[-1])
+    check_triton_kernels(hf, ours)
 
 
 def test_chunked_prefill_matches_hf(tiny) -> None:
     """A prefill split in two chunks (the second attends to the cached first)."""
     hf, ours, _ = tiny
-    tokens = random_tokens(14, seed=30)
-    cache = PagedCache(ours, seed=4)
-    first = cache.step({0: tokens[:6]})[0]
-    second = cache.step({0: tokens[6:]})[0]
-    assert_close(torch.cat([first, second]), hf_logits(hf, tokens))
-
-
-def _until_eos(tokens: list[int], eos: int) -> list[int]:
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+    check_chunked_prefill(hf, ours)
 
 
 def test_greedy_tokens_match_hf_generate(tiny) -> None:
     """Greedy decoding through the engine (scheduler, runner, sampler) equals ``generate``."""
     hf, _, path = tiny
-    eng, eos = engine(path), IDS["eos_token_id"]
-    for seed in (50, 54, 55):  # the tiny Gemmas repeat one token after 50; 54 and 55 change along the way
-        prompt = random_tokens(7, seed=seed)
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
-        assert _until_eos(greedy(eng, prompt, n=12), eos) == _until_eos(ref, eos)
+    # The tiny Gemmas repeat one token after seed 50's prompt; 54 and 55 change along the way.
+    check_greedy_matches_generate(hf, path, IDS["eos_token_id"], (50, 54, 55))
 
 
 def test_gemma_weights_are_offset_and_tied(tiny) -> None:
@@ -185,7 +157,7 @@ def test_phi3_longrope_decoding_past_the_pretraining_length(longrope) -> None:
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False)[0, len(prompt):].tolist()
     eos = IDS["eos_token_id"]
-    assert _until_eos(greedy(engine(path), prompt, n=14), eos) == _until_eos(ref, eos)
+    assert until_eos(greedy(engine(path), prompt, n=14), eos) == until_eos(ref, eos)
 
 
 def test_phi3_su_spelling_loads_as_longrope(longrope, tmp_path: Path) -> None:

@@ -11,15 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 from test_models import (
+    check_greedy_matches_generate,
+    check_chunked_prefill,
+    check_prefill_then_decode,
+    check_prefills,
+    check_two_sequence_batch,
     TINY,
-    PagedCache,
     assert_close,
-    hf_logits,
     load_ours,
-    random_tokens,
     save_tiny,
 )
-from tiny_llama import engine, greedy
+from tiny_llama import engine
 import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Olmo2Config, Qwen3Config
 
@@ -73,60 +75,31 @@ def tiny(request, tmp_path_factory) -> tuple[torch.nn.Module, torch.nn.Module, P
 def test_prefill_matches_hf(tiny) -> None:
     """Single-sequence prefills of several lengths (past the llama3 original context of 32)."""
     hf, ours, _ = tiny
-    cache = PagedCache(ours)
-    for sid, n in enumerate((5, 13, 40)):
-        tokens = random_tokens(n, seed=sid)
-        assert_close(cache.step({sid: tokens})[sid], hf_logits(hf, tokens))
+    check_prefills(hf, ours, (5, 13, 40))
 
 
 def test_two_sequence_batch_matches_hf(tiny) -> None:
     """Two sequences flattened into one prefill batch."""
     hf, ours, _ = tiny
-    a, b = random_tokens(11, seed=10), random_tokens(6, seed=11)
-    out = PagedCache(ours, seed=1).step({0: a, 1: b})
-    assert_close(out[0], hf_logits(hf, a))
-    assert_close(out[1], hf_logits(hf, b))
+    check_two_sequence_batch(hf, ours)
 
 
 def test_prefill_then_decode_matches_hf(tiny) -> None:
     """Prefill, then a batched and a single decode step reading the cached keys."""
     hf, ours, _ = tiny
-    a, b = random_tokens(9, seed=20), random_tokens(4, seed=21)
-    cache = PagedCache(ours, seed=2)
-    cache.step({0: a[:-2], 1: b[:-1]})
-    out_b = cache.step({0: [a[-2]], 1: [b[-1]]})  # batched decode
-    out_a = cache.step({0: [a[-1]]})
-    assert_close(out_a[0][-1], hf_logits(hf, a)[-1])
-    assert_close(out_b[1][-1], hf_logits(hf, b)[-1])
+    check_prefill_then_decode(hf, ours)
 
 
 def test_chunked_prefill_matches_hf(tiny) -> None:
     """A prefill split in two chunks (the second attends to the cached first)."""
     hf, ours, _ = tiny
-    tokens = random_tokens(14, seed=30)
-    cache = PagedCache(ours, seed=4)
-    first = cache.step({0: tokens[:6]})[0]
-    second = cache.step({0: tokens[6:]})[0]
-    assert_close(torch.cat([first, second]), hf_logits(hf, tokens))
-
-
-def _until_eos(tokens: list[int], eos: int) -> list[int]:
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+    check_chunked_prefill(hf, ours)
 
 
 def test_greedy_tokens_match_hf_generate(tiny) -> None:
     """Greedy decoding through the engine (scheduler, runner, sampler) equals ``generate``."""
     hf, _, path = tiny
-    eos = IDS["eos_token_id"]
-    eng = engine(path)
-    try:
-        for seed in (50, 51, 52):  # three prompts through one engine
-            prompt = random_tokens(7, seed=seed)
-            with torch.no_grad():
-                ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
-            assert _until_eos(greedy(eng, prompt, n=12), eos) == _until_eos(ref.tolist(), eos)
-    finally:
-        eng.close()
+    check_greedy_matches_generate(hf, path, IDS["eos_token_id"], (50, 51, 52))
 
 
 def test_head_dim_and_qk_norms_come_from_the_config(tiny) -> None:
