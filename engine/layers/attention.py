@@ -44,9 +44,13 @@ class Attention(nn.Module):
     ``None`` and a prefill-only forward attends over this step's own keys/values. A quantized
     cache (``quant_policy`` 8 or 4) holds uint8 codes there and its (scale, zero) pairs in
     ``k_scales`` / ``v_scales`` (``kernels/kv_cache.py``); they stay ``None`` otherwise.
+
+    ``sliding_window`` (W: each query sees its last W keys, itself included) and ``softcap`` (scores
+    become ``c * tanh(s / c)``) are this layer's, as ``paged_attention`` takes them; None: off.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 sliding_window: int | None = None, softcap: float | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -54,6 +58,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
+        self.sliding_window = sliding_window
+        self.softcap = softcap
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.k_scales: torch.Tensor | None = None
@@ -109,6 +115,7 @@ class Attention(nn.Module):
             q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seqlens_k, self.scale,
             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
             k_scales=self.k_scales, v_scales=self.v_scales, key_centres=centres,
+            sliding_window=self.sliding_window, softcap=self.softcap,
         )
 
     def _attend_without_cache(
@@ -125,5 +132,5 @@ class Attention(nn.Module):
         tables = meta.cu_seqlens_q[:-1, None].to(torch.int32) + offsets[None, :]
         return paged_attention(
             q, k.unsqueeze(1), v.unsqueeze(1), tables, meta.cu_seqlens_q, meta.seqlens_k, self.scale,
-            max_seqlen_q=max_len, max_seqlen_k=max_len,
+            max_seqlen_q=max_len, max_seqlen_k=max_len, sliding_window=self.sliding_window, softcap=self.softcap,
         )

@@ -22,8 +22,11 @@ def _check_inputs(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor,
     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    sliding_window: int | None = None, softcap: float | None = None,
 ) -> str | None:
     """Why the Triton kernels cannot take these inputs, or None when they can."""
+    if sliding_window is not None or softcap is not None:
+        return "sliding windows and soft-capping are not in the Triton kernels yet"
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         return "q must be [T, H, D] and the caches [num_blocks, block_size, Hkv, D]"
     head_dim = q.shape[-1]
@@ -62,6 +65,8 @@ def paged_attention_triton(
     v_scales: torch.Tensor | None = None,
     key_centres: KeyCentres | None = None,
     tuning: AttentionTuning | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Triton launcher for :func:`paged_attention_ref` (same arguments and result).
 
@@ -74,7 +79,8 @@ def paged_attention_triton(
     inline PTX unless ``tuning.fast_codes=False`` (or the interpreter runs, or q is fp32), which
     selects the portable conversion (both are tested).
     """
-    problem = _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, k_scales, v_scales)
+    problem = _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, k_scales, v_scales,
+                            sliding_window, softcap)
     assert problem is None, problem
     devices = {t.device for t in (q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k)}
     assert len(devices) == 1, f"tensors on several devices: {devices}"
@@ -207,6 +213,7 @@ def paged_attention(
     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
     key_centres: KeyCentres | None = None,
+    sliding_window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over the paged caches: Triton on CUDA, else the reference.
 
@@ -216,13 +223,15 @@ def paged_attention(
     CUDA-graph capture should pass so the launch grid stays fixed). A quantized cache (uint8
     codes) comes with ``k_scales`` / ``v_scales``; its keys and values are dequantized in registers,
     and with ``key_centres`` when its keys were stored centred (``kv_cache.KeyCentring``).
+    ``sliding_window`` and ``softcap`` are ``paged_attention_ref``'s.
     """
     if triton_takes("paged_attention", (q, k_cache, v_cache), _check_inputs,
-                    q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, k_scales, v_scales):
+                    q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, k_scales, v_scales,
+                    sliding_window, softcap):
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, k_scales=k_scales, v_scales=v_scales,
-            key_centres=key_centres,
+            key_centres=key_centres, sliding_window=sliding_window, softcap=softcap,
         )
     return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, k_scales, v_scales,
-                               key_centres)
+                               key_centres, sliding_window, softcap)

@@ -21,6 +21,8 @@ def paged_attention_ref(
     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, scale: float,
     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
     key_centres: KeyCentres | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference: gather each sequence's keys, then causal SDPA with GQA.
 
@@ -29,7 +31,13 @@ def paged_attention_ref(
     ``kv_cache.KVCacheLayout``) comes with its ``k_scales`` / ``v_scales`` and is read back
     through ``dequantize_kv_ref``; with ``key_centres`` its keys were stored centred, and each
     gets its centre back (``kv_cache.key_shifts_ref``, the row of the sequence's first block).
+
+    ``sliding_window`` W: the query at position p sees only the keys p - W < k <= p (W keys,
+    itself included; transformers' ``sliding_window_overlay``). ``softcap`` c: each score s (after
+    ``scale``) becomes c * tanh(s / c) before the softmax (Gemma 2's attention soft-capping).
     """
+    assert sliding_window is None or sliding_window >= 1, "a sliding window holds at least one key"
+    assert softcap is None or softcap > 0, "softcap must be positive"
     assert q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
     bits = cache_bits(k_cache, q.shape[-1])
     assert (k_scales is not None) == (v_scales is not None) == bool(bits), "codes and scales go together"
@@ -58,10 +66,15 @@ def paged_attention_ref(
         vb = v.transpose(0, 1).repeat_interleave(group, dim=0)
         # Query i sits at absolute position len_k - len_q + i and sees keys 0..that position.
         q_pos = torch.arange(len_k - len_q, len_k, device=q.device)
-        mask = torch.arange(len_k, device=q.device)[None, :] <= q_pos[:, None]
-        ob = F.scaled_dot_product_attention(
-            qb.to(torch.float32), kb.to(torch.float32), vb.to(torch.float32),
-            attn_mask=mask, scale=scale,
-        )
+        k_pos = torch.arange(len_k, device=q.device)[None, :]
+        mask = k_pos <= q_pos[:, None]
+        if sliding_window is not None:
+            mask &= k_pos > q_pos[:, None] - sliding_window
+        qf, kf, vf = qb.to(torch.float32), kb.to(torch.float32), vb.to(torch.float32)
+        if softcap is None:
+            ob = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale)
+        else:
+            scores = softcap * torch.tanh(qf @ kf.transpose(1, 2) * (scale / softcap))
+            ob = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ vf
         out[qs:qe] = ob.transpose(0, 1).to(q.dtype)
     return out
