@@ -6,6 +6,8 @@ per token as ``Int8Rows`` (``kernels/w8a8.rms_norm_quant``: one pass, no 16-bit 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -13,6 +15,18 @@ from ...kernels import add_rms_norm, rms_norm
 from ...kernels.w8a8 import rms_norm_quant
 from ..weight_loader import materialize
 from .w8a8_linear import Int8Rows
+
+
+@torch.no_grad()
+def load_offset_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id=None, *, offset: float) -> None:
+    """Copy a checkpoint scale stored minus ``offset`` into ``param``, adding it back in float32."""
+    if shard_id is not None:
+        raise ValueError(f"a norm scale is not fused; got shard {shard_id!r}")
+    loaded = materialize(loaded)
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint tensor for a norm scale has shape {tuple(loaded.shape)}, "
+                         f"expected {tuple(param.shape)}")
+    param.data.copy_(loaded.to(torch.float32) + offset)
 
 
 class RMSNorm(nn.Module):
@@ -32,18 +46,7 @@ class RMSNorm(nn.Module):
         self.weight_offset = weight_offset
         self.weight = nn.Parameter(torch.ones(hidden_size))
         if weight_offset:
-            self.weight.weight_loader = self.weight_loader
-
-    @torch.no_grad()
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        """Copy a checkpoint scale into ``param``, adding ``weight_offset`` in float32 first."""
-        if shard_id is not None:
-            raise ValueError(f"{type(self).__name__} is not fused; got shard {shard_id!r}")
-        loaded = materialize(loaded)
-        if tuple(loaded.shape) != tuple(param.shape):
-            raise ValueError(f"checkpoint tensor for {type(self).__name__} has shape {tuple(loaded.shape)}, "
-                             f"expected {tuple(param.shape)}")
-        param.data.copy_(loaded.to(torch.float32) + self.weight_offset)
+            self.weight.weight_loader = partial(load_offset_scale, offset=weight_offset)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -14,10 +14,13 @@ in the checkpoints.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
 from ...kernels import rms_norm
+from .norm import load_offset_scale
 
 QK_NORM_SHAPES = ("per_head", "full")
 
@@ -25,7 +28,7 @@ QK_NORM_SHAPES = ("per_head", "full")
 class QKNorm(nn.Module):
     """RMSNorm of a ``[T, heads, head_dim]`` q or k, over each head or over all of them."""
 
-    def __init__(self, shape: str, num_heads: int, head_dim: int, eps: float) -> None:
+    def __init__(self, shape: str, num_heads: int, head_dim: int, eps: float, weight_offset: float = 0.0) -> None:
         super().__init__()
         if shape not in QK_NORM_SHAPES:
             raise ValueError(f"q/k norm shape {shape!r}: use one of {QK_NORM_SHAPES}")
@@ -33,6 +36,8 @@ class QKNorm(nn.Module):
         self.num_heads, self.head_dim = num_heads, head_dim
         width = head_dim if shape == "per_head" else num_heads * head_dim
         self.weight = nn.Parameter(torch.ones(width))
+        if weight_offset:  # Gemma 3 stores ``scale - 1``: added back once, at load (as RMSNorm does)
+            self.weight.weight_loader = partial(load_offset_scale, offset=weight_offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, heads, head_dim]`` -> the same shape, normed."""

@@ -29,6 +29,7 @@ from ..layers import (
 )
 from ..layers.linear import ShardId
 from ..layers.qk_norm import QKNorm
+from ..attention_windows import layer_windows
 from ..model_config import ModelConfig
 from ..weight_loader import materialize
 
@@ -66,6 +67,19 @@ class LlamaVariant:
     qk_norm: str | None = None
     # The decoder block's class (same constructor as LlamaDecoderLayer); None: Llama's pre-norm block.
     decoder_layer: type[nn.Module] | None = None
+    # Each layer's sliding window (engine/attention_windows.py; empty or None: full attention).
+    layer_windows: tuple[int | None, ...] = ()
+    # The softmax scale (None: head_dim ** -0.5; Gemma 2/3: query_pre_attn_scalar ** -0.5) and the
+    # soft-caps of the attention scores and of the final logits (Gemma 2: c * tanh(x / c)).
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    # The offset the q/k norms' checkpoints leave out (Gemma 3 stores ``weight - 1`` there too).
+    qk_norm_offset: float = 0.0
+
+    def window(self, layer_idx: int) -> int | None:
+        """Layer ``layer_idx``'s sliding window, None for full attention."""
+        return self.layer_windows[layer_idx] if self.layer_windows else None
 
 
 class LlamaAttention(nn.Module):
@@ -74,21 +88,23 @@ class LlamaAttention(nn.Module):
 
     def __init__(
         self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
-        variant: LlamaVariant | None = None,
+        variant: LlamaVariant | None = None, layer_idx: int = 0,
     ) -> None:
         super().__init__()
+        variant = variant or LlamaVariant()
         h, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
         self.qkv_proj = QKVLinear(config.hidden_size, d, h, hkv, bias=qkv_bias, method=linear_method(config))
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.o_proj = RowParallelLinear(h * d, config.hidden_size, bias=o_bias, method=linear_method(config))
         self.rotary_emb = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, d)
-        qk_norm = (variant or LlamaVariant()).qk_norm
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, variant.attn_scale,
+                              sliding_window=variant.window(layer_idx), softcap=variant.attn_softcap)
         self.q_norm = self.k_norm = None
-        if qk_norm is not None:
-            self.q_norm = QKNorm(qk_norm, self.num_heads, d, config.rms_norm_eps)
-            self.k_norm = QKNorm(qk_norm, self.num_kv_heads, d, config.rms_norm_eps)
+        if variant.qk_norm is not None:
+            eps, offset = config.rms_norm_eps, variant.qk_norm_offset
+            self.q_norm = QKNorm(variant.qk_norm, self.num_heads, d, eps, offset)
+            self.k_norm = QKNorm(variant.qk_norm, self.num_kv_heads, d, eps, offset)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]."""
@@ -123,11 +139,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(
         self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-        variant: LlamaVariant | None = None,
+        variant: LlamaVariant | None = None, layer_idx: int = 0,
     ) -> None:
         super().__init__()
         variant = variant or LlamaVariant()
-        self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias, variant)
+        self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias, variant, layer_idx)
         self.mlp = LlamaMLP(config, mlp_bias, variant)
         quantize, offset = hands_over_int8(config), variant.norm_weight_offset
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize, offset)
@@ -148,18 +164,24 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder stack, final norm."""
+    """Embedding, decoder stack, final norm. ``sliding_rotary``, when given, is the RoPE of the
+    sliding-window layers (Gemma 3 rotates those with another base than its global layers)."""
 
     def __init__(
         self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-        variant: LlamaVariant | None = None,
+        variant: LlamaVariant | None = None, sliding_rotary: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
         variant = variant or LlamaVariant()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, scale=variant.embed_scale)
+        layer_class = variant.decoder_layer or LlamaDecoderLayer
+
+        def rotary_of(i: int) -> RotaryEmbedding:
+            return sliding_rotary if sliding_rotary is not None and variant.window(i) is not None else rotary
+
         self.layers = nn.ModuleList(
-            (variant.decoder_layer or LlamaDecoderLayer)(config, rotary, qkv_bias, o_bias, mlp_bias, variant)
-            for _ in range(config.num_layers)
+            layer_class(config, rotary_of(i), qkv_bias, o_bias, mlp_bias, variant, layer_idx=i)
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, weight_offset=variant.norm_weight_offset)
 
@@ -190,10 +212,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self._warn_unsupported(config)
         rotary = get_rope(config, rope_scaling_factor, max_position)
         qkv_bias, o_bias = self.attention_biases(config)
-        self.model = LlamaModel(config, rotary, qkv_bias, o_bias, self.mlp_bias(config), self.variant(config))
+        variant = self.variant(config)
+        self.final_softcap = variant.final_softcap
+        self.model = LlamaModel(config, rotary, qkv_bias, o_bias, self.mlp_bias(config), variant,
+                                self.sliding_rotary(config, rope_scaling_factor, max_position))
         tie = self.model.embed_tokens if self.ties_embeddings(config) else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie)
 
@@ -209,31 +233,32 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def variant(config: ModelConfig) -> LlamaVariant:
-        """The family's changes to the Llama computation; Llama's MLP takes ``hidden_act``."""
-        return LlamaVariant(hidden_act=config.raw.get("hidden_act", config.raw.get("hidden_activation", "silu")))
+        """The family's changes to the Llama computation; Llama's MLP takes ``hidden_act``, and
+        each layer the sliding window config.json gives it (engine/attention_windows.py)."""
+        return LlamaVariant(hidden_act=config.raw.get("hidden_act", config.raw.get("hidden_activation", "silu")),
+                            layer_windows=layer_windows(config.raw, config.num_layers))
+
+    @staticmethod
+    def sliding_rotary(config: ModelConfig, rope_scaling_factor: float, max_position: int | None
+                       ) -> RotaryEmbedding | None:
+        """The RoPE of the sliding-window layers where it differs from the others (Gemma 3); None: the same."""
+        return None
 
     @staticmethod
     def ties_embeddings(config: ModelConfig) -> bool:
         """Whether the LM head reuses the input embedding (config.json's ``tie_word_embeddings``)."""
         return config.tie_word_embeddings
 
-    @staticmethod
-    def _warn_unsupported(config: ModelConfig) -> None:
-        window = config.raw.get("sliding_window")
-        uses_window = config.raw.get("use_sliding_window", config.model_type != "qwen2")
-        if window and uses_window and window < config.max_position_embeddings:
-            logger.warning(
-                "sliding_window=%s is ignored: conveyor attends over the full context, which matches "
-                "the reference model only for sequences up to %s tokens", window, window,
-            )
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[T] ids and positions of a flattened batch -> [T, hidden]; reads the attention metadata."""
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
-        return self.lm_head(hidden_rows)
+        """[N, hidden] -> [N, vocab] float32 (soft-capped where the family caps them: Gemma 2)."""
+        logits = self.lm_head(hidden_rows)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     def attention_layers(self) -> list[Attention]:
         """Each layer's Attention in order, for the runner to assign ``k_cache``/``v_cache``."""
@@ -320,4 +345,4 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: Llama's layout. Its sliding window is ignored (full attention; exact up to the window)."""
+    """Mistral: Llama's layout; v0.1's sliding window (every layer) comes with Llama's ``variant``."""

@@ -29,10 +29,10 @@ class Olmo2DecoderLayer(nn.Module):
 
     def __init__(
         self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-        variant: LlamaVariant | None = None,
+        variant: LlamaVariant | None = None, layer_idx: int = 0,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias, variant)
+        self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias, variant, layer_idx)
         self.mlp = LlamaMLP(config, mlp_bias, variant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -3,7 +3,7 @@
 fused layers' loaders split by rank as they load. RoPE is the default one for the 4k models and
 ``longrope`` (once spelled ``su``) for the 128k ones (``engine/layers/rotary.py``).
 
-Phi-3's ``sliding_window`` is ignored as Mistral's is (full attention: exact up to the window).
+Phi-3's ``sliding_window`` (2047 on the 4k models) applies to every layer, as Mistral v0.1's does.
 """
 
 from __future__ import annotations
