@@ -176,8 +176,19 @@ def default_max_position(max_position_embeddings: int, rope_scaling: dict[str, A
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds RoPE's precomputed float32 ``cos_sin_cache`` ``[max_position, D]``; the attention
-    layer rotates q and k with it, in the kernel that stores the keys (``rotate_and_store_kv``).
+    """Holds RoPE's precomputed float32 ``cos_sin_cache`` ``[max_position, R]`` (R: the rotated
+    dims, ``rotary_dim``, ``head_dim`` unless set).
+
+    Two layouts of the rotated dims:
+
+    * the whole head, halves paired (``x[i]`` with ``x[i + D/2]``: Llama's ``rotate_half``):
+      ``fused``; the attention layer rotates q and k with the cache in the kernel that stores the
+      keys (``rotate_and_store_kv``);
+    * anything else: only the first ``rotary_dim`` dims of each head rotated (partial rotary:
+      GLM, ChatGLM, Phi-4-mini), and/or adjacent dims paired (``x[2i]`` with ``x[2i+1]``:
+      ``interleaved``, GLM and ChatGLM). ``forward`` rotates q and k here in torch and the
+      attention layer stores the rotated keys as they are. Teaching the store kernel a rotary
+      width and the pairing is the faster path for later (one pass over q and k, not three).
 
     The cache stays float32 whatever dtype the model is cast to: a cast recomputes it.
     """
@@ -189,9 +200,15 @@ class RotaryEmbedding(nn.Module):
         base: float,
         rope_scaling: dict[str, Any] | None = None,
         max_position: int | None = None,
+        rotary_dim: int | None = None,
+        interleaved: bool = False,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
+        if self.rotary_dim > head_dim or self.rotary_dim % 2:
+            raise UnsupportedModelError(f"rotary_dim {self.rotary_dim} must be even and at most head_dim {head_dim}")
+        self.interleaved = interleaved
         self.base = base
         self.max_position_embeddings = max_position_embeddings
         self.rope_scaling = dict(rope_scaling) if rope_scaling else None
@@ -200,9 +217,34 @@ class RotaryEmbedding(nn.Module):
 
     def _compute(self, device: torch.device | None = None) -> torch.Tensor:
         cache = compute_cos_sin_cache(
-            self.head_dim, self.base, self.max_position_embeddings, self.rope_scaling, self.max_position
+            self.rotary_dim, self.base, self.max_position_embeddings, self.rope_scaling, self.max_position
         )
         return cache.to(device) if device is not None else cache
+
+    @property
+    def fused(self) -> bool:
+        """Whether the attention kernels can rotate with this table (whole head, halves paired)."""
+        return self.rotary_dim == self.head_dim and not self.interleaved
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[T, H, D]``, k ``[T, Hkv, D]`` rotated at ``positions`` ``[T]`` (new tensors; the
+        dims past ``rotary_dim`` pass through). Computed in float32, returned in q's dtype."""
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, R/2] each
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.rotary_dim
+        rot = x[..., :r].float()
+        if self.interleaved:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        else:
+            x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
+        o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        out = torch.stack((o1, o2), dim=-1).flatten(-2) if self.interleaved else torch.cat((o1, o2), dim=-1)
+        return torch.cat((out.to(x.dtype), x[..., r:]), dim=-1) if r < x.shape[-1] else out.to(x.dtype)
 
     def _apply(self, fn, recurse: bool = True):  # nn.Module's signature
         super()._apply(fn, recurse)
@@ -226,8 +268,23 @@ def rope_scaling_for(
     return None
 
 
-def get_rope(config: Any, rope_scaling_factor: float = 0.0, max_position: int | None = None) -> RotaryEmbedding:
-    """Build the RotaryEmbedding a ``ModelConfig`` describes."""
+def partial_rotary_factor(config: Any, default: float = 1.0) -> float:
+    """The share of ``head_dim`` a config rotates: ``partial_rotary_factor`` at top level (older
+    configs) or in ``rope_parameters`` (transformers 5); ``default`` if neither says."""
+    raw = getattr(config, "raw", {}) or {}
+    params = raw.get("rope_parameters") or {}
+    value = raw.get("partial_rotary_factor", params.get("partial_rotary_factor"))
+    return float(default if value is None else value)
+
+
+def get_rope(
+    config: Any, rope_scaling_factor: float = 0.0, max_position: int | None = None,
+    partial_rotary_factor: float = 1.0, interleaved: bool = False,
+) -> RotaryEmbedding:
+    """Build the RotaryEmbedding a ``ModelConfig`` describes. The family says which share of each
+    head rotates (``partial_rotary_factor``: transformers' ``int(head_dim * factor)`` dims) and
+    whether adjacent dims pair (``interleaved``); a config asking for a partial rotary the family
+    does not apply is refused."""
     scaling = rope_scaling_for(config.rope_scaling, rope_scaling_factor)
     if scaling is not None:
         rope_type = scaling.get("rope_type", scaling.get("type"))
@@ -235,13 +292,17 @@ def get_rope(config: Any, rope_scaling_factor: float = 0.0, max_position: int | 
             raise UnsupportedModelError(
                 f"rope scaling type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}"
             )
-        if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise UnsupportedModelError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+        if float(scaling.pop("partial_rotary_factor", partial_rotary_factor)) != partial_rotary_factor:
+            raise UnsupportedModelError(
+                f"partial rotary embeddings (partial_rotary_factor < 1) are not supported for "
+                f"{getattr(config, 'architecture', 'this model')}"
+            )
         if rope_type in ("llama3", "yarn", "longrope", "su"):
             # Some configs (Phi-3 style) keep the pretraining length at top level; HF prefers it.
             raw = getattr(config, "raw", {}) or {}
             original = raw.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
             scaling["original_max_position_embeddings"] = original or config.max_position_embeddings
     return RotaryEmbedding(
-        config.head_dim, config.max_position_embeddings, config.rope_theta, scaling, max_position
+        config.head_dim, config.max_position_embeddings, config.rope_theta, scaling, max_position,
+        rotary_dim=int(config.head_dim * partial_rotary_factor), interleaved=interleaved,
     )

@@ -114,6 +114,9 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if not self.rotary_emb.fused:  # partial or interleaved RoPE: rotated in torch (layers/rotary.py)
+            q, k = self.rotary_emb(positions, q, k)
+            return self.o_proj(self.attn(q, k, v))
         # RoPE is applied inside attention, fused with the KV-cache write (kernels/kv_cache.py).
         return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb.cos_sin_cache))
 
@@ -212,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        rotary = get_rope(config, rope_scaling_factor, max_position)
+        rotary = self.rope(config, rope_scaling_factor, max_position)
         qkv_bias, o_bias = self.attention_biases(config)
         variant = self.variant(config)
         self.final_softcap = variant.final_softcap
@@ -220,6 +223,11 @@ class LlamaForCausalLM(nn.Module):
                                 self.sliding_rotary(config, rope_scaling_factor, max_position))
         tie = self.model.embed_tokens if self.ties_embeddings(config) else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie)
+
+    @staticmethod
+    def rope(config: ModelConfig, rope_scaling_factor: float, max_position: int | None) -> RotaryEmbedding:
+        """The family's RoPE (GLM and Phi-4-mini: partial, GLM's in interleaved pairs)."""
+        return get_rope(config, rope_scaling_factor, max_position)
 
     @staticmethod
     def attention_biases(config: ModelConfig) -> tuple[bool, bool]:
