@@ -1,6 +1,6 @@
 """Model building blocks: linear, norm, rotary, attention, activation, embedding layers."""
 
-from .activation import GeluAndMul, SiluAndMul, act_and_mul
+from .activation import Activation, DenseMLP, GeluAndMul, SiluAndMul, act_and_mul, activation
 from .attention import Attention
 from .embedding import LMHead, VocabEmbedding
 from .linear import (
@@ -11,11 +11,13 @@ from .linear import (
     RowParallelLinear,
     UnquantizedLinearMethod,
 )
+from .layer_norm import LayerNorm
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding, get_rope
 
 __all__ = [
-    "Attention", "GeluAndMul", "LMHead", "LinearBase", "LinearMethod", "MergedLinear", "QKVLinear", "RMSNorm",
+    "Activation", "Attention", "DenseMLP", "GeluAndMul", "LMHead", "LayerNorm", "LinearBase", "LinearMethod",
+    "MergedLinear", "QKVLinear", "RMSNorm",
     "RotaryEmbedding", "RowParallelLinear", "SiluAndMul", "UnquantizedLinearMethod", "VocabEmbedding",
-    "act_and_mul", "get_rope",
+    "act_and_mul", "activation", "get_rope",
 ]
