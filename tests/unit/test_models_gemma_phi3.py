@@ -182,11 +182,3 @@ def test_phi3_partial_rotary_is_refused_before_loading(tmp_path: Path) -> None:
     cfg["architectures"] = ["Phi3ForCausalLM"]
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
         build_model(ModelConfig.from_dict(cfg), dtype=torch.float32)
-
-
-def test_gemma2_is_not_taken_for_gemma() -> None:
-    """Gemma 2 (sliding windows, soft-capping) stays unsupported: refused when its config is read."""
-    cfg = GemmaConfig(**TINY, **IDS).to_dict()
-    cfg.update(architectures=["Gemma2ForCausalLM"], model_type="gemma2")
-    with pytest.raises(UnsupportedModelError, match="Gemma2ForCausalLM"):
-        ModelConfig.from_dict(cfg)
