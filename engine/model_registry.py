@@ -27,6 +27,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
+    "GlmForCausalLM": ("glm", "GlmForCausalLM"),
+    "Glm4ForCausalLM": ("glm", "Glm4ForCausalLM"),
 }
 
 # Architectures a tensor-parallel rank cannot run a slice of, and why (refused before any rank starts).
