@@ -10,6 +10,12 @@ The first ``num_head_blocks`` blocks are kept for the first blocks of sequences 
 free (their own free list, in the same order), and given out for other positions only when the
 rest are gone: the cache layout keeps per-sequence state only for sequences that start in one
 (``KVCacheLayout.reserved_head_blocks`` says how many; 0 for most layouts).
+
+Where every layer attends through a sliding window of W tokens (``window``), a running sequence
+gives back the blocks that lie wholly before the window of every query it can still bring
+(``release_passed_blocks``), so a long generation holds about W / block_size + 1 blocks. A released
+block goes back as a finished sequence's would: a hashed one stays findable until reused. Its
+entry in the block table then names a block the sequence still holds (``Sequence.num_released_blocks``).
 """
 
 from __future__ import annotations
@@ -48,13 +54,21 @@ class BlockManager:
     """Hands out blocks to sequences and finds cached prefixes."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_head_blocks: int = 0):
+                 num_head_blocks: int = 0, window: int | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window holds at least one token, got {window}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.num_head_blocks = min(num_head_blocks, num_blocks)
+        # The window every layer slides with (``attention_windows.common_window``); None: some
+        # layer sees the whole context, so no block is ever passed.
+        self.window = window
+        # The cache layout keys a sequence's state by its first block (``KVCacheLayout``): that
+        # one is kept for the sequence's life, and releases start after it.
+        self._first_releasable = 1 if self.num_head_blocks else 0
         self._free_head: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_head_blocks))
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_head_blocks, num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
@@ -157,20 +171,57 @@ class BlockManager:
     def _free_list(self, block_id: int) -> OrderedDict[int, None]:
         return self._free_head if block_id < self.num_head_blocks else self._free
 
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            free = self._free_list(block_id)
+            free[block_id] = None
+            if block.block_hash is None:  # nothing worth keeping: reuse it first
+                free.move_to_end(block_id, last=False)
+
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``; its KV counts as not computed any more."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                free = self._free_list(block_id)
-                free[block_id] = None
-                if block.block_hash is None:  # nothing worth keeping: reuse it first
-                    free.move_to_end(block_id, last=False)
+        lo = self._first_releasable
+        held = seq.block_table[:lo] + seq.block_table[lo + seq.num_released_blocks :]
+        for block_id in reversed(held):
+            self._unref(block_id)
         seq.block_table = []
+        seq.num_released_blocks = 0
         seq.num_computed_tokens = 0
         self._num_hashed.pop(seq.seq_id, None)
+
+    def release_passed_blocks(self, seq: Sequence) -> None:
+        """Give back the blocks of ``seq`` that no query it can still bring will see (only with
+        a ``window``); called whenever its counters move."""
+        if self.window is None:
+            return
+        bs, lo = self.block_size, self._first_releasable
+        # The earliest query it can still bring: its next uncomputed token or, should the turn end
+        # with tokens still on the device, the last known token, computed again then
+        # (``Scheduler._drop_pending``). A session's next turn starts there too.
+        first_query = min(seq.num_computed_tokens, len(seq.token_ids) - 1)
+        # That query sees the keys first_query - W + 1 on: the blocks wholly before them are passed.
+        end = (first_query - self.window + 1) // bs
+        # The released entries will name block ``end``, and the reference attention still gathers
+        # them (then masks them to weight 0): that block must hold finite keys in every slot, so it
+        # must lie wholly before first_query, all computed. A block that left this sequence may be
+        # handed out and hold anything. Binds only when W <= block_size.
+        end = min(end, first_query // bs - 1)
+        if self.enable_prefix_caching:
+            # Hashed first: cache_full_blocks would otherwise publish the block a released entry
+            # names under the released block's hash.
+            end = min(end, self._num_hashed.get(seq.seq_id, (0, None))[0])
+        start = lo + seq.num_released_blocks
+        if end <= start:
+            return
+        table = seq.block_table
+        for block_id in reversed(table[start:end]):  # tail first, as free() goes
+            self._unref(block_id)
+        # A new list: a step already built may still hold the old one.
+        seq.block_table = table[:lo] + [table[end]] * (end - lo) + table[end:]
+        seq.num_released_blocks = end - lo
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish the hashes of blocks that became full of computed tokens."""

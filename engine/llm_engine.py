@@ -30,6 +30,7 @@ from ..protocol.checks import check_int64, check_token_ids
 from ..protocol.errors import InvalidRequestError, PromptTooLongError, SessionBusyError
 from ..protocol.messages import EngineStats, Finish
 from ..protocol.sampling import SamplingParams, validate
+from .attention_windows import common_window
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .distributed import close_tp, init_tp
@@ -93,8 +94,14 @@ class LLMEngine:
             self.close()
             raise
         self.session_len = config.session_len or self.model_config.max_position_embeddings
+        # The windows the built layers attend through (from config.json, engine/attention_windows.py):
+        # a model that ignored its config's window must keep every block.
+        window = common_window(tuple(a.sliding_window for a in self.runner.model.attention_layers()))
+        if window is not None:
+            logger.info("every layer attends through a %d-token sliding window: KV blocks wholly before "
+                        "it are released as sequences move on", window)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          num_head_blocks=self.runner.num_head_blocks)
+                                          num_head_blocks=self.runner.num_head_blocks, window=window)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size,
                                    config.max_prefill_token_num, self.session_len,
                                    min_first_chunk_tokens=self.runner.kv_layout.min_first_chunk_tokens)

@@ -255,6 +255,9 @@ class Scheduler:
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq)
+            # The step in flight may still read what this gives back: a later step that reuses
+            # the blocks writes them after it, in the device's stream order.
+            self.block_manager.release_passed_blocks(item.seq)
         for seq in sampling:
             seq.num_pending_tokens += 1
 
@@ -270,6 +273,7 @@ class Scheduler:
         seq.token_ids.append(token)
         seq.num_pending_tokens -= 1
         self.block_manager.cache_full_blocks(seq)
+        self.block_manager.release_passed_blocks(seq)  # the last known token moved on
         if token in seq.params.stop_token_ids:
             reason: Finish | None = Finish.STOP
         elif self._reached_limit(seq, len(seq.token_ids)):  # counted at this token, not the pending after it

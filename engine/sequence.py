@@ -54,7 +54,11 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)  # of the current turn's request, history included
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # the block of each block_size tokens, in order
+        # Leading entries of ``block_table`` (after a kept head block, ``BlockManager``) whose blocks
+        # left the attention window of every layer and went back to the block manager; they name
+        # a block the sequence still holds, so the table keeps one entry per position.
+        self.num_released_blocks = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: Finish | None = None
         self.arrival_time = time.monotonic()
