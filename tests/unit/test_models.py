@@ -43,6 +43,11 @@ def _tiny_configs() -> dict[str, object]:
         "llama_bias_gqa1": LlamaConfig(**{**TINY, "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True),
         "mistral": MistralConfig(**TINY, sliding_window=None),
         "qwen2": Qwen2Config(**TINY),
+        # Sliding windows of 6 tokens, which the test prompts cross: Mistral v0.1's on every layer,
+        # Qwen2's switched on from layer 1 (use_sliding_window, max_window_layers).
+        "mistral_window": MistralConfig(**TINY, sliding_window=6),
+        "qwen2_window_upper_layers": Qwen2Config(**TINY, use_sliding_window=True, sliding_window=6,
+                                                 max_window_layers=1),
     }
 
 
@@ -230,6 +235,62 @@ def check_greedy_matches_generate(hf, path, eos: int, seeds=(50, 51, 52)) -> Non
         eng.close()
 
 
+def hf_mean_nll(hf, tokens: list[int]) -> float:
+    """transformers' mean negative log-likelihood of ``tokens[1:]`` (what ``get_ppl`` returns)."""
+    logits = hf_logits(hf, tokens)
+    return float(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(tokens[1:])))
+
+
+def check_engine_batch_and_ppl(hf, path, eos: int, new_tokens: int = 8) -> None:
+    """One engine with prefix caching and 16-token prefill chunks, as ``pipeline`` runs it, given
+    a batch at once: a 20-token prompt (past any test window), a 40-token one (prefilled in three
+    chunks) and, once a 16-token prompt has finished, one sharing its first 12 tokens (served from
+    the prefix cache). Every greedy token is transformers' argmax after the tokens before it;
+    ``get_ppl`` of a 30-token text (two chunks) equals transformers' mean NLL within 1e-4; every
+    KV block is free again at the end."""
+    from conveyor.engine.config import EngineConfig
+    from conveyor.engine.llm_engine import LLMEngine
+    from conveyor.protocol.sampling import SamplingParams
+
+    def assert_greedy(rid: str, prompt: list[int], tokens: list[int]) -> None:
+        # Each token must be transformers' argmax after the prompt and the tokens before it (one
+        # full forward over them all, so transformers' own cache path is not what is checked);
+        # where its best two are within 1e-3 either counts, as float32 sums may order them apart.
+        logits = hf_logits(hf, prompt + tokens)[len(prompt) - 1:]
+        for i, token in enumerate(tokens):
+            best = logits[i].max()
+            assert logits[i, token] >= best - 1e-3, f"{rid}: token {i} is {token}, not {int(logits[i].argmax())}"
+        assert len(tokens) == new_tokens or tokens[-1] == eos, f"{rid}: ended early"
+
+    def run(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+        for rid, prompt in prompts.items():
+            eng.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, temperature=0.0), request_id=rid)
+        out: dict[str, list[int]] = {rid: [] for rid in prompts}
+        while eng.has_work:
+            for o in eng.step():
+                if o.token is not None:
+                    out[o.request_id].append(o.token)
+        return {rid: until_eos(tokens, eos) for rid, tokens in out.items()}
+
+    eng = LLMEngine(path, EngineConfig(device="cpu", dtype="float32", cache_max_entry_count=64, block_size=4,
+                                       max_batch_size=4, max_prefill_token_num=16, enable_prefix_caching=True))
+    try:
+        shared = random_tokens(16, seed=90)
+        batch = {"long": random_tokens(20, seed=91), "chunked": random_tokens(40, seed=92), "first": shared}
+        got = run(batch)
+        hits_before = eng.block_manager.prefix_hit_tokens
+        batch["cached"] = shared[:12] + random_tokens(5, seed=93)
+        got.update(run({"cached": batch["cached"]}))
+        assert eng.block_manager.prefix_hit_tokens - hits_before >= 12, "the shared prefix was not reused"
+        for rid, prompt in batch.items():
+            assert_greedy(rid, prompt, got[rid])
+        text = random_tokens(30, seed=94)
+        assert abs(eng.get_ppl([text])[0] - hf_mean_nll(hf, text)) < TOL
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.close()
+
+
 def test_prefill_matches_hf(tiny) -> None:
     check_prefills(*tiny)
 
@@ -259,6 +320,13 @@ def test_triton_kernels_match_hf(tiny) -> None:
 
 def test_chunked_prefill_matches_hf(tiny) -> None:
     check_chunked_prefill(*tiny)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral_window", "qwen2_window_upper_layers"])
+def test_engine_batch_and_ppl_match_hf(name: str, tmp_path: Path) -> None:
+    """A batch as pipeline() runs it (prefix cache, chunked prefill, past the window) and get_ppl."""
+    hf = save_tiny(_tiny_configs()[name], tmp_path)
+    check_engine_batch_and_ppl(hf, tmp_path, eos=-1)
 
 
 def test_forward_without_kv_cache(tiny) -> None:

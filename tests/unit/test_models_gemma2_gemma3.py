@@ -16,6 +16,7 @@ from test_models import (
     PagedCache,
     assert_close,
     check_chunked_prefill,
+    check_engine_batch_and_ppl,
     check_greedy_matches_generate,
     check_prefill_then_decode,
     check_prefills,
@@ -105,6 +106,12 @@ def test_greedy_tokens_match_hf_generate(tiny) -> None:
     """7-token prompts and 12 new tokens through one engine: every sequence crosses the window."""
     hf, _, path = tiny
     check_greedy_matches_generate(hf, path, IDS["eos_token_id"], (50, 54, 55))
+
+
+def test_engine_batch_and_ppl_match_hf(tiny) -> None:
+    """A batch as pipeline() runs it (prefix cache, chunked prefill, past the window) and get_ppl."""
+    hf, _, path = tiny
+    check_engine_batch_and_ppl(hf, path, IDS["eos_token_id"])
 
 
 def test_layers_get_their_windows_and_ropes(tiny) -> None:

@@ -13,6 +13,7 @@ from test_models import (
     until_eos,
     check_greedy_matches_generate,
     check_chunked_prefill,
+    check_engine_batch_and_ppl,
     check_prefill_then_decode,
     check_prefills,
     check_triton_kernels,
@@ -57,6 +58,8 @@ def _configs() -> dict[str, object]:
         "phi3": Phi3Config(**TINY, sliding_window=None, original_max_position_embeddings=256, **IDS),
         "phi3_tied": Phi3Config(**TINY, sliding_window=None, original_max_position_embeddings=256,
                                 tie_word_embeddings=True, **IDS),
+        # Phi-3-mini-4k's window (2047 there) on every layer, 6 tokens here: the prompts cross it.
+        "phi3_window": Phi3Config(**TINY, sliding_window=6, original_max_position_embeddings=256, **IDS),
     }
 
 
@@ -111,6 +114,12 @@ def test_greedy_tokens_match_hf_generate(tiny) -> None:
     hf, _, path = tiny
     # The tiny Gemmas repeat one token after seed 50's prompt; 54 and 55 change along the way.
     check_greedy_matches_generate(hf, path, IDS["eos_token_id"], (50, 54, 55))
+
+
+def test_engine_batch_and_ppl_match_hf(tiny) -> None:
+    """A batch as pipeline() runs it (prefix cache, chunked prefill) and get_ppl."""
+    hf, _, path = tiny
+    check_engine_batch_and_ppl(hf, path, IDS["eos_token_id"])
 
 
 def test_gemma_weights_are_offset_and_tied(tiny) -> None:
