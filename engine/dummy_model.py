@@ -56,7 +56,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                  "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936, "rope_theta": 1000000.0,
                  "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
                  "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16"},
-    # microsoft/Phi-3-mini-4k-instruct (its 2047-token sliding window is not applied yet)
+    # microsoft/Phi-3-mini-4k-instruct (a 2047-token sliding window on every layer)
     "phi3-mini": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_act": "silu",
                   "hidden_size": 3072, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
                   "intermediate_size": 8192, "vocab_size": 32064, "rope_theta": 10000.0,
@@ -69,6 +69,28 @@ SHAPES: dict[str, dict[str, Any]] = {
                  "head_dim": 256, "intermediate_size": 24576, "vocab_size": 256000, "rope_theta": 10000.0,
                  "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
                  "bos_token_id": 2, "eos_token_id": 1, "torch_dtype": "bfloat16"},
+    # google/gemma-2-9b-it: 4096-token windows on even layers, scores capped at 50, logits at 30
+    "gemma2-9b": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+                  "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 3584, "num_hidden_layers": 42,
+                  "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "intermediate_size": 14336,
+                  "vocab_size": 256000, "rope_theta": 10000.0, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+                  "sliding_window": 4096, "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+                  "final_logit_softcapping": 30.0, "tie_word_embeddings": True, "bos_token_id": 2,
+                  "eos_token_id": [1, 107], "torch_dtype": "bfloat16"},
+    # google/gemma-3-1b-it: 512-token windows on five layers of six, local and global RoPE bases
+    "gemma3-1b": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                  "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "num_hidden_layers": 26,
+                  "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "intermediate_size": 6912,
+                  "vocab_size": 262144, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                  "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "sliding_window": 512,
+                  "sliding_window_pattern": 6, "query_pre_attn_scalar": 256, "tie_word_embeddings": True,
+                  "bos_token_id": 2, "eos_token_id": [1, 106], "torch_dtype": "bfloat16"},
+    # mistralai/Mistral-7B-v0.1: a 4096-token window on every layer
+    "mistral-7b-v0.1": {**_LLAMA_COMMON, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                        "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                        "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000,
+                        "rope_theta": 10000.0, "max_position_embeddings": 32768, "sliding_window": 4096,
+                        "bos_token_id": 1, "eos_token_id": 2},
     # A toy of the same family, for smoke-testing the benchmarks on a CPU.
     "tiny": {**_LLAMA2_COMMON, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000},
