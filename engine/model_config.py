@@ -18,6 +18,51 @@ _DTYPES = {
 }
 
 
+def _qwen_v1_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen (v1, remote code): its own names; ``intermediate_size`` is w1 and w2 together."""
+    fields: dict[str, Any] = {
+        "rms_norm_eps": cfg.get("layer_norm_epsilon", 1e-6),
+        "rope_theta": cfg.get("rotary_emb_base", 10000.0),
+        "max_position_embeddings": cfg.get("max_position_embeddings") or cfg.get("seq_length", 2048),
+        "head_dim": cfg.get("kv_channels"),
+    }
+    if "intermediate_size" in cfg:
+        fields["intermediate_size"] = cfg["intermediate_size"] // 2
+    return fields
+
+
+def _internlm_v1_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """InternLM (v1, remote code): RoPE's base and type in a ``rotary`` dict ("origin": plain;
+    "dynamic": dynamic NTK with its ``scaling_factor``, as transformers' "dynamic" computes it)."""
+    rotary = cfg.get("rotary")
+    if not isinstance(rotary, dict):
+        return {}
+    fields: dict[str, Any] = {"rope_theta": rotary.get("base", 10000.0)}
+    kind = rotary.get("type", "origin")
+    if kind == "dynamic" and not cfg.get("rope_scaling"):
+        fields["rope_scaling"] = {"rope_type": "dynamic", "factor": float(rotary.get("scaling_factor", 1.0))}
+    elif kind != "origin":
+        fields["rope_scaling"] = {"rope_type": kind}  # refused by name when the model is built
+    return fields
+
+
+def _baichuan_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Baichuan (remote code): the 13B configs give the context only as ``model_max_length``."""
+    if cfg.get("max_position_embeddings"):
+        return {}
+    return {"max_position_embeddings": cfg.get("model_max_length", 4096)}
+
+
+# architecture -> the Llama-named fields its config.json spells its own way (config.raw keeps
+# the file as written; the model files read their family's other flags from it).
+_FAMILY_FIELDS = {
+    "QWenLMHeadModel": _qwen_v1_fields,
+    "InternLMForCausalLM": _internlm_v1_fields,
+    "BaichuanForCausalLM": _baichuan_fields,
+    "BaiChuanForCausalLM": _baichuan_fields,
+}
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     """'bf16' / 'bfloat16' / torch.bfloat16 -> torch.bfloat16."""
     if isinstance(name, torch.dtype):
@@ -59,6 +104,9 @@ class ModelConfig:
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """Read a config.json dict; unknown architectures raise UnsupportedModelError."""
         arch = pick_architecture(cfg.get("architectures") or [], cfg.get("model_type"))
+        raw = cfg
+        if arch in _FAMILY_FIELDS:
+            cfg = {**cfg, **{k: v for k, v in _FAMILY_FIELDS[arch](cfg).items() if v is not None}}
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         # Two spellings: transformers 5 nests rope settings in rope_parameters; older configs use
@@ -94,7 +142,7 @@ class ModelConfig:
             dtype=parse_dtype(dtype_name),
             eos_token_ids=token_ids(cfg.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id"),
-            raw=cfg,
+            raw=raw,
         )
 
     @classmethod

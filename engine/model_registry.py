@@ -27,6 +27,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
+    "InternLMForCausalLM": ("internlm", "InternLMForCausalLM"),
+    "QWenLMHeadModel": ("qwen", "QWenLMHeadModel"),
+    "BaichuanForCausalLM": ("baichuan", "BaichuanForCausalLM"),
+    "BaiChuanForCausalLM": ("baichuan", "BaiChuanForCausalLM"),
     "GlmForCausalLM": ("glm", "GlmForCausalLM"),
     "Glm4ForCausalLM": ("glm", "Glm4ForCausalLM"),
 }
