@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..protocol.errors import UnsupportedModelError
 from .hf_config import read_config, token_ids
 from .model_registry import pick_architecture
 
@@ -53,6 +54,59 @@ def _baichuan_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"max_position_embeddings": cfg.get("model_max_length", 4096)}
 
 
+def _chatglm_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ChatGLM2/3 and GLM-4 as THUDM publish them (remote code): their own names; RoPE's base is
+    ``10000 * rope_ratio``; ``multi_query_group_num`` kv heads when ``multi_query_attention``.
+    ChatGLM-6B (v1: 2D positions, GELU, another layout) is refused here by name."""
+    if "position_encoding_2d" in cfg or "inner_hidden_size" in cfg or "ffn_hidden_size" not in cfg:
+        raise UnsupportedModelError("ChatGLM-6B (the first ChatGLM: 2D rotary positions, its own layout) is not "
+                                    "supported; ChatGLM2, ChatGLM3 and GLM-4 checkpoints are")
+    heads = cfg["num_attention_heads"]
+    return {
+        "num_hidden_layers": cfg["num_layers"],
+        "intermediate_size": cfg["ffn_hidden_size"],
+        "vocab_size": cfg.get("padded_vocab_size") or cfg.get("vocab_size"),
+        "num_key_value_heads": cfg.get("multi_query_group_num", 1) if cfg.get("multi_query_attention") else heads,
+        "head_dim": cfg.get("kv_channels") or cfg["hidden_size"] // heads,
+        "rms_norm_eps": cfg.get("layernorm_epsilon", 1e-5),
+        "rope_theta": 10000.0 * float(cfg.get("rope_ratio", 1)),
+        "max_position_embeddings": cfg.get("seq_length", 2048),
+        "attention_bias": bool(cfg.get("add_qkv_bias") or cfg.get("add_bias_linear")),
+    }
+
+
+def _falcon_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Falcon, in transformers' names or the older RefinedWeb ones (``n_layer``, ``n_head``,
+    ``n_head_kv``); kv heads: one (``multi_query``, Falcon-7B), ``num_kv_heads`` (the grouped
+    "new decoder architecture" of 40B/180B) or every head; a tied head unless the config unties it."""
+    heads = cfg.get("num_attention_heads") or cfg["n_head"]
+    hidden = cfg.get("hidden_size") or cfg["n_embed"]
+    if cfg.get("new_decoder_architecture") or cfg.get("model_type") == "RefinedWeb":
+        kv_heads = cfg.get("num_kv_heads") or cfg.get("n_head_kv") or heads
+    else:
+        kv_heads = 1 if cfg.get("multi_query", True) else heads
+    return {
+        "num_hidden_layers": cfg.get("num_hidden_layers") or cfg["n_layer"],
+        "num_attention_heads": heads,
+        "hidden_size": hidden,
+        "intermediate_size": cfg.get("ffn_hidden_size") or 4 * hidden,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
+        "rms_norm_eps": cfg.get("layer_norm_epsilon", 1e-5),
+        "max_position_embeddings": cfg.get("max_position_embeddings", 2048),
+        "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+    }
+
+
+def _starcoder2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """StarCoder2: LayerNorm's ``norm_epsilon``; ``use_bias`` on every projection; tied by default."""
+    return {
+        "rms_norm_eps": cfg.get("norm_epsilon", 1e-5),
+        "attention_bias": cfg.get("use_bias", True),
+        "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+    }
+
+
 # architecture -> the Llama-named fields its config.json spells its own way (config.raw keeps
 # the file as written; the model files read their family's other flags from it).
 _FAMILY_FIELDS = {
@@ -60,6 +114,11 @@ _FAMILY_FIELDS = {
     "InternLMForCausalLM": _internlm_v1_fields,
     "BaichuanForCausalLM": _baichuan_fields,
     "BaiChuanForCausalLM": _baichuan_fields,
+    "ChatGLMModel": _chatglm_fields,
+    "ChatGLMForConditionalGeneration": _chatglm_fields,
+    "FalconForCausalLM": _falcon_fields,
+    "RWForCausalLM": _falcon_fields,
+    "Starcoder2ForCausalLM": _starcoder2_fields,
 }
 
 

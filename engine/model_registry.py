@@ -33,6 +33,11 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "BaiChuanForCausalLM": ("baichuan", "BaiChuanForCausalLM"),
     "GlmForCausalLM": ("glm", "GlmForCausalLM"),
     "Glm4ForCausalLM": ("glm", "Glm4ForCausalLM"),
+    "ChatGLMModel": ("chatglm", "ChatGLMModel"),
+    "ChatGLMForConditionalGeneration": ("chatglm", "ChatGLMForConditionalGeneration"),
+    "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
+    "FalconForCausalLM": ("falcon", "FalconForCausalLM"),
+    "RWForCausalLM": ("falcon", "RWForCausalLM"),
 }
 
 # Architectures a tensor-parallel rank cannot run a slice of, and why (refused before any rank starts).

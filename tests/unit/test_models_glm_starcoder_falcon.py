@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import save_file
 from test_models import (
     TINY,
     check_chunked_prefill,
@@ -19,11 +22,16 @@ from test_models import (
     load_ours,
     save_tiny,
 )
-from transformers import AutoModelForCausalLM, Glm4Config, GlmConfig
+from transformers import AutoModelForCausalLM, FalconConfig, Glm4Config, GlmConfig, Starcoder2Config
+
+from conveyor.engine.model_config import ModelConfig
+from conveyor.protocol.errors import UnsupportedModelError
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny models: see tests/conftest.py
 
 IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+FALCON = dict(hidden_size=64, ffn_hidden_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+              max_position_embeddings=256, **IDS)
 
 
 def _configs() -> dict[str, object]:
@@ -33,7 +41,77 @@ def _configs() -> dict[str, object]:
         # GLM-4-0414: post-attention and post-MLP norms; MQA, no bias, tied head.
         "glm4_mqa_tied": Glm4Config(**{**TINY, "num_key_value_heads": 1}, head_dim=16, attention_bias=False,
                                     tie_word_embeddings=True, **IDS),
+        # Converted to THUDM's ChatGLM layout (to_chatglm); RoPE base 10000 * rope_ratio 5.
+        "chatglm": GlmConfig(**TINY, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 50000.0,
+                                                                   "partial_rotary_factor": 0.5}, **IDS),
+        # LayerNorms with bias, GELU-tanh c_fc/c_proj, biases everywhere, a window of 8 on every
+        # layer (prompts here run to 30 tokens), tied head.
+        "starcoder2_window8": Starcoder2Config(**TINY, sliding_window=8, **IDS),
+        # No biases, untied head, MQA, no window.
+        "starcoder2_untied_nobias_mqa": Starcoder2Config(**{**TINY, "num_key_value_heads": 1}, use_bias=False,
+                                                         tie_word_embeddings=False, **IDS),
+        # Falcon-7B: one kv head, attention and MLP side by side on one LayerNorm, tied head.
+        "falcon_7b_mqa": FalconConfig(**FALCON),
+        # Falcon-40B/180B: 2 kv heads, query_key_value rows per kv group, ln_attn + ln_mlp, untied.
+        "falcon_40b_grouped": FalconConfig(**FALCON, new_decoder_architecture=True, num_kv_heads=2,
+                                           tie_word_embeddings=False),
+        # Falcon2-11B: the grouped layout with one input LayerNorm (num_ln_in_parallel_attn=1), one kv group.
+        "falcon2_one_norm": FalconConfig(**FALCON, new_decoder_architecture=True, num_kv_heads=1,
+                                         num_ln_in_parallel_attn=1),
+        # multi_query=false (rows [q, k, v] per head), sequential block, biases (falcon-rw without ALiBi).
+        "falcon_sequential_bias": FalconConfig(**FALCON, multi_query=False, parallel_attn=False, bias=True),
     }
+
+
+def to_chatglm(hf: torch.nn.Module, path: Path) -> None:
+    """Write ``hf`` (a transformers ``GlmForCausalLM``) as THUDM's ChatGLM2/3/GLM-4 checkpoint.
+
+    The equivalence: transformers' GLM is THUDM's model renamed (its converter splits
+    ``query_key_value`` into q/k/v and renames the rest, nothing else), so joining q/k/v back
+    into ``[q | k | v]`` rows and putting back THUDM's names and config keys gives a ChatGLM
+    checkpoint whose logits are the Glm model's: same interleaved rotary on half of each head
+    (``kv_channels / 2`` dims, base ``10000 * rope_ratio``), same SwiGLU over ``[gate | up]``
+    (``dense_h_to_4h``), same RMSNorms, q/k/v bias only (``add_qkv_bias``)."""
+    cfg = hf.config
+    renames = {
+        "model.embed_tokens.": "transformer.embedding.word_embeddings.",
+        "model.norm.": "transformer.encoder.final_layernorm.",
+        "model.layers.": "transformer.encoder.layers.", "lm_head.": "transformer.output_layer.",
+        ".self_attn.o_proj.": ".self_attention.dense.", ".mlp.gate_up_proj.": ".mlp.dense_h_to_4h.",
+        ".mlp.down_proj.": ".mlp.dense_4h_to_h.",
+    }
+    state = hf.state_dict()
+    out: dict[str, torch.Tensor] = {"transformer.rotary_pos_emb.inv_freq": torch.ones(cfg.head_dim // 4)}
+    for name, tensor in state.items():
+        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+            continue
+        if ".self_attn.q_proj." in name:
+            qkv = [state[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+            tensor, name = torch.cat(qkv), name.replace(".self_attn.q_proj.", ".self_attention.query_key_value.")
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        out[name] = tensor.contiguous()
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["ChatGLMModel"], "model_type": "chatglm",
+        "auto_map": {"AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration"},
+        "num_layers": cfg.num_hidden_layers, "padded_vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "ffn_hidden_size": cfg.intermediate_size, "kv_channels": cfg.head_dim,
+        "num_attention_heads": cfg.num_attention_heads, "multi_query_attention": True,
+        "multi_query_group_num": cfg.num_key_value_heads, "seq_length": cfg.max_position_embeddings,
+        "layernorm_epsilon": cfg.rms_norm_eps, "rmsnorm": True, "apply_residual_connection_post_layernorm": False,
+        "post_layer_norm": True, "add_bias_linear": False, "add_qkv_bias": True, "bias_dropout_fusion": True,
+        "original_rope": True, "rope_ratio": cfg.rope_parameters["rope_theta"] / 10000.0,
+        "apply_query_key_layer_scaling": True, "attention_softmax_in_fp32": True, "fp32_residual_connection": False,
+        "hidden_dropout": 0.0, "attention_dropout": 0.0, "pre_seq_len": None, "prefix_projection": False,
+        "torch_dtype": "bfloat16", "eos_token_id": IDS["eos_token_id"], "pad_token_id": IDS["pad_token_id"],
+        "tie_word_embeddings": False,
+    }))
+
+
+# Cases whose checkpoint the engine reads is a conversion of the transformers one.
+CONVERT = {"chatglm": to_chatglm}
 
 
 @pytest.fixture(scope="module", params=sorted(_configs()))
@@ -43,6 +121,9 @@ def tiny(request, tmp_path_factory) -> tuple[torch.nn.Module, torch.nn.Module, P
     path = tmp_path_factory.mktemp(name)
     save_tiny(_configs()[name], path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if name in CONVERT:
+        CONVERT[name](hf, path / "converted")
+        path = path / "converted"
     return hf, load_ours(path), path
 
 
@@ -74,3 +155,22 @@ def test_greedy_tokens_match_hf_generate(tiny) -> None:
     """Greedy decoding through the engine (scheduler, runner, sampler) equals ``generate``."""
     hf, _, path = tiny
     check_greedy_matches_generate(hf, path, IDS["eos_token_id"])
+
+
+def test_chatglm_reads_thudm_names(tiny) -> None:
+    """The converted checkpoint is read as ChatGLM: its config's names give Glm's shape."""
+    hf, ours, _ = tiny
+    if ours.config.architecture != "ChatGLMModel":
+        pytest.skip("ChatGLM only")
+    cfg = ours.config
+    assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta) == (2, 2, 16, 50000.0)
+    rotary = ours.model.layers[0].self_attn.rotary_emb
+    assert (rotary.rotary_dim, rotary.interleaved) == (8, True)
+
+
+def test_chatglm_v1_is_refused_when_its_config_is_read() -> None:
+    """ChatGLM-6B (v1: 2D positions, another layout) shares the architecture name: refused by name."""
+    cfg = {"architectures": ["ChatGLMModel"], "model_type": "chatglm", "num_layers": 2, "hidden_size": 64,
+           "num_attention_heads": 4, "inner_hidden_size": 256, "position_encoding_2d": True, "vocab_size": 128}
+    with pytest.raises(UnsupportedModelError, match="ChatGLM-6B"):
+        ModelConfig.from_dict(cfg)
