@@ -77,8 +77,9 @@ class PagedCache:
     def __init__(self, model: torch.nn.Module, num_blocks: int = 64, seed: int = 0) -> None:
         cfg = model.config
         shape = (num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+        self.device = next(model.parameters()).device
         for attn in model.attention_layers():
-            attn.k_cache, attn.v_cache = torch.zeros(shape), torch.zeros(shape)
+            attn.k_cache, attn.v_cache = torch.zeros(shape, device=self.device), torch.zeros(shape, device=self.device)
         # Hand out blocks in a shuffled order so sequences get non-contiguous blocks.
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.blocks: dict[int, list[int]] = {}
@@ -102,19 +103,20 @@ class PagedCache:
             cu.append(cu[-1] + len(toks))
             lens_k.append(end)
         width = max(len(t) for t in tables)
+        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-            seqlens_k=torch.tensor(lens_k, dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seqlens_k=torch.tensor(lens_k, dtype=torch.int32, device=dev),
             max_seqlen_q=max(len(t) for t in new_tokens.values()),
             max_seqlen_k=max(lens_k),
         )
         set_attention_metadata(meta)
         try:
             with torch.no_grad():
-                hidden = self.model(torch.tensor(ids), torch.tensor(positions))
-                logits = self.model.compute_logits(hidden)
+                hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev))
+                logits = self.model.compute_logits(hidden).cpu()
         finally:
             set_attention_metadata(None)
         return {sid: logits[cu[i] : cu[i + 1]] for i, sid in enumerate(new_tokens)}
@@ -190,12 +192,17 @@ def check_prefill_then_decode(hf, ours) -> None:
 
 
 def check_triton_kernels(hf, ours) -> None:
-    """The whole model through the Triton kernels: on CPU under Triton's interpreter (skipped
-    where this process cannot interpret), on a GPU compiled."""
+    """The whole model through the Triton kernels: on CPU under Triton's interpreter, or, where
+    this process cannot interpret, compiled on a GPU (a float32 copy of the model on CUDA);
+    skipped with neither."""
+    import copy
+
     from conveyor.kernels._triton import HAS_TRITON, TRITON_INTERPRETED, set_kernel_mode
 
-    if not HAS_TRITON or not TRITON_INTERPRETED:
-        pytest.skip("needs Triton's interpreter in this process (CPU tensors)")
+    if HAS_TRITON and not TRITON_INTERPRETED and torch.cuda.is_available():
+        ours = copy.deepcopy(ours).cuda()
+    elif not HAS_TRITON or not TRITON_INTERPRETED:
+        pytest.skip("needs Triton's interpreter in this process (CPU tensors) or a GPU")
     set_kernel_mode("triton")
     a = random_tokens(9, seed=40)
     cache = PagedCache(ours, seed=5)

@@ -29,9 +29,6 @@ from test_models import (
 from tiny_llama import engine, greedy
 from transformers import AutoModelForCausalLM, GemmaConfig, Phi3Config
 
-from conveyor.engine.model_config import ModelConfig
-from conveyor.engine.models import build_model
-from conveyor.protocol.errors import UnsupportedModelError
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny models: see tests/conftest.py
 
@@ -183,11 +180,3 @@ def test_phi3_su_spelling_loads_as_longrope(longrope, tmp_path: Path) -> None:
     cache = PagedCache(load_ours(tmp_path), seed=7)
     ours = [cache.step({0: tokens[:9]})[0]] + [cache.step({0: [t]})[0] for t in tokens[9:]]
     assert_close(torch.cat(ours), hf_logits(hf, tokens))
-
-
-def test_phi3_partial_rotary_is_refused_before_loading(tmp_path: Path) -> None:
-    """Phi-4-mini's partial rotary embedding is refused when the model is built, with no weights read."""
-    cfg = Phi3Config(**TINY, partial_rotary_factor=0.5, **IDS).to_dict()
-    cfg["architectures"] = ["Phi3ForCausalLM"]
-    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
-        build_model(ModelConfig.from_dict(cfg), dtype=torch.float32)
