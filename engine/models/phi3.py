@@ -3,32 +3,28 @@
 fused layers' loaders split by rank as they load. RoPE is the default one for the 4k models and
 ``longrope`` (once spelled ``su``) for the 128k ones (``engine/layers/rotary.py``).
 
+Phi-4-mini is the same architecture with ``partial_rotary_factor`` 0.75: RoPE (longrope there)
+turns the first ``int(head_dim * factor)`` dims of each head, halves paired as in Llama, and the
+rest pass through; that rotation runs in torch before the attention layer (layers/rotary.py).
+
 Phi-3's ``sliding_window`` (2047 on the 4k models) applies to every layer, as Mistral v0.1's does.
 """
 
 from __future__ import annotations
 
-from ...protocol.errors import UnsupportedModelError
+from ..layers import RotaryEmbedding, get_rope
+from ..layers.rotary import partial_rotary_factor
 from ..model_config import ModelConfig
 from .llama import LlamaForCausalLM
 
 
-def partial_rotary_factor(config: ModelConfig) -> float:
-    """The share of ``head_dim`` RoPE rotates (top level or in ``rope_parameters``); 1.0 if unset."""
-    params = config.raw.get("rope_parameters") or {}
-    return float(config.raw.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)
-
-
 class Phi3ForCausalLM(LlamaForCausalLM):
-    """Phi-3 / Phi-3.5 causal LM (mini and medium)."""
+    """Phi-3 / Phi-3.5 / Phi-4-mini causal LM."""
 
-    def __init__(self, config: ModelConfig, rope_scaling_factor: float = 0.0, max_position: int | None = None) -> None:
-        if partial_rotary_factor(config) != 1.0:  # Phi-4-mini's layout; refused before any weight loads
-            raise UnsupportedModelError(
-                f"partial_rotary_factor={partial_rotary_factor(config)} (rotating part of each head, as "
-                "Phi-4-mini does) is not supported"
-            )
-        super().__init__(config, rope_scaling_factor, max_position)
+    @staticmethod
+    def rope(config: ModelConfig, rope_scaling_factor: float, max_position: int | None) -> RotaryEmbedding:
+        """RoPE over the config's share of each head (all of it but on Phi-4-mini)."""
+        return get_rope(config, rope_scaling_factor, max_position, partial_rotary_factor(config))
 
     @staticmethod
     def attention_biases(config: ModelConfig) -> tuple[bool, bool]:

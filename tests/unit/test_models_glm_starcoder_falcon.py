@@ -19,10 +19,14 @@ from test_models import (
     check_prefill_then_decode,
     check_prefills,
     check_two_sequence_batch,
+    PagedCache,
+    assert_close,
+    hf_logits,
     load_ours,
+    random_tokens,
     save_tiny,
 )
-from transformers import AutoModelForCausalLM, FalconConfig, Glm4Config, GlmConfig, Starcoder2Config
+from transformers import AutoModelForCausalLM, FalconConfig, Glm4Config, GlmConfig, Phi3Config, Starcoder2Config
 
 from conveyor.engine.model_config import ModelConfig
 from conveyor.protocol.errors import UnsupportedModelError
@@ -30,6 +34,7 @@ from conveyor.protocol.errors import UnsupportedModelError
 pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny models: see tests/conftest.py
 
 IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_ROT = 12 // 2  # Phi-4-mini style: 0.75 of a 16-dim head rotated; longrope factors per rotated pair
 FALCON = dict(hidden_size=64, ffn_hidden_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
               max_position_embeddings=256, **IDS)
 
@@ -60,6 +65,14 @@ def _configs() -> dict[str, object]:
                                          num_ln_in_parallel_attn=1),
         # multi_query=false (rows [q, k, v] per head), sequential block, biases (falcon-rw without ALiBi).
         "falcon_sequential_bias": FalconConfig(**FALCON, multi_query=False, parallel_attn=False, bias=True),
+        # Phi-4-mini: Phi-3 with 0.75 of each head rotated (halves of the rotated part paired).
+        "phi4_mini_partial": Phi3Config(**TINY, sliding_window=None, partial_rotary_factor=0.75, **IDS),
+        # ... with longrope over the rotated dims (6 factors); within the pretraining length here.
+        "phi4_mini_partial_longrope": Phi3Config(
+            **TINY, sliding_window=None, original_max_position_embeddings=256, tie_word_embeddings=True, **IDS,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                             "short_factor": [1.0 + 0.3 * i for i in range(_ROT)],
+                             "long_factor": [2.0 + i for i in range(_ROT)]}),
     }
 
 
@@ -174,3 +187,35 @@ def test_chatglm_v1_is_refused_when_its_config_is_read() -> None:
            "num_attention_heads": 4, "inner_hidden_size": 256, "position_encoding_2d": True, "vocab_size": 128}
     with pytest.raises(UnsupportedModelError, match="ChatGLM-6B"):
         ModelConfig.from_dict(cfg)
+
+
+# Each architecture's RoPE here: (rotated dims of the 16-dim heads, interleaved pairs, rotated in the store kernel).
+ROTARY = {"GlmForCausalLM": (8, True, False), "Glm4ForCausalLM": (8, True, False), "ChatGLMModel": (8, True, False),
+          "Phi3ForCausalLM": (12, False, False)}
+
+
+def test_rotary_layout_comes_from_the_family_and_config(tiny) -> None:
+    """GLM/ChatGLM rotate half of each head in neighbour pairs, Phi-4-mini 0.75 in halves (both in
+    torch); the others rotate whole heads in the fused store kernel."""
+    _, ours, _ = tiny
+    rotary = ours.model.layers[0].self_attn.rotary_emb
+    expected = ROTARY.get(ours.config.architecture, (16, False, True))
+    assert (rotary.rotary_dim, rotary.interleaved, rotary.fused) == expected
+
+
+def test_phi4_mini_older_config_spelling(tiny, tmp_path: Path) -> None:
+    """Phi-4-mini's published config.json: top-level partial_rotary_factor and rope_theta, and
+    rope_scaling={"type": "longrope", ...} without the factor: the same model."""
+    hf, _, path = tiny
+    if not path.name.startswith("phi4_mini_partial_longrope"):
+        pytest.skip("Phi-4-mini longrope only")
+    for f in path.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((path / "config.json").read_text())
+    params = cfg.pop("rope_parameters")
+    cfg.update(partial_rotary_factor=params["partial_rotary_factor"], rope_theta=params["rope_theta"],
+               rope_scaling={"type": "longrope", "short_factor": params["short_factor"],
+                             "long_factor": params["long_factor"]})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    tokens = random_tokens(12, seed=80)
+    assert_close(PagedCache(load_ours(tmp_path)).step({0: tokens})[0], hf_logits(hf, tokens))
