@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from test_models import (
     TINY,
     check_chunked_prefill,
@@ -29,6 +29,7 @@ from test_models import (
 from transformers import AutoModelForCausalLM, FalconConfig, Glm4Config, GlmConfig, Phi3Config, Starcoder2Config
 
 from conveyor.engine.model_config import ModelConfig
+from conveyor.engine.models import build_model
 from conveyor.protocol.errors import UnsupportedModelError
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny models: see tests/conftest.py
@@ -219,3 +220,83 @@ def test_phi4_mini_older_config_spelling(tiny, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     tokens = random_tokens(12, seed=80)
     assert_close(PagedCache(load_ours(tmp_path)).step({0: tokens})[0], hf_logits(hf, tokens))
+
+
+# Tensor parallel (CPU, gloo): the grouped-kv GLM (q/k/v bias, rotary in torch on each rank's
+# heads), Falcon-40B's per-group query_key_value (unpacked, then split by rank) and Falcon-7B's
+# single kv head (replicated on both ranks, as QKVLinear does whenever tp exceeds the kv heads).
+TP_CASES = ("GlmForCausalLM", "FalconForCausalLM")
+
+
+@pytest.mark.parametrize("tp", [2])
+def test_tp_matches_tp1(tiny, tp) -> None:
+    """tp=2 gives tp=1's greedy tokens and logprobs."""
+    from test_tensor_parallel import _run, _same
+
+    _, ours, path = tiny
+    if ours.config.architecture not in TP_CASES or ours.config.raw.get("num_ln_in_parallel_attn") == 1 \
+            or not ours.config.raw.get("parallel_attn", True):
+        pytest.skip("GLM, Falcon-7B and Falcon-40B layouts only")
+    (trace1, ppl1), (trace_tp, ppl_tp) = _run(path, 1), _run(path, tp)
+    _same(trace1, trace_tp)
+    assert ppl_tp == pytest.approx(ppl1, rel=1e-4)
+
+
+def _copy_with_config(src: Path, dst: Path, edit) -> Path:
+    """``src``'s files in ``dst`` with config.json passed through ``edit``."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(edit(cfg)))
+    return dst
+
+
+def _refined_web(cfg: dict) -> dict:
+    """The config.json Falcon had before transformers: RWForCausalLM, n_head/n_layer(/n_head_kv),
+    model_type RefinedWebModel (7B) or RefinedWeb (40B, always the grouped layout)."""
+    grouped = cfg.pop("new_decoder_architecture")
+    kv_heads = cfg.pop("num_kv_heads")
+    out = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "num_ln_in_parallel_attn")}
+    if out.get("tie_word_embeddings"):
+        del out["tie_word_embeddings"]  # tied: the default, left out as the old configs did
+    out.update(architectures=["RWForCausalLM"], model_type="RefinedWeb" if grouped else "RefinedWebModel",
+               n_head=out.pop("num_attention_heads"), n_layer=out.pop("num_hidden_layers"))
+    if grouped:
+        out["n_head_kv"] = kv_heads
+    return out
+
+
+def test_falcon_refined_web_configs_load(tiny, tmp_path: Path) -> None:
+    """Falcon-7B and -40B as first published (RWForCausalLM, RefinedWeb names) give the same logits."""
+    hf, ours, path = tiny
+    if ours.config.architecture != "FalconForCausalLM" or ours.config.raw.get("num_ln_in_parallel_attn") == 1 \
+            or not ours.config.raw.get("parallel_attn", True):
+        pytest.skip("Falcon-7B and -40B layouts only")
+    old = load_ours(_copy_with_config(path, tmp_path / "rw", _refined_web))
+    assert old.config.architecture == "RWForCausalLM"
+    tokens = random_tokens(12, seed=81)
+    assert_close(PagedCache(old).step({0: tokens})[0], hf_logits(hf, tokens))
+
+
+def test_falcon_alibi_is_refused_before_loading() -> None:
+    """falcon-rw's ALiBi: refused when the model is built, with no weights read."""
+    cfg = FalconConfig(**FALCON, alibi=True, multi_query=False, parallel_attn=False).to_dict()
+    cfg["architectures"] = ["FalconForCausalLM"]
+    with pytest.raises(UnsupportedModelError, match="alibi=True is not supported yet"):
+        build_model(ModelConfig.from_dict(cfg), dtype=torch.float32)
+
+
+def test_missing_weight_is_named(tiny, tmp_path: Path) -> None:
+    """A Falcon-40B checkpoint without one layer's ln_mlp bias: the error names that parameter."""
+    _, ours, path = tiny
+    if ours.config.architecture != "FalconForCausalLM" or not ours.config.raw.get("new_decoder_architecture") \
+            or ours.config.raw.get("num_ln_in_parallel_attn") == 1:
+        pytest.skip("Falcon-40B layout only")
+    dst = _copy_with_config(path, tmp_path / "missing", lambda cfg: cfg)
+    tensors = load_file(str(dst / "model.safetensors"))
+    del tensors["transformer.h.1.ln_mlp.bias"]
+    save_file(tensors, str(dst / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match=r"missing parameters \(1\): model\.layers\.1\.ln_mlp\.bias"):
+        load_ours(dst)
