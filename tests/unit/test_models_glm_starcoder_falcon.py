@@ -18,6 +18,7 @@ from test_models import (
     check_greedy_matches_generate,
     check_prefill_then_decode,
     check_prefills,
+    check_triton_kernels,
     check_two_sequence_batch,
     PagedCache,
     assert_close,
@@ -300,3 +301,11 @@ def test_missing_weight_is_named(tiny, tmp_path: Path) -> None:
     save_file(tensors, str(dst / "model.safetensors"))
     with pytest.raises(UnsupportedModelError, match=r"missing parameters \(1\): model\.layers\.1\.ln_mlp\.bias"):
         load_ours(dst)
+
+
+def test_triton_kernels_match_hf(tiny) -> None:
+    """The whole model through the Triton kernels (fused rotary + KV store where the family's RoPE
+    allows, pre-rotated keys stored otherwise; windows go to the reference): on CPU under
+    Triton's interpreter, on a GPU compiled."""
+    hf, ours, _ = tiny
+    check_triton_kernels(hf, ours)
