@@ -5,18 +5,18 @@ partitions of each sequence's keys, and the kernel that merges a split sequence'
 
 from .._triton import jit, tl
 from .decode_quant import _decode_quant
-from .tiles import _tile_step
+from .tiles import _decode_slice, _tile_step
 
 
 @jit
 def _decode_store(o, m_i, l_i, cols, out_ptr, part_out_ptr, part_lse_ptr, row, seq, part, heads, g_mask,
                   stride_ot, stride_oh, stride_pob, stride_poh, stride_pop, stride_plb, stride_plh,
-                  SPLIT: tl.constexpr, part_len, seqlen, WITH_LSE: tl.constexpr):
+                  SPLIT: tl.constexpr, part_len, span, WITH_LSE: tl.constexpr):
     """Write normalized output columns ``cols`` of this program's heads: to the output, or, when
-    the sequence is split over several partitions, to the partial results with (WITH_LSE) the
-    log2-sum-exp the merge kernel weighs them by. (A sequence that one partition covers is final
-    here: the merge kernel skips it.)"""
-    if SPLIT and part_len < seqlen:
+    the sequence's ``span`` of keys (``_decode_slice``) is split over several partitions, to the
+    partial results with (WITH_LSE) the log2-sum-exp the merge kernel weighs them by. (A sequence
+    that one partition covers is final here: the merge kernel skips it.)"""
+    if SPLIT and part_len < span:
         po = part_out_ptr + seq * stride_pob + heads[:, None] * stride_poh + part * stride_pop + cols[None, :]
         tl.store(po, o, mask=g_mask[:, None])
         if WITH_LSE:
@@ -39,29 +39,38 @@ def _decode_kernel(
     stride_pob, stride_poh, stride_pop,
     stride_plb, stride_plh,
     qm_ptr, c_ptr, cs_ptr, stride_qmt, stride_qmh, stride_c_row, stride_c_h, last_row, stride_cs, max_pos,
-    qk_scale, min_part,
+    qk_scale, min_part, alibi_ptr, window, softcap,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr, TUNE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, CENTRED: tl.constexpr, GROUP_C: tl.constexpr,
+    WINDOW: tl.constexpr, ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
+    # WINDOW: only keys >= seqlen - window are read and seen; ALIBI: the heads' slopes at
+    # ``alibi_ptr``; SOFTCAP: ``softcap`` is the cap times log2(e) (tiles._score_mods).
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     part = tl.program_id(2)
     num_parts = tl.num_programs(2)
     seqlen = tl.load(seqlens_k_ptr + seq)
-    # This sequence's own slice length (the module docstring); the reduce kernel repeats it.
-    part_len = tl.maximum(tl.cdiv(tl.cdiv(seqlen, num_parts), BLOCK_N) * BLOCK_N, min_part)
-    start = part * part_len
+    # This sequence's own slice of keys (the module docstring); the reduce kernel repeats it.
+    lo, part_len = _decode_slice(seqlen, window, num_parts, min_part, BLOCK_N, WINDOW)
+    start = lo + part * part_len
     # Past the end of a short sequence (slices are whole key tiles): nothing to do.
     if start >= seqlen:
         return
     end = tl.minimum(start + part_len, seqlen)
     row = tl.load(cu_q_ptr + seq).to(tl.int64)
+    win_first = seqlen - window  # the first key the query sees (WINDOW); qpos: the query's position
+    qpos = seqlen - 1
 
     g = tl.arange(0, GROUP_PAD)
     g_mask = g < GROUP
     heads = kv_head * GROUP + g
+    if ALIBI:
+        slope = (tl.load(alibi_ptr + heads, mask=g_mask, other=0.0) * 1.4426950408889634)[:, None]
+    else:
+        slope = 0.0
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     if BITS:
         m_i, l_i, acc_lo, acc_hi, z_acc = _decode_quant(
@@ -69,14 +78,16 @@ def _decode_kernel(
             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             stride_sb, stride_ss, stride_sh, qk_scale,
             qm_ptr, c_ptr, cs_ptr, stride_qmt, stride_qmh, stride_c_row, stride_c_h, last_row, stride_cs, max_pos,
-            GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BITS, FAST, TUNE, DOT_PRECISION, CENTRED, GROUP_C)
+            win_first, qpos, slope, softcap,
+            GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BITS, FAST, TUNE, DOT_PRECISION, CENTRED, GROUP_C,
+            WINDOW, ALIBI, SOFTCAP)
         j = tl.arange(0, HEAD_DIM // 2)
         _decode_store((acc_lo + z_acc[:, None]) / l_i[:, None], m_i, l_i, j, out_ptr, part_out_ptr, part_lse_ptr,
                       row, seq, part, heads, g_mask, stride_ot, stride_oh, stride_pob, stride_poh, stride_pop,
-                      stride_plb, stride_plh, SPLIT, part_len, seqlen, True)
+                      stride_plb, stride_plh, SPLIT, part_len, seqlen - lo, True)
         _decode_store((acc_hi + z_acc[:, None]) / l_i[:, None], m_i, l_i, HEAD_DIM // 2 + j, out_ptr, part_out_ptr,
                       part_lse_ptr, row, seq, part, heads, g_mask, stride_ot, stride_oh, stride_pob, stride_poh,
-                      stride_pop, stride_plb, stride_plh, SPLIT, part_len, seqlen, False)
+                      stride_pop, stride_plb, stride_plh, SPLIT, part_len, seqlen - lo, False)
     else:
         d = tl.arange(0, HEAD_DIM)
         # Padding rows (g >= GROUP) load zeros: their scores are finite and their results never stored.
@@ -89,14 +100,20 @@ def _decode_kernel(
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             n_mask = n < end
-            # The first tile always holds a valid key (start < seqlen), so m_i is finite from then on.
-            m_i, l_i, acc = _tile_step(q, qsum, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n_mask, n_mask[None, :],
+            if WINDOW:
+                visible = n_mask & (n >= win_first)
+            else:
+                visible = n_mask
+            # The first tile always holds a visible key (start < seqlen, and with a window the
+            # first partition's first tile holds win_first), so m_i is finite from then on.
+            m_i, l_i, acc = _tile_step(q, qsum, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n_mask, visible[None, :],
                                        kv_head, d, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
                                        stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-                                       BLOCK_SIZE, HEAD_DIM, True, BITS, DOT_PRECISION)
+                                       BLOCK_SIZE, HEAD_DIM, True, BITS, DOT_PRECISION, 0.0, False,
+                                       qpos, slope, softcap, ALIBI, SOFTCAP)
         _decode_store(acc / l_i[:, None], m_i, l_i, d, out_ptr, part_out_ptr, part_lse_ptr, row, seq, part, heads,
                       g_mask, stride_ot, stride_oh, stride_pob, stride_poh, stride_pop, stride_plb, stride_plh,
-                      SPLIT, part_len, seqlen, True)
+                      SPLIT, part_len, seqlen - lo, True)
 
 
 @jit
@@ -105,14 +122,15 @@ def _decode_reduce_kernel(
     stride_pob, stride_poh, stride_pop,
     stride_plb, stride_plh,
     stride_ot, stride_oh,
-    grid_parts, min_part, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
+    grid_parts, min_part, window, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     # Grid: (H, B). Merge a sequence's partitions: out = sum_p w_p o_p / sum_p w_p, w_p = 2^(lse_p - max).
     head = tl.program_id(0)
     seq = tl.program_id(1)
     seqlen = tl.load(seqlens_k_ptr + seq)
-    part_len = tl.maximum(tl.cdiv(tl.cdiv(seqlen, grid_parts), BLOCK_N) * BLOCK_N, min_part)  # as in _decode_kernel
-    num_parts = tl.cdiv(seqlen, part_len)
+    lo, part_len = _decode_slice(seqlen, window, grid_parts, min_part, BLOCK_N, WINDOW)  # as in _decode_kernel
+    num_parts = tl.cdiv(seqlen - lo, part_len)
     if num_parts == 1:  # the decode kernel wrote this sequence's output itself
         return
     p = tl.arange(0, BLOCK_P)

@@ -8,7 +8,7 @@ or value is ever made: codes enter the dots as they are and the scales and zeros
 from .._triton import jit, tl
 from .centres import _centre_coeffs, _centre_row, _centre_scores
 from .codes import _code_halves, _scale_zero_rows, _u4_f32, _u8_f32
-from .tiles import _kv_offsets
+from .tiles import _decode_slice, _kv_offsets, _score_mods
 
 
 # Bits of the quantized decode kernel's TUNE: the variants it can be compiled in, each a named
@@ -25,8 +25,9 @@ TUNE_LAZY = 32
 @jit
 def _decode_quant_tile(
     q_lo, q_hi, qsum, k_lo, k_hi, v_lo, v_hi, ksc, kz, vsc, vz, n_mask, m_i, l_i, acc_lo, acc_hi, z_acc, centre,
+    n, qpos, slope, softcap,
     BIASED: tl.constexpr, LAZY: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CENTRED: tl.constexpr,
+    CENTRED: tl.constexpr, ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One key tile of a quantized cache (codes as loaded by ``_code_halves``, scales and zeros
     [N]) folded into the running softmax. The codes enter the dots as they are (small integers,
@@ -38,7 +39,8 @@ def _decode_quant_tile(
     the last tile: two cross-warp reductions a tile fewer); else [M].
     ``ksc`` comes times the log2 softmax scale, and ``qsum`` is sum(q) times it too; BIASED (codes
     read as 1024 + c) it is the pair (that, -1024 sum(q)): ``s q.(c + 1024) - 1024 s sum(q)``.
-    CENTRED: ``centre`` [M, N] holds the keys' centres' scores (``_centre_scores``)."""
+    CENTRED: ``centre`` [M, N] holds the keys' centres' scores (``_centre_scores``). MASKED: keys
+    are seen only where ``n_mask``; ALIBI / SOFTCAP: ``tiles._score_mods`` of the keys at ``n``."""
     dt: tl.constexpr = q_lo.dtype
     s = tl.dot(q_lo, k_lo, input_precision=DOT_PRECISION)
     s = tl.dot(q_hi, k_hi, s, input_precision=DOT_PRECISION)
@@ -49,6 +51,7 @@ def _decode_quant_tile(
         s = s * ksc[None, :] + qsum[:, None] * kz[None, :]
     if CENTRED:
         s += centre
+    s = _score_mods(s, n[None, :], qpos, slope, softcap, ALIBI, SOFTCAP)
     if MASKED:
         s = tl.where(n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -97,14 +100,18 @@ def _decode_quant(
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_sb, stride_ss, stride_sh, qk_scale,
     qm_ptr, c_ptr, cs_ptr, stride_qmt, stride_qmh, stride_c_row, stride_c_h, last_row, stride_cs, max_pos,
+    win_first, qpos, slope, softcap,
     GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     BITS: tl.constexpr, FAST: tl.constexpr, TUNE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CENTRED: tl.constexpr, GROUP_C: tl.constexpr,
+    CENTRED: tl.constexpr, GROUP_C: tl.constexpr, WINDOW: tl.constexpr, ALIBI: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """The decode kernel's walk over keys ``[start, end)`` of a quantized cache: returns (m, l,
     acc of the low half of the dims, acc of the high half, the values' zero terms). Whole tiles
     go unmasked and the last, partial one masked; a tile inside one cache block (block size a
-    multiple of BLOCK_N) reads the block table once."""
+    multiple of BLOCK_N) reads the block table once. WINDOW: keys before ``win_first`` are
+    masked in every tile (only the first tile of the first partition has any); ALIBI / SOFTCAP
+    (``_decode_quant_tile``) with the query at ``qpos`` and the heads' ``slope`` [M, 1]."""
     HALF: tl.constexpr = HEAD_DIM // 2
     IN_BLOCK: tl.constexpr = BLOCK_SIZE % BLOCK_N == 0
     K_PURE: tl.constexpr = (TUNE & 1) != 0
@@ -168,8 +175,9 @@ def _decode_quant(
         else:
             centre = 0.0  # (set in the loop: a loop-carried value keeps one type)
         m_i, l_i, acc_lo, acc_hi, z_acc = _decode_quant_tile(
-            q_lo, q_hi, qsum, k_lo, k_hi, v_lo, v_hi, ksc * qk_scale, kz, vsc, vz, tok, m_i, l_i, acc_lo, acc_hi,
-            z_acc, centre, BIASED, LAZY, False, DOT_PRECISION, CENTRED)
+            q_lo, q_hi, qsum, k_lo, k_hi, v_lo, v_hi, ksc * qk_scale, kz, vsc, vz, n0 + tok >= win_first, m_i, l_i,
+            acc_lo, acc_hi, z_acc, centre, n0 + tok, qpos, slope, softcap, BIASED, LAZY, WINDOW, DOT_PRECISION,
+            CENTRED, ALIBI, SOFTCAP)
         if AHEAD:
             ksc, kz, vsc, vz = ksc_n, kz_n, vsc_n, vz_n
     if full_end < end:
@@ -188,9 +196,13 @@ def _decode_quant(
             centre = _centre_scores(ca, cb, cs_ptr, stride_cs, full_end, max_pos, j, HALF, BLOCK_N, GROUP_C)
         else:
             centre = 0.0
+        visible = n_mask
+        if WINDOW:
+            visible = n_mask & (full_end + tok >= win_first)
         m_i, l_i, acc_lo, acc_hi, z_acc = _decode_quant_tile(
-            q_lo, q_hi, qsum, k_lo, k_hi, v_lo, v_hi, ksc * qk_scale, kz, vsc, vz, n_mask, m_i, l_i, acc_lo,
-            acc_hi, z_acc, centre, BIASED, LAZY, True, DOT_PRECISION, CENTRED)
+            q_lo, q_hi, qsum, k_lo, k_hi, v_lo, v_hi, ksc * qk_scale, kz, vsc, vz, visible, m_i, l_i, acc_lo,
+            acc_hi, z_acc, centre, full_end + tok, qpos, slope, softcap, BIASED, LAZY, True, DOT_PRECISION, CENTRED,
+            ALIBI, SOFTCAP)
     if LAZY:
         l_i = tl.sum(l_i, 1)
         z_acc = tl.sum(z_acc, 1)
@@ -204,9 +216,10 @@ def _decode_simt_kernel(
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh,
     stride_bt, stride_ot, stride_oh, stride_pob, stride_poh, stride_pop, stride_plb, stride_plh,
     stride_qmt, stride_qmh, stride_c_row, stride_c_h, last_row, stride_cs, max_pos,
-    qk_scale, min_part,
+    qk_scale, min_part, alibi_ptr, window, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     BITS: tl.constexpr, FAST: tl.constexpr, PAIR: tl.constexpr, CENTRED: tl.constexpr, GROUP_C: tl.constexpr,
+    WINDOW: tl.constexpr, ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Decode attention over a quantized cache on the CUDA cores, for one query a kv head (MHA):
     the decode kernel's partitions and results (``_decode_kernel``), one warp a program, grid
@@ -218,17 +231,22 @@ def _decode_simt_kernel(
     nibbles are the two halves of the dims (``kv_cache.py``'s layout). Keys and values share
     strides (the launcher checks). Mind the code layouts Triton picks: with the codes loaded
     inside the converting function, every lane held every key's score (32 exp2 a lane instead of
-    one) and the kernel ran 1.5x slower (SASS checked offline: ``MUFU.EX2`` count)."""
+    one) and the kernel ran 1.5x slower (SASS checked offline: ``MUFU.EX2`` count). WINDOW,
+    ALIBI, SOFTCAP: as the decode kernel's."""
     head = tl.program_id(0)
     seq = tl.program_id(1)
     part = tl.program_id(2)
     seqlen = tl.load(seqlens_k_ptr + seq)
-    part_len = tl.maximum(tl.cdiv(tl.cdiv(seqlen, tl.num_programs(2)), BLOCK_N) * BLOCK_N, min_part)
-    start = part * part_len
+    lo, part_len = _decode_slice(seqlen, window, tl.num_programs(2), min_part, BLOCK_N, WINDOW)
+    start = lo + part * part_len
     if start >= seqlen:
         return
     end = tl.minimum(start + part_len, seqlen)
     row = tl.load(cu_q_ptr + seq).to(tl.int64)
+    if ALIBI:
+        slope = tl.load(alibi_ptr + head) * 1.4426950408889634
+    else:
+        slope = 0.0
     IN_BLOCK: tl.constexpr = BLOCK_SIZE % BLOCK_N == 0
     COLS: tl.constexpr = HEAD_DIM // 2 if BITS == 4 else HEAD_DIM
     c = tl.arange(0, COLS)
@@ -275,7 +293,11 @@ def _decode_simt_kernel(
         s = s * ksc + qsum * kz
         if CENTRED:
             s += tl.sum(_centre_scores(ca, cb, cs_ptr, stride_cs, n0, max_pos, jc, HALF, BLOCK_N, GROUP_C), 0)
-        s = tl.where(n_mask, s, float("-inf"))
+        s = _score_mods(s, n0 + tok, seqlen - 1, slope, softcap, ALIBI, SOFTCAP)
+        if WINDOW:
+            s = tl.where(n_mask & (n0 + tok >= seqlen - window), s, float("-inf"))
+        else:
+            s = tl.where(n_mask, s, float("-inf"))
         # The first key of a partition is inside the sequence, so m_i is finite after any tile.
         m_new = tl.maximum(m_i, tl.max(s, 0))
         alpha = tl.exp2(m_i - m_new)
@@ -294,7 +316,7 @@ def _decode_simt_kernel(
         m_i = m_new
     o_a = (acc_a + z_i) / l_i
     o_b = (acc_b + z_i) / l_i
-    if SPLIT and part_len < seqlen:
+    if SPLIT and part_len < seqlen - lo:
         po = part_out_ptr + seq * stride_pob + head * stride_poh + part * stride_pop + c
         tl.store(po, o_a)
         if BITS == 4:

@@ -23,10 +23,20 @@ def _check_inputs(
     cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor,
     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
     sliding_window: int | None = None, softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None, key_centres: KeyCentres | None = None,
 ) -> str | None:
     """Why the Triton kernels cannot take these inputs, or None when they can."""
-    if sliding_window is not None or softcap is not None:
-        return "sliding windows and soft-capping are not in the Triton kernels yet"
+    if softcap is not None and key_centres is not None:
+        # The kernels leave out each centre's constant part (its shift's score q . e, the same for
+        # every key of a query: softmax ignores it), which the cap does not ignore.
+        return "soft-capping over centred keys is not in the Triton kernels (the reference has it)"
+    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
+        return f"sliding_window {sliding_window!r} must be an int >= 1"
+    if softcap is not None and not softcap > 0:
+        return f"softcap {softcap!r} must be positive"
+    if alibi_slopes is not None and (alibi_slopes.shape != (q.shape[1],) or alibi_slopes.dtype != torch.float32
+                                     or alibi_slopes.stride(0) != 1 or alibi_slopes.device != q.device):
+        return f"alibi_slopes must be fp32 [{q.shape[1]}] (one a query head), contiguous, on q's device"
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         return "q must be [T, H, D] and the caches [num_blocks, block_size, Hkv, D]"
     head_dim = q.shape[-1]
@@ -67,6 +77,7 @@ def paged_attention_triton(
     tuning: AttentionTuning | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton launcher for :func:`paged_attention_ref` (same arguments and result).
 
@@ -77,10 +88,14 @@ def paged_attention_triton(
     walk); None takes them all from ``policy.py``. A quantized cache comes with ``k_scales`` /
     ``v_scales`` (``paged_attention_ref``); the decode kernel turns its codes into fp16/bf16 with
     inline PTX unless ``tuning.fast_codes=False`` (or the interpreter runs, or q is fp32), which
-    selects the portable conversion (both are tested).
+    selects the portable conversion (both are tested). ``sliding_window``, ``softcap`` and
+    ``alibi_slopes`` are compile-time switches of the kernels: a layer without them runs the
+    kernels compiled without them. With a window, decode reads only the last ``sliding_window``
+    keys of each sequence (from the start of the key tile holding the first), and its grid is
+    sized for that span instead of ``max_seqlen_k``.
     """
     problem = _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, k_scales, v_scales,
-                            sliding_window, softcap)
+                            sliding_window, softcap, alibi_slopes, key_centres)
     assert problem is None, problem
     devices = {t.device for t in (q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k)}
     assert len(devices) == 1, f"tensors on several devices: {devices}"
@@ -127,6 +142,10 @@ def paged_attention_triton(
                   cs.stride(0), cs.shape[0])
     else:
         c_ptrs, c_args = (q, q, q), (0, 0, 0, 0, 0, 0, 1)
+    # The layer's score changes (tiles._score_mods): compile-time switches and their values.
+    windowed, alibi, capped = sliding_window is not None, alibi_slopes is not None, softcap is not None
+    mods = (alibi_slopes if alibi else q, sliding_window or 0, float(softcap) * _LOG2E if capped else 0.0)
+    mod_flags = dict(WINDOW=windowed, ALIBI=alibi, SOFTCAP=capped)
 
     # (A batch whose sequences bring at most one query but some none goes to the prefill kernel.)
     if max_seqlen_q == 1 and num_tokens == num_seqs:
@@ -136,10 +155,15 @@ def paged_attention_triton(
         assert not simt or (bits and group == 1 and k_cache.stride() == v_cache.stride()), \
             "the CUDA-core walk takes a quantized cache, one query a kv head, keys and values alike strided"
         per_sm = _SIMT_PROGRAMS_PER_SM if simt else 2
-        partition = decode_partition or _decode_partition(q.device, num_seqs, num_kv_heads, max_seqlen_k, per_sm)
+        # A window reads at most its own keys (a sequence's span, tiles.decode_slice): the grid
+        # and the partition heuristic size for that, not for the longest context.
+        span = min(max_seqlen_k, sliding_window) if windowed else max_seqlen_k
+        partition = decode_partition or _decode_partition(q.device, num_seqs, num_kv_heads, span, per_sm)
         bn = block_n or min(_SIMT_BLOCK_N if simt else 64 if head_dim <= 128 else 32, next_pow2(partition))
         assert partition % bn == 0, "the decode partition must be a multiple of its key tile"
-        num_parts = max(cdiv(max_seqlen_k, partition), 1)
+        if windowed:  # the span starts at a tile boundary: up to bn - 1 keys more
+            span = min(max_seqlen_k, sliding_window + bn - 1)
+        num_parts = max(cdiv(span, partition), 1)
         split = num_parts > 1
         # Short sequences spread over the partitions (down to one key tile per program) unless
         # the batch fills the GPU by itself; then each keeps partition-sized slices.
@@ -169,10 +193,10 @@ def paged_attention_triton(
                 *c_ptrs,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *s_strides,
                 block_tables.stride(0), out.stride(0), out.stride(1), *po_strides, *pl_strides, *c_args,
-                qk_scale, min_part,
+                qk_scale, min_part, *mods,
                 HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=bn, SPLIT=split, BITS=bits, FAST=fast,
                 PAIR=bool(tn & TUNE_PAIR), CENTRED=centred, GROUP_C=CENTRE_GROUP, num_warps=num_warps or 1,
-                **extra,
+                **mod_flags, **extra,
             )
         else:
             # Partitions last: the programs past a short sequence's end (the grid is sized for
@@ -180,16 +204,16 @@ def paged_attention_triton(
             # grid for 4k: 822 against 1,287 us for the CUDA-core walk, 795 against 810 here).
             _decode_kernel[(num_kv_heads, num_seqs, num_parts)](
                 q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, seqlens_k, out, part_out, part_lse,
-                *common, *po_strides, *pl_strides, *c_ptrs, *c_args, qk_scale, min_part,
+                *common, *po_strides, *pl_strides, *c_ptrs, *c_args, qk_scale, min_part, *mods,
                 GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
                 BLOCK_N=bn, SPLIT=split, BITS=bits, FAST=fast, TUNE=tn if bits else 0, DOT_PRECISION=precision,
-                CENTRED=centred, GROUP_C=CENTRE_GROUP, num_warps=num_warps or 4, **extra,
+                CENTRED=centred, GROUP_C=CENTRE_GROUP, num_warps=num_warps or 4, **mod_flags, **extra,
             )
         if split:
             _decode_reduce_kernel[(num_heads, num_seqs)](
                 part_out, part_lse, cu_seqlens_q, seqlens_k, out,
-                *po_strides, *pl_strides, out.stride(0), out.stride(1), num_parts, min_part,
-                HEAD_DIM=head_dim, BLOCK_N=bn, BLOCK_P=min(next_pow2(num_parts), 16), num_warps=4,
+                *po_strides, *pl_strides, out.stride(0), out.stride(1), num_parts, min_part, mods[1],
+                HEAD_DIM=head_dim, BLOCK_N=bn, BLOCK_P=min(next_pow2(num_parts), 16), WINDOW=windowed, num_warps=4,
             )
         return out
 
@@ -197,9 +221,9 @@ def paged_attention_triton(
     bn = block_n or (64 if head_dim <= 128 else 32)
     _prefill_kernel[(cdiv(max_seqlen_q, bm), num_heads, num_seqs)](
         q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, seqlens_k, out,
-        *common, *c_ptrs, *c_args, qk_scale,
+        *common, *c_ptrs, *c_args, qk_scale, *mods,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, BITS=bits,
-        CENTRED=centred, GROUP_C=CENTRE_GROUP,
+        CENTRED=centred, GROUP_C=CENTRE_GROUP, **mod_flags,
         # Two stages measured best on an H100 (bf16, D=64 and 128) for 64x64 tiles and 4 warps.
         DOT_PRECISION=precision, num_warps=num_warps or (4 if bm <= 64 else 8), num_stages=num_stages or 2,
     )
@@ -214,6 +238,7 @@ def paged_attention(
     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
     key_centres: KeyCentres | None = None,
     sliding_window: int | None = None, softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over the paged caches: Triton on CUDA, else the reference.
 
@@ -223,15 +248,15 @@ def paged_attention(
     CUDA-graph capture should pass so the launch grid stays fixed). A quantized cache (uint8
     codes) comes with ``k_scales`` / ``v_scales``; its keys and values are dequantized in registers,
     and with ``key_centres`` when its keys were stored centred (``kv_cache.KeyCentring``).
-    ``sliding_window`` and ``softcap`` are ``paged_attention_ref``'s.
+    ``sliding_window``, ``softcap`` and ``alibi_slopes`` are ``paged_attention_ref``'s.
     """
     if triton_takes("paged_attention", (q, k_cache, v_cache), _check_inputs,
                     q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, k_scales, v_scales,
-                    sliding_window, softcap):
+                    sliding_window, softcap, alibi_slopes, key_centres):
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, k_scales=k_scales, v_scales=v_scales,
-            key_centres=key_centres, sliding_window=sliding_window, softcap=softcap,
+            key_centres=key_centres, sliding_window=sliding_window, softcap=softcap, alibi_slopes=alibi_slopes,
         )
     return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, k_scales, v_scales,
-                               key_centres, sliding_window, softcap)
+                               key_centres, sliding_window, softcap, alibi_slopes)

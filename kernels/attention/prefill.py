@@ -17,11 +17,14 @@ def _prefill_kernel(
     stride_sb, stride_ss, stride_sh,
     stride_bt, stride_ot, stride_oh,
     qm_ptr, c_ptr, cs_ptr, stride_qmt, stride_qmh, stride_c_row, stride_c_h, last_row, stride_cs, max_pos,
-    qk_scale,
+    qk_scale, alibi_ptr, window, softcap,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CENTRED: tl.constexpr, GROUP_C: tl.constexpr,
+    WINDOW: tl.constexpr, ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
+    # WINDOW: the query at position p sees keys p - window < k <= p; ALIBI: the heads' slopes at
+    # ``alibi_ptr``; SOFTCAP: ``softcap`` is the cap times log2(e) (tiles._score_mods).
     # Later query tiles see more keys: hand them the lowest program ids so they start first.
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -47,6 +50,10 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    if ALIBI:
+        slope = tl.load(alibi_ptr + head) * 1.4426950408889634
+    else:
+        slope = 0.0
     if CENTRED:  # the queries before the key basis and the sequence's mean key (_centre_scores_dot)
         HALF: tl.constexpr = HEAD_DIM // 2
         jc = tl.arange(0, HALF)
@@ -61,7 +68,30 @@ def _prefill_kernel(
     # Key tiles that end at or before the tile's first query position are visible to every row
     # and lie inside the sequence: they need no mask at all (most tiles of a long prompt).
     full_end = tl.minimum((ctx + m_tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, kv_end)
-    for n0 in range(0, full_end, BLOCK_N):
+    full_begin = 0
+    if WINDOW:
+        # Keys before the first row's window are seen by no row: start at the tile holding its
+        # first key. Whole tiles from the last real row's window start on are seen by every row
+        # (up to full_end, as without a window); those before it, masked row by row.
+        kv_begin = tl.maximum(ctx + m_tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        last_pos = ctx + tl.minimum((m_tile + 1) * BLOCK_M, q_len) - 1
+        full_begin = tl.minimum(tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N, full_end)
+        for n0 in range(kv_begin, full_begin, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = n < kv_end
+            # A row may see none of this tile's keys (nor any before): SAFE keeps its sums at 0.
+            visible = (n[None, :] > pos[:, None] - window) & n_mask[None, :]
+            if CENTRED:
+                centre = _centre_scores_dot(qm_lo, qm_hi, cm1, cm2, cs_ptr, stride_cs, n, max_pos, jc, HALF,
+                                            GROUP_C, DOT_PRECISION)
+            else:
+                centre = 0.0  # (set in the loop: a loop-carried value keeps one type)
+            m_i, l_i, acc = _tile_step(q, qsum, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n_mask, visible,
+                                       kv_head, d, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
+                                       stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+                                       BLOCK_SIZE, HEAD_DIM, True, BITS, DOT_PRECISION, centre, CENTRED,
+                                       pos[:, None], slope, softcap, ALIBI, SOFTCAP, True)
+    for n0 in range(full_begin, full_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         if CENTRED:
             centre = _centre_scores_dot(qm_lo, qm_hi, cm1, cm2, cs_ptr, stride_cs, n, max_pos, jc, HALF, GROUP_C,
@@ -71,14 +101,18 @@ def _prefill_kernel(
         m_i, l_i, acc = _tile_step(q, qsum, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n, n,  # no mask
                                    kv_head, d, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
                                    stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-                                   BLOCK_SIZE, HEAD_DIM, False, BITS, DOT_PRECISION, centre, CENTRED)
+                                   BLOCK_SIZE, HEAD_DIM, False, BITS, DOT_PRECISION, centre, CENTRED,
+                                   pos[:, None], slope, softcap, ALIBI, SOFTCAP)
     # The diagonal tiles: causal mask and the end of the sequence.
     for n0 in range(full_end, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < kv_end
         # Key 0 is visible to every row (pos >= 0), so each row's max is finite after the first tile
-        # and fully masked later tiles contribute exp2(-inf) = 0, never NaN.
+        # and fully masked later tiles contribute exp2(-inf) = 0, never NaN. Not so with a window
+        # (its rows' first keys are later): SAFE.
         visible = (n[None, :] <= pos[:, None]) & n_mask[None, :]
+        if WINDOW:
+            visible = visible & (n[None, :] > pos[:, None] - window)
         if CENTRED:
             centre = _centre_scores_dot(qm_lo, qm_hi, cm1, cm2, cs_ptr, stride_cs, n, max_pos, jc, HALF, GROUP_C,
                                         DOT_PRECISION)
@@ -87,7 +121,8 @@ def _prefill_kernel(
         m_i, l_i, acc = _tile_step(q, qsum, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, n_mask, visible,
                                    kv_head, d, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
                                    stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-                                   BLOCK_SIZE, HEAD_DIM, True, BITS, DOT_PRECISION, centre, CENTRED)
+                                   BLOCK_SIZE, HEAD_DIM, True, BITS, DOT_PRECISION, centre, CENTRED,
+                                   pos[:, None], slope, softcap, ALIBI, SOFTCAP, WINDOW)
 
     o = acc / l_i[:, None]
     dst = out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :]

@@ -23,6 +23,7 @@ def paged_attention_ref(
     key_centres: KeyCentres | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference: gather each sequence's keys, then causal SDPA with GQA.
 
@@ -35,9 +36,12 @@ def paged_attention_ref(
     ``sliding_window`` W: the query at position p sees only the keys p - W < k <= p (W keys,
     itself included; transformers' ``sliding_window_overlay``). ``softcap`` c: each score s (after
     ``scale``) becomes c * tanh(s / c) before the softmax (Gemma 2's attention soft-capping).
+    ``alibi_slopes`` [H] (fp32, ``alibi.alibi_slopes``): head h's score of key k from the query at
+    p gets ``slope_h * (k - p)`` (ALiBi). Order: scale, then ALiBi, then the cap.
     """
     assert sliding_window is None or sliding_window >= 1, "a sliding window holds at least one key"
     assert softcap is None or softcap > 0, "softcap must be positive"
+    assert alibi_slopes is None or alibi_slopes.shape == (q.shape[1],), "one ALiBi slope a query head"
     assert q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
     bits = cache_bits(k_cache, q.shape[-1])
     assert (k_scales is not None) == (v_scales is not None) == bool(bits), "codes and scales go together"
@@ -71,10 +75,15 @@ def paged_attention_ref(
         if sliding_window is not None:
             mask &= k_pos > q_pos[:, None] - sliding_window
         qf, kf, vf = qb.to(torch.float32), kb.to(torch.float32), vb.to(torch.float32)
-        if softcap is None:
+        if softcap is None and alibi_slopes is None:
             ob = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale)
         else:
-            scores = softcap * torch.tanh(qf @ kf.transpose(1, 2) * (scale / softcap))
+            scores = qf @ kf.transpose(1, 2) * scale
+            if alibi_slopes is not None:
+                dist = (k_pos - q_pos[:, None]).to(torch.float32)  # [Lq, Lk]: k - p
+                scores = scores + alibi_slopes.to(q.device, torch.float32)[:, None, None] * dist
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
             ob = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ vf
         out[qs:qe] = ob.transpose(0, 1).to(q.dtype)
     return out

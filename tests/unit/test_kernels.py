@@ -93,17 +93,20 @@ def paged_batch(
 def check_attention(
     q_lens: list[int], k_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
     block_size: int, seed: int, tol: float, dtype: torch.dtype = torch.float32, device: str = "cpu",
-    **tiles: int,
+    window: int | None = None, softcap: float | None = None, **tiles: int,
 ) -> None:
+    """The launcher against the reference; ``window`` / ``softcap``: the layer's sliding window and
+    soft-capping (``paged_attention_ref``)."""
     q, kc, vc, bt, cu, sk = paged_batch(
         q_lens, k_lens, num_heads, num_kv_heads, head_dim, block_size, seed, dtype, device
     )
     scale = head_dim**-0.5
+    mods = dict(sliding_window=window, softcap=softcap)
     out = paged_attention_triton(
         q, kc, vc, bt, cu, sk, scale, max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
-        tuning=AttentionTuning(**tiles),
+        tuning=AttentionTuning(**tiles), **mods,
     )
-    ref = paged_attention_ref(q, kc, vc, bt, cu, sk, scale)
+    ref = paged_attention_ref(q, kc, vc, bt, cu, sk, scale, **mods)
     assert_close(out, ref, tol)
 
 
@@ -147,6 +150,35 @@ def test_decode_attention(case: tuple, seed: int, poisoned_empty: None) -> None:
 def test_prefill_attention(case: tuple, seed: int, poisoned_empty: None) -> None:
     q_lens, k_lens, h, hkv, d, bs, tiles = case
     check_attention(q_lens, k_lens, h, hkv, d, bs, seed, FP32_TOL, **tiles)
+
+
+# Sliding windows and soft-capping: (q_lens, k_lens, H, Hkv, D, block_size, window, softcap, tiles).
+# Windows shorter than, equal to and longer than the sequences; starting mid-tile and mid-partition
+# (decode over split partitions); a chunk over a cached prefix whose window starts inside the
+# prefix (the prefill kernel's three kinds of key tile: masked before the last row's window start,
+# whole, and diagonal); one-token windows and blocks; the cap alone and with a window.
+MOD_CASES = {
+    "decode_window_split": ([1] * 4, [40, 7, 100, 33], 4, 2, 32, 16, 20, None,
+                            dict(decode_partition=16, block_n=16)),
+    "decode_window_equal_and_longer": ([1] * 3, [20, 5, 19], 4, 1, 32, 16, 20, None, {}),
+    "decode_window_longer_split": ([1] * 2, [50, 9], 4, 2, 32, 16, 1000, None, dict(decode_partition=16, block_n=16)),
+    "decode_window_one": ([1] * 2, [20, 5], 4, 2, 32, 16, 1, None, dict(decode_partition=16, block_n=16)),
+    "decode_softcap": ([1] * 2, [40, 3], 6, 2, 32, 16, None, 1.0, dict(decode_partition=16, block_n=16)),
+    "decode_window_softcap": ([1] * 3, [70, 17, 3], 4, 2, 32, 16, 24, 1.5, dict(decode_partition=16, block_n=16)),
+    "prefill_chunk_window_in_prefix": ([20], [70], 4, 2, 32, 16, 30, None, dict(block_m=16, block_n=16)),
+    "prefill_window_whole_tiles_softcap": ([40], [100], 4, 2, 32, 16, 50, 1.5, dict(block_m=16, block_n=16)),
+    "prefill_window_short": ([16, 17, 15], [16, 17, 15], 4, 2, 32, 16, 8, None, dict(block_m=16, block_n=16)),
+    "prefill_window_longer": ([9, 4], [9, 30], 4, 2, 32, 16, 64, None, dict(block_m=16, block_n=16)),
+    "prefill_one_token_blocks": ([7, 12], [7, 12], 4, 2, 32, 1, 3, None, dict(block_m=16, block_n=16)),
+    "prefill_softcap": ([6, 1], [40, 3], 4, 2, 32, 16, None, 1.0, dict(block_m=16, block_n=16)),
+}
+
+
+@interp
+@pytest.mark.parametrize("case", MOD_CASES.values(), ids=MOD_CASES.keys())
+def test_attention_window_softcap(case: tuple, seed: int, poisoned_empty: None) -> None:
+    q_lens, k_lens, h, hkv, d, bs, window, softcap, tiles = case
+    check_attention(q_lens, k_lens, h, hkv, d, bs, seed, FP32_TOL, window=window, softcap=softcap, **tiles)
 
 
 @interp
@@ -416,6 +448,28 @@ GPU_PREFILL = {
 def test_gpu_prefill(case: tuple, dtype: torch.dtype, seed: int, poisoned_empty: None) -> None:
     q_lens, k_lens, h, hkv, d, bs = case
     check_attention(q_lens, k_lens, h, hkv, d, bs, seed, GPU_TOL[dtype], dtype, "cuda")
+
+
+# Gemma 2's layers (window 4096, cap 50) and smaller windows: (q_lens, k_lens, H, Hkv, D, block_size,
+# window, softcap). Decode reads only the window (32k context); prefill skips the keys before it.
+GPU_MODS = {
+    "decode_batch1_32k_window4k_g2_d256": ([1], [32768], 16, 8, 256, 16, 4096, 50.0),
+    "decode_mixed_window_g4": ([1] * 64, None, 32, 8, 128, 16, 1000, None),
+    "decode_softcap_g8": ([1] * 8, [3000, 1, 17, 512, 513, 4096, 70, 2049], 32, 4, 128, 64, None, 30.0),
+    "prefill_2k_window512_softcap": ([2048], [2048], 16, 8, 128, 16, 512, 50.0),
+    "chunked_over_prefix_window": ([512, 1000, 1, 33], [3000, 1000, 700, 4129], 32, 8, 128, 64, 777, None),
+}
+
+
+@gpu
+@compiled_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", GPU_MODS.values(), ids=GPU_MODS.keys())
+def test_gpu_window_softcap(case: tuple, dtype: torch.dtype, seed: int, poisoned_empty: None) -> None:
+    q_lens, k_lens, h, hkv, d, bs, window, softcap = case
+    if k_lens is None:
+        k_lens = torch.randint(1, 4097, (len(q_lens),), generator=torch.Generator().manual_seed(seed)).tolist()
+    check_attention(q_lens, k_lens, h, hkv, d, bs, seed, GPU_TOL[dtype], dtype, "cuda", window=window, softcap=softcap)
 
 
 @gpu

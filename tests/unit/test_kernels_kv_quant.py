@@ -65,10 +65,11 @@ def quantized_batch(q_lens, k_lens, h, hkv, d, block_size, seed, bits, dtype=tor
 
 
 def check_quantized_attention(q_lens, k_lens, h, hkv, d, block_size, seed, bits, tol, dtype=torch.float32,
-                              device="cpu", centred=False, **tiles):
+                              device="cpu", centred=False, window=None, softcap=None, **tiles):
     """The kernel against the reference; ``centred``: keys stored centred (``KeyCentres``), with
     random centre rows for half the blocks (first blocks past them read the zero row) and a
-    rotary table that ends 3 positions past the longest sequence (centre positions clamp)."""
+    rotary table that ends 3 positions past the longest sequence (centre positions clamp).
+    ``window`` / ``softcap``: the layer's sliding window and soft-capping."""
     q, kq, vq, ks, vs, bt, cu, sk = quantized_batch(q_lens, k_lens, h, hkv, d, block_size, seed, bits, dtype, device)
     scale = d**-0.5
     centres = ref_centres = None
@@ -81,10 +82,12 @@ def check_quantized_attention(q_lens, k_lens, h, hkv, d, block_size, seed, bits,
         ref_centres = KeyCentres(table, cos_sin)
         centres = KeyCentres(table.to(device), cos_sin.to(device), q)
         q = to_key_basis(q.float()).to(dtype)
+    mods = dict(sliding_window=window, softcap=softcap)
     out = paged_attention_triton(q, kq, vq, bt, cu, sk, scale, max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
-                                 k_scales=ks, v_scales=vs, key_centres=centres, tuning=AttentionTuning(**tiles))
+                                 k_scales=ks, v_scales=vs, key_centres=centres, tuning=AttentionTuning(**tiles),
+                                 **mods)
     ref = paged_attention_ref(q.float().cpu(), kq.cpu(), vq.cpu(), bt.cpu(), cu.cpu(), sk.cpu(), scale, ks.cpu(),
-                              vs.cpu(), ref_centres).to(dtype)
+                              vs.cpu(), ref_centres, **mods).to(dtype)
     assert_close(out.cpu(), ref, tol)
 
 
@@ -463,6 +466,51 @@ def test_quantized_decode_simt(case: tuple, bits: int, seed: int, poisoned_empty
                               **variant(), **tiles)
 
 
+# Sliding windows and soft-capping over a quantized cache: (q_lens, k_lens, H, Hkv, D, block_size,
+# window, softcap, tiles). Decode windows starting mid-tile over split partitions, with tiles
+# inside one cache block and across blocks; a chunk over a prefix whose window starts inside it.
+QUANT_MOD_CASES = {
+    "decode_window_split": ([1] * 3, [40, 7, 100], 4, 4, 32, 16, 20, None, dict(decode_partition=16, block_n=16)),
+    "decode_window_in_block_softcap": ([1] * 2, [95, 33], 4, 4, 32, 64, 40, 1.5,
+                                       dict(decode_partition=32, block_n=32)),
+    "decode_softcap": ([1] * 2, [40, 3], 4, 4, 32, 16, None, 1.0, {}),
+    "prefill_chunk_window_softcap": ([20, 3], [70, 9], 4, 4, 32, 16, 30, 1.5, dict(block_m=16, block_n=16)),
+}
+
+
+@interp
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("case", QUANT_MOD_CASES.values(), ids=QUANT_MOD_CASES.keys())
+def test_quantized_attention_window_softcap(case: tuple, bits: int, seed: int, poisoned_empty: None) -> None:
+    """Both decode walks (groups of 2 on the tensor cores, one query a kv head on the CUDA cores),
+    and the prefill kernel; centred keys under the window alone (soft-capping over centred keys
+    goes to the reference: ``test_softcap_over_centred_keys_is_refused``)."""
+    q_lens, k_lens, h, hkv, d, bs, window, softcap, tiles = case
+    mods = dict(window=window, softcap=softcap)
+    centred = dict(centred=True, window=window)
+    if max(q_lens) == 1:
+        check_quantized_attention(q_lens, k_lens, 2 * h, hkv, d, bs, seed, bits, 1e-4, **mods, **tiles)
+        check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 1e-4, simt=True, **mods, **tiles)
+        if window:
+            check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 1e-4, simt=False,
+                                      **variant("lazy", "scale_ahead"), **centred, **tiles)
+    else:
+        check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, 1e-4, **mods, **tiles)
+        check_quantized_attention(q_lens, k_lens, 2 * h, hkv, d, bs, seed, bits, 1e-4, **centred, **tiles)
+
+
+def test_softcap_over_centred_keys_is_refused() -> None:
+    """The kernels drop each centre's constant score (softmax ignores it; the cap does not): the
+    launcher check sends soft-capped layers over centred keys to the reference."""
+    from conveyor.kernels.attention.launch import _check_inputs
+
+    q, kq, vq, ks, vs, bt, cu, sk = quantized_batch([1], [20], 4, 2, 64, 16, 0, 4)
+    centres = KeyCentres(torch.zeros(2, 2, 2, 64, dtype=torch.float16), rope_table(64, 32), q)
+    why = _check_inputs(q, kq, vq, bt, cu, sk, ks, vs, None, 1.0, None, centres)
+    assert why is not None and "centred keys" in why
+    assert _check_inputs(q, kq, vq, bt, cu, sk, ks, vs, 8, None, None, centres) is None
+
+
 @interp
 def test_quantized_decode_simt_takes_one_query_a_kv_head(seed: int) -> None:
     q, kq, vq, ks, vs, bt, cu, sk = quantized_batch([1, 1], [20, 7], 4, 2, 64, 16, seed, 8)
@@ -526,6 +574,22 @@ def test_gpu_quantized_attention(case: tuple, dtype: torch.dtype, bits: int, cen
     if k_lens is None:
         k_lens = torch.randint(1, 2049, (len(q_lens),), generator=torch.Generator().manual_seed(seed)).tolist()
     check_quantized_attention(q_lens, k_lens, h, hkv, d, bs, seed, bits, GPU_TOL[dtype], dtype, "cuda", centred)
+
+
+@gpu
+@compiled_gpu
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_quantized_window_softcap(dtype: torch.dtype, bits: int, seed: int, poisoned_empty: None) -> None:
+    """Sliding windows and soft-capping over a quantized cache: both decode walks and prefill."""
+    k_lens = [1, 63, 700, 2049, 5000]
+    for h in (16, 4):  # groups of 4 (tensor cores), one query a kv head (CUDA cores)
+        check_quantized_attention([1] * len(k_lens), k_lens, h, 4, 128, 64, seed, bits, GPU_TOL[dtype], dtype, "cuda",
+                                  window=1000, softcap=50.0)
+    check_quantized_attention([1] * len(k_lens), k_lens, 16, 4, 128, 16, seed, bits, GPU_TOL[dtype], dtype, "cuda",
+                              centred=True, window=777)
+    check_quantized_attention([512, 1, 33], [3000, 700, 4129], 32, 8, 128, 64, seed, bits, GPU_TOL[dtype], dtype,
+                              "cuda", window=1000, softcap=50.0)
 
 
 @gpu
