@@ -361,14 +361,16 @@ def test_baichuan_13b_alibi_is_refused_before_loading(architecture: str) -> None
         build_model(config, dtype=torch.float32, device="meta")
 
 
-def test_baichuan2_tp2_matches_tp1(family) -> None:
-    """Baichuan2-7B under tensor parallel (CPU, gloo): each rank takes its q, k and v rows of the
-    fused W_pack and normalizes its own rows of the NormHead; greedy tokens and logprobs equal tp=1's."""
+def test_tp2_matches_tp1(family) -> None:
+    """Tensor parallel (CPU, gloo) equals tp=1 in greedy tokens and logprobs: Baichuan2's fused
+    W_pack split into each rank's q, k and v rows and its NormHead normalized per rank's rows;
+    Qwen's fused, biased c_attn split alike and its log-n scale on each rank's heads; InternLM's
+    o_proj bias added once after the all-reduce."""
     from test_tensor_parallel import _run, _same
 
     _, ours, path = family
-    if ours.config.vocab_size != BAICHUAN2_VOCAB:
-        pytest.skip("Baichuan2 only")
+    if ours.config.architecture not in ("BaichuanForCausalLM", "QWenLMHeadModel", "InternLMForCausalLM"):
+        pytest.skip("Baichuan2, Qwen and InternLM")
     (trace1, ppl1), (trace2, ppl2) = _run(path, 1), _run(path, 2)
     _same(trace1, trace2)
     assert ppl2 == pytest.approx(ppl1, rel=1e-4)
