@@ -406,17 +406,19 @@ def run(eng: LLMEngine, prompts: list[list[int]], n: int) -> tuple[list[list[int
     return [outs[s.request_id] for s in seqs], most
 
 
-@pytest.mark.parametrize("window,prefix", [(W, False), (3, True)])
-def test_engine_greedy_matches_generate_with_bounded_blocks(mistrals, window, prefix, poisoned_empty, caplog):
+@pytest.mark.parametrize("window,prefix,overlap", [(W, False, False), (3, True, False), (W, True, True)])
+def test_engine_greedy_matches_generate_with_bounded_blocks(mistrals, window, prefix, overlap, poisoned_empty,
+                                                            caplog):
     """Two 20-token prompts, 40 greedy tokens each, chunked prefill of 6 tokens, block size 4: the
     same tokens as ``generate`` while each sequence holds at most W / block_size + 1 blocks after a
     step (60 tokens would need 15). The KV cache starts NaN-filled: with a window narrower than a
     block, a released entry naming a block not yet all computed would show, since with the prefix
-    cache on released (hashed) blocks are reused last and steps take never-written ones first."""
+    cache on released (hashed) blocks are reused last and steps take never-written ones first.
+    Overlapped steps (as on CUDA) release with a token still on the device."""
     hf, path = mistrals(window)
     prompts = [random_tokens(20, seed=11), random_tokens(20, seed=12)]
     with caplog.at_level("INFO", logger="conveyor.engine.llm_engine"):
-        eng = window_engine(path, enable_prefix_caching=prefix)
+        eng = window_engine(path, enable_prefix_caching=prefix, overlap_schedule=overlap)
     assert eng.block_manager.window == window
     assert sum(f"{window}-token sliding window" in r.getMessage() for r in caplog.records) == 1
     try:
