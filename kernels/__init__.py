@@ -7,7 +7,7 @@ its ``*_ref`` otherwise; ``set_kernel_mode("ref" | "triton")`` forces one side f
 
 from ._triton import HAS_TRITON, KERNEL_MODES, kernel_mode, set_kernel_mode
 from .activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton
-from .attention import paged_attention, paged_attention_ref, paged_attention_triton
+from .attention import alibi_slopes, paged_attention, paged_attention_ref, paged_attention_triton
 from .kv_cache import (
     rotate_and_store_kv,
     rotate_and_store_kv_ref,
@@ -56,5 +56,5 @@ __all__ = [
     "store_kv_triton", "awq_pack", "awq_unpack", "dequantize_awq_ref", "w4a16_matmul", "w4a16_matmul_ref",
     "w4a16_matmul_triton", "int8_matmul", "int8_matmul_int_mm", "int8_matmul_ref", "int8_matmul_triton",
     "quant_per_token", "quant_per_token_ref", "quant_per_token_triton", "rms_norm_quant", "rms_norm_quant_ref",
-    "rms_norm_quant_triton",
+    "rms_norm_quant_triton", "alibi_slopes",
 ]

@@ -47,10 +47,14 @@ class Attention(nn.Module):
 
     ``sliding_window`` (W: each query sees its last W keys, itself included) and ``softcap`` (scores
     become ``c * tanh(s / c)``) are this layer's, as ``paged_attention`` takes them; None: off.
+    ``alibi_slopes``: ALiBi's slopes of this layer's (this rank's) query heads, fp32 [num_heads]
+    (``kernels.attention.alibi_slopes``, sliced by the model), a buffer that follows the module's
+    device; None: no ALiBi.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 sliding_window: int | None = None, softcap: float | None = None) -> None:
+                 sliding_window: int | None = None, softcap: float | None = None,
+                 alibi_slopes: torch.Tensor | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -60,6 +64,11 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
         self.softcap = softcap
+        if alibi_slopes is not None and alibi_slopes.shape != (num_heads,):
+            raise ValueError(f"alibi_slopes {tuple(alibi_slopes.shape)}: one slope for each of the {num_heads} heads")
+        self.alibi_slopes: torch.Tensor | None
+        self.register_buffer("alibi_slopes", None if alibi_slopes is None else alibi_slopes.float().contiguous(),
+                             persistent=False)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.k_scales: torch.Tensor | None = None
@@ -115,7 +124,7 @@ class Attention(nn.Module):
             q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seqlens_k, self.scale,
             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
             k_scales=self.k_scales, v_scales=self.v_scales, key_centres=centres,
-            sliding_window=self.sliding_window, softcap=self.softcap,
+            sliding_window=self.sliding_window, softcap=self.softcap, alibi_slopes=self.alibi_slopes,
         )
 
     def _attend_without_cache(
@@ -133,4 +142,5 @@ class Attention(nn.Module):
         return paged_attention(
             q, k.unsqueeze(1), v.unsqueeze(1), tables, meta.cu_seqlens_q, meta.seqlens_k, self.scale,
             max_seqlen_q=max_len, max_seqlen_k=max_len, sliding_window=self.sliding_window, softcap=self.softcap,
+            alibi_slopes=self.alibi_slopes,
         )

@@ -35,12 +35,18 @@ The package, one concern a module: ``reference`` (plain torch, CPU and tests), `
 ``prefill`` (the kernels), ``decode_quant`` (decode over a quantized cache: tensor-core walk and
 CUDA-core kernel), ``tiles`` (the key-tile step decode and prefill share), ``codes`` and ``ptx``
 (reading quantized codes, portable and inline PTX), ``centres`` (centred keys' scores),
-``policy`` (``AttentionTuning`` and the launch heuristics) and ``launch`` (the launcher and the
-dispatcher).
+``policy`` (``AttentionTuning`` and the launch heuristics), ``launch`` (the launcher and the
+dispatcher) and ``alibi`` (ALiBi's slopes).
+
+A layer's sliding window, soft-capping and ALiBi slopes are compile-time switches of every
+kernel (``tiles._score_mods``: scale, then ALiBi, then the cap; the window a mask). With a window
+decode reads only each sequence's last ``window`` keys, and prefill skips the key tiles before a
+query tile's first window.
 """
 
+from .alibi import alibi_slopes
 from .launch import paged_attention, paged_attention_triton
 from .policy import AttentionTuning
 from .reference import paged_attention_ref
 
-__all__ = ["AttentionTuning", "paged_attention", "paged_attention_ref", "paged_attention_triton"]
+__all__ = ["AttentionTuning", "alibi_slopes", "paged_attention", "paged_attention_ref", "paged_attention_triton"]

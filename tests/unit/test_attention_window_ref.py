@@ -1,13 +1,14 @@
-"""The attention reference's sliding window and soft-capping against a per-query loop written
-from their definitions (transformers' ``sliding_window_overlay``: key k is visible to the query at
-position p when p - W < k <= p; Gemma 2's capping: s -> c * tanh(s / c) before the softmax)."""
+"""The attention reference's sliding window, soft-capping and ALiBi against a per-query loop
+written from their definitions (transformers' ``sliding_window_overlay``: key k is visible to the
+query at position p when p - W < k <= p; Gemma 2's capping: s -> c * tanh(s / c) before the
+softmax; ALiBi: head h's score gets slope_h * (k - p), after the scale and before the cap)."""
 
 import math
 
 import pytest
 import torch
 
-from conveyor.kernels.attention import paged_attention_ref
+from conveyor.kernels.attention import alibi_slopes, paged_attention_ref
 
 
 def _dense_case(q_lens, k_lens, h, hkv, d, seed):
@@ -26,7 +27,7 @@ def _dense_case(q_lens, k_lens, h, hkv, d, seed):
     return q, ks, vs, k_cache, v_cache, tables, cu, torch.tensor(k_lens, dtype=torch.int32)
 
 
-def _loop(q, ks, vs, q_lens, k_lens, scale, window, softcap):
+def _loop(q, ks, vs, q_lens, k_lens, scale, window, softcap, slopes=None):
     out = torch.empty_like(q)
     row = 0
     for b, (lq, lk) in enumerate(zip(q_lens, k_lens)):
@@ -39,6 +40,8 @@ def _loop(q, ks, vs, q_lens, k_lens, scale, window, softcap):
                 for key in range(lk):
                     visible = key <= p and (window is None or key > p - window)
                     s = float(q[row, head] @ ks[b][key, kv]) * scale
+                    if slopes is not None:
+                        s += float(slopes[head]) * (key - p)
                     if softcap is not None:
                         s = softcap * math.tanh(s / softcap)
                     scores.append(s if visible else -math.inf)
@@ -55,4 +58,16 @@ def test_window_and_softcap_reference(window, softcap) -> None:
     scale = 8**-0.5 * 3  # scores large enough that capping changes them
     out = paged_attention_ref(q, kc, vc, bt, cu, sk, scale, sliding_window=window, softcap=softcap)
     expected = _loop(q, ks, vs, q_lens, k_lens, scale, window, softcap)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (4, None), (None, 2.0)])
+def test_alibi_reference(window, softcap) -> None:
+    """Six heads (not a power of two: the interleaved slopes), alone and with a window or a cap."""
+    q_lens, k_lens = [5, 1, 7], [5, 9, 12]
+    q, ks, vs, kc, vc, bt, cu, sk = _dense_case(q_lens, k_lens, 6, 2, 8, seed=11)
+    scale, slopes = 8**-0.5 * 3, alibi_slopes(6)
+    out = paged_attention_ref(q, kc, vc, bt, cu, sk, scale, sliding_window=window, softcap=softcap,
+                              alibi_slopes=slopes)
+    expected = _loop(q, ks, vs, q_lens, k_lens, scale, window, softcap, slopes)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

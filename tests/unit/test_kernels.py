@@ -25,6 +25,7 @@ from conveyor.kernels._triton import TRITON_INTERPRETED, set_kernel_mode
 from conveyor.kernels.activation import silu_and_mul, silu_and_mul_ref
 from conveyor.kernels.attention import (
     AttentionTuning,
+    alibi_slopes,
     paged_attention,
     paged_attention_ref,
     paged_attention_triton,
@@ -93,15 +94,16 @@ def paged_batch(
 def check_attention(
     q_lens: list[int], k_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
     block_size: int, seed: int, tol: float, dtype: torch.dtype = torch.float32, device: str = "cpu",
-    window: int | None = None, softcap: float | None = None, **tiles: int,
+    window: int | None = None, softcap: float | None = None, alibi: bool = False, **tiles: int,
 ) -> None:
-    """The launcher against the reference; ``window`` / ``softcap``: the layer's sliding window and
-    soft-capping (``paged_attention_ref``)."""
+    """The launcher against the reference; ``window`` / ``softcap`` / ``alibi``: the layer's sliding
+    window, soft-capping and ALiBi slopes (``paged_attention_ref``)."""
     q, kc, vc, bt, cu, sk = paged_batch(
         q_lens, k_lens, num_heads, num_kv_heads, head_dim, block_size, seed, dtype, device
     )
     scale = head_dim**-0.5
-    mods = dict(sliding_window=window, softcap=softcap)
+    slopes = alibi_slopes(num_heads).to(device) if alibi else None
+    mods = dict(sliding_window=window, softcap=softcap, alibi_slopes=slopes)
     out = paged_attention_triton(
         q, kc, vc, bt, cu, sk, scale, max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
         tuning=AttentionTuning(**tiles), **mods,
@@ -179,6 +181,36 @@ MOD_CASES = {
 def test_attention_window_softcap(case: tuple, seed: int, poisoned_empty: None) -> None:
     q_lens, k_lens, h, hkv, d, bs, window, softcap, tiles = case
     check_attention(q_lens, k_lens, h, hkv, d, bs, seed, FP32_TOL, window=window, softcap=softcap, **tiles)
+
+
+# ALiBi (head counts that are not powers of two, as Baichuan-13B's 40): (q_lens, k_lens, H, Hkv, D,
+# block_size, window, tiles): decode over split partitions, a chunk over a prefix, with a window.
+ALIBI_CASES = {
+    "decode_split_mha": ([1] * 3, [40, 7, 100], 6, 6, 32, 16, None, dict(decode_partition=16, block_n=16)),
+    "decode_window_g3": ([1] * 2, [70, 5], 6, 2, 32, 16, 24, dict(decode_partition=16, block_n=16)),
+    "prefill_chunk_over_prefix": ([20, 5], [70, 5], 6, 6, 32, 16, None, dict(block_m=16, block_n=16)),
+    "prefill_window": ([40], [100], 6, 2, 32, 16, 50, dict(block_m=16, block_n=16)),
+}
+
+
+@interp
+@pytest.mark.parametrize("case", ALIBI_CASES.values(), ids=ALIBI_CASES.keys())
+def test_attention_alibi(case: tuple, seed: int, poisoned_empty: None) -> None:
+    q_lens, k_lens, h, hkv, d, bs, window, tiles = case
+    check_attention(q_lens, k_lens, h, hkv, d, bs, seed, FP32_TOL, window=window, alibi=True, **tiles)
+
+
+@interp
+def test_alibi_dispatcher(seed: int, forced: None) -> None:
+    """The public entry point takes the slopes to the kernels; slopes of the wrong count or dtype
+    are refused (forced Triton raises where the dispatcher would fall back)."""
+    q, kc, vc, bt, cu, sk = paged_batch([3, 1], [20, 9], 6, 2, 32, 8, seed)
+    slopes = alibi_slopes(6)
+    ref = paged_attention_ref(q, kc, vc, bt, cu, sk, 0.1, alibi_slopes=slopes)
+    assert_close(paged_attention(q, kc, vc, bt, cu, sk, 0.1, alibi_slopes=slopes), ref, FP32_TOL)
+    for wrong in (slopes[:4], slopes.double()):
+        with pytest.raises(ValueError, match="alibi_slopes"):
+            paged_attention(q, kc, vc, bt, cu, sk, 0.1, alibi_slopes=wrong)
 
 
 @interp
@@ -470,6 +502,17 @@ def test_gpu_window_softcap(case: tuple, dtype: torch.dtype, seed: int, poisoned
     if k_lens is None:
         k_lens = torch.randint(1, 4097, (len(q_lens),), generator=torch.Generator().manual_seed(seed)).tolist()
     check_attention(q_lens, k_lens, h, hkv, d, bs, seed, GPU_TOL[dtype], dtype, "cuda", window=window, softcap=softcap)
+
+
+@gpu
+@compiled_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["bf16", "fp16"])
+def test_gpu_alibi(dtype: torch.dtype, seed: int, poisoned_empty: None) -> None:
+    """Baichuan-13B's attention (40 heads, MHA, D 128): decode over long contexts, prefill, a chunk."""
+    check_attention([1] * 4, [4096, 17, 2049, 700], 40, 40, 128, 16, seed, GPU_TOL[dtype], dtype, "cuda", alibi=True)
+    check_attention([2048], [2048], 40, 40, 128, 16, seed, GPU_TOL[dtype], dtype, "cuda", alibi=True)
+    check_attention([512, 33], [3000, 4129], 40, 40, 128, 64, seed, GPU_TOL[dtype], dtype, "cuda", alibi=True,
+                    window=1000)
 
 
 @gpu

@@ -14,6 +14,7 @@ from kernel_harness import assert_close, compiled_gpu, gpu, interp, run_interpre
 from conveyor.kernels._triton import TRITON_INTERPRETED
 from conveyor.kernels.attention import (
     AttentionTuning,
+    alibi_slopes,
     paged_attention,
     paged_attention_ref,
     paged_attention_triton,
@@ -65,11 +66,11 @@ def quantized_batch(q_lens, k_lens, h, hkv, d, block_size, seed, bits, dtype=tor
 
 
 def check_quantized_attention(q_lens, k_lens, h, hkv, d, block_size, seed, bits, tol, dtype=torch.float32,
-                              device="cpu", centred=False, window=None, softcap=None, **tiles):
+                              device="cpu", centred=False, window=None, softcap=None, alibi=False, **tiles):
     """The kernel against the reference; ``centred``: keys stored centred (``KeyCentres``), with
     random centre rows for half the blocks (first blocks past them read the zero row) and a
     rotary table that ends 3 positions past the longest sequence (centre positions clamp).
-    ``window`` / ``softcap``: the layer's sliding window and soft-capping."""
+    ``window`` / ``softcap`` / ``alibi``: the layer's sliding window, soft-capping and ALiBi slopes."""
     q, kq, vq, ks, vs, bt, cu, sk = quantized_batch(q_lens, k_lens, h, hkv, d, block_size, seed, bits, dtype, device)
     scale = d**-0.5
     centres = ref_centres = None
@@ -82,12 +83,13 @@ def check_quantized_attention(q_lens, k_lens, h, hkv, d, block_size, seed, bits,
         ref_centres = KeyCentres(table, cos_sin)
         centres = KeyCentres(table.to(device), cos_sin.to(device), q)
         q = to_key_basis(q.float()).to(dtype)
+    slopes = alibi_slopes(h) if alibi else None
     mods = dict(sliding_window=window, softcap=softcap)
     out = paged_attention_triton(q, kq, vq, bt, cu, sk, scale, max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
                                  k_scales=ks, v_scales=vs, key_centres=centres, tuning=AttentionTuning(**tiles),
-                                 **mods)
+                                 alibi_slopes=None if slopes is None else slopes.to(device), **mods)
     ref = paged_attention_ref(q.float().cpu(), kq.cpu(), vq.cpu(), bt.cpu(), cu.cpu(), sk.cpu(), scale, ks.cpu(),
-                              vs.cpu(), ref_centres, **mods).to(dtype)
+                              vs.cpu(), ref_centres, alibi_slopes=slopes, **mods).to(dtype)
     assert_close(out.cpu(), ref, tol)
 
 
@@ -499,6 +501,18 @@ def test_quantized_attention_window_softcap(case: tuple, bits: int, seed: int, p
         check_quantized_attention(q_lens, k_lens, 2 * h, hkv, d, bs, seed, bits, 1e-4, **centred, **tiles)
 
 
+@interp
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_attention_alibi(bits: int, seed: int, poisoned_empty: None) -> None:
+    """ALiBi over a quantized cache: both decode walks (split partitions, one with a window) and
+    prefill over a prefix (centred keys: their scores come before the slopes' terms)."""
+    tiles = dict(decode_partition=16, block_n=16)
+    check_quantized_attention([1] * 2, [40, 7], 12, 4, 32, 16, seed, bits, 1e-4, alibi=True, window=20, **tiles)
+    check_quantized_attention([1] * 2, [40, 7], 6, 6, 32, 16, seed, bits, 1e-4, simt=True, alibi=True, **tiles)
+    check_quantized_attention([20, 3], [70, 9], 6, 2, 32, 16, seed, bits, 1e-4, alibi=True, centred=True,
+                              block_m=16, block_n=16)
+
+
 def test_softcap_over_centred_keys_is_refused() -> None:
     """The kernels drop each centre's constant score (softmax ignores it; the cap does not): the
     launcher check sends soft-capped layers over centred keys to the reference."""
@@ -590,6 +604,20 @@ def test_gpu_quantized_window_softcap(dtype: torch.dtype, bits: int, seed: int, 
                               centred=True, window=777)
     check_quantized_attention([512, 1, 33], [3000, 700, 4129], 32, 8, 128, 64, seed, bits, GPU_TOL[dtype], dtype,
                               "cuda", window=1000, softcap=50.0)
+
+
+@gpu
+@compiled_gpu
+@pytest.mark.parametrize("bits", [8, 4])
+def test_gpu_quantized_alibi(bits: int, seed: int, poisoned_empty: None) -> None:
+    """Baichuan-13B's attention (40 heads, MHA) over a quantized cache: the CUDA-core decode walk,
+    the tensor-core one (forced) and a chunk over a prefix."""
+    dt, k_lens = torch.bfloat16, [1, 63, 700, 2049, 5000]
+    for simt in (True, False):
+        check_quantized_attention([1] * len(k_lens), k_lens, 40, 40, 128, 64, seed, bits, GPU_TOL[dt], dt, "cuda",
+                                  alibi=True, simt=simt)
+    check_quantized_attention([512, 1, 33], [3000, 700, 4129], 40, 40, 128, 64, seed, bits, GPU_TOL[dt], dt, "cuda",
+                              alibi=True)
 
 
 @gpu
