@@ -204,10 +204,11 @@ class BlockManager:
         first_query = min(seq.num_computed_tokens, len(seq.token_ids) - 1)
         # That query sees the keys first_query - W + 1 on: the blocks wholly before them are passed.
         end = (first_query - self.window + 1) // bs
-        # The released entries will name block ``end``, and the reference attention still gathers
-        # them (then masks them to weight 0): that block must hold finite keys in every slot, so it
-        # must lie wholly before first_query, all computed. A block that left this sequence may be
-        # handed out and hold anything. Binds only when W <= block_size.
+        # The released entries will name block ``end``: the reference attention still gathers them
+        # and masks them to weight 0, which a NaN would still spoil. So that block must be finite in
+        # every slot: held by the sequence and wholly before first_query, so all computed. Not the
+        # released block itself: once handed out it is another sequence's, partly rewritten or not.
+        # Binds only when W <= block_size.
         end = min(end, first_query // bs - 1)
         if self.enable_prefix_caching:
             # Hashed first: cache_full_blocks would otherwise publish the block a released entry
