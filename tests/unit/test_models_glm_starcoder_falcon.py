@@ -6,6 +6,7 @@ float32) and greedy tokens must match. The helpers are test_models.py's."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import json
 
@@ -309,3 +310,43 @@ def test_triton_kernels_match_hf(tiny) -> None:
     Triton's interpreter, on a GPU compiled."""
     hf, ours, _ = tiny
     check_triton_kernels(hf, ours)
+
+
+@pytest.mark.parametrize("name", ["starcoder2_window8", "falcon_7b_mqa"])
+def test_w8a8_layer_norm_families_are_refused_before_loading(name: str) -> None:
+    """W8A8 linears read int8 rows from the norm before them; LayerNorm makes none: refused when built."""
+    cfg = _configs()[name].to_dict()
+    cfg["architectures"] = [{"starcoder2": "Starcoder2ForCausalLM"}.get(cfg["model_type"], "FalconForCausalLM")]
+    config = ModelConfig.from_dict(cfg)
+    config.quant = SimpleNamespace(takes_int8_input=True)
+    with pytest.raises(UnsupportedModelError, match="W8A8"):
+        build_model(config, dtype=torch.float32)
+
+
+def test_quantized_falcon_with_grouped_qkv_is_refused_before_loading() -> None:
+    """Unpacking per-group query_key_value rows of packed (AWQ) tensors is not written: refused when built."""
+    cfg = _configs()["falcon_40b_grouped"].to_dict()
+    cfg["architectures"] = ["FalconForCausalLM"]
+    config = ModelConfig.from_dict(cfg)
+    config.quant = SimpleNamespace(takes_int8_input=False)
+    with pytest.raises(UnsupportedModelError, match="grouped query_key_value"):
+        build_model(config, dtype=torch.float32)
+
+
+def test_glm_with_an_int8_kv_cache(tiny) -> None:
+    """Keys rotated in torch (partial, interleaved) go into a quantized cache uncentred: greedy
+    through an int8-cache engine equals the 16-bit cache's on the tiny GLM."""
+    from tiny_llama import engine, greedy
+
+    _, ours, path = tiny
+    if ours.config.architecture != "GlmForCausalLM":
+        pytest.skip("GLM only")
+    prompt = random_tokens(7, seed=90)
+    runs = []
+    for policy in (0, 8):
+        eng = engine(path, quant_policy=policy)
+        try:
+            runs.append(greedy(eng, prompt, n=8))
+        finally:
+            eng.close()
+    assert runs[0] == runs[1]
