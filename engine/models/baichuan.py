@@ -11,8 +11,10 @@ which is the same since the norm is per row. Baichuan2 is told from Baichuan (v1
 vocabulary of 125696 tokens, as vLLM and LMDeploy tell them (v1 has 64000).
 
 Baichuan-13B and Baichuan2-13B (hidden_size 5120, 40 layers; the same class names) replace RoPE
-with ALiBi attention biases, which conveyor's attention does not have yet: they are refused when
-the model is built, before any weight is allocated or read.
+with ALiBi: no rotation, and head h adds ``slope_h * k`` to its score of the key at position k
+(the published code's mask; ``slope_h * (k - p)`` for the query at p is the same softmax), with
+BLOOM's slopes (``kernels.attention.alibi_slopes``). Under tensor parallel each rank's attention
+takes the slopes of its own heads. Baichuan2-13B also has the NormHead (its vocabulary is 125696).
 """
 
 from __future__ import annotations
@@ -21,10 +23,21 @@ from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from ...protocol.errors import UnsupportedModelError
+from ...kernels.attention import alibi_slopes
+from ..distributed import shard_range, tp_group
+from ..layers import Attention, RMSNorm, RotaryEmbedding
 from ..model_config import ModelConfig
-from .llama import LlamaForCausalLM, WeightTarget
+from .llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaVariant,
+    WeightTarget,
+    hands_over_int8,
+)
 
 BAICHUAN2_VOCAB_SIZE = 125696
 _NORMALIZE_ROWS = 8192  # rows normalized per step: bounds the float32 copy of a large head
@@ -41,17 +54,48 @@ def uses_alibi(config: ModelConfig) -> bool:
     return config.hidden_size == 5120 and config.num_layers == 40
 
 
-class BaiChuanForCausalLM(LlamaForCausalLM):
-    """Baichuan-7B (v1); also the base of Baichuan2's class, which adds the NormHead."""
+class BaichuanAlibiAttention(LlamaAttention):
+    """Baichuan-13B's attention: Llama's projections, no rotation, ALiBi slopes of this rank's heads."""
 
-    def __init__(self, config: ModelConfig, rope_scaling_factor: float = 0.0, max_position: int | None = None) -> None:
-        if uses_alibi(config):
-            raise UnsupportedModelError(
-                f"{config.architecture} with hidden_size 5120 and 40 layers is Baichuan-13B or Baichuan2-13B, "
-                "whose attention uses ALiBi position biases instead of rotary embeddings; conveyor's attention "
-                "has no ALiBi yet. Baichuan-7B and Baichuan2-7B (RoPE) are supported"
-            )
-        super().__init__(config, rope_scaling_factor, max_position)
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+                 variant: LlamaVariant | None = None, layer_idx: int = 0) -> None:
+        super().__init__(config, rotary, qkv_bias, o_bias, variant, layer_idx)
+        tp = tp_group()
+        first = shard_range(config.num_heads, tp.rank, tp.size, "num_attention_heads")[0]
+        slopes = alibi_slopes(config.num_heads)[first : first + self.num_heads]
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, alibi_slopes=slopes)
+        self.rotary_emb = None  # no RoPE: positions enter through the slopes
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]; ``positions`` unused (the cache's key order gives the distances)."""
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class BaichuanAlibiLayer(LlamaDecoderLayer):
+    """Llama's pre-norm block around ``BaichuanAlibiAttention``."""
+
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+                 mlp_bias: bool, variant: LlamaVariant | None = None, layer_idx: int = 0) -> None:
+        nn.Module.__init__(self)  # LlamaDecoderLayer's body with another attention class
+        variant = variant or LlamaVariant()
+        self.self_attn = BaichuanAlibiAttention(config, rotary, qkv_bias, o_bias, variant, layer_idx)
+        self.mlp = LlamaMLP(config, mlp_bias, variant)
+        quantize = hands_over_int8(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize)
+
+
+class BaiChuanForCausalLM(LlamaForCausalLM):
+    """Baichuan-7B (v1); also the base of Baichuan's other class: RoPE or ALiBi, and the NormHead."""
+
+    @staticmethod
+    def variant(config: ModelConfig) -> LlamaVariant:
+        """SwiGLU; the 13B shapes attend through ALiBi instead of RoPE."""
+        return LlamaVariant(decoder_layer=BaichuanAlibiLayer if uses_alibi(config) else None)
 
     @staticmethod
     def attention_biases(config: ModelConfig) -> tuple[bool, bool]:
@@ -89,4 +133,4 @@ class BaiChuanForCausalLM(LlamaForCausalLM):
 
 
 class BaichuanForCausalLM(BaiChuanForCausalLM):
-    """Baichuan2-7B (NormHead when its vocabulary is Baichuan2's); the 13B models of this name are refused."""
+    """Baichuan2-7B (RoPE), Baichuan-13B and Baichuan2-13B (ALiBi); NormHead when the vocabulary is Baichuan2's."""

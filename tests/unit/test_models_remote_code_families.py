@@ -9,7 +9,9 @@ logits with the transformers model (CPU, float32, max abs diff 1e-4: prefills, a
 batch, prefill then decode, chunked prefill) and greedy tokens with its ``generate``. Each
 family's fixture says what the equivalence is. Yi and Code Llama are LlamaForCausalLM
 checkpoints: their shapes (GQA and rope_theta 5e6; rope_theta 1e6 over 16k) go through the same
-checks. The parity checks are test_models.py's.
+checks. Baichuan-13B's ALiBi has no transformers counterpart: it is checked against its
+modelling code's forward written out in plain torch (``AlibiReference``). The parity checks are
+test_models.py's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,7 +35,9 @@ from test_models import (
     check_triton_kernels,
     check_two_sequence_batch,
     load_ours,
+    random_tokens,
     save_tiny,
+    until_eos,
 )
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -348,17 +353,151 @@ def test_baichuan2_head_is_normalized_at_load(family) -> None:
         torch.testing.assert_close(ours.lm_head.weight.norm(dim=-1), torch.ones(BAICHUAN2_VOCAB))
 
 
-@pytest.mark.parametrize("architecture", ["BaichuanForCausalLM", "BaiChuanForCausalLM"])
-def test_baichuan_13b_alibi_is_refused_before_loading(architecture: str) -> None:
-    """Baichuan-13B / Baichuan2-13B (hidden 5120, 40 layers) use ALiBi, which the engine's attention
-    lacks: refused when the model is built, before any of its 13B weights is allocated."""
-    cfg = {"architectures": [architecture], "model_type": "baichuan", "hidden_size": 5120,
-           "intermediate_size": 13696, "num_attention_heads": 40, "num_hidden_layers": 40,
-           "vocab_size": BAICHUAN2_VOCAB, "model_max_length": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}
-    config = ModelConfig.from_dict(cfg)
+BAICHUAN_13B = {"architectures": ["BaichuanForCausalLM"], "model_type": "baichuan", "hidden_size": 5120,
+                "intermediate_size": 13696, "num_attention_heads": 40, "num_hidden_layers": 40, "vocab_size": 64000,
+                "model_max_length": 4096, "rms_norm_eps": 1e-6, "hidden_act": "silu", "torch_dtype": "bfloat16",
+                "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
+def _published_alibi_slopes(n: int) -> list[float]:
+    """Baichuan-13B's ``_get_interleave`` as its modelling code writes it (not the kernels' function)."""
+    def power_of_2(m: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(m) - 3)))
+        return [start * start**i for i in range(m)]
+
+    if math.log2(n).is_integer():
+        return power_of_2(n)
+    closest = 2 ** math.floor(math.log2(n))
+    return power_of_2(closest) + _published_alibi_slopes(2 * closest)[0::2][: n - closest]
+
+
+@pytest.mark.parametrize("vocab_size", [64000, BAICHUAN2_VOCAB])
+def test_baichuan_13b_shape_attends_through_alibi(vocab_size: int) -> None:
+    """Baichuan-13B / Baichuan2-13B's published config (hidden 5120, 40 layers, no max_position_embeddings)
+    builds ALiBi layers with the 40 heads' slopes (built on the meta device: no 13B weights allocated)."""
+    from conveyor.engine.models.baichuan import BaichuanAlibiLayer
+
+    config = ModelConfig.from_dict({**BAICHUAN_13B, "vocab_size": vocab_size})
     assert config.max_position_embeddings == 4096  # the 13B configs give only model_max_length
-    with pytest.raises(UnsupportedModelError, match="ALiBi"):
-        build_model(config, dtype=torch.float32, device="meta")
+    model = build_model(config, dtype=torch.float32, device="meta")
+    layer = model.model.layers[0]
+    assert isinstance(layer, BaichuanAlibiLayer) and layer.self_attn.rotary_emb is None
+    assert layer.self_attn.attn.alibi_slopes.shape == (40,)
+
+
+class AlibiReference(torch.nn.Module):
+    """Baichuan-13B's forward written out plainly in torch (float32), from its published modelling
+    code: RMSNorm, W_pack -> q|k|v, scores q.k / sqrt(d) plus ``slope_h * key position`` and the
+    causal mask, softmax, o_proj; RMSNorm, down(silu(gate) * up); final RMSNorm, lm_head.
+    transformers has no ALiBi Llama to compare with, so this is the reference."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], heads: int, layers: int, eps: float) -> None:
+        super().__init__()
+        self.t, self.heads, self.layers, self.eps = tensors, heads, layers, eps
+        self.slopes = torch.tensor(_published_alibi_slopes(heads))
+
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.t[name]
+
+    def forward(self, ids: torch.Tensor):
+        t, (n,) = self.t, ids[0].shape
+        x = t["model.embed_tokens.weight"][ids[0]]
+        hidden = x.shape[-1]
+        d = hidden // self.heads
+        bias = self.slopes[:, None, None] * torch.arange(n, dtype=torch.float32)[None, None, :]
+        bias = bias + torch.full((n, n), float("-inf")).triu(1)
+        for i in range(self.layers):
+            p = f"model.layers.{i}."
+            h = self.norm(x, p + "input_layernorm.weight")
+            q, k, v = (h @ t[p + "self_attn.W_pack.weight"].T).split(hidden, dim=-1)
+            q, k, v = (y.view(n, self.heads, d).transpose(0, 1) for y in (q, k, v))
+            probs = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(d) + bias, dim=-1)
+            x = x + (probs @ v).transpose(0, 1).reshape(n, hidden) @ t[p + "self_attn.o_proj.weight"].T
+            h = self.norm(x, p + "post_attention_layernorm.weight")
+            gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T
+            x = x + (F.silu(gate) * up) @ t[p + "mlp.down_proj.weight"].T
+        logits = self.norm(x, "model.norm.weight") @ t["lm_head.weight"].T
+        return SimpleNamespace(logits=logits[None])
+
+
+@pytest.fixture(scope="module", params=[4, 5], ids=["heads4", "heads5"])
+def alibi13b(request, tmp_path_factory):
+    """A tiny Baichuan-13B checkpoint (2 layers, 4 or 5 heads of 16: 5 takes the slopes' interleaved
+    tail, as 40 heads do) and its plain-torch reference. Only the shape rule is widened to this tiny
+    shape (monkeypatched): the published rule is test_baichuan_13b_shape_attends_through_alibi's."""
+    from conveyor.engine.models import baichuan as module
+
+    heads, layers = request.param, 2
+    hidden = 16 * heads
+    gen = torch.Generator().manual_seed(40 + heads)
+    rand = lambda *shape: 0.1 * torch.randn(*shape, generator=gen)
+    tensors = {"model.embed_tokens.weight": rand(TINY["vocab_size"], hidden), "lm_head.weight": rand(
+        TINY["vocab_size"], hidden), "model.norm.weight": 1 + rand(hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors |= {p + "input_layernorm.weight": 1 + rand(hidden), p + "post_attention_layernorm.weight": 1 + rand(
+            hidden), p + "self_attn.W_pack.weight": rand(3 * hidden, hidden), p + "self_attn.o_proj.weight": rand(
+            hidden, hidden), p + "mlp.gate_proj.weight": rand(96, hidden), p + "mlp.up_proj.weight": rand(96, hidden),
+            p + "mlp.down_proj.weight": rand(hidden, 96)}
+    config = {**BAICHUAN_13B, "hidden_size": hidden, "intermediate_size": 96, "num_attention_heads": heads,
+              "num_hidden_layers": layers, "vocab_size": TINY["vocab_size"], "model_max_length": 256}
+    path = _write(tmp_path_factory.mktemp(f"baichuan13b_{heads}"), config, tensors)
+    patch = pytest.MonkeyPatch()
+    patch.setattr(module, "uses_alibi", lambda cfg: cfg.hidden_size == hidden and cfg.num_layers == layers)
+    ours = load_ours(path)
+    yield AlibiReference(tensors, heads, layers, BAICHUAN_13B["rms_norm_eps"]), ours, path
+    patch.undo()
+
+
+def test_baichuan_13b_alibi_matches_the_reference(alibi13b) -> None:
+    """Prefills, a two-sequence batch, prefill then decode and chunked prefill against the reference."""
+    ref, ours, _ = alibi13b
+    assert ours.model.layers[0].self_attn.rotary_emb is None
+    check_prefills(ref, ours)
+    check_two_sequence_batch(ref, ours)
+    check_prefill_then_decode(ref, ours)
+    check_chunked_prefill(ref, ours)
+
+
+def test_baichuan_13b_alibi_through_triton_kernels(alibi13b) -> None:
+    """The ALiBi model through the Triton kernels (interpreted on CPU, compiled on a GPU)."""
+    ref, ours, _ = alibi13b
+    check_triton_kernels(ref, ours)
+
+
+def test_baichuan_13b_alibi_greedy_tokens(alibi13b) -> None:
+    """Greedy decoding through one engine equals the reference's argmax continued token by token."""
+    from tiny_llama import engine, greedy
+
+    ref, _, path = alibi13b
+    eng = engine(path)
+    try:
+        for seed in (50, 54, 55):
+            tokens = random_tokens(7, seed=seed)
+            expected = []
+            with torch.no_grad():
+                for _ in range(12):
+                    expected.append(int(ref(torch.tensor([tokens + expected])).logits[0, -1].argmax()))
+            eos = IDS["eos_token_id"]
+            assert until_eos(greedy(eng, tokens, n=12), eos) == until_eos(expected, eos)
+    finally:
+        eng.close()
+
+
+def test_baichuan_13b_alibi_slopes_follow_the_rank_heads(monkeypatch) -> None:
+    """Under tensor parallel each rank's attention takes the slopes of its own query heads (rank 1
+    of 2 with 4 heads: heads 2 and 3)."""
+    from conveyor.engine import distributed
+    from conveyor.engine.models import baichuan as module
+
+    monkeypatch.setattr(module, "uses_alibi", lambda cfg: True)
+    config = ModelConfig.from_dict({**BAICHUAN_13B, "hidden_size": 64, "intermediate_size": 96,
+                                    "num_attention_heads": 4, "num_hidden_layers": 1, "vocab_size": 128})
+    slopes = torch.tensor(_published_alibi_slopes(4))
+    for rank in (0, 1):
+        monkeypatch.setattr(distributed, "_GROUP", distributed.TPGroup(rank=rank, size=2))
+        attn = build_model(config, dtype=torch.float32).model.layers[0].self_attn.attn
+        torch.testing.assert_close(attn.alibi_slopes, slopes[2 * rank : 2 * rank + 2])
 
 
 def test_tp2_matches_tp1(family) -> None:
