@@ -185,7 +185,8 @@ class RotaryEmbedding(nn.Module):
       ``fused``; the attention layer rotates q and k with the cache in the kernel that stores the
       keys (``rotate_and_store_kv``);
     * anything else: only the first ``rotary_dim`` dims of each head rotated (partial rotary:
-      GLM, ChatGLM, Phi-4-mini), and/or adjacent dims paired (``x[2i]`` with ``x[2i+1]``:
+      GLM, ChatGLM, Phi-4-mini; none at all for ``rotary_dim`` 0, the models whose positions
+      enter through ALiBi instead), and/or adjacent dims paired (``x[2i]`` with ``x[2i+1]``:
       ``interleaved``, GLM and ChatGLM). ``forward`` rotates q and k here in torch and the
       attention layer stores the rotated keys as they are. Teaching the store kernel a rotary
       width and the pairing is the faster path for later (one pass over q and k, not three).
@@ -205,7 +206,7 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.rotary_dim = rotary_dim or head_dim
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim  # 0: no rotation (ALiBi models)
         if self.rotary_dim > head_dim or self.rotary_dim % 2:
             raise UnsupportedModelError(f"rotary_dim {self.rotary_dim} must be even and at most head_dim {head_dim}")
         self.interleaved = interleaved
@@ -231,6 +232,8 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[T, H, D]``, k ``[T, Hkv, D]`` rotated at ``positions`` ``[T]`` (new tensors; the
         dims past ``rotary_dim`` pass through). Computed in float32, returned in q's dtype."""
+        if self.rotary_dim == 0:
+            return q, k
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, R/2] each
         cos, sin = cos[:, None, :], sin[:, None, :]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

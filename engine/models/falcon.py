@@ -17,20 +17,28 @@ Three block layouts, as config.json says:
   (``post_attention_layernorm`` before the MLP), as falcon-rw's.
 
 RoPE over the whole head, a GELU MLP (``dense_h_to_4h`` / ``dense_4h_to_h``), biases everywhere
-when ``bias``, a final LayerNorm (``ln_f``) and, by default, a tied LM head. ALiBi models
-(``alibi``: falcon-rw) are refused until the attention layer takes ALiBi slopes.
+when ``bias``, a final LayerNorm (``ln_f``) and, by default, a tied LM head.
+
+ALiBi (``alibi``: falcon-rw-1b/7b) replaces RoPE: no rotation, and head h adds
+``slope_h * k / sqrt(head_dim)`` to its score of key k (Falcon adds the bias before the
+``1/sqrt(head_dim)`` scale, so the attention layer gets BLOOM's slopes divided by it; its code
+also rounds the slopes to bfloat16 first, which changes nothing for the power-of-two head
+counts of the released models). Each tensor-parallel rank takes its own heads' slopes.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from ...kernels.attention import alibi_slopes
 from ...protocol.errors import UnsupportedModelError
-from ..layers import DenseMLP, LayerNorm, RotaryEmbedding
+from ..distributed import shard_range, tp_group
+from ..layers import Attention, DenseMLP, LayerNorm, RotaryEmbedding, get_rope
 from ..model_config import ModelConfig
 from ..weight_loader import materialize
 from .internlm2 import unpack_wqkv
@@ -54,6 +62,15 @@ def new_decoder_architecture(raw: dict[str, Any]) -> bool:
     return bool(raw.get("new_decoder_architecture")) or raw.get("model_type") == "RefinedWeb"
 
 
+def falcon_alibi_slopes(config: ModelConfig) -> torch.Tensor:
+    """This rank's heads' ALiBi slopes as Falcon applies them: BLOOM's slopes rounded to bfloat16
+    (as its code does) and divided by ``sqrt(head_dim)`` (its bias is added before the scale)."""
+    tp = tp_group()
+    first, count = shard_range(config.num_heads, tp.rank, tp.size, "num_attention_heads")
+    slopes = alibi_slopes(config.num_heads).bfloat16().float() / math.sqrt(config.head_dim)
+    return slopes[first : first + count]
+
+
 def norms_in_parallel(raw: dict[str, Any]) -> int:
     """How many LayerNorms the block has before attention and MLP side by side (0: sequential)."""
     if new_decoder_architecture(raw):
@@ -73,6 +90,10 @@ class FalconDecoderLayer(nn.Module):
         variant = variant or LlamaVariant()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias, variant, layer_idx)
+        if config.raw.get("alibi"):  # positions through ALiBi slopes (the rotary rotates nothing)
+            attn = self.self_attn
+            attn.attn = Attention(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                  alibi_slopes=falcon_alibi_slopes(config))
         self.mlp = DenseMLP(hidden, config.intermediate_size, variant.hidden_act, mlp_bias,
                             linear_method(config), linear_method(config))
         self.norms = norms_in_parallel(config.raw)
@@ -106,10 +127,6 @@ class FalconForCausalLM(LlamaForCausalLM):
     """Falcon causal LM (7B, 40B, 180B, Falcon2-11B layouts)."""
 
     def __init__(self, config: ModelConfig, *args, **kwargs) -> None:
-        raw = config.raw
-        if raw.get("alibi"):
-            raise UnsupportedModelError("Falcon with alibi=True is not supported yet (the attention layer takes "
-                                        "no ALiBi slopes); the RoPE Falcons (7B, 40B, 180B, Falcon2) are")
         refuse_int8_hand_over(config, "Falcon")
         if self.grouped_qkv(config) and config.quant is not None:
             # Unpacking the per-group rows of a packed (AWQ) or int8 tensor is not written.
@@ -117,6 +134,13 @@ class FalconForCausalLM(LlamaForCausalLM):
                                         "(new_decoder_architecture, or multi_query=false) are not supported")
         super().__init__(config, *args, **kwargs)
         self.model.norm = LayerNorm(config.hidden_size, config.rms_norm_eps)  # ln_f
+
+    @staticmethod
+    def rope(config: ModelConfig, rope_scaling_factor: float, max_position: int | None) -> RotaryEmbedding:
+        """RoPE over whole heads; none (a rotary of no dims) where ALiBi gives the positions."""
+        if config.raw.get("alibi"):
+            return get_rope(config, rope_scaling_factor, max_position, partial_rotary_factor=0.0)
+        return get_rope(config, rope_scaling_factor, max_position)
 
     @staticmethod
     def grouped_qkv(config: ModelConfig) -> bool:

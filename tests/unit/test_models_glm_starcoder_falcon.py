@@ -66,8 +66,9 @@ def _configs() -> dict[str, object]:
         # Falcon2-11B: the grouped layout with one input LayerNorm (num_ln_in_parallel_attn=1), one kv group.
         "falcon2_one_norm": FalconConfig(**FALCON, new_decoder_architecture=True, num_kv_heads=1,
                                          num_ln_in_parallel_attn=1),
-        # multi_query=false (rows [q, k, v] per head), sequential block, biases (falcon-rw without ALiBi).
-        "falcon_sequential_bias": FalconConfig(**FALCON, multi_query=False, parallel_attn=False, bias=True),
+        # falcon-rw: ALiBi instead of RoPE, multi_query=false (rows [q, k, v] per head), sequential
+        # block, biases everywhere.
+        "falcon_rw_alibi": FalconConfig(**FALCON, alibi=True, multi_query=False, parallel_attn=False, bias=True),
         # Phi-4-mini: Phi-3 with 0.75 of each head rotated (halves of the rotated part paired).
         "phi4_mini_partial": Phi3Config(**TINY, sliding_window=None, partial_rotary_factor=0.75, **IDS),
         # ... with longrope over the rotated dims (6 factors); within the pretraining length here.
@@ -192,18 +193,22 @@ def test_chatglm_v1_is_refused_when_its_config_is_read() -> None:
         ModelConfig.from_dict(cfg)
 
 
-# Each architecture's RoPE here: (rotated dims of the 16-dim heads, interleaved pairs, rotated in the store kernel).
-ROTARY = {"GlmForCausalLM": (8, True, False), "Glm4ForCausalLM": (8, True, False), "ChatGLMModel": (8, True, False),
-          "Phi3ForCausalLM": (12, False, False)}
+# Each case's RoPE: (rotated dims of the 16-dim heads, interleaved pairs, rotated in the store kernel).
+ROTARY = {"glm": (8, True, False), "glm4_mqa_tied": (8, True, False), "chatglm": (8, True, False),
+          "phi4_mini_partial": (12, False, False), "phi4_mini_partial_longrope": (12, False, False),
+          "falcon_rw_alibi": (0, False, False)}
 
 
-def test_rotary_layout_comes_from_the_family_and_config(tiny) -> None:
+def test_rotary_layout_comes_from_the_family_and_config(tiny, request) -> None:
     """GLM/ChatGLM rotate half of each head in neighbour pairs, Phi-4-mini 0.75 in halves (both in
-    torch); the others rotate whole heads in the fused store kernel."""
+    torch), falcon-rw nothing (ALiBi slopes on its attention instead); the others rotate whole
+    heads in the fused store kernel."""
     _, ours, _ = tiny
+    name = request.node.callspec.params["tiny"]
     rotary = ours.model.layers[0].self_attn.rotary_emb
-    expected = ROTARY.get(ours.config.architecture, (16, False, True))
-    assert (rotary.rotary_dim, rotary.interleaved, rotary.fused) == expected
+    assert (rotary.rotary_dim, rotary.interleaved, rotary.fused) == ROTARY.get(name, (16, False, True))
+    slopes = ours.attention_layers()[0].alibi_slopes
+    assert (slopes is not None) == (name == "falcon_rw_alibi")
 
 
 def test_phi4_mini_older_config_spelling(tiny, tmp_path: Path) -> None:
@@ -225,20 +230,20 @@ def test_phi4_mini_older_config_spelling(tiny, tmp_path: Path) -> None:
 
 
 # Tensor parallel (CPU, gloo): the grouped-kv GLM (q/k/v bias, rotary in torch on each rank's
-# heads), Falcon-40B's per-group query_key_value (unpacked, then split by rank) and Falcon-7B's
-# single kv head (replicated on both ranks, as QKVLinear does whenever tp exceeds the kv heads).
-TP_CASES = ("GlmForCausalLM", "FalconForCausalLM")
+# heads), Falcon-40B's per-group query_key_value (unpacked, then split by rank), Falcon-7B's
+# single kv head (replicated on both ranks, as QKVLinear does whenever tp exceeds the kv heads)
+# and falcon-rw (each rank its heads' ALiBi slopes; biases added once).
+TP_CASES = ("glm", "falcon_7b_mqa", "falcon_40b_grouped", "falcon_rw_alibi")
 
 
 @pytest.mark.parametrize("tp", [2])
-def test_tp_matches_tp1(tiny, tp) -> None:
+def test_tp_matches_tp1(tiny, tp, request) -> None:
     """tp=2 gives tp=1's greedy tokens and logprobs."""
     from test_tensor_parallel import _run, _same
 
-    _, ours, path = tiny
-    if ours.config.architecture not in TP_CASES or ours.config.raw.get("num_ln_in_parallel_attn") == 1 \
-            or not ours.config.raw.get("parallel_attn", True):
-        pytest.skip("GLM, Falcon-7B and Falcon-40B layouts only")
+    _, _, path = tiny
+    if request.node.callspec.params["tiny"] not in TP_CASES:
+        pytest.skip("GLM and the Falcon layouts only")
     (trace1, ppl1), (trace_tp, ppl_tp) = _run(path, 1), _run(path, tp)
     _same(trace1, trace_tp)
     assert ppl_tp == pytest.approx(ppl1, rel=1e-4)
@@ -270,24 +275,15 @@ def _refined_web(cfg: dict) -> dict:
     return out
 
 
-def test_falcon_refined_web_configs_load(tiny, tmp_path: Path) -> None:
+def test_falcon_refined_web_configs_load(tiny, tmp_path: Path, request) -> None:
     """Falcon-7B and -40B as first published (RWForCausalLM, RefinedWeb names) give the same logits."""
     hf, ours, path = tiny
-    if ours.config.architecture != "FalconForCausalLM" or ours.config.raw.get("num_ln_in_parallel_attn") == 1 \
-            or not ours.config.raw.get("parallel_attn", True):
+    if request.node.callspec.params["tiny"] not in ("falcon_7b_mqa", "falcon_40b_grouped"):
         pytest.skip("Falcon-7B and -40B layouts only")
     old = load_ours(_copy_with_config(path, tmp_path / "rw", _refined_web))
     assert old.config.architecture == "RWForCausalLM"
     tokens = random_tokens(12, seed=81)
     assert_close(PagedCache(old).step({0: tokens})[0], hf_logits(hf, tokens))
-
-
-def test_falcon_alibi_is_refused_before_loading() -> None:
-    """falcon-rw's ALiBi: refused when the model is built, with no weights read."""
-    cfg = FalconConfig(**FALCON, alibi=True, multi_query=False, parallel_attn=False).to_dict()
-    cfg["architectures"] = ["FalconForCausalLM"]
-    with pytest.raises(UnsupportedModelError, match="alibi=True is not supported yet"):
-        build_model(ModelConfig.from_dict(cfg), dtype=torch.float32)
 
 
 def test_missing_weight_is_named(tiny, tmp_path: Path) -> None:
