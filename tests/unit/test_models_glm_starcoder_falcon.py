@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, FalconConfig, Glm4Config, GlmConf
 
 from conveyor.engine.model_config import ModelConfig
 from conveyor.engine.models import build_model
-from conveyor.protocol.errors import UnsupportedModelError
+from conveyor.protocol.errors import EngineConfigError, UnsupportedModelError
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny models: see tests/conftest.py
 
@@ -346,3 +346,13 @@ def test_glm_with_an_int8_kv_cache(tiny) -> None:
         finally:
             eng.close()
     assert runs[0] == runs[1]
+
+
+def test_falcon_7b_heads_at_tp2_are_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    """Falcon-7B's 71 query heads do not split over 2 ranks (its one kv head would replicate):
+    an EngineConfigError naming the heads, before any rank starts or any weight is read."""
+    from tiny_llama import engine
+
+    save_tiny(FalconConfig(**{**FALCON, "hidden_size": 142, "num_attention_heads": 71}), tmp_path)
+    with pytest.raises(EngineConfigError, match="71"):
+        engine(tmp_path, tp=2)
