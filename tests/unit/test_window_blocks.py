@@ -430,6 +430,20 @@ def test_engine_greedy_matches_generate_with_bounded_blocks(mistrals, window, pr
     assert got == [hf_greedy(hf, p, 40) for p in prompts]
 
 
+def test_engine_triton_kernels_read_released_entries_safely(mistral, poisoned_empty) -> None:
+    """The Triton kernels read whole tiles from the one holding the window's first key, so they
+    meet released entries too (masked): on a NaN-filled cache, still the tokens of ``generate``."""
+    hf, path = mistral
+    prompts = [random_tokens(20, seed=31)]  # one, short: the Triton interpreter is slow
+    eng = window_engine(path, kernels="triton", enable_prefix_caching=True)
+    try:
+        got, most = run(eng, prompts, 16)
+        assert most <= W // BS + 1
+    finally:
+        eng.close()
+    assert got == [hf_greedy(hf, p, 16) for p in prompts]
+
+
 def test_engine_prefix_hits_after_release_stay_exact(mistral) -> None:
     """With the prefix cache on, the same prompt again finds the chain its first run released and
     left behind; after another prompt reused those blocks it is computed again; both exact."""
