@@ -2,8 +2,9 @@
 
 A window W means the query at position p sees the keys p - W < k <= p (transformers'
 ``sliding_window_overlay``). Families say it three ways, and this module is the one place that
-reads them, for the models (each layer's ``Attention``) and for the block manager (which frees
-the blocks that have left the window of every layer):
+reads them, for the models (each layer's ``Attention``; the engine then reads the windows back from
+the layers it built, and where every layer slides the block manager releases the blocks that have
+left the window, through ``common_window``):
 
 - ``layer_types`` (what transformers 5 saves for every family that alternates, and for Qwen2/3):
   ``"sliding_attention"`` layers use ``sliding_window``, the others attend over everything.
