@@ -41,7 +41,9 @@ dispatcher) and ``alibi`` (ALiBi's slopes).
 A layer's sliding window, soft-capping and ALiBi slopes are compile-time switches of every
 kernel (``tiles._score_mods``: scale, then ALiBi, then the cap; the window a mask). With a window
 decode reads only each sequence's last ``window`` keys, and prefill skips the key tiles before a
-query tile's first window.
+query tile's first window. A head dim that is not a power of two (Phi-3-mini's 96; 16 to 256 are
+taken) is padded to the next one inside the kernels (``HEAD_PAD``): the dims past it load as 0
+and are never stored, so a power-of-two head dim compiles to the same code as before.
 """
 
 from .alibi import alibi_slopes

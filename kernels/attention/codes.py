@@ -15,7 +15,8 @@ def _load_codes(ptr, off, d, mask, ROWS_ARE_KEYS: tl.constexpr, HEAD_DIM: tl.con
                 BITS: tl.constexpr):
     """A quantized cache's codes at element offsets ``off`` [N], as uint8 values [D, N] (keys,
     for q @ k) or [N, D] (values): int8 one byte per dim; int4 dim ``d`` in byte ``d % (D / 2)``,
-    low nibble for the first half of the dims, high for the second (``kv_cache.py``)."""
+    low nibble for the first half of the dims, high for the second (``kv_cache.py``). MASKED:
+    ``mask`` is the tile's, already shaped [D, N] or [N, D] (``tiles._tile_mask``): 0 where off."""
     if BITS == 4:
         HALF: tl.constexpr = HEAD_DIM // 2
         byte = d % HALF
@@ -24,14 +25,14 @@ def _load_codes(ptr, off, d, mask, ROWS_ARE_KEYS: tl.constexpr, HEAD_DIM: tl.con
         byte = d
     if ROWS_ARE_KEYS:
         if MASKED:
-            c = tl.load(ptr + off[None, :] + byte[:, None], mask=mask[None, :], other=0)
+            c = tl.load(ptr + off[None, :] + byte[:, None], mask=mask, other=0)
         else:
             c = tl.load(ptr + off[None, :] + byte[:, None])
         if BITS == 4:
             c = (c >> shift[:, None]) & 0xF
     else:
         if MASKED:
-            c = tl.load(ptr + off[:, None] + byte[None, :], mask=mask[:, None], other=0)
+            c = tl.load(ptr + off[:, None] + byte[None, :], mask=mask, other=0)
         else:
             c = tl.load(ptr + off[:, None] + byte[None, :])
         if BITS == 4:

@@ -101,8 +101,8 @@ def _decode_quant(
     stride_sb, stride_ss, stride_sh, qk_scale,
     qm_ptr, c_ptr, cs_ptr, stride_qmt, stride_qmh, stride_c_row, stride_c_h, last_row, stride_cs, max_pos,
     win_first, qpos, slope, softcap,
-    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BITS: tl.constexpr, FAST: tl.constexpr, TUNE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr, TUNE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CENTRED: tl.constexpr, GROUP_C: tl.constexpr, WINDOW: tl.constexpr, ALIBI: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
@@ -111,8 +111,11 @@ def _decode_quant(
     go unmasked and the last, partial one masked; a tile inside one cache block (block size a
     multiple of BLOCK_N) reads the block table once. WINDOW: keys before ``win_first`` are
     masked in every tile (only the first tile of the first partition has any); ALIBI / SOFTCAP
-    (``_decode_quant_tile``) with the query at ``qpos`` and the heads' ``slope`` [M, 1]."""
+    (``_decode_quant_tile``) with the query at ``qpos`` and the heads' ``slope`` [M, 1].
+    HEAD_PAD: HEAD_DIM rounded up to a power of two; each half's dims past HALF (PADDED) load as 0
+    codes and queries, so they add nothing to the scores, and the caller does not store them."""
     HALF: tl.constexpr = HEAD_DIM // 2
+    PADDED: tl.constexpr = HEAD_PAD != HEAD_DIM
     IN_BLOCK: tl.constexpr = BLOCK_SIZE % BLOCK_N == 0
     K_PURE: tl.constexpr = (TUNE & 1) != 0
     V_PURE: tl.constexpr = (TUNE & 2) != 0
@@ -120,12 +123,16 @@ def _decode_quant(
     AHEAD: tl.constexpr = (TUNE & 8) != 0 and IN_BLOCK
     PAIR: tl.constexpr = (TUNE & 16) != 0
     LAZY: tl.constexpr = (TUNE & 32) != 0
-    j = tl.arange(0, HALF)
+    j = tl.arange(0, HEAD_PAD // 2)
+    j_mask = j < HALF
     tok = tl.arange(0, BLOCK_N)
     q_rows = q_ptr + row * stride_qt + heads[:, None] * stride_qh
+    q_mask = g_mask[:, None]
+    if PADDED:
+        q_mask = q_mask & j_mask[None, :]
     # Padding rows (g >= GROUP) load zeros: their scores are finite and their results never stored.
-    q_lo = tl.load(q_rows + j[None, :], mask=g_mask[:, None], other=0.0)
-    q_hi = tl.load(q_rows + HALF + j[None, :], mask=g_mask[:, None], other=0.0)
+    q_lo = tl.load(q_rows + j[None, :], mask=q_mask, other=0.0)
+    q_hi = tl.load(q_rows + HALF + j[None, :], mask=q_mask, other=0.0)
     dt: tl.constexpr = q_lo.dtype
     q_total = tl.sum(q_lo.to(tl.float32), 1) + tl.sum(q_hi.to(tl.float32), 1)
     if BIASED:
@@ -140,12 +147,12 @@ def _decode_quant(
     else:
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         z_acc = tl.zeros([GROUP_PAD], tl.float32)
-    acc_lo = tl.zeros([GROUP_PAD, HALF], tl.float32)
-    acc_hi = tl.zeros([GROUP_PAD, HALF], tl.float32)
+    acc_lo = tl.zeros([GROUP_PAD, HEAD_PAD // 2], tl.float32)
+    acc_hi = tl.zeros([GROUP_PAD, HEAD_PAD // 2], tl.float32)
     if CENTRED:
-        ca, cb = _centre_coeffs(qm_ptr + row * stride_qmt + heads[:, None] * stride_qmh, g_mask[:, None],
+        ca, cb = _centre_coeffs(qm_ptr + row * stride_qmt + heads[:, None] * stride_qmh, q_mask,
                                 _centre_row(bt_row, c_ptr, stride_c_row, last_row) + kv_head * stride_c_h, j,
-                                qk_scale, HALF)
+                                qk_scale, HALF, PADDED)
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
     if AHEAD:
         _, _, ks_rows, vs_rows = _decode_quant_rows(
@@ -157,8 +164,11 @@ def _decode_quant(
         k_rows, v_rows, ks_rows, vs_rows = _decode_quant_rows(
             k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n0, tok, tok, kv_head, stride_kb, stride_ks, stride_kh,
             stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh, BLOCK_SIZE, IN_BLOCK, False)
-        k_lo, k_hi = _code_halves(k_rows[None, :] + j[:, None], tok, HALF, BITS, dt, False, FAST, K_PURE, BIASED)
-        v_lo, v_hi = _code_halves(v_rows[:, None] + j[None, :], tok, HALF, BITS, dt, False, FAST, V_PURE, BIASED)
+        # (PADDED: whole tiles load masked by dim)
+        k_lo, k_hi = _code_halves(k_rows[None, :] + j[:, None], j_mask[:, None], HALF, BITS, dt, PADDED, FAST, K_PURE,
+                                  BIASED)
+        v_lo, v_hi = _code_halves(v_rows[:, None] + j[None, :], j_mask[None, :], HALF, BITS, dt, PADDED, FAST, V_PURE,
+                                  BIASED)
         if AHEAD:
             # The next whole tile's scales (the last tile's again at the end: no mask needed).
             _, _, ks_next, vs_next = _decode_quant_rows(
@@ -171,7 +181,7 @@ def _decode_quant(
             ksc, kz = _scale_zero_rows(ks_rows, tok, False, PAIR)
             vsc, vz = _scale_zero_rows(vs_rows, tok, False, PAIR)
         if CENTRED:
-            centre = _centre_scores(ca, cb, cs_ptr, stride_cs, n0, max_pos, j, HALF, BLOCK_N, GROUP_C)
+            centre = _centre_scores(ca, cb, cs_ptr, stride_cs, n0, max_pos, j, HALF, BLOCK_N, GROUP_C, PADDED)
         else:
             centre = 0.0  # (set in the loop: a loop-carried value keeps one type)
         m_i, l_i, acc_lo, acc_hi, z_acc = _decode_quant_tile(
@@ -186,14 +196,17 @@ def _decode_quant(
         k_rows, v_rows, ks_rows, vs_rows = _decode_quant_rows(
             k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, full_end, tok, n_mask, kv_head, stride_kb, stride_ks, stride_kh,
             stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh, BLOCK_SIZE, IN_BLOCK, True)
-        k_lo, k_hi = _code_halves(k_rows[None, :] + j[:, None], n_mask[None, :], HALF, BITS, dt, True, FAST,
-                                  K_PURE, BIASED)
-        v_lo, v_hi = _code_halves(v_rows[:, None] + j[None, :], n_mask[:, None], HALF, BITS, dt, True, FAST,
-                                  V_PURE, BIASED)
+        k_mask = n_mask[None, :]
+        v_mask = n_mask[:, None]
+        if PADDED:
+            k_mask = k_mask & j_mask[:, None]
+            v_mask = v_mask & j_mask[None, :]
+        k_lo, k_hi = _code_halves(k_rows[None, :] + j[:, None], k_mask, HALF, BITS, dt, True, FAST, K_PURE, BIASED)
+        v_lo, v_hi = _code_halves(v_rows[:, None] + j[None, :], v_mask, HALF, BITS, dt, True, FAST, V_PURE, BIASED)
         ksc, kz = _scale_zero_rows(ks_rows, n_mask, True, PAIR)
         vsc, vz = _scale_zero_rows(vs_rows, n_mask, True, PAIR)
         if CENTRED:
-            centre = _centre_scores(ca, cb, cs_ptr, stride_cs, full_end, max_pos, j, HALF, BLOCK_N, GROUP_C)
+            centre = _centre_scores(ca, cb, cs_ptr, stride_cs, full_end, max_pos, j, HALF, BLOCK_N, GROUP_C, PADDED)
         else:
             centre = 0.0
         visible = n_mask
@@ -210,6 +223,15 @@ def _decode_quant(
 
 
 @jit
+def _store_cols(ptrs, values, mask, PADDED: tl.constexpr):
+    """Store a row's columns: all of them, or (PADDED: the row padded to a power of two) where ``mask``."""
+    if PADDED:
+        tl.store(ptrs, values, mask=mask)
+    else:
+        tl.store(ptrs, values)
+
+
+@jit
 def _decode_simt_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_q_ptr, seqlens_k_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qm_ptr, c_ptr, cs_ptr,
@@ -217,9 +239,9 @@ def _decode_simt_kernel(
     stride_bt, stride_ot, stride_oh, stride_pob, stride_poh, stride_pop, stride_plb, stride_plh,
     stride_qmt, stride_qmh, stride_c_row, stride_c_h, last_row, stride_cs, max_pos,
     qk_scale, min_part, alibi_ptr, window, softcap,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    BITS: tl.constexpr, FAST: tl.constexpr, PAIR: tl.constexpr, CENTRED: tl.constexpr, GROUP_C: tl.constexpr,
-    WINDOW: tl.constexpr, ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr, PAIR: tl.constexpr, CENTRED: tl.constexpr,
+    GROUP_C: tl.constexpr, WINDOW: tl.constexpr, ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Decode attention over a quantized cache on the CUDA cores, for one query a kv head (MHA):
     the decode kernel's partitions and results (``_decode_kernel``), one warp a program, grid
@@ -232,7 +254,7 @@ def _decode_simt_kernel(
     strides (the launcher checks). Mind the code layouts Triton picks: with the codes loaded
     inside the converting function, every lane held every key's score (32 exp2 a lane instead of
     one) and the kernel ran 1.5x slower (SASS checked offline: ``MUFU.EX2`` count). WINDOW,
-    ALIBI, SOFTCAP: as the decode kernel's."""
+    ALIBI, SOFTCAP, HEAD_PAD: as the decode kernel's (the columns past a row's width masked)."""
     head = tl.program_id(0)
     seq = tl.program_id(1)
     part = tl.program_id(2)
@@ -249,27 +271,36 @@ def _decode_simt_kernel(
         slope = 0.0
     IN_BLOCK: tl.constexpr = BLOCK_SIZE % BLOCK_N == 0
     COLS: tl.constexpr = HEAD_DIM // 2 if BITS == 4 else HEAD_DIM
-    c = tl.arange(0, COLS)
+    PADDED: tl.constexpr = HEAD_PAD != HEAD_DIM
+    COLS_PAD: tl.constexpr = HEAD_PAD // 2 if BITS == 4 else HEAD_PAD
+    c = tl.arange(0, COLS_PAD)
+    c_mask = c < COLS
     tok = tl.arange(0, BLOCK_N)
     q_row = q_ptr + row * stride_qt + head * stride_qh + c
-    q_a = tl.load(q_row).to(tl.float32) * qk_scale  # times the log2 softmax scale
+    if PADDED:
+        q_a = tl.load(q_row, mask=c_mask, other=0.0).to(tl.float32) * qk_scale
+    else:
+        q_a = tl.load(q_row).to(tl.float32) * qk_scale  # times the log2 softmax scale
     if BITS == 4:
-        q_b = tl.load(q_row + COLS).to(tl.float32) * qk_scale
+        if PADDED:
+            q_b = tl.load(q_row + COLS, mask=c_mask, other=0.0).to(tl.float32) * qk_scale
+        else:
+            q_b = tl.load(q_row + COLS).to(tl.float32) * qk_scale
         qsum = tl.sum(q_a, 0) + tl.sum(q_b, 0)
     else:
         qsum = tl.sum(q_a, 0)
     m_i = float("-inf")
     l_i = 0.0
     z_i = 0.0
-    acc_a = tl.zeros([COLS], tl.float32)
-    acc_b = tl.zeros([COLS], tl.float32)
+    acc_a = tl.zeros([COLS_PAD], tl.float32)
+    acc_b = tl.zeros([COLS_PAD], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     if CENTRED:
         HALF: tl.constexpr = HEAD_DIM // 2
-        jc = tl.arange(0, HALF)
+        jc = tl.arange(0, HEAD_PAD // 2)
         ca, cb = _centre_coeffs((qm_ptr + row * stride_qmt + head * stride_qmh) + tl.zeros([1, 1], tl.int64),
                                 jc[None, :] < HALF, _centre_row(bt_row, c_ptr, stride_c_row, last_row)
-                                + head * stride_c_h, jc, qk_scale, HALF)
+                                + head * stride_c_h, jc, qk_scale, HALF, PADDED)
     for n0 in range(start, end, BLOCK_N):
         n_mask = n0 + tok < end
         if IN_BLOCK:  # the tile inside one cache block: its number read once
@@ -283,7 +314,10 @@ def _decode_simt_kernel(
                                           BLOCK_SIZE, True)
         # (Codes loaded here, before the scales, and converted by a function of the loaded
         # values: loaded inside the converting function, the loop got the slow layouts.)
-        kc = tl.load(k_ptr + rows[:, None] + c[None, :], mask=n_mask[:, None], other=0)
+        kv_mask = n_mask[:, None]
+        if PADDED:
+            kv_mask = kv_mask & c_mask[None, :]
+        kc = tl.load(k_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0)
         ksc, kz = _scale_zero_rows(ks_ptr + s_rows, n_mask, True, PAIR)
         if BITS == 4:
             k_a, k_b = _u4_f32(kc, FAST)
@@ -292,7 +326,7 @@ def _decode_simt_kernel(
             s = tl.sum(_u8_f32(kc, FAST) * q_a[None, :], 1)
         s = s * ksc + qsum * kz
         if CENTRED:
-            s += tl.sum(_centre_scores(ca, cb, cs_ptr, stride_cs, n0, max_pos, jc, HALF, BLOCK_N, GROUP_C), 0)
+            s += tl.sum(_centre_scores(ca, cb, cs_ptr, stride_cs, n0, max_pos, jc, HALF, BLOCK_N, GROUP_C, PADDED), 0)
         s = _score_mods(s, n0 + tok, seqlen - 1, slope, softcap, ALIBI, SOFTCAP)
         if WINDOW:
             s = tl.where(n_mask & (n0 + tok >= seqlen - window), s, float("-inf"))
@@ -302,7 +336,7 @@ def _decode_simt_kernel(
         m_new = tl.maximum(m_i, tl.max(s, 0))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)
-        vc = tl.load(v_ptr + rows[:, None] + c[None, :], mask=n_mask[:, None], other=0)
+        vc = tl.load(v_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0)
         vsc, vz = _scale_zero_rows(vs_ptr + s_rows, n_mask, True, PAIR)
         l_i = l_i * alpha + tl.sum(p, 0)
         z_i = z_i * alpha + tl.sum(p * vz, 0)
@@ -318,12 +352,12 @@ def _decode_simt_kernel(
     o_b = (acc_b + z_i) / l_i
     if SPLIT and part_len < seqlen - lo:
         po = part_out_ptr + seq * stride_pob + head * stride_poh + part * stride_pop + c
-        tl.store(po, o_a)
+        _store_cols(po, o_a, c_mask, PADDED)
         if BITS == 4:
-            tl.store(po + COLS, o_b)
+            _store_cols(po + COLS, o_b, c_mask, PADDED)
         tl.store(part_lse_ptr + seq * stride_plb + head * stride_plh + part, m_i + tl.log2(l_i))
     else:
         dst = out_ptr + row * stride_ot + head * stride_oh + c
-        tl.store(dst, o_a.to(out_ptr.dtype.element_ty))
+        _store_cols(dst, o_a.to(out_ptr.dtype.element_ty), c_mask, PADDED)
         if BITS == 4:
-            tl.store(dst + COLS, o_b.to(out_ptr.dtype.element_ty))
+            _store_cols(dst + COLS, o_b.to(out_ptr.dtype.element_ty), c_mask, PADDED)

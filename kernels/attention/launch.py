@@ -4,7 +4,7 @@ it; ``paged_attention`` sends CUDA tensors here and the rest to the reference.""
 
 import torch
 
-from .._triton import FLOAT_DTYPES, TRITON_INTERPRETED, cdiv, is_pow2, next_pow2, triton_takes
+from .._triton import FLOAT_DTYPES, TRITON_INTERPRETED, cdiv, next_pow2, triton_takes
 from ..kv_centres import KeyCentres
 from ..kv_layout import CENTRE_GROUP, SCALE_DTYPE
 from ..kv_quant import cache_bits
@@ -53,8 +53,9 @@ def _check_inputs(
         return f"q/cache dtypes {q.dtype}/{k_cache.dtype}/{v_cache.dtype} must match and be fp16/bf16/fp32"
     elif k_cache.shape[-1] != head_dim:
         return f"cache head_dim {k_cache.shape[-1]} != q's {head_dim}"
-    if not is_pow2(head_dim) or not 16 <= head_dim <= 256:
-        return f"head_dim {head_dim} must be a power of two in [16, 256]"
+    # A head dim that is not a power of two is padded to one inside the kernels (HEAD_PAD).
+    if not 16 <= head_dim <= 256 or (k_scales is not None and head_dim % 2):
+        return f"head_dim {head_dim} must be in [16, 256] (and even for a quantized cache)"
     if q.shape[1] % k_cache.shape[2]:
         return f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} kv heads"
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -106,6 +107,7 @@ def paged_attention_triton(
     num_warps, num_stages, maxnreg, simt = tuning.num_warps, tuning.num_stages, tuning.maxnreg, tuning.simt
 
     num_tokens, num_heads, head_dim = q.shape
+    head_pad = next_pow2(head_dim)  # the kernels' tl.arange width; the dims past head_dim masked
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     num_seqs = seqlens_k.shape[0]
@@ -159,7 +161,7 @@ def paged_attention_triton(
         # and the partition heuristic size for that, not for the longest context.
         span = min(max_seqlen_k, sliding_window) if windowed else max_seqlen_k
         partition = decode_partition or _decode_partition(q.device, num_seqs, num_kv_heads, span, per_sm)
-        bn = block_n or min(_SIMT_BLOCK_N if simt else 64 if head_dim <= 128 else 32, next_pow2(partition))
+        bn = block_n or min(_SIMT_BLOCK_N if simt else 64 if head_pad <= 128 else 32, next_pow2(partition))
         assert partition % bn == 0, "the decode partition must be a multiple of its key tile"
         if windowed:  # the span starts at a tile boundary: up to bn - 1 keys more
             span = min(max_seqlen_k, sliding_window + bn - 1)
@@ -194,8 +196,8 @@ def paged_attention_triton(
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *s_strides,
                 block_tables.stride(0), out.stride(0), out.stride(1), *po_strides, *pl_strides, *c_args,
                 qk_scale, min_part, *mods,
-                HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=bn, SPLIT=split, BITS=bits, FAST=fast,
-                PAIR=bool(tn & TUNE_PAIR), CENTRED=centred, GROUP_C=CENTRE_GROUP, num_warps=num_warps or 1,
+                HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_N=bn, SPLIT=split, BITS=bits,
+                FAST=fast, PAIR=bool(tn & TUNE_PAIR), CENTRED=centred, GROUP_C=CENTRE_GROUP, num_warps=num_warps or 1,
                 **mod_flags, **extra,
             )
         else:
@@ -205,7 +207,8 @@ def paged_attention_triton(
             _decode_kernel[(num_kv_heads, num_seqs, num_parts)](
                 q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, seqlens_k, out, part_out, part_lse,
                 *common, *po_strides, *pl_strides, *c_ptrs, *c_args, qk_scale, min_part, *mods,
-                GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+                GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+                BLOCK_SIZE=block_size,
                 BLOCK_N=bn, SPLIT=split, BITS=bits, FAST=fast, TUNE=tn if bits else 0, DOT_PRECISION=precision,
                 CENTRED=centred, GROUP_C=CENTRE_GROUP, num_warps=num_warps or 4, **mod_flags, **extra,
             )
@@ -213,16 +216,17 @@ def paged_attention_triton(
             _decode_reduce_kernel[(num_heads, num_seqs)](
                 part_out, part_lse, cu_seqlens_q, seqlens_k, out,
                 *po_strides, *pl_strides, out.stride(0), out.stride(1), num_parts, min_part, mods[1],
-                HEAD_DIM=head_dim, BLOCK_N=bn, BLOCK_P=min(next_pow2(num_parts), 16), WINDOW=windowed, num_warps=4,
+                HEAD_DIM=head_dim, BLOCK_N=bn, BLOCK_P=min(next_pow2(num_parts), 16), WINDOW=windowed,
+                HEAD_PAD=head_pad, num_warps=4,
             )
         return out
 
     bm = block_m or (64 if max_seqlen_q >= 64 else max(16, next_pow2(max_seqlen_q)))
-    bn = block_n or (64 if head_dim <= 128 else 32)
+    bn = block_n or (64 if head_pad <= 128 else 32)
     _prefill_kernel[(cdiv(max_seqlen_q, bm), num_heads, num_seqs)](
         q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, seqlens_k, out,
         *common, *c_ptrs, *c_args, qk_scale, *mods,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, BITS=bits,
+        GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, BITS=bits,
         CENTRED=centred, GROUP_C=CENTRE_GROUP, **mod_flags,
         # Two stages measured best on an H100 (bf16, D=64 and 128) for 64x64 tiles and 4 warps.
         DOT_PRECISION=precision, num_warps=num_warps or (4 if bm <= 64 else 8), num_stages=num_stages or 2,

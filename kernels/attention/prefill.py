@@ -18,13 +18,15 @@ def _prefill_kernel(
     stride_bt, stride_ot, stride_oh,
     qm_ptr, c_ptr, cs_ptr, stride_qmt, stride_qmh, stride_c_row, stride_c_h, last_row, stride_cs, max_pos,
     qk_scale, alibi_ptr, window, softcap,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CENTRED: tl.constexpr, GROUP_C: tl.constexpr,
     WINDOW: tl.constexpr, ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # WINDOW: the query at position p sees keys p - window < k <= p; ALIBI: the heads' slopes at
     # ``alibi_ptr``; SOFTCAP: ``softcap`` is the cap times log2(e) (tiles._score_mods).
+    # HEAD_PAD: HEAD_DIM rounded up to a power of two (tl.arange's); the dims past it load as 0.
+    PADDED: tl.constexpr = HEAD_PAD != HEAD_DIM
     # Later query tiles see more keys: hand them the lowest program ids so they start first.
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -42,13 +44,16 @@ def _prefill_kernel(
     m_mask = m < q_len
     pos = ctx + m
     rows = (q_start + m).to(tl.int64)
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=m_mask[:, None], other=0.0)
+    d = tl.arange(0, HEAD_PAD)
+    io_mask = m_mask[:, None]  # the rows (and dims) loaded and stored
+    if PADDED:
+        io_mask = io_mask & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=io_mask, other=0.0)
     qsum = tl.sum(q.to(tl.float32), 1)  # for a quantized cache's zeros (_scores)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     if ALIBI:
         slope = tl.load(alibi_ptr + head) * 1.4426950408889634
@@ -56,13 +61,14 @@ def _prefill_kernel(
         slope = 0.0
     if CENTRED:  # the queries before the key basis and the sequence's mean key (_centre_scores_dot)
         HALF: tl.constexpr = HEAD_DIM // 2
-        jc = tl.arange(0, HALF)
+        jc = tl.arange(0, HEAD_PAD // 2)  # the dims past HALF (PADDED) load as 0: they add nothing
+        jc_mask = jc < HALF
         qm_rows = qm_ptr + rows[:, None] * stride_qmt + head * stride_qmh
-        qm_lo = tl.load(qm_rows + jc[None, :], mask=m_mask[:, None], other=0.0)
-        qm_hi = tl.load(qm_rows + HALF + jc[None, :], mask=m_mask[:, None], other=0.0)
+        qm_lo = tl.load(qm_rows + jc[None, :], mask=m_mask[:, None] & jc_mask[None, :], other=0.0)
+        qm_hi = tl.load(qm_rows + HALF + jc[None, :], mask=m_mask[:, None] & jc_mask[None, :], other=0.0)
         m_row = _centre_row(bt_row, c_ptr, stride_c_row, last_row) + kv_head * stride_c_h
-        cm1 = tl.load(m_row + jc).to(tl.float32)
-        cm2 = tl.load(m_row + HALF + jc).to(tl.float32)
+        cm1 = tl.load(m_row + jc, mask=jc_mask, other=0.0).to(tl.float32)
+        cm2 = tl.load(m_row + HALF + jc, mask=jc_mask, other=0.0).to(tl.float32)
     # Keys past the tile's last query position are masked for every row: stop before them.
     kv_end = tl.minimum(seqlen, ctx + (m_tile + 1) * BLOCK_M)
     # Key tiles that end at or before the tile's first query position are visible to every row
@@ -90,7 +96,7 @@ def _prefill_kernel(
                                        kv_head, d, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
                                        stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
                                        BLOCK_SIZE, HEAD_DIM, True, BITS, DOT_PRECISION, centre, CENTRED,
-                                       pos[:, None], slope, softcap, ALIBI, SOFTCAP, True)
+                                       pos[:, None], slope, softcap, ALIBI, SOFTCAP, True, PADDED)
     for n0 in range(full_begin, full_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         if CENTRED:
@@ -102,7 +108,7 @@ def _prefill_kernel(
                                    kv_head, d, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
                                    stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
                                    BLOCK_SIZE, HEAD_DIM, False, BITS, DOT_PRECISION, centre, CENTRED,
-                                   pos[:, None], slope, softcap, ALIBI, SOFTCAP)
+                                   pos[:, None], slope, softcap, ALIBI, SOFTCAP, False, PADDED)
     # The diagonal tiles: causal mask and the end of the sequence.
     for n0 in range(full_end, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -122,8 +128,8 @@ def _prefill_kernel(
                                    kv_head, d, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
                                    stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
                                    BLOCK_SIZE, HEAD_DIM, True, BITS, DOT_PRECISION, centre, CENTRED,
-                                   pos[:, None], slope, softcap, ALIBI, SOFTCAP, WINDOW)
+                                   pos[:, None], slope, softcap, ALIBI, SOFTCAP, WINDOW, PADDED)
 
     o = acc / l_i[:, None]
     dst = out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :]
-    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=io_mask)

@@ -48,6 +48,28 @@ def _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr, SAFE: tl.conste
 
 
 @jit
+def _tile_mask(n_mask, d, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PADDED: tl.constexpr,
+               ROWS_ARE_KEYS: tl.constexpr):
+    """The load mask of a key tile [D, N] (ROWS_ARE_KEYS: keys for q @ k) or value tile [N, D]:
+    MASKED, keys where ``n_mask``; PADDED (a head dim that is not a power of two, ``d`` running
+    to the next one), dims below HEAD_DIM. Only called where one of the two holds."""
+    if ROWS_ARE_KEYS:
+        if MASKED and PADDED:
+            return n_mask[None, :] & (d < HEAD_DIM)[:, None]
+        elif MASKED:
+            return n_mask[None, :]
+        else:
+            return (d < HEAD_DIM)[:, None]
+    else:
+        if MASKED and PADDED:
+            return n_mask[:, None] & (d < HEAD_DIM)[None, :]
+        elif MASKED:
+            return n_mask[:, None]
+        else:
+            return (d < HEAD_DIM)[None, :]
+
+
+@jit
 def _kv_offsets(
     bt_row, n, n_mask, kv_head,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
@@ -72,17 +94,23 @@ def _kv_offsets(
 
 @jit
 def _scores(q, k_ptr, ks_ptr, k_off, s_off, d, n_mask, qsum, qk_scale,
-            HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            PADDED: tl.constexpr):
     """log2-scaled scores q @ k [M, N] of the keys at offsets ``k_off``. A quantized cache's codes
     enter the dot as they are (small integers, exact in fp16/bf16) and the per-key scale and zero
     come after: ``q . (c * s + z) = s * (q . c) + z * sum(q)``, so no dequantized key is ever made."""
     if BITS:
-        c = _load_codes(k_ptr, k_off, d, n_mask, True, HEAD_DIM, MASKED, BITS)
+        if MASKED or PADDED:
+            c = _load_codes(k_ptr, k_off, d, _tile_mask(n_mask, d, HEAD_DIM, MASKED, PADDED, True), True, HEAD_DIM,
+                            True, BITS)
+        else:
+            c = _load_codes(k_ptr, k_off, d, n_mask, True, HEAD_DIM, False, BITS)
         s = tl.dot(q, _codes_as(c, q.dtype), input_precision=DOT_PRECISION)
         scale, zero = _scale_zero(ks_ptr, s_off, n_mask, MASKED)
         s = s * scale[None, :] + qsum[:, None] * zero[None, :]
-    elif MASKED:
-        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=n_mask[None, :], other=0.0)  # [D, N]
+    elif MASKED or PADDED:
+        k_t = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=_tile_mask(n_mask, d, HEAD_DIM, MASKED, PADDED, True),
+                      other=0.0)  # [D, N]
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION)
     else:
         k_t = tl.load(k_ptr + k_off[None, :] + d[:, None])  # [D, N]
@@ -93,20 +121,25 @@ def _scores(q, k_ptr, ks_ptr, k_off, s_off, d, n_mask, qsum, qk_scale,
 @jit
 def _fold_values(s, v_ptr, vs_ptr, v_off, s_off, d, n_mask, m_i, l_i, acc, q_dtype: tl.constexpr,
                  HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 SAFE: tl.constexpr):
+                 SAFE: tl.constexpr, PADDED: tl.constexpr):
     """Load the values at offsets ``v_off`` and fold scores ``s`` over them (``_fold_tile``). A
     quantized cache's codes enter the dot as they are, the per-value scale folded into the
     probabilities and the zero added as one row sum: ``p @ (c * s + z) = (p * s) @ c + sum(p * z)``."""
     if BITS:
-        c = _load_codes(v_ptr, v_off, d, n_mask, False, HEAD_DIM, MASKED, BITS)
+        if MASKED or PADDED:
+            c = _load_codes(v_ptr, v_off, d, _tile_mask(n_mask, d, HEAD_DIM, MASKED, PADDED, False), False, HEAD_DIM,
+                            True, BITS)
+        else:
+            c = _load_codes(v_ptr, v_off, d, n_mask, False, HEAD_DIM, False, BITS)
         scale, zero = _scale_zero(vs_ptr, s_off, n_mask, MASKED)
         m_new, alpha, p = _running_max(s, m_i, SAFE)
         l_i = l_i * alpha + tl.sum(p, 1)
         pv = tl.dot((p * scale[None, :]).to(q_dtype), _codes_as(c, q_dtype), input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv + tl.sum(p * zero[None, :], 1)[:, None]
         return m_new, l_i, acc
-    elif MASKED:
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)  # [N, D]
+    elif MASKED or PADDED:
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=_tile_mask(n_mask, d, HEAD_DIM, MASKED, PADDED, False),
+                    other=0.0)  # [N, D]
         return _fold_tile(s, v, m_i, l_i, acc, DOT_PRECISION, SAFE)
     else:
         v = tl.load(v_ptr + v_off[:, None] + d[None, :])  # [N, D]
@@ -120,25 +153,27 @@ def _tile_step(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, BITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, centre=0.0, CENTRED: tl.constexpr = False,
     qpos=0, slope=0.0, softcap=0.0, ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
-    SAFE: tl.constexpr = False,
+    SAFE: tl.constexpr = False, PADDED: tl.constexpr = False,
 ):
     """One key tile: load the keys, score, mask (MASKED: the tile may run past the sequence,
     ``n_mask``, and is seen only where ``visible``), load the values, fold into the running
     softmax. ``qsum``: the rows' sums of q, for a quantized cache's zeros; CENTRED: ``centre``
     [M, N] the keys' centres' scores (``_centre_scores_dot``); ALIBI / SOFTCAP: ``_score_mods``
     with the queries' positions ``qpos`` and slopes ``slope`` shaped [M, 1] or scalar; SAFE:
-    ``_running_max``."""
+    ``_running_max``; PADDED: ``d`` runs past HEAD_DIM to a power of two, the dims past it read
+    as 0 (so they add nothing to the scores, and the caller does not store them)."""
     k_off, v_off, s_off = _kv_offsets(bt_row, n, n_mask, kv_head, stride_kb, stride_ks, stride_kh,
                                       stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
                                       BLOCK_SIZE, MASKED)
-    s = _scores(q, k_ptr, ks_ptr, k_off, s_off, d, n_mask, qsum, qk_scale, HEAD_DIM, MASKED, BITS, DOT_PRECISION)
+    s = _scores(q, k_ptr, ks_ptr, k_off, s_off, d, n_mask, qsum, qk_scale, HEAD_DIM, MASKED, BITS, DOT_PRECISION,
+                PADDED)
     if CENTRED:
         s += centre * qk_scale
     s = _score_mods(s, n[None, :], qpos, slope, softcap, ALIBI, SOFTCAP)
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     return _fold_values(s, v_ptr, vs_ptr, v_off, s_off, d, n_mask, m_i, l_i, acc, q.dtype,
-                        HEAD_DIM, MASKED, BITS, DOT_PRECISION, SAFE)
+                        HEAD_DIM, MASKED, BITS, DOT_PRECISION, SAFE, PADDED)
 
 
 @jit

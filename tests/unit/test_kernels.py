@@ -214,6 +214,17 @@ def test_alibi_dispatcher(seed: int, forced: None) -> None:
 
 
 @interp
+@pytest.mark.parametrize("d", [96, 80])
+def test_attention_head_dim_not_pow2(d: int, seed: int, poisoned_empty: None) -> None:
+    """Head dims padded to a power of two inside the kernels (Phi-3-mini's 96; 80): decode over
+    split partitions and their merge, one partition, prefill over a prefix; a window with ALiBi."""
+    check_attention([1] * 3, [40, 7, 100], 6, 2, d, 16, seed, FP32_TOL, decode_partition=16, block_n=16)
+    check_attention([1] * 2, [40, 7], 4, 4, d, 16, seed, FP32_TOL)
+    check_attention([20, 3], [70, 9], 4, 2, d, 16, seed, FP32_TOL, block_m=16, block_n=16)
+    check_attention([20, 1], [70, 9], 4, 2, d, 16, seed, FP32_TOL, window=30, alibi=True, block_m=16, block_n=16)
+
+
+@interp
 @pytest.mark.parametrize("q_lens,k_lens", [([1, 1], [40, 3]), ([6, 1], [40, 3])], ids=["decode", "prefill"])
 def test_attention_fp16(q_lens: list[int], k_lens: list[int], seed: int, poisoned_empty: None) -> None:
     # The interpreter computes fp16 in numpy (round to nearest); bf16 it truncates, so no bf16 here.
@@ -251,10 +262,10 @@ def test_attention_strided_cache(seed: int, poisoned_empty: None) -> None:
 
 
 @interp
-@pytest.mark.parametrize("block_size", [1, 16])
-def test_store_kv(block_size: int, seed: int, forced: None) -> None:
+@pytest.mark.parametrize("block_size,d", [(1, 64), (16, 64), (16, 80)])
+def test_store_kv(block_size: int, d: int, seed: int, forced: None) -> None:
     gen = torch.Generator().manual_seed(seed)
-    hkv, d, num_blocks = 3, 64, 8
+    hkv, num_blocks = 3, 8
     kv = randn(7, 2 * hkv * d + 5, gen=gen)  # strided views, like slices of a fused qkv
     k = kv[:, : hkv * d].view(7, hkv, d)
     v = kv[:, hkv * d : 2 * hkv * d].view(7, hkv, d)
@@ -289,7 +300,7 @@ def test_add_rms_norm(hidden: int, seed: int, forced: None) -> None:
 
 
 @interp
-@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 4, 128), (8, 1, 64), (2, 1, 96)])
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 4, 128), (8, 1, 64), (2, 1, 96), (2, 1, 80)])
 def test_apply_rotary(h: int, hkv: int, d: int, seed: int, forced: None) -> None:
     gen = torch.Generator().manual_seed(seed)
     t = 6
@@ -323,7 +334,8 @@ def _rotate_and_store_case(t: int, h: int, hkv: int, d: int, block_size: int, ge
 
 
 @interp
-@pytest.mark.parametrize("h,hkv,d,block_size", [(9, 3, 64, 16), (4, 4, 128, 1), (8, 1, 64, 16), (2, 1, 96, 8)])
+@pytest.mark.parametrize("h,hkv,d,block_size", [(9, 3, 64, 16), (4, 4, 128, 1), (8, 1, 64, 16), (2, 1, 96, 8),
+                                                (2, 1, 80, 8)])
 def test_rotate_and_store_kv(h: int, hkv: int, d: int, block_size: int, seed: int, forced: None) -> None:
     """The fused kernel equals its reference, and writes exactly what rotary then store_kv write."""
     q, k, v, positions, cos_sin, slots, c = _rotate_and_store_case(7, h, hkv, d, block_size,
@@ -362,9 +374,9 @@ def test_silu_and_mul(shape: tuple[int, ...], seed: int, forced: None) -> None:
 @interp
 def test_forced_triton_rejects_unsupported_shapes(forced: None) -> None:
     q, kc, vc, bt, cu, sk = paged_batch([1], [5], 2, 1, 64, 16, seed=0)
-    odd = (q[..., :40].contiguous(), kc[..., :40].contiguous(), vc[..., :40].contiguous())
+    small = (q[..., :8].contiguous(), kc[..., :8].contiguous(), vc[..., :8].contiguous())
     with pytest.raises(ValueError, match="head_dim"):
-        paged_attention(*odd, bt, cu, sk, 0.1)
+        paged_attention(*small, bt, cu, sk, 0.1)
 
 
 # -------------------------------------------------------------------------------- dispatch (any mode)
@@ -513,6 +525,28 @@ def test_gpu_alibi(dtype: torch.dtype, seed: int, poisoned_empty: None) -> None:
     check_attention([2048], [2048], 40, 40, 128, 16, seed, GPU_TOL[dtype], dtype, "cuda", alibi=True)
     check_attention([512, 33], [3000, 4129], 40, 40, 128, 64, seed, GPU_TOL[dtype], dtype, "cuda", alibi=True,
                     window=1000)
+
+
+@gpu
+@compiled_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["bf16", "fp16"])
+def test_gpu_head_dim_96(dtype: torch.dtype, seed: int, poisoned_empty: None) -> None:
+    """Phi-3-mini's attention (32 heads, MHA, D 96, padded to 128 in the kernels): decode at batch
+    1 over a long context and a mixed batch, prefill, a chunk over a prefix; and the cache writes."""
+    tol = GPU_TOL[dtype]
+    check_attention([1], [4096], 32, 32, 96, 16, seed, tol, dtype, "cuda")
+    check_attention([1] * 64, [1 + 37 * i for i in range(64)], 32, 32, 96, 16, seed, tol, dtype, "cuda")
+    check_attention([2048], [2048], 32, 32, 96, 16, seed, tol, dtype, "cuda")
+    check_attention([512, 1, 33], [3000, 700, 4129], 32, 32, 96, 64, seed, tol, dtype, "cuda")
+    check_attention([1] * 4, [17000, 4096, 511, 8193], 40, 8, 80, 64, seed, tol, dtype, "cuda")
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, positions, cos_sin, slots, c = _rotate_and_store_case(2048, 32, 32, 96, 16, gen, dtype, "cuda")
+    out_q = rotate_and_store_kv(q, k, v, positions, cos_sin, c[0], c[1], slots)
+    assert_close(out_q, rotate_and_store_kv_ref(q, k, v, positions, cos_sin, c[2], c[3], slots), tol)
+    store_kv(k, v, c[4], c[5], slots)
+    store_kv_ref(k, v, c[2], c[3], slots)
+    torch.testing.assert_close(c[4], c[2], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(c[5], c[3], rtol=0, atol=0, equal_nan=True)
 
 
 @gpu

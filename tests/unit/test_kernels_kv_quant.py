@@ -201,7 +201,7 @@ def assert_same_codes(a: tuple, b: tuple, bits: int = 8, exact: bool = True) -> 
 
 @interp
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("hkv,d,block_size", [(3, 64, 16), (1, 128, 1), (8, 64, 4), (2, 96, 16)])
+@pytest.mark.parametrize("hkv,d,block_size", [(3, 64, 16), (1, 128, 1), (8, 64, 4), (2, 96, 16), (1, 80, 4)])
 def test_quantized_store_kv(bits: int, hkv: int, d: int, block_size: int, seed: int, forced: None) -> None:
     gen = torch.Generator().manual_seed(seed)
     t = 7
@@ -221,7 +221,8 @@ def test_quantized_store_kv(bits: int, hkv: int, d: int, block_size: int, seed: 
 
 @interp
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("h,hkv,d,block_size", [(9, 3, 64, 16), (4, 4, 128, 1), (8, 1, 64, 16), (4, 2, 96, 16)])
+@pytest.mark.parametrize("h,hkv,d,block_size", [(9, 3, 64, 16), (4, 4, 128, 1), (8, 1, 64, 16), (4, 2, 96, 16),
+                                                (2, 1, 80, 4)])
 def test_quantized_rotate_and_store_kv(bits: int, h: int, hkv: int, d: int, block_size: int, seed: int,
                                        forced: None) -> None:
     """The fused kernel equals its reference, and stores what rotary then the quantizing store do."""
@@ -263,7 +264,8 @@ def _centring_case(t: int, hkv: int, d: int, blocks: int, gen: torch.Generator, 
 
 @interp
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("h,hkv,d,block_size", [(9, 3, 64, 16), (4, 4, 128, 1), (8, 1, 64, 16), (4, 2, 96, 16)])
+@pytest.mark.parametrize("h,hkv,d,block_size", [(9, 3, 64, 16), (4, 4, 128, 1), (8, 1, 64, 16), (4, 2, 96, 16),
+                                                (2, 1, 80, 4)])
 def test_centred_stores(bits: int, h: int, hkv: int, d: int, block_size: int, seed: int, forced: None) -> None:
     """The quantizing write with key centres equals the reference: the centre of the sequence
     starting here is computed first (from its keys before the rotary embedding), every key is
@@ -513,6 +515,23 @@ def test_quantized_attention_alibi(bits: int, seed: int, poisoned_empty: None) -
                               block_m=16, block_n=16)
 
 
+@interp
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("d", [96, 80])
+def test_quantized_attention_head_dim_not_pow2(d: int, bits: int, seed: int, poisoned_empty: None) -> None:
+    """Head dims padded to a power of two inside the kernels (int4: rows of d / 2 bytes, 48 for
+    Phi-3-mini's 96): the tensor-core decode walk over split partitions (plain, centred and, for
+    96, the fp16 fold), the CUDA-core one, and prefill over a prefix with centred keys."""
+    tiles = dict(decode_partition=16, block_n=16)
+    check_quantized_attention([1] * 3, [40, 7, 100], 6, 2, d, 16, seed, bits, 1e-4, centred=True, **tiles)
+    if d == 96:
+        check_quantized_attention([1] * 3, [40, 7, 100], 6, 2, d, 16, seed, bits, 1e-4, **tiles)
+        check_quantized_attention([1] * 2, [40, 7], 4, 2, d, 16, seed, bits, 5e-3, dtype=torch.float16,
+                                  **variant("fold", "lazy"), **tiles)
+    check_quantized_attention([1] * 2, [40, 7], 4, 4, d, 16, seed, bits, 1e-4, simt=True, centred=True, **tiles)
+    check_quantized_attention([20, 3], [70, 9], 4, 2, d, 16, seed, bits, 1e-4, centred=True, block_m=16, block_n=16)
+
+
 def test_softcap_over_centred_keys_is_refused() -> None:
     """The kernels drop each centre's constant score (softmax ignores it; the cap does not): the
     launcher check sends soft-capped layers over centred keys to the reference."""
@@ -604,6 +623,23 @@ def test_gpu_quantized_window_softcap(dtype: torch.dtype, bits: int, seed: int, 
                               centred=True, window=777)
     check_quantized_attention([512, 1, 33], [3000, 700, 4129], 32, 8, 128, 64, seed, bits, GPU_TOL[dtype], dtype,
                               "cuda", window=1000, softcap=50.0)
+
+
+@gpu
+@compiled_gpu
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_quantized_head_dim_96(dtype: torch.dtype, bits: int, seed: int, poisoned_empty: None) -> None:
+    """Phi-3-mini's D 96 over a quantized cache: both decode walks with the PTX conversions and all
+    variants, centred keys, prefill over a prefix."""
+    k_lens = [1, 63, 700, 2049, 5000]
+    for simt, h in ((True, 8), (False, 32)):
+        check_quantized_attention([1] * len(k_lens), k_lens, h, 8, 96, 64, seed, bits, GPU_TOL[dtype], dtype, "cuda",
+                                  simt=simt, fast_codes=True, **variant(*VARIANT_BITS))
+        check_quantized_attention([1] * len(k_lens), k_lens, h, 8, 96, 16, seed, bits, GPU_TOL[dtype], dtype, "cuda",
+                                  simt=simt, centred=True)
+    check_quantized_attention([512, 1, 33], [3000, 700, 4129], 32, 32, 96, 64, seed, bits, GPU_TOL[dtype], dtype,
+                              "cuda", centred=True)
 
 
 @gpu
