@@ -219,7 +219,9 @@ class LayerwiseRunner:
         return out[0] if isinstance(out, tuple) else out
 
 
-# Model types whose decoder layers have the Llama module names the quantization tools rely on.
+# Model types whose decoder layers have the Llama module names the quantization tools rely on
+# (scale_groups.py) and whose architectures the engine serves quantized (quant_format.py's
+# QUANT_ARCHITECTURES): a checkpoint the engine would refuse is not worth writing.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -262,7 +264,10 @@ def read_model_config(model_dir: Path, tool: str) -> dict:
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise QuantizationError(
-            f"{tool} supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; {model_dir} is {model_type!r}")
+            f"{tool} supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; {model_dir} is {model_type!r}, "
+            "whose quantized checkpoints conveyor does not serve (AWQ and W8A8 weights are read for Llama, "
+            "Mistral and Qwen2 layouts only): serve its fp16/bf16 checkpoint, with quant_policy=8 or 4 for a "
+            "smaller KV cache")
     return config
 
 
