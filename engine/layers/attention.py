@@ -91,7 +91,9 @@ class Attention(nn.Module):
             centres = None
             if rotate:
                 centring = None
-                if self.k_centres is not None:
+                # Centred keys lose each query's constant score q.centre, which the softmax ignores
+                # but a soft-cap does not: a capped layer stores its keys uncentred.
+                if self.k_centres is not None and self.softcap is None:
                     if meta.centre_index is None:  # keys stored uncentred would be read with centred ones
                         raise RuntimeError("a quantized KV cache needs AttentionMetadata.centre_index (each "
                                            "token's sequence's first block)")

@@ -145,3 +145,24 @@ def test_gemma2_pattern_without_layer_types() -> None:
     cfg.pop("layer_types")
     cfg["architectures"] = ["Gemma2ForCausalLM"]
     assert layer_windows(ModelConfig.from_dict(cfg).raw, 4) == (WINDOW, None, WINDOW, None)
+
+
+@pytest.mark.parametrize("quant_policy, tolerance", [(8, 5e-3), (4, 0.1)])
+def test_quantized_kv_cache_keeps_get_ppl(tiny, quant_policy: int, tolerance: float) -> None:
+    """An int8/int4 KV cache changes get_ppl by little. Centred keys would drop each query's score
+    on the centre, which a soft-cap does not ignore: capped layers store keys uncentred (the tiny
+    capped Gemma 2 moved by 0.026 in int8 before, 0.001 after)."""
+    from conveyor.engine.config import EngineConfig
+    from conveyor.engine.llm_engine import LLMEngine
+
+    _, _, path = tiny
+    texts = [random_tokens(30, seed=s) for s in (1, 2)]
+    losses = {}
+    for policy in (0, quant_policy):
+        eng = LLMEngine(path, EngineConfig(device="cpu", dtype="float32", cache_max_entry_count=64, block_size=4,
+                                           quant_policy=policy))
+        try:
+            losses[policy] = eng.get_ppl(texts)
+        finally:
+            eng.close()
+    assert max(abs(a - b) for a, b in zip(losses[0], losses[quant_policy])) < tolerance
