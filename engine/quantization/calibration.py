@@ -16,6 +16,7 @@ Shared by the quantization tools (AWQ's search and SmoothQuant's activation rang
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 from collections.abc import Iterator, Mapping
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from .config import QuantizationError
+from .layouts import LAYOUTS
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +145,10 @@ class LayerwiseRunner:
 
     def __init__(self, model: nn.Module, input_ids: torch.Tensor, batch_size: int = 1,
                  compute_dtype: torch.dtype | None = None) -> None:
-        if getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
-            raise QuantizationError("the calibration model must use SDPA attention (attn_implementation='sdpa')")
+        attention = getattr(model.config, "_attn_implementation", "sdpa")
+        if attention not in ("sdpa", "eager"):
+            raise QuantizationError("the calibration model must use SDPA or eager attention "
+                                    f"(attn_implementation='sdpa' or 'eager'), not {attention!r}")
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -157,9 +161,21 @@ class LayerwiseRunner:
             self.hidden: list[torch.Tensor] = [
                 inner.embed_tokens(batch.to(self.device)) for batch in input_ids.split(batch_size)]
             positions = torch.arange(self.seqlen, device=self.device).unsqueeze(0)
-            # cos/sin of shape [1, seqlen, head_dim]: they broadcast over any batch size.
-            self.position_embeddings = inner.rotary_emb(self.hidden[0], positions)
+            # cos/sin of shape [1, seqlen, head_dim]: they broadcast over any batch size. Gemma 3
+            # rotates its sliding and its full layers differently: one pair per layer type.
+            rotary = inner.rotary_emb
+            if "layer_type" in inspect.signature(rotary.forward).parameters:
+                self.position_embeddings = {kind: rotary(self.hidden[0], positions, kind)
+                                            for kind in set(model.config.layer_types)}
+            else:
+                self.position_embeddings = rotary(self.hidden[0], positions)
         self.position_ids = positions
+        # SDPA is causal by itself when given no mask; eager attention (Gemma 2, whose soft cap
+        # SDPA lacks) adds the mask it is given, so it gets the causal one spelled out.
+        self.attention_mask = None
+        if attention == "eager":
+            self.attention_mask = torch.full((self.seqlen, self.seqlen), float("-inf"), device=self.device,
+                                             dtype=self.dtype).triu(1)[None, None]
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The context every forward pass runs in: autocast to ``compute_dtype`` when it differs from the weights'."""
@@ -172,19 +188,25 @@ class LayerwiseRunner:
         """The decoder layers, in order."""
         return self.model.model.layers
 
-    def layer_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of a decoder layer's (or its attention's) forward besides the hidden states."""
-        return {"attention_mask": None, "position_ids": self.position_ids,
-                "position_embeddings": self.position_embeddings}
+    def rotary_for(self, attn: nn.Module) -> Any:
+        """The (cos, sin) pair ``attn`` rotates with: its layer type's where they differ by type."""
+        if isinstance(self.position_embeddings, dict):
+            return self.position_embeddings[attn.layer_type]
+        return self.position_embeddings
+
+    def layer_kwargs(self, layer: nn.Module) -> dict[str, Any]:
+        """Keyword arguments of ``layer``'s forward besides the hidden states."""
+        return {"attention_mask": self.attention_mask, "position_ids": self.position_ids,
+                "position_embeddings": self.rotary_for(layer.self_attn)}
 
     def attention(self, attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A layer's self-attention block on its (normed) input ``[b, seqlen, hidden]``."""
-        return attn(x, position_embeddings=self.position_embeddings, attention_mask=None)[0]
+        return attn(x, position_embeddings=self.rotary_for(attn), attention_mask=self.attention_mask)[0]
 
     @torch.no_grad()
     def forward(self, layer: nn.Module) -> list[torch.Tensor]:
         """``layer`` applied to every batch of the current inputs (the outputs in the weights' dtype)."""
-        kwargs = self.layer_kwargs()
+        kwargs = self.layer_kwargs(layer)
         with self.autocast():
             return [self._output(layer(h, **kwargs)).to(self.dtype) for h in self.hidden]
 
@@ -219,17 +241,14 @@ class LayerwiseRunner:
         return out[0] if isinstance(out, tuple) else out
 
 
-# Model types whose decoder layers have the Llama module names the quantization tools rely on
-# (scale_groups.py) and whose architectures the engine serves quantized (quant_format.py's
-# QUANT_ARCHITECTURES): a checkpoint the engine would refuse is not worth writing.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
 def load_causal_lm(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """A Hugging Face Llama-family causal LM for calibration: SDPA attention, eval mode, no grads."""
+    """A Hugging Face causal LM for calibration: SDPA attention (eager where the family's layout says so), eval
+    mode, no grads."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
+    model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    attention = LAYOUTS[model_type].attention if model_type in LAYOUTS else "sdpa"
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation=attention)
     model.requires_grad_(False)
     return model.eval().to(device)
 
@@ -262,12 +281,11 @@ def read_model_config(model_dir: Path, tool: str) -> dict:
         method = config["quantization_config"].get("quant_method")
         raise QuantizationError(f"{model_dir} is already quantized ({method})")
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in LAYOUTS:
         raise QuantizationError(
-            f"{tool} supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; {model_dir} is {model_type!r}, "
-            "whose quantized checkpoints conveyor does not serve (AWQ and W8A8 weights are read for Llama, "
-            "Mistral and Qwen2 layouts only): serve its fp16/bf16 checkpoint, with quant_policy=8 or 4 for a "
-            "smaller KV cache")
+            f"{tool} supports model types {', '.join(LAYOUTS)}; {model_dir} is {model_type!r}, whose decoder layers "
+            "it does not know how to scale (their norms and linears are not laid out as Llama's or Gemma's): serve its "
+            "fp16/bf16 checkpoint, with quant_policy=8 or 4 for a smaller KV cache")
     return config
 
 

@@ -3,11 +3,13 @@
 Both AWQ and SmoothQuant rescale the input channels of such a group: the group's weights are
 multiplied by per-input-channel scales ``s`` and the op that produces the input (an RMSNorm's
 weight, or the rows of ``v_proj`` / ``up_proj``) is divided by them, which leaves the
-unquantized model's function unchanged. The groups of a Llama / Mistral / Qwen2 layer
-(transformers' module names): q/k/v after ``input_layernorm``; ``o_proj`` after ``v_proj``
-(only when their shapes match: with grouped-query attention one ``v_proj`` row feeds several
-``o_proj`` columns); gate/up after ``post_attention_layernorm``; ``down_proj`` after ``up_proj``
-(the MLP's product is linear in up's output).
+unquantized model's function unchanged. The groups of a Llama-named layer (transformers' module
+names; which norms they follow is the family's ``layouts.DecoderLayout``): q/k/v after the
+attention's norm (``input_layernorm``); ``o_proj`` after ``v_proj`` (only when their shapes
+match: with grouped-query attention one ``v_proj`` row feeds several ``o_proj`` columns);
+gate/up after the MLP's norm (``post_attention_layernorm``, Gemma 2/3's
+``pre_feedforward_layernorm``); ``down_proj`` after ``up_proj`` (the MLP's product is linear in
+up's output).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from .calibration import InputRecord, LayerwiseRunner
+from .layouts import LAYOUTS
 
 
 @dataclass
@@ -30,6 +33,7 @@ class ScaleGroup:
     linears: dict[str, nn.Linear]
     input_name: str  # the key of the InputRecord holding the group's input
     block: Callable[[torch.Tensor], torch.Tensor]
+    prev_offset: float = 0.0  # a norm ``prev`` that scales by ``prev_offset + weight`` (Gemma's 1)
 
 
 def decoder_linears(layer: nn.Module) -> dict[str, nn.Linear]:
@@ -38,17 +42,19 @@ def decoder_linears(layer: nn.Module) -> dict[str, nn.Linear]:
 
 
 def scale_groups(layer: nn.Module, runner: LayerwiseRunner) -> list[ScaleGroup]:
-    """The AWQ groups of a Llama / Mistral / Qwen2 decoder layer (transformers' module names)."""
+    """The scale groups of a decoder layer of ``runner``'s model (transformers' module names)."""
+    layout = LAYOUTS[runner.model.config.model_type]
     attn, mlp = layer.self_attn, layer.mlp
-    groups = [ScaleGroup("qkv", layer.input_layernorm,
+    groups = [ScaleGroup("qkv", getattr(layer, layout.attn_norm),
                          {"self_attn.q_proj": attn.q_proj, "self_attn.k_proj": attn.k_proj,
                           "self_attn.v_proj": attn.v_proj},
-                         "self_attn.q_proj", lambda x: runner.attention(attn, x))]
+                         "self_attn.q_proj", lambda x: runner.attention(attn, x), layout.norm_offset)]
     if attn.v_proj.weight.shape == attn.o_proj.weight.shape:
         groups.append(ScaleGroup("o", attn.v_proj, {"self_attn.o_proj": attn.o_proj}, "self_attn.o_proj",
                                  attn.o_proj))
-    groups.append(ScaleGroup("gate_up", layer.post_attention_layernorm,
-                             {"mlp.gate_proj": mlp.gate_proj, "mlp.up_proj": mlp.up_proj}, "mlp.gate_proj", mlp))
+    groups.append(ScaleGroup("gate_up", getattr(layer, layout.mlp_norm),
+                             {"mlp.gate_proj": mlp.gate_proj, "mlp.up_proj": mlp.up_proj}, "mlp.gate_proj", mlp,
+                             layout.norm_offset))
     groups.append(ScaleGroup("down", mlp.up_proj, {"mlp.down_proj": mlp.down_proj}, "mlp.down_proj",
                              mlp.down_proj))
     return groups
@@ -82,8 +88,9 @@ def apply_scale(group: ScaleGroup, scales: torch.Tensor, record: InputRecord | N
         rows.div_(s.to(rows.dtype).view(-1, 1))
         if prev.bias is not None:
             prev.bias[-s.numel():].div_(s.to(prev.bias.dtype))
-    else:  # RMSNorm / LayerNorm: a per-channel weight (and bias)
-        prev.weight.div_(s.to(prev.weight.dtype))
+    else:  # RMSNorm / LayerNorm: a per-channel weight (and bias); the scale it applies is offset + weight
+        offset = group.prev_offset
+        prev.weight.add_(offset).div_(s.to(prev.weight.dtype)).sub_(offset)
         if getattr(prev, "bias", None) is not None:
             prev.bias.div_(s.to(prev.bias.dtype))
     for lin in group.linears.values():

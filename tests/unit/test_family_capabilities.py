@@ -10,9 +10,13 @@ capability runs over the families that claim it; a refusal is tested as the erro
   of the 16-bit cache's, and greedy decoding runs and gives every block back.
 - tp=2 (CPU, gloo): greedy tokens equal tp=1's and ``get_ppl`` is within 1e-4 (float32).
 - W8A8 (``conveyor lite smooth_quant``) and W4A16 (``conveyor lite auto_awq``): the tool
-  quantizes the tiny model (calibrated on random word text), the engine loads the result, and its
-  ``get_ppl`` on other random texts is within a tolerance of the dense model's. Families the tools
-  do not handle are refused by the tool, naming the family, before any model is loaded.
+  quantizes the tiny model (calibrated on random token windows), the engine loads the result, and
+  its ``get_ppl`` on other random texts is within a tolerance of the dense model's.
+- The tools' layouts (``engine/quantization/layouts.py``): for every family they know, random
+  scales folded into every scale group keep transformers' logits; where the engine reads no
+  quantized weights for the family, it refuses the tool's checkpoint by name, and the checkpoint's
+  dequantized weights serve within the same bound. Families the tools do not know are refused by
+  the tools, naming the family, before any model is loaded.
 
 fp16/bf16 is not tested here: the parity tests in ``test_models*.py`` back it.
 """
@@ -26,7 +30,8 @@ from pathlib import Path
 
 import pytest
 import transformers
-from safetensors.torch import save_file
+import torch
+from safetensors.torch import load_file, save_file
 from test_models import TINY, pack_internlm2, random_tokens, save_tiny
 from test_models_glm_starcoder_falcon import FALCON, to_chatglm
 from test_models_remote_code_families import baichuan, baichuan2, internlm, qwen
@@ -49,13 +54,17 @@ from transformers import (
 
 from conveyor.engine.quantization import (
     AwqConfig,
+    LayerwiseRunner,
     QuantizationError,
     SmoothQuantConfig,
     auto_awq,
     calibration_windows,
+    dequantize_checkpoint,
+    load_causal_lm,
     smooth_quant,
     tool_run,
 )
+from conveyor.engine.quantization.scale_groups import apply_scale, scale_groups
 from conveyor.protocol import EngineConfigError
 from conveyor.protocol.sampling import SamplingParams
 
@@ -77,11 +86,20 @@ W4A16_TOL = 2e-1
 TP_TOL = 1e-4
 
 
-def _pretrained(config, architecture: str | None = None) -> Callable[[Path], None]:
+def _pretrained(config, architecture: str | None = None, norm_offset: float = 0.0) -> Callable[[Path], None]:
     """A builder saving a random transformers model of ``config`` (``architecture``: the name the
-    family's released config.json carries, where transformers' class writes another)."""
+    family's released config.json carries, where transformers' class writes another).
+
+    ``save_tiny`` draws every norm weight near 1, which is a norm near 1 for ``x * w`` but near 2
+    for Gemma's ``x * (norm_offset + w)``: logits twice as sharp, on which every quantized path
+    errs several times more than on the others. ``norm_offset`` takes it off again, so that each
+    family's norms scale by about 1 and one bound per capability fits all."""
     def build(path: Path) -> None:
         save_tiny(config, path)
+        if norm_offset:
+            tensors = load_file(str(path / "model.safetensors"))
+            save_file({k: t - norm_offset if "norm" in k else t for k, t in tensors.items()},
+                      str(path / "model.safetensors"), metadata={"format": "pt"})
         if architecture:
             cfg = json.loads((path / "config.json").read_text())
             cfg["architectures"] = [architecture]
@@ -125,32 +143,40 @@ class Family:
 
 
 KV = frozenset({KV8, KV4})
-# The quantization tools scale and quantize decoder layers by Llama's module names; the engine
-# serves their checkpoints for the Llama / Mistral / Qwen2 architectures only.
-TOOLS = frozenset({W8A8, W4A16})
-NOT_BY_TOOLS = {W8A8: "smooth_quant supports model types", W4A16: "auto_awq supports model types"}
+# The quantization tools know the family's decoder layout (engine/quantization/layouts.py):
+# they quantize it, and its scale folding keeps the model's function.
+TOOL = "tool_layout"
+SERVED = frozenset({W8A8, W4A16, TOOL})  # ... and the engine serves what they write
+NOT_BY_TOOLS = {TOOL: "supports model types"}
+# The tools quantize it but the engine reads AWQ / W8A8 weights for Llama, Mistral and Qwen2 only.
+NOT_SERVED = {W8A8: "weights are read for", W4A16: "weights are read for"}
+
+GEMMA2 = Gemma2Config(**TINY, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                      attn_logit_softcapping=2.0, final_logit_softcapping=5.0, **IDS)
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family(_pretrained(LlamaConfig(**TINY, **IDS)), KV | TOOLS | {TP}),
-    "mistral": Family(_pretrained(MistralConfig(**TINY, sliding_window=None, **IDS)), KV | TOOLS | {TP}),
+    "llama": Family(_pretrained(LlamaConfig(**TINY, **IDS)), KV | SERVED | {TP}),
+    "mistral": Family(_pretrained(MistralConfig(**TINY, sliding_window=None, **IDS)), KV | SERVED | {TP}),
     "mistral_window": Family(_pretrained(MistralConfig(**TINY, sliding_window=WINDOW, **IDS)), KV | {TP}),
-    "qwen2": Family(_pretrained(Qwen2Config(**TINY, **IDS)), KV | TOOLS | {TP}),
+    "qwen2": Family(_pretrained(Qwen2Config(**TINY, **IDS)), KV | SERVED | {TP}),
     "internlm2": Family(_internlm2, KV | {TP}, NOT_BY_TOOLS),
-    "qwen3": Family(_pretrained(Qwen3Config(**TINY, head_dim=32, **IDS)), KV | {TP}, NOT_BY_TOOLS),
+    "qwen3": Family(_pretrained(Qwen3Config(**TINY, head_dim=32, **IDS)), KV | {TP, TOOL}, NOT_SERVED),
     "internlm3": Family(_pretrained(transformers.InternLM3Config(**TINY, head_dim=32, **IDS), "InternLM3ForCausalLM"),
-                        KV | {TP}, NOT_BY_TOOLS),
+                        KV | {TP, TOOL}, NOT_SERVED),
     "olmo2": Family(_pretrained(Olmo2Config(**TINY, **IDS)), KV,
                     {**NOT_BY_TOOLS, TP: "Olmo2ForCausalLM runs at tp=1 only"}),
-    "gemma": Family(_pretrained(GemmaConfig(**TINY, head_dim=32, **IDS)), KV | {TP}, NOT_BY_TOOLS),
-    # A soft cap of 2 bends these random scores (Gemma 2 ships 50); see KNOWN_ISSUES.
-    "gemma2": Family(_pretrained(Gemma2Config(**TINY, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
-                                              attn_logit_softcapping=2.0, final_logit_softcapping=5.0, **IDS)),
-                     frozenset({KV4, TP}), NOT_BY_TOOLS),
+    "gemma": Family(_pretrained(GemmaConfig(**TINY, head_dim=32, **IDS), norm_offset=1.0), KV | {TP, TOOL},
+                    NOT_SERVED),
+    # A soft cap of 2 bends these random scores (Gemma 2 ships 50).
+    "gemma2": Family(_pretrained(GEMMA2, norm_offset=1.0), KV | {TP, TOOL}, NOT_SERVED),
+    # The same with save_tiny's norms near 2: scores large enough for the cap to matter to a
+    # quantized cache (keys stored centred lost 0.04 nats here while the cap ignored the centre).
+    "gemma2_sharp_capped": Family(_pretrained(GEMMA2), KV),
     "gemma3": Family(_pretrained(Gemma3TextConfig(
         **TINY, head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **IDS)),
-        KV | {TP}, NOT_BY_TOOLS),
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **IDS), norm_offset=1.0),
+        KV | {TP, TOOL}, NOT_SERVED),
     "phi3": Family(_pretrained(Phi3Config(**TINY, sliding_window=None, original_max_position_embeddings=256, **IDS)),
                    KV | {TP}, NOT_BY_TOOLS),
     "glm": Family(_pretrained(GlmConfig(**TINY, head_dim=16, **IDS)), KV | {TP}, NOT_BY_TOOLS),
@@ -165,14 +191,6 @@ FAMILIES: dict[str, Family] = {
     "qwen": Family(_remote(qwen), KV | {TP}, NOT_BY_TOOLS),
     "baichuan": Family(_remote(baichuan), KV | {TP}, NOT_BY_TOOLS),
     "baichuan2": Family(_remote(baichuan2), KV | {TP}, NOT_BY_TOOLS),
-}
-
-# Capabilities a family should have and does not yet, as (family, capability) -> why: each is run
-# as a strict xfail, so that the fix shows up as a failure here and the table gets its "yes".
-KNOWN_ISSUES = {
-    ("gemma2", KV8): "the int8 cache stores keys minus a constant centre and the attention leaves out "
-                     "the centre's score q.c, which softmax ignores but the soft cap tanh(s / cap) does not "
-                     "(the int4 path adds it back)",
 }
 
 TEXTS = [random_tokens(30, seed=101), random_tokens(30, seed=102)]
@@ -252,18 +270,6 @@ def test_quantized_kv_cache(name: str, policy: int, model_dir, dense) -> None:
     _assert_ppl_close(ppl, dense(name)[0], KV_TOL[policy])
 
 
-@pytest.mark.parametrize("name, capability", sorted(KNOWN_ISSUES))
-def test_known_issue(name: str, capability: str, model_dir, dense) -> None:
-    """What the capability's own test checks, expected to fail until KNOWN_ISSUES' entry is fixed."""
-    policy = {KV8: 8, KV4: 4}[capability]
-    ppl, _ = _run(model_dir(name), quant_policy=policy)
-    try:
-        _assert_ppl_close(ppl, dense(name)[0], KV_TOL[policy])
-    except AssertionError as exc:
-        pytest.xfail(f"{KNOWN_ISSUES[name, capability]}: {exc}")
-    pytest.fail(f"{name} now passes {capability}: claim it in FAMILIES and docs/model_support.md")
-
-
 def test_quantized_kv_cache_refuses_an_odd_head_dim(tmp_path: Path) -> None:
     """The only shape the quantized cache refuses (its codes are laid out in two halves). RoPE
     needs an even head_dim anyway, so only an ALiBi model can have one: a falcon-rw with 15, its
@@ -332,12 +338,65 @@ def test_quantization_tool_output_serves_close_to_dense(name: str, tool: str, mo
     _assert_ppl_close(ppl, dense(name)[0], W8A8_TOL if tool == W8A8 else W4A16_TOL)
 
 
+def _dequantized(src: Path, dest: Path) -> Path:
+    """A dense copy of a W8A8 or AWQ checkpoint: each quantized linear's weight as the value it stands for."""
+    config = json.loads((src / "config.json").read_text())
+    if config["quantization_config"]["quant_method"] == "awq":
+        return dequantize_checkpoint(src, dest)
+    tensors = load_file(str(src / "model.safetensors"))
+    dense = {}
+    for name, tensor in tensors.items():
+        if name.endswith(".weight_scale"):
+            continue
+        scale = tensors.get(name + "_scale")
+        dense[name] = tensor.float() * scale if scale is not None else tensor.float()
+    dest.mkdir()
+    save_file(dense, str(dest / "model.safetensors"))
+    del config["quantization_config"]
+    (dest / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))
+    return dest
+
+
 @pytest.mark.parametrize("tool", [W8A8, W4A16])
-@pytest.mark.parametrize("name", _refusing(W8A8))
+@pytest.mark.parametrize("name", [n for n in _claiming(TOOL) if W8A8 not in FAMILIES[n].claims])
+def test_quantization_tool_output_the_engine_does_not_serve(name: str, tool: str, model_dir, dense,
+                                                            random_calibration: Path, tmp_path: Path) -> None:
+    """Families the tools know but the engine reads no quantized weights for: the engine refuses
+    the tool's checkpoint by name, and its weights, dequantized (activations unquantized), give
+    the dense model's get_ppl within the capability's bound."""
+    out = tmp_path / tool
+    _quantize(tool, model_dir(name), out, random_calibration)
+    with pytest.raises(EngineConfigError, match=FAMILIES[name].refused[tool]):
+        engine(out)
+    ppl, _ = _run(_dequantized(out, tmp_path / "dense"))
+    _assert_ppl_close(ppl, dense(name)[0], W8A8_TOL if tool == W8A8 else W4A16_TOL)
+
+
+@pytest.mark.parametrize("name", _claiming(TOOL))
+def test_scale_folding_keeps_the_model(name: str, model_dir) -> None:
+    """Random per-channel scales folded into every group of every layer (the norm before q/k/v and
+    gate/up, Gemma's as 1 + w, v_proj rows before o_proj, up_proj rows before down_proj) leave the
+    transformers model's logits as they were: the tools' groups are the family's."""
+    model = load_causal_lm(model_dir(name), torch.device("cpu"), torch.float32)
+    ids = torch.tensor([TEXTS[0]])
+    with torch.no_grad():
+        before = model(ids).logits
+    runner = LayerwiseRunner(model, ids)
+    gen = torch.Generator().manual_seed(5)
+    for layer in runner.layers:
+        for group in scale_groups(layer, runner):
+            width = next(iter(group.linears.values())).in_features
+            apply_scale(group, 0.5 + 1.5 * torch.rand(width, generator=gen))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tool", [W8A8, W4A16])
+@pytest.mark.parametrize("name", _refusing(TOOL))
 def test_quantization_tool_refuses_the_family(name: str, tool: str, model_dir, tmp_path: Path) -> None:
     """Refused from config.json alone, naming the family's model type, before anything is loaded."""
     src = model_dir(name)
     model_type = json.loads((src / "config.json").read_text())["model_type"]
-    with pytest.raises(QuantizationError, match=f"{FAMILIES[name].refused[tool]}.*'{model_type}'"):
+    with pytest.raises(QuantizationError, match=f"{FAMILIES[name].refused[TOOL]}.*'{model_type}'"):
         _quantize(tool, src, tmp_path / "out", None)
     assert not (tmp_path / "out").exists()
