@@ -186,7 +186,8 @@ def add_lite_parser(sub: argparse._SubParsersAction) -> None:
 
 def _common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help="Hugging Face model directory (Llama, Mistral or Qwen2 family; default: SmolLM2-135M-Instruct)")
+                   help="Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, InternLM3 or Gemma 1/2/3 "
+                        "family; default: SmolLM2-135M-Instruct)")
     p.add_argument("--work-dir", required=True,
                    help="where to write the quantized model; must not exist or be empty")
     p.add_argument("--calib-dataset", default=None,
