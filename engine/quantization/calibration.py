@@ -135,10 +135,12 @@ class _Recorder:
 
 
 class LayerwiseRunner:
-    """Runs a Hugging Face Llama-family causal LM one decoder layer at a time over calibration windows.
+    """Runs a Hugging Face causal LM of a known layout (layouts.py) one decoder layer at a time over
+    calibration windows.
 
-    The decoder layers are called as transformers' own modules with SDPA attention and no mask,
-    i.e. causal attention over each full window (windows are never padded). With
+    The decoder layers are called as transformers' own modules with SDPA attention and no mask
+    (eager attention and the causal mask where SDPA is not offered), i.e. causal attention over
+    each full window (windows are never padded; sliding windows are not applied). With
     ``compute_dtype`` other than the weights' dtype, forward passes run under ``torch.autocast``
     (e.g. float32 weights, bfloat16 matmuls on a CPU with AMX: about four times faster).
     """
@@ -254,7 +256,7 @@ def load_causal_lm(model_dir: str | Path, device: torch.device, dtype: torch.dty
 
 
 def checked_model_dir(model_dir: str | Path, tool: str) -> tuple[Path, dict]:
-    """``model_dir`` as a Path and its config.json, if it is an unquantized Llama-family model directory."""
+    """``model_dir`` as a Path and its config.json, if it is an unquantized model directory of a known layout."""
     model_dir = Path(model_dir).expanduser()
     if not model_dir.is_dir():
         raise QuantizationError(f"model {model_dir} is not a directory: pass a Hugging Face model directory")
@@ -270,7 +272,7 @@ def model_windows(model_dir: Path, text: str, num_samples: int, seqlen: int) -> 
 
 
 def read_model_config(model_dir: Path, tool: str) -> dict:
-    """The config.json of an unquantized Llama-family model directory, or QuantizationError naming the fix."""
+    """The config.json of an unquantized model directory of a known layout, or QuantizationError naming the fix."""
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise QuantizationError(

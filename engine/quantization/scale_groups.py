@@ -37,7 +37,7 @@ class ScaleGroup:
 
 
 def decoder_linears(layer: nn.Module) -> dict[str, nn.Linear]:
-    """The linear layers of a Llama-family decoder layer, by name relative to the layer."""
+    """The linear layers of a decoder layer, by name relative to the layer."""
     return {name: module for name, module in layer.named_modules() if isinstance(module, nn.Linear)}
 
 
