@@ -184,8 +184,11 @@ FAMILIES: dict[str, Family] = {
     "glm4": Family(_pretrained(Glm4Config(**TINY, head_dim=16, **IDS)), KV | {TP}, NOT_BY_TOOLS),
     "chatglm": Family(_chatglm, KV | {TP}, NOT_BY_TOOLS),
     "starcoder2": Family(_pretrained(Starcoder2Config(**TINY, sliding_window=8, **IDS)), KV | {TP}, NOT_BY_TOOLS),
-    "falcon": Family(_pretrained(FalconConfig(**FALCON, new_decoder_architecture=True, num_kv_heads=2,
-                                              tie_word_embeddings=False)), KV | {TP}, NOT_BY_TOOLS),
+    # Falcon-7B's layout: one kv head, attention and MLP side by side on one LayerNorm, tied head.
+    "falcon_7b_mqa": Family(_pretrained(FalconConfig(**FALCON)), KV | {TP}, NOT_BY_TOOLS),
+    # Falcon-40B/180B's: 2 kv heads, query_key_value rows per kv group, ln_attn + ln_mlp, untied head.
+    "falcon_40b_grouped": Family(_pretrained(FalconConfig(**FALCON, new_decoder_architecture=True, num_kv_heads=2,
+                                                          tie_word_embeddings=False)), KV | {TP}, NOT_BY_TOOLS),
     "falcon_rw_alibi": Family(_pretrained(FalconConfig(**FALCON, alibi=True, multi_query=False, parallel_attn=False,
                                                        bias=True)), KV | {TP}, NOT_BY_TOOLS),
     "internlm": Family(_remote(internlm), KV | {TP}, NOT_BY_TOOLS),
