@@ -25,8 +25,12 @@ from ..protocol.errors import EngineConfigError
 from .weight_loader import materialize
 
 AWQ_GROUP_SIZES = (32, 64, 128)
-# InternLM2's checkpoints fuse q/k/v head by head (wqkv), which a quantized tensor cannot be split by.
-QUANT_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+# The families whose AWQ / W8A8 checkpoints the engine reads: those the tools quantize
+# (engine/quantization/layouts.py), with the unfused Llama projections. InternLM2's checkpoints fuse
+# q/k/v head by head (wqkv), which a quantized tensor cannot be split by; the others are untested.
+QUANT_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                 "InternLM3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
+                                 "Gemma3ForCausalLM"})
 DEFAULT_AWQ_GROUP_SIZE = 128
 # model_format name -> QuantFormat.method
 _METHOD_OF_FORMAT = {"awq": "awq", "smooth_quant": "w8a8"}
