@@ -1,0 +1,19 @@
+"""Mixture-of-experts: routing and the fused expert MLP, each beside its plain-torch reference.
+
+``select_experts`` turns router logits [T, E] into (weights [T, k] fp32, ids [T, k] int32) with a
+family's rule: softmax then top-k (Mixtral, Qwen2/3-MoE), with or without renormalising the k
+weights, optionally top-k within the best groups of experts (DeepSeek-V2's grouped top-k).
+
+``fused_moe(x, w13, w2, weights, ids)`` is the expert MLP of every token:
+``out[t] = sum_j weights[t, j] * w2[e] @ (act(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t]))`` with
+``e = ids[t, j]``; ``w13`` [E, 2I, H] holds each expert's gate rows then its up rows (the engine's
+fused ``gate_up`` order), ``w2`` [E, H, I] its down projection. The reference gathers each
+expert's tokens and runs them as one product (no per-token loop); the Triton kernel (CUDA) sorts
+the (token, slot) pairs by expert and runs one grouped GEMM per projection.
+"""
+
+from .launch import fused_moe
+from .reference import fused_moe_ref
+from .routing import select_experts, select_experts_ref
+
+__all__ = ["fused_moe", "fused_moe_ref", "select_experts", "select_experts_ref"]
