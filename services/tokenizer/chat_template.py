@@ -237,7 +237,7 @@ class Llama2(BaseChatTemplate):
     system_in_user: ClassVar[bool] = True
 
 
-@register_chat_template("mistral")
+@register_chat_template("mistral", "mixtral")
 @dataclass
 class Mistral(BaseChatTemplate):
     """Mistral instruct: ``[INST] ... [/INST]answer</s>``; no system role, so it joins the first user turn."""

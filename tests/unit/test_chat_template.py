@@ -39,6 +39,7 @@ EXPECTED = {
                "<|start_header_id|>assistant<|end_header_id|>\n\n"),
     "llama2": "[INST] <<SYS>>\nS\n<</SYS>>\n\nU1 [/INST] A1 </s><s>[INST] U2 [/INST] ",
     "mistral": "[INST] S\n\nU1 [/INST]A1</s>[INST] U2 [/INST]",
+    "mixtral": "[INST] S\n\nU1 [/INST]A1</s>[INST] U2 [/INST]",
     "vicuna": "S USER: U1 ASSISTANT: A1</s>USER: U2 ASSISTANT: ",
     # Issue 30's families; each is checked against its published template in
     # test_chat_templates_families.py.

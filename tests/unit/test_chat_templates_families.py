@@ -376,3 +376,13 @@ def test_issue_30_names_are_registered(name: str) -> None:
     assert name in list_chat_templates()
     config = template_for_model_name(name)
     assert config is not None and config.model_name == name
+
+
+def test_mixtral_is_mistrals_template_under_lmdeploys_name() -> None:
+    """LMDeploy names Mixtral's template ``mixtral``: Mistral's prompt format."""
+    assert "mixtral" in list_chat_templates()
+    assert get_chat_template("mistralai/Mixtral-8x7B-Instruct-v0.1").name == "mistral"
+    config = template_for_model_name("mixtral")
+    assert config is not None
+    messages = [{"role": "user", "content": "hi"}]
+    assert config.to_template().messages2prompt(messages) == get_chat_template("mistral").messages2prompt(messages)
