@@ -9,11 +9,22 @@ weights, optionally top-k within the best groups of experts (DeepSeek-V2's group
 ``e = ids[t, j]``; ``w13`` [E, 2I, H] holds each expert's gate rows then its up rows (the engine's
 fused ``gate_up`` order), ``w2`` [E, H, I] its down projection. The reference gathers each
 expert's tokens and runs them as one product (no per-token loop); the Triton kernel (CUDA) sorts
-the (token, slot) pairs by expert and runs one grouped GEMM per projection.
+the (token, slot) pairs by expert and runs one grouped GEMM per projection:
+
+* ``align.py``: ``moe_align`` lays the T*k pairs out expert by expert, each run padded to a
+  multiple of BLOCK_M, on the device (no host sync; sizes from T, k, E alone: CUDA graphs capture
+  it), with each tile's expert;
+* ``gemm.py``: the gate/up GEMM (``act(gate) * up`` in its epilogue, [T*k, I]) and the down GEMM
+  (the routing weight in its epilogue, [T*k, H], summed over k by the launcher);
+* ``policy.py``: the tiles by rows per expert (BLOCK_M 16 for decode). Hand-picked defaults:
+  autotuning per shape, saved in the repository, is a later step;
+* ``launch.py``: ``fused_moe`` takes the Triton path through ``triton_takes`` (fp16/bf16/fp32,
+  contiguous weights of x's dtype, silu/gelu/gelu_tanh), else the reference.
 """
 
-from .launch import fused_moe
+from .align import moe_align
+from .launch import fused_moe, fused_moe_triton
 from .reference import fused_moe_ref
 from .routing import select_experts, select_experts_ref
 
-__all__ = ["fused_moe", "fused_moe_ref", "select_experts", "select_experts_ref"]
+__all__ = ["fused_moe", "fused_moe_ref", "fused_moe_triton", "moe_align", "select_experts", "select_experts_ref"]

@@ -1,0 +1,208 @@
+"""The fused-MoE Triton kernel (kernels/moe/: align.py, gemm.py, launch.py) against the reference.
+
+As in test_kernels.py, two kinds of case:
+
+* **interpreter** cases (CPU tensors, small sizes, fp32): Triton's interpreter runs the alignment
+  and both grouped GEMMs; where this process has Triton compiled, ``test_interpreter_cases_in_child``
+  runs them in a child pytest with ``TRITON_INTERPRET=1``. The ids leave some experts unused and
+  put some pairs on experts outside [0, E) (other ranks'), which must contribute nothing;
+* **gpu** cases (marked ``gpu``): the Mixtral-8x7B and Qwen3-30B-A3B expert shapes in fp16/bf16,
+  the dispatcher's choice on CUDA, and a CUDA-graph capture replayed with new routing.
+
+Buffers the launcher allocates with ``torch.empty`` are NaN-poisoned (``forced``/``poisoned_empty``):
+a row the kernels forget, or one they read unwritten, shows as NaN.
+"""
+
+import importlib
+
+import pytest
+import torch
+
+# kernel_harness first: where Triton is missing, importing it skips this file.
+from kernel_harness import assert_close, compiled_gpu, gpu, interp, run_interpreter_cases_in_child
+from conveyor.kernels._triton import TRITON_INTERPRETED, set_kernel_mode
+from conveyor.kernels.moe import fused_moe, fused_moe_ref, select_experts
+from conveyor.kernels.moe.align import max_tiles, moe_align, moe_align_ref
+from conveyor.kernels.moe.launch import fused_moe_triton
+from conveyor.kernels.moe.policy import MoeConfig, moe_config
+
+launch_mod = importlib.import_module("conveyor.kernels.moe.launch")
+
+# fp32 with ieee dots: only the summation order differs from the reference.
+INTERP_TOL = 1e-5
+# The kernel rounds act(gate)*up and each slot's weighted product to the dtype before the sum over
+# k (the reference keeps them fp32): about three roundings of half an ulp each, in norm
+# ~1e-3 (fp16, ulp 2**-10) and ~8e-3 (bf16, 2**-7); the bounds leave twice that.
+GPU_TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def make_case(tokens, experts, top_k, hidden, inter, dtype=torch.float32, device="cpu", foreign=True, seed=0):
+    """x, w13, w2, weights, ids with ids from a random router over E - 1 experts (the last expert
+    gets no token) and, with ``foreign``, every fourth pair (from the second) on an expert outside [0, E)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
+    logits = torch.randn(tokens, max(experts - 1, top_k), generator=g)
+    weights, ids = select_experts(logits, top_k, renormalize=True)
+    if foreign:
+        flat = ids.view(-1)
+        others = torch.tensor([-1, experts, experts + 5], dtype=torch.int32).repeat(flat.numel())
+        flat[1::4] = others[: flat[1::4].numel()]
+    to = dict(device=device)
+    return (x.to(dtype=dtype, **to), w13.to(dtype=dtype, **to), w2.to(dtype=dtype, **to),
+            weights.to(**to), ids.to(**to))
+
+
+# ----------------------------------------------------------------------------------- any machine
+
+
+@pytest.mark.parametrize("block_m", [4, 16])
+def test_align_layout(block_m: int) -> None:
+    """moe_align's layout is the host loop's: each expert's pairs in order, padded to block_m; the
+    used tiles first, then -1; the grid bound holds."""
+    g = torch.Generator().manual_seed(1)
+    for tokens, top_k, experts in [(1, 2, 8), (5, 2, 4), (33, 2, 8), (40, 8, 128), (3, 1, 1)]:
+        ids = torch.randint(-2, experts + 2, (tokens, top_k), generator=g, dtype=torch.int32)
+        pairs, tile_expert, used = moe_align(ids, experts, block_m)
+        ref_pairs, ref_experts = moe_align_ref(ids, experts, block_m)
+        n = used.item()
+        assert tile_expert.numel() == max_tiles(tokens * top_k, experts, block_m) >= n == len(ref_experts)
+        assert tile_expert[:n].tolist() == ref_experts and (tile_expert[n:] == -1).all()
+        assert pairs[: n * block_m].tolist() == ref_pairs and (pairs[n * block_m :] == tokens * top_k).all()
+
+
+def test_policy_by_rows_per_expert() -> None:
+    assert moe_config(1, 2, 8).block_m == 16  # decode
+    assert moe_config(16, 8, 128).block_m == 16
+    assert moe_config(2048, 2, 8).block_m == 64  # prefill: 512 rows per expert
+    assert moe_config(8192, 2, 8).block_m == 128
+    assert moe_config(1, 2, 8, element_size=4).num_stages == 2
+
+
+# ---------------------------------------------------------------------------------- interpreter
+
+
+@interp
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+@pytest.mark.parametrize("experts", [4, 8])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_interp_fused_moe(tokens: int, experts: int, top_k: int, forced: None) -> None:
+    x, w13, w2, weights, ids = make_case(tokens, experts, top_k, 32, 48)
+    assert_close(fused_moe(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids), INTERP_TOL)
+
+
+@interp
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_interp_activations(activation: str, forced: None) -> None:
+    x, w13, w2, weights, ids = make_case(9, 4, 2, 32, 48, seed=3)
+    out = fused_moe(x, w13, w2, weights, ids, activation)
+    assert_close(out, fused_moe_ref(x, w13, w2, weights, ids, activation), INTERP_TOL)
+
+
+@interp
+@pytest.mark.parametrize(
+    "cfg",
+    [MoeConfig(16, 16, 16, 4, 1), MoeConfig(32, 32, 32, 4, 1), MoeConfig(64, 64, 64, 4, 1)],
+    ids=["m16", "m32", "m64"],
+)
+def test_interp_tiles(cfg: MoeConfig, poisoned_empty: None) -> None:
+    """Tiles smaller than H and I (several K steps, several column tiles, ragged ends) and larger."""
+    x, w13, w2, weights, ids = make_case(21, 8, 2, 40, 72, seed=4)
+    out = fused_moe_triton(x, w13, w2, weights, ids, config=cfg)
+    assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), INTERP_TOL)
+
+
+@interp
+def test_interp_all_foreign_and_strided_x(forced: None) -> None:
+    """Every pair on another rank's expert: zeros. A strided x view is read as it is."""
+    x, w13, w2, weights, ids = make_case(6, 4, 2, 32, 48, seed=5, foreign=False)
+    out = fused_moe(x, w13, w2, weights, torch.full_like(ids, 7))
+    assert torch.equal(out, torch.zeros_like(x))
+    wide = torch.randn(6, 64)
+    xs = wide[:, :32]
+    assert_close(fused_moe(xs, w13, w2, weights, ids), fused_moe_ref(xs, w13, w2, weights, ids), INTERP_TOL)
+
+
+@interp
+def test_interp_forced_rejects(forced: None) -> None:
+    x, w13, w2, weights, ids = make_case(2, 4, 1, 32, 48)
+    with pytest.raises(ValueError, match="activation"):
+        fused_moe(x, w13, w2, weights, ids, "relu")
+    with pytest.raises(ValueError, match="dtype"):
+        fused_moe(x.double(), w13.double(), w2.double(), weights, ids)
+
+
+@pytest.mark.skipif(TRITON_INTERPRETED, reason="the interpreter cases run in this process")
+def test_interpreter_cases_in_child() -> None:
+    """Run this file's interpreter cases in a child process that imports triton interpreted."""
+    run_interpreter_cases_in_child(__file__)
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+GPU_DTYPES = [torch.float16, torch.bfloat16]
+GPU_IDS = ["fp16", "bf16"]
+MIXTRAL = dict(hidden=4096, inter=14336, experts=8, top_k=2)
+QWEN3_30B = dict(hidden=2048, inter=768, experts=128, top_k=8)
+
+
+def gpu_case(shape: dict, tokens: int, dtype: torch.dtype, foreign: bool = False, seed: int = 0):
+    return make_case(tokens, shape["experts"], shape["top_k"], shape["hidden"], shape["inter"], dtype,
+                     "cuda", foreign, seed)
+
+
+@gpu
+@compiled_gpu
+def test_gpu_dispatch_picks_triton_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    set_kernel_mode("auto")
+
+    def boom(*args, **kwargs):
+        raise AssertionError("reference called on CUDA tensors")
+
+    monkeypatch.setattr(launch_mod, "fused_moe_ref", boom)
+    x, w13, w2, weights, ids = gpu_case(dict(hidden=64, inter=96, experts=4, top_k=2), 8, torch.bfloat16)
+    fused_moe(x, w13, w2, weights, ids)
+    torch.cuda.synchronize()
+
+
+@gpu
+@compiled_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=GPU_IDS)
+@pytest.mark.parametrize("tokens", [1, 16, 256])
+def test_gpu_mixtral(tokens: int, dtype: torch.dtype, forced: None) -> None:
+    x, w13, w2, weights, ids = gpu_case(MIXTRAL, tokens, dtype)
+    assert_close(fused_moe(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids), GPU_TOL[dtype])
+
+
+@gpu
+@compiled_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=GPU_IDS)
+@pytest.mark.parametrize("tokens", [1, 16, 256, 2048])
+def test_gpu_qwen3_30b(tokens: int, dtype: torch.dtype, forced: None) -> None:
+    """With every fourth pair on another rank's expert, as under expert parallelism."""
+    x, w13, w2, weights, ids = gpu_case(QWEN3_30B, tokens, dtype, foreign=True)
+    assert_close(fused_moe(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids), GPU_TOL[dtype])
+
+
+@gpu
+@compiled_gpu
+def test_gpu_cuda_graph_replays_new_routing() -> None:
+    """Captured once, a decode-sized call replays with other tokens routed to other experts."""
+    set_kernel_mode("auto")
+    dtype = torch.bfloat16
+    x, w13, w2, weights, ids = gpu_case(QWEN3_30B, 4, dtype, seed=0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        fused_moe(x, w13, w2, weights, ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, w13, w2, weights, ids)
+    for seed in (1, 2):
+        x2, _, _, weights2, ids2 = gpu_case(QWEN3_30B, 4, dtype, foreign=seed == 2, seed=seed)
+        x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), GPU_TOL[dtype])
