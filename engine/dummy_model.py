@@ -91,6 +91,21 @@ SHAPES: dict[str, dict[str, Any]] = {
                         "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000,
                         "rope_theta": 10000.0, "max_position_embeddings": 32768, "sliding_window": 4096,
                         "bos_token_id": 1, "eos_token_id": 2},
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts of 14336, top-2, on every layer (46.7B, 12.9B active)
+    "mixtral-8x7b": {**_LLAMA_COMMON, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                     "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "intermediate_size": 14336, "num_local_experts": 8,
+                     "num_experts_per_tok": 2, "vocab_size": 32000, "rope_theta": 1000000.0,
+                     "max_position_embeddings": 32768, "sliding_window": None, "bos_token_id": 1, "eos_token_id": 2},
+    # Qwen/Qwen3-30B-A3B: 128 experts of 768, top-8 renormalised, every layer sparse (30.5B, 3.3B active)
+    "qwen3-30b-a3b": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
+                      "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+                      "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+                      "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                      "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                      "vocab_size": 151936, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+                      "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
+                      "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16"},
     # A toy of the same family, for smoke-testing the benchmarks on a CPU.
     "tiny": {**_LLAMA2_COMMON, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000},
@@ -176,9 +191,13 @@ def _warn_small_vocab(model_dir: Path, vocab: int) -> None:
 
 
 def param_count(shape: str) -> int:
-    """Parameters of the shape (for bandwidth arithmetic in the reports)."""
+    """Parameters of the shape (for bandwidth arithmetic in the reports; a MoE shape's count is
+    every expert's, not the ones a token reads)."""
     c = SHAPES[shape]
     h, inter, layers, vocab = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
-    kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
-    per_layer = h * (h + 2 * kv) + h * h + 3 * h * inter + 2 * h
+    heads, d = c["num_attention_heads"], c.get("head_dim") or h // c["num_attention_heads"]
+    kv = d * c["num_key_value_heads"]
+    experts = c.get("num_experts") or c.get("num_local_experts") or 0
+    mlp = 3 * h * inter if not experts else experts * 3 * h * c.get("moe_intermediate_size", inter) + experts * h
+    per_layer = h * (heads * d + 2 * kv) + heads * d * h + mlp + 2 * h
     return layers * per_layer + 2 * vocab * h + h

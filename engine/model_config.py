@@ -155,6 +155,10 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    # Mixture-of-experts (0: dense): routed experts per layer and how many each token takes.
+    # Mixtral and transformers 5 spell the count num_local_experts, Qwen's releases num_experts.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
     # The decoder linears' weight format (engine/quant_format.py), set by the engine once it has
     # checked the checkpoint against EngineConfig.model_format; None: dense 16-bit weights.
     quant: Any = None
@@ -202,6 +206,8 @@ class ModelConfig:
             eos_token_ids=token_ids(cfg.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id"),
             raw=raw,
+            num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
         )
 
     @classmethod

@@ -38,6 +38,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
     "FalconForCausalLM": ("falcon", "FalconForCausalLM"),
     "RWForCausalLM": ("falcon", "RWForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 # Architectures a tensor-parallel rank cannot run a slice of, and why (refused before any rank starts).

@@ -12,12 +12,13 @@ from .linear import (
     UnquantizedLinearMethod,
 )
 from .layer_norm import LayerNorm
+from .moe import FusedMoE, Router, SparseMoeBlock
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding, get_rope
 
 __all__ = [
-    "Activation", "Attention", "DenseMLP", "GeluAndMul", "LMHead", "LayerNorm", "LinearBase", "LinearMethod",
-    "MergedLinear", "QKVLinear", "RMSNorm",
-    "RotaryEmbedding", "RowParallelLinear", "SiluAndMul", "UnquantizedLinearMethod", "VocabEmbedding",
+    "Activation", "Attention", "DenseMLP", "FusedMoE", "GeluAndMul", "LMHead", "LayerNorm", "LinearBase",
+    "LinearMethod", "MergedLinear", "QKVLinear", "RMSNorm", "RotaryEmbedding", "Router", "RowParallelLinear",
+    "SiluAndMul", "SparseMoeBlock", "UnquantizedLinearMethod", "VocabEmbedding",
     "act_and_mul", "activation", "get_rope",
 ]

@@ -1,0 +1,158 @@
+"""Mixture-of-experts layers: every expert's weights stacked in one tensor per projection, run by
+``kernels/moe`` (``select_experts`` then ``fused_moe``), and the sparse block around them (router,
+experts, optional shared expert).
+
+Tensor parallelism splits each expert's intermediate dim over the ranks, as ``MergedLinear`` and
+``RowParallelLinear`` split a dense MLP: every rank holds all experts, and for each its slice of
+the gate rows, of the up rows and of the down projection's inputs; the partial outputs are summed
+by the same all-reduce ``RowParallelLinear`` uses. Routing is replicated (every rank scores every
+token the same), so no token moves between ranks.
+
+Checkpoints come in two layouts, both accepted by the loaders: one tensor per expert and
+projection (``experts.{e}.gate_proj.weight``, as published and as transformers 5 saves them), or
+already stacked (``experts.gate_up_proj`` [E, 2I, H] and ``experts.down_proj`` [E, H, I], the
+layout transformers 5 holds in memory).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...kernels.moe import fused_moe, select_experts
+from ..distributed import shard_range, tp_group
+from ..weight_loader import materialize, narrow
+from .linear import LinearBase
+
+# Shard ids of ``FusedMoE.w13``: (expert, 0) its gate rows, (expert, 1) its up rows; of ``w2``: the expert.
+GATE, UP = 0, 1
+
+
+class FusedMoE(nn.Module):
+    """All experts of one layer: ``w13`` [E, 2 * I_rank, H] (each expert's gate rows then its up
+    rows, the order ``fused_moe`` reads) and ``w2`` [E, H, I_rank]. ``forward(x, router_logits)``
+    routes each token to its ``top_k`` experts and returns the weighted sum of their outputs,
+    summed over the ranks."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool, activation: str = "silu") -> None:
+        super().__init__()
+        tp = tp_group()
+        self.num_experts, self.top_k, self.renormalize, self.activation = num_experts, top_k, renormalize, activation
+        self.full_intermediate_size = intermediate_size
+        self.inter_start, self.inter_size = shard_range(intermediate_size, tp.rank, tp.size,
+                                                        "moe_intermediate_size")
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter_size, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter_size), requires_grad=False)
+        self.w13.weight_loader = self.weight_loader
+        self.w2.weight_loader = self.weight_loader
+        self.w13.shard_ids = tuple((e, j) for e in range(num_experts) for j in (GATE, UP))
+        self.w2.shard_ids = tuple(range(num_experts))
+
+    @torch.no_grad()
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """One expert's gate ([I, H], shard (e, 0)), up ((e, 1)) or down ([H, I], shard e)
+        tensor, or (shard None) the stacked tensor of every expert; this rank's slice of I."""
+        if shard_id is None:
+            if param is self.w13:
+                full = self.full_intermediate_size
+                self._copy(param.data[:, :self.inter_size], narrow(loaded, 1, self.inter_start, self.inter_size),
+                           (self.num_experts, 2 * full), "w13 (stacked gate_up_proj)", loaded)
+                self._copy(param.data[:, self.inter_size:],
+                           narrow(loaded, 1, full + self.inter_start, self.inter_size),
+                           (self.num_experts, 2 * full), "w13 (stacked gate_up_proj)", loaded)
+            else:
+                self._copy(param.data, narrow(loaded, 2, self.inter_start, self.inter_size),
+                           (self.num_experts, param.shape[1], self.full_intermediate_size),
+                           "w2 (stacked down_proj)", loaded)
+            return
+        if param is self.w13:
+            expert, half = shard_id
+            rows = slice(half * self.inter_size, (half + 1) * self.inter_size)
+            self._copy(param.data[expert, rows], narrow(loaded, 0, self.inter_start, self.inter_size),
+                       (self.full_intermediate_size,), f"expert {expert} {'up' if half else 'gate'}", loaded)
+        else:
+            self._copy(param.data[shard_id], narrow(loaded, 1, self.inter_start, self.inter_size),
+                       (param.shape[1], self.full_intermediate_size), f"expert {shard_id} down", loaded)
+
+    @staticmethod
+    def _copy(dst: torch.Tensor, src, full_prefix: tuple[int, ...], what: str, loaded) -> None:
+        # The whole checkpoint tensor's leading dims must be the model's (a slice of a wrong-sized
+        # tensor could otherwise fit this rank by accident).
+        if tuple(loaded.shape[:len(full_prefix)]) != full_prefix:
+            raise ValueError(f"checkpoint tensor for {what} has shape {tuple(loaded.shape)}, expected leading "
+                             f"dims {full_prefix}")
+        src = materialize(src)
+        if dst.shape != src.shape:
+            raise ValueError(f"checkpoint tensor for {what}: a rank's slice has shape {tuple(src.shape)}, "
+                             f"expected {tuple(dst.shape)}")
+        dst.copy_(src)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x [T, H], router_logits [T, E] -> [T, H], summed over the ranks."""
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        out = fused_moe(x, self.w13, self.w2, weights, ids, self.activation)
+        return tp_group().all_reduce(out)
+
+
+class Router(LinearBase):
+    """The router's [E, H] linear, the same on every rank, run in float32 (x and weight cast) so
+    that near-tied experts are picked as a float32 reference picks them in any model dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, E] float32 logits."""
+        return F.linear(x.float(), self.weight.float())
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (``gate``), experts (``experts``) and, optionally, a shared expert every token runs
+    through (``shared_expert``, any [T, H] -> [T, H] module, e.g. the family's gated MLP), scaled
+    per token by ``sigmoid(shared_expert_gate(x))`` when ``shared_gate`` (Qwen2-MoE)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 renormalize: bool, activation: str = "silu", shared_expert: nn.Module | None = None,
+                 shared_gate: bool = False) -> None:
+        super().__init__()
+        self.gate = Router(hidden_size, num_experts)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, activation)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = LinearBase(hidden_size, 1) if shared_expert is not None and shared_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, H]."""
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
+
+
+# experts.{e}.{projection}.weight (one expert's tensor) and experts.{gate_up_proj,down_proj} (stacked).
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+def map_expert_weight(name: str, tensor: torch.Tensor, gate: str, up: str, down: str
+                      ) -> Iterator[tuple[str, object, torch.Tensor]] | None:
+    """An expert tensor's (parameter, shard, tensor), named ``gate``/``up``/``down`` per expert
+    (Mixtral: w1/w3/w2; Qwen: gate_proj/up_proj/down_proj) or stacked; None for other tensors."""
+    m = _PER_EXPERT.match(name)
+    if m is not None:
+        e, proj, prefix = int(m["expert"]), m["proj"], m["prefix"]
+        if proj == gate:
+            return iter([(f"{prefix}.w13", (e, GATE), tensor)])
+        if proj == up:
+            return iter([(f"{prefix}.w13", (e, UP), tensor)])
+        if proj == down:
+            return iter([(f"{prefix}.w2", e, tensor)])
+        return None
+    m = _STACKED.match(name)
+    if m is not None:
+        return iter([(f"{m['prefix']}.{'w13' if m['proj'] == 'gate_up_proj' else 'w2'}", None, tensor)])
+    return None

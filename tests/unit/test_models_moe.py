@@ -1,0 +1,169 @@
+"""Mixtral, Qwen2-MoE and Qwen3-MoE against transformers: tiny random models (2 layers, hidden 64,
+top-2 of 4-8 experts 32 wide) saved with ``save_pretrained``, loaded by the engine; float32 logits
+within 1e-4, greedy tokens, the engine's batch and ``get_ppl`` (test_models.py's checks). Qwen2-MoE
+has a gated shared expert and one dense layer (``mlp_only_layers``), Mixtral a 6-token window the
+prompts cross. Also: tp=2 equals tp=1 (CPU, gloo), the stacked expert layout transformers 5 holds
+in memory loads the same, quantized checkpoints are refused before any weight is read, and the
+dummy shapes' parameter counts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_models import (
+    TINY,
+    assert_close,
+    check_chunked_prefill,
+    check_engine_batch_and_ppl,
+    check_greedy_matches_generate,
+    check_prefill_then_decode,
+    check_prefills,
+    check_triton_kernels,
+    check_two_sequence_batch,
+    hf_logits,
+    load_ours,
+    random_tokens,
+    save_tiny,
+)
+from tiny_llama import engine
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+from conveyor.engine.layers.moe import SparseMoeBlock
+from conveyor.protocol.errors import EngineConfigError
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny models: see tests/conftest.py
+
+IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+MOE = dict(num_experts_per_tok=2)
+
+
+def _configs() -> dict[str, object]:
+    return {
+        # Every layer sparse, 8 experts of 32 (Mixtral's intermediate_size is the experts' width).
+        "mixtral_window": MixtralConfig(**{**TINY, "intermediate_size": 32}, num_local_experts=8, sliding_window=6,
+                                        **MOE, **IDS),
+        # Layer 0 dense (96 wide), layer 1 sparse: 4 experts of 32 and a 48-wide gated shared expert;
+        # top-k weights not renormalised (Qwen1.5-MoE's norm_topk_prob=False).
+        "qwen2_moe_shared_dense": Qwen2MoeConfig(**TINY, num_experts=4, moe_intermediate_size=32,
+                                                 shared_expert_intermediate_size=48, mlp_only_layers=[0],
+                                                 norm_topk_prob=False, **MOE, **IDS),
+        "qwen3_moe": Qwen3MoeConfig(**TINY, head_dim=32, num_experts=8, moe_intermediate_size=32,
+                                    norm_topk_prob=True, **MOE, **IDS),
+    }
+
+
+@pytest.fixture(scope="module", params=sorted(_configs()))
+def tiny(request, tmp_path_factory) -> tuple[torch.nn.Module, torch.nn.Module, Path]:
+    """(HF reference model loaded back from disk, ours loaded from the same files, the directory)."""
+    path = tmp_path_factory.mktemp(request.param)
+    save_tiny(_configs()[request.param], path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf, load_ours(path), path
+
+
+def test_logits_match_hf(tiny) -> None:
+    """Prefills of several lengths, a two-sequence batch, prefill then decode, a chunked prefill."""
+    hf, ours, _ = tiny
+    check_prefills(hf, ours, (5, 13, 30))
+    check_two_sequence_batch(hf, ours)
+    check_prefill_then_decode(hf, ours)
+    check_chunked_prefill(hf, ours)
+
+
+def test_layers_are_sparse_or_dense_as_configured(tiny) -> None:
+    """Qwen2-MoE's mlp_only_layers=[0] keeps layer 0 dense; the shared expert is only Qwen2-MoE's;
+    Mixtral's window reaches every layer's attention."""
+    _, ours, _ = tiny
+    arch = ours.config.architecture
+    kinds = [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.model.layers]
+    assert kinds == ([False, True] if arch == "Qwen2MoeForCausalLM" else [True, True])
+    sparse = ours.model.layers[1].mlp
+    assert (sparse.shared_expert is not None) == (arch == "Qwen2MoeForCausalLM")
+    windows = [layer.self_attn.attn.sliding_window for layer in ours.model.layers]
+    assert windows == ([6, 6] if arch == "MixtralForCausalLM" else [None, None])
+
+
+def test_greedy_engine_batch_and_ppl_match_hf(tiny) -> None:
+    """Greedy decoding equals ``generate``; the engine's batch, prefix cache and get_ppl agree."""
+    hf, _, path = tiny
+    check_greedy_matches_generate(hf, path, IDS["eos_token_id"], (50, 51))
+    check_engine_batch_and_ppl(hf, path, IDS["eos_token_id"])
+
+
+def test_triton_kernels_match_hf(tiny) -> None:
+    """The whole model in Triton mode (the MoE runs its reference until its kernel lands)."""
+    hf, ours, _ = tiny
+    check_triton_kernels(hf, ours)
+
+
+def test_stacked_expert_layout_loads_the_same(tiny, tmp_path: Path) -> None:
+    """transformers 5's in-memory layout (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``
+    [E, H, I], Mixtral's ``mlp.`` prefix) gives the same logits as the per-expert files."""
+    hf, _, path = tiny
+    from safetensors.torch import load_file, save_file
+
+    (file,) = path.glob("*.safetensors")
+    state = load_file(file)
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out = {}
+    for name, t in state.items():
+        parts = name.split(".")
+        if ".experts." in name and parts[-3].isdigit():
+            prefix = ".".join(parts[:-3]).replace(".block_sparse_moe.", ".mlp.")
+            experts.setdefault(prefix, {}).setdefault(int(parts[-3]), {})[parts[-2]] = t
+        else:
+            out[name.replace(".block_sparse_moe.", ".mlp.")] = t
+    for prefix, by_expert in experts.items():
+        rows = [by_expert[e] for e in sorted(by_expert)]
+        gate, up, down = (("w1", "w3", "w2") if "w1" in rows[0] else ("gate_proj", "up_proj", "down_proj"))
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([r[gate], r[up]]) for r in rows])
+        out[f"{prefix}.down_proj"] = torch.stack([r[down] for r in rows])
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    (stacked / "config.json").write_text((path / "config.json").read_text())
+    save_file(out, stacked / "model.safetensors")
+    tokens = random_tokens(11, seed=7)
+    from test_models import PagedCache
+
+    assert_close(PagedCache(load_ours(stacked)).step({0: tokens})[0], hf_logits(hf, tokens))
+
+
+def test_tp2_matches_tp1(tiny) -> None:
+    """Each rank holds every expert's slice of the intermediate dim (and of the shared expert's and
+    the dense layer's): tp=2 gives tp=1's greedy tokens and logprobs (CPU, gloo)."""
+    from test_tensor_parallel import _run, _same
+
+    _, ours, path = tiny
+    if ours.config.architecture != "Qwen2MoeForCausalLM":
+        pytest.skip("one family: Qwen2-MoE has all three kinds of MLP")
+    (trace1, ppl1), (trace_tp, ppl_tp) = _run(path, 1), _run(path, 2)
+    _same(trace1, trace_tp)
+    assert ppl_tp == pytest.approx(ppl1, rel=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"])
+def test_quantized_checkpoint_is_refused_before_loading(arch: str, tmp_path: Path) -> None:
+    """An AWQ config.json for an MoE family is an EngineConfigError naming the dense checkpoint;
+    the directory holds no weights at all, so nothing was read before the refusal."""
+    cfg = {"mixtral": _configs()["mixtral_window"], "qwen2moe": _configs()["qwen2_moe_shared_dense"],
+           "qwen3moe": _configs()["qwen3_moe"]}[arch.removesuffix("ForCausalLM").lower()].to_dict()
+    cfg.update(architectures=[arch], quantization_config={"quant_method": "awq", "bits": 4, "group_size": 32,
+                                                          "zero_point": True, "version": "gemm"})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(EngineConfigError, match="fp16/bf16 checkpoint"):
+        engine(tmp_path)
+
+
+@pytest.mark.parametrize(("shape", "billions"), [("mixtral-8x7b", 46.7), ("qwen3-30b-a3b", 30.5)])
+def test_dummy_shape_parameter_count(shape: str, billions: float) -> None:
+    """The dummy shapes build on the meta device with the published models' parameter counts."""
+    from conveyor.engine.dummy_model import shape_config
+    from conveyor.engine.model_config import ModelConfig
+    from conveyor.engine.models import build_model
+
+    model = build_model(ModelConfig.from_dict(shape_config(shape)), dtype=torch.bfloat16, device="meta")
+    count = sum(p.numel() for p in model.parameters())
+    assert count / 1e9 == pytest.approx(billions, abs=0.05)
