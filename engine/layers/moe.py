@@ -24,9 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.moe import fused_moe, select_experts
+from ...protocol.errors import UnsupportedModelError
 from ..distributed import shard_range, tp_group
 from ..weight_loader import materialize, narrow
 from .linear import LinearBase
+
+# config.json ``hidden_act`` names -> the names kernels/moe takes for the expert gate.
+_MOE_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                    "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 
 # Shard ids of ``FusedMoE.w13``: (expert, 0) its gate rows, (expert, 1) its up rows; of ``w2``: the expert.
 GATE, UP = 0, 1
@@ -42,7 +47,11 @@ class FusedMoE(nn.Module):
                  renormalize: bool, activation: str = "silu") -> None:
         super().__init__()
         tp = tp_group()
-        self.num_experts, self.top_k, self.renormalize, self.activation = num_experts, top_k, renormalize, activation
+        if activation not in _MOE_ACTIVATIONS:
+            raise UnsupportedModelError(f"expert activation {activation!r} is not supported; supported: "
+                                        f"{sorted(_MOE_ACTIVATIONS)}")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.activation = _MOE_ACTIVATIONS[activation]
         self.full_intermediate_size = intermediate_size
         self.inter_start, self.inter_size = shard_range(intermediate_size, tp.rank, tp.size,
                                                         "moe_intermediate_size")
