@@ -170,9 +170,9 @@ def test_dummy_shape_parameter_count(shape: str, billions: float) -> None:
 
 
 # |get_ppl(quantized KV) - get_ppl(dense)| (nats): test_family_capabilities.py's bounds, int8's
-# doubled: the tiny Qwen3-MoE errs 7.0e-3 there (dense families at most 2.0e-3), presumably as
-# the cache's rounding moves a token's router logits across a near tie between two experts (a
-# discrete change a dense MLP does not have); not investigated further.
+# doubled: the tiny Qwen3-MoE errs 7.0e-3 on the second text (dense families at most 2.0e-3), where
+# the cache's rounding moves one token's router logits across a near tie between two experts in
+# each layer (seen by recording select_experts' ids): a discrete change a dense MLP cannot make.
 KV_TOL = {8: 1e-2, 4: 1e-1}
 
 
