@@ -8,13 +8,16 @@ E 128, k 8) and token count M, with routing from a random router (softmax top-k,
   ``@ w2[e].T`` (cuBLAS), weighted and added into the output;
 * ``fused``: ``fused_moe_triton`` (alignment + two grouped GEMMs + the sum over k), timed as
   single eager calls (host launch work included, as the loop is) and as back-to-back launches
-  (``fused_kernel_us``: the device time alone, what a CUDA-graph decode step pays).
+  (``fused_kernel_us``: host launch work overlapped, where the host keeps up) and replayed from a
+  CUDA graph (``fused_graph_us``: the device time alone, what a decode step pays; on the device
+  machine's slow host the eager numbers of small M are host-bound).
 
-``weight_gb_s``: the bytes of the experts in use over the fused time, against the HBM's ~4.8 TB/s
+``weight_gb_s``: the bytes of the experts in use over the graph-replayed time, against the HBM's ~4.8 TB/s
 (decode is a weight stream). Each fused result is checked against the reference first (rel_err).
 
     python -m benchmarks.bench_moe            # the full grid, saved to results/<gpu>/bench_moe.json
     python -m benchmarks.bench_moe --quick    # M in {1, 256}
+    python -m benchmarks.bench_moe --sweep    # also a few tile configs, graph-replayed
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 from benchmarks.common import cuda_time_us, record, save
 from conveyor.kernels.moe import fused_moe_ref, select_experts
 from conveyor.kernels.moe.launch import fused_moe_triton
-from conveyor.kernels.moe.policy import moe_config
+from conveyor.kernels.moe.policy import MoeConfig, moe_config
 
 SHAPES = {
     "Mixtral-8x7B": dict(hidden=4096, inter=14336, experts=8, top_k=2),
@@ -51,6 +54,48 @@ def moe_loop(x, w13, w2, weights, ids):
     return out.to(x.dtype)
 
 
+def graph_us(call, samples: int, replays: int = 20) -> float | None:
+    """Median µs per call of ``call`` captured once into a CUDA graph and replayed ``replays``
+    times back to back (a decode step's cost: no host launch work), or None if capture fails."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            call()
+    except RuntimeError as exc:
+        print(f"capture failed: {exc}")
+        return None
+    return cuda_time_us(lambda: [graph.replay() for _ in range(replays)], samples) / replays
+
+
+def sweep(samples: int) -> list[dict]:
+    """Graph-replayed time of a few tile configs per shape and row count (input to policy.py)."""
+    configs = [MoeConfig(16, 64, 128, 4, 3), MoeConfig(16, 128, 128, 4, 3), MoeConfig(16, 32, 256, 4, 3),
+               MoeConfig(16, 64, 256, 8, 3), MoeConfig(32, 64, 64, 4, 4), MoeConfig(64, 64, 64, 4, 4),
+               MoeConfig(64, 128, 64, 8, 3), MoeConfig(128, 64, 64, 8, 3)]
+    records = []
+    for model, s in SHAPES.items():
+        hid, inter, experts, top_k = s["hidden"], s["inter"], s["experts"], s["top_k"]
+        w13 = torch.randn(experts, 2 * inter, hid, device="cuda", dtype=torch.bfloat16) / hid**0.5
+        w2 = torch.randn(experts, hid, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5
+        for m in (1, 64, 2048):
+            x = torch.randn(m, hid, device="cuda", dtype=torch.bfloat16)
+            weights, ids = select_experts(torch.randn(m, experts, device="cuda"), top_k, renormalize=True)
+            for cfg in configs:
+                if m == 1 and cfg.block_m > 16:
+                    continue
+                us = graph_us(lambda: fused_moe_triton(x, w13, w2, weights, ids, config=cfg), samples)
+                tiles = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+                print(f"sweep {model:14s} M={m:5d} {tiles:22s} {us:9.1f} us", flush=True)
+                records.append(record(engine="conveyor", model=model, precision="bf16", benchmark="moe_tiles",
+                                      batch=m, tiles=tiles, graph_us=us and round(us, 1)))
+    return records
+
+
 def bench_shape(model: str, s: dict, rows: tuple[int, ...], samples: int) -> list[dict]:
     """The records of one expert shape at each row count, bf16."""
     dtype = torch.bfloat16
@@ -68,6 +113,7 @@ def bench_shape(model: str, s: dict, rows: tuple[int, ...], samples: int) -> lis
         err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
         fused = cuda_time_us(lambda: fused_moe_triton(x, w13, w2, weights, ids), samples)
         fused_kernel = cuda_time_us(lambda: fused_moe_triton(x, w13, w2, weights, ids), samples, calls=10)
+        graph = graph_us(lambda: fused_moe_triton(x, w13, w2, weights, ids), samples)
         loop = cuda_time_us(lambda: moe_loop(x, w13, w2, weights, ids), samples)
         used = ids.unique().numel()
         gbytes = used * 3 * hid * inter * w13.element_size() / 1e9
@@ -75,13 +121,15 @@ def bench_shape(model: str, s: dict, rows: tuple[int, ...], samples: int) -> lis
         rec = record(
             engine="conveyor", model=model, precision="bf16", benchmark="moe_kernel", batch=m,
             hidden=hid, inter=inter, experts=experts, top_k=top_k, experts_used=used,
-            fused_us=round(fused, 1), fused_kernel_us=round(fused_kernel, 1), loop_us=round(loop, 1),
-            speedup=round(loop / fused, 2), weight_gb_s=round(gbytes / (fused_kernel * 1e-6), 1),
+            fused_us=round(fused, 1), fused_kernel_us=round(fused_kernel, 1),
+            fused_graph_us=graph and round(graph, 1), loop_us=round(loop, 1),
+            speedup=round(loop / fused, 2), weight_gb_s=round(gbytes / ((graph or fused_kernel) * 1e-6), 1),
             rel_err=float(f"{err:.3g}"), tiles=f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
             f" w{cfg.num_warps} s{cfg.num_stages}",
         )
         records.append(rec)
-        print(f"{model:14s} M={m:5d} fused {fused:9.1f} us (kernels {fused_kernel:9.1f})  loop {loop:9.1f} us"
+        print(f"{model:14s} M={m:5d} fused {fused:9.1f} us (back to back {fused_kernel:9.1f}, graph {graph or 0:8.1f})"
+              f"  loop {loop:9.1f} us"
               f"  x{loop / fused:5.2f}  {rec['weight_gb_s']:7.1f} GB/s  err {err:.2g}  {rec['tiles']}",
               flush=True)
     return records
@@ -91,6 +139,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="also time a few tile configs (bench_moe_tiles.json)")
     args = ap.parse_args()
     rows = (1, 256) if args.quick else ROWS
     records: list[dict] = []
@@ -98,6 +147,8 @@ def main() -> None:
         records += bench_shape(model, shape, rows, args.samples)
         torch.cuda.empty_cache()  # the shape's weights are gone: free them for the next
     print(save(records, "bench_moe"))
+    if args.sweep:
+        print(save(sweep(args.samples), "bench_moe_tiles"))
 
 
 if __name__ == "__main__":

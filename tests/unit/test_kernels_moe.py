@@ -38,21 +38,20 @@ GPU_TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 def make_case(tokens, experts, top_k, hidden, inter, dtype=torch.float32, device="cpu", foreign=True, seed=0):
     """x, w13, w2, weights, ids with ids from a random router over E - 1 experts (the last expert
-    gets no token) and, with ``foreign``, every fourth pair (from the second) on an expert outside [0, E)."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=g)
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
-    w2 = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
-    logits = torch.randn(tokens, max(experts - 1, top_k), generator=g)
+    gets no token) and, with ``foreign``, every fourth pair (from the second) on an expert outside
+    [0, E). Drawn on ``device``: model-sized weights drawn on the CPU take seconds a case."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    to = dict(device=device, generator=g)
+    x = torch.randn(tokens, hidden, **to).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, **to) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, **to) / inter**0.5).to(dtype)
+    logits = torch.randn(tokens, max(experts - 1, top_k), **to)
     weights, ids = select_experts(logits, top_k, renormalize=True)
     if foreign:
         flat = ids.view(-1)
-        others = torch.tensor([-1, experts, experts + 5], dtype=torch.int32).repeat(flat.numel())
+        others = torch.tensor([-1, experts, experts + 5], dtype=torch.int32, device=device).repeat(flat.numel())
         flat[1::4] = others[: flat[1::4].numel()]
-    to = dict(device=device)
-    return (x.to(dtype=dtype, **to), w13.to(dtype=dtype, **to), w2.to(dtype=dtype, **to),
-            weights.to(**to), ids.to(**to))
-
+    return x, w13, w2, weights, ids
 
 # ----------------------------------------------------------------------------------- any machine
 
