@@ -90,7 +90,7 @@ def sweep(samples: int) -> list[dict]:
                     continue
                 us = graph_us(lambda: fused_moe_triton(x, w13, w2, weights, ids, config=cfg), samples)
                 tiles = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-                print(f"sweep {model:14s} M={m:5d} {tiles:22s} {us:9.1f} us", flush=True)
+                print(f"sweep {model:14s} M={m:5d} {tiles:22s} {us or float('nan'):9.1f} us", flush=True)
                 records.append(record(engine="conveyor", model=model, precision="bf16", benchmark="moe_tiles",
                                       batch=m, tiles=tiles, graph_us=us and round(us, 1)))
     return records

@@ -40,8 +40,10 @@ def moe_align(
     # scatter_add_ rather than bincount: CUDA bincount reads the maximum back to the host.
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
     counts.scatter_add_(0, keys, torch.ones_like(keys))
-    tiles_of = torch.div(counts + block_m - 1, block_m, rounding_mode="floor")
-    tiles_of[num_experts] = 0
+    # Bucket E gets no tile. A mask product, not ``tiles_of[E] = 0``: that assignment copies a CPU
+    # scalar into the device tensor, which CUDA-graph capture refuses.
+    real_bucket = torch.arange(num_experts + 1, device=device) < num_experts
+    tiles_of = torch.div(counts + block_m - 1, block_m, rounding_mode="floor") * real_bucket
     tile_end = torch.cumsum(tiles_of, 0)  # inclusive: expert e's tiles end at tile_end[e]
     first_row = (tile_end - tiles_of) * block_m  # where expert e's run starts in the layout
     first_sorted = torch.cumsum(counts, 0) - counts  # where expert e's pairs start once sorted

@@ -71,6 +71,26 @@ def test_align_layout(block_m: int) -> None:
         assert pairs[: n * block_m].tolist() == ref_pairs and (pairs[n * block_m :] == tokens * top_k).all()
 
 
+def test_align_is_capturable() -> None:
+    """No op of moe_align syncs with the host or copies a host scalar in (the first GPU run's
+    graph capture failed on ``tiles_of[E] = 0``, a copy_ from a CPU scalar): run on the meta
+    device under a dispatch mode that lists every op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    ids = torch.randint(0, 8, (4, 2), dtype=torch.int32).to("meta")
+    with Ops():
+        moe_align(ids, 8, 16)
+    bad = [op for op in seen if any(s in op for s in ("copy_", "_local_scalar_dense", "nonzero", "item"))]
+    assert seen and not bad, bad
+
+
 def test_policy_by_rows_per_expert() -> None:
     assert moe_config(1, 2, 8).block_m == 16  # decode
     assert moe_config(16, 8, 128).block_m == 16
