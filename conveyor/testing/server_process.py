@@ -48,7 +48,10 @@ def wait_stages_healthy(procs: dict[str, subprocess.Popen], url: str, timeout: f
                 return
         except httpx.HTTPError:
             pass
-        assert time.monotonic() < deadline, f"{what} never became healthy"
+        if time.monotonic() >= deadline:
+            # Every stage's last lines: which one had not come up, and what it was doing.
+            tails = "\n".join(f"--- {name}:\n{log(name)[-1500:]}" for name in procs)
+            raise AssertionError(f"{what} never became healthy in {timeout:.0f} s\n{tails}")
         time.sleep(0.3)
 
 
