@@ -15,15 +15,16 @@ its residual add (``post_self_attn_layernorm``, ``post_mlp_layernorm``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
-from torch import nn
 
-from ..layers import RMSNorm, RotaryEmbedding, get_rope
+from ..layers import RotaryEmbedding, get_rope
 from ..layers.rotary import partial_rotary_factor
 from ..model_config import ModelConfig
-from .llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaVariant, hands_over_int8
+from .gemma import GemmaSandwichLayer
+from .llama import LlamaForCausalLM, LlamaVariant, WeightTarget
 
 
 class GlmForCausalLM(LlamaForCausalLM):
@@ -41,36 +42,11 @@ class GlmForCausalLM(LlamaForCausalLM):
         return config.attention_bias, False
 
 
-class Glm4DecoderLayer(nn.Module):
-    """``x += norm(attn(norm(x))); x += norm(mlp(norm(x)))``, with Llama's residual hand-over:
-    the pair returned sums to the hidden state, and the next pre-norm adds them."""
-
-    def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-        variant: LlamaVariant | None = None, layer_idx: int = 0,
-    ) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias, variant, layer_idx)
-        self.mlp = LlamaMLP(config, mlp_bias, variant)
-        hidden, eps, quantize = config.hidden_size, config.rms_norm_eps, hands_over_int8(config)
-        self.input_layernorm = RMSNorm(hidden, eps, quantize)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, quantize)
-        # These two read the attention / MLP output and feed the residual add: never int8.
-        self.post_self_attn_layernorm = RMSNorm(hidden, eps)
-        self.post_mlp_layernorm = RMSNorm(hidden, eps)
-
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (the MLP's normed output, the hidden state before it)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_self_attn_layernorm(self.self_attn(positions, hidden))
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.post_mlp_layernorm(self.mlp(hidden)), residual
+# GLM-4-0414's checkpoint names of the sandwich block's norms -> the block's own (Gemma 2's):
+# its ``post_attention_layernorm`` is the norm *before* the MLP.
+_GLM4_NORMS = {"post_self_attn_layernorm": "post_attention_layernorm",
+               "post_attention_layernorm": "pre_feedforward_layernorm",
+               "post_mlp_layernorm": "post_feedforward_layernorm"}
 
 
 class Glm4ForCausalLM(GlmForCausalLM):
@@ -78,5 +54,13 @@ class Glm4ForCausalLM(GlmForCausalLM):
 
     @staticmethod
     def variant(config: ModelConfig) -> LlamaVariant:
-        """GLM's computation in the sandwich-norm block."""
-        return replace(LlamaForCausalLM.variant(config), decoder_layer=Glm4DecoderLayer)
+        """GLM's computation in the sandwich-norm block (layers/ Gemma 2's ``GemmaSandwichLayer``)."""
+        return replace(LlamaForCausalLM.variant(config), decoder_layer=GemmaSandwichLayer)
+
+    def map_weight(self, name: str, tensor: torch.Tensor) -> Iterator[WeightTarget]:
+        """GLM's mapping, with the sandwich norms renamed to the block's."""
+        parts = name.split(".")
+        if len(parts) > 1 and parts[-2] in _GLM4_NORMS:
+            parts[-2] = _GLM4_NORMS[parts[-2]]
+            name = ".".join(parts)
+        yield from super().map_weight(name, tensor)
