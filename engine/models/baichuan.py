@@ -23,20 +23,17 @@ from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ...kernels.attention import alibi_slopes
 from ..distributed import shard_range, tp_group
-from ..layers import Attention, RMSNorm, RotaryEmbedding
+from ..layers import Attention, RotaryEmbedding
 from ..model_config import ModelConfig
 from .llama import (
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
-    LlamaMLP,
     LlamaVariant,
     WeightTarget,
-    hands_over_int8,
 )
 
 BAICHUAN2_VOCAB_SIZE = 125696
@@ -78,15 +75,7 @@ class BaichuanAlibiAttention(LlamaAttention):
 class BaichuanAlibiLayer(LlamaDecoderLayer):
     """Llama's pre-norm block around ``BaichuanAlibiAttention``."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
-                 mlp_bias: bool, variant: LlamaVariant | None = None, layer_idx: int = 0) -> None:
-        nn.Module.__init__(self)  # LlamaDecoderLayer's body with another attention class
-        variant = variant or LlamaVariant()
-        self.self_attn = BaichuanAlibiAttention(config, rotary, qkv_bias, o_bias, variant, layer_idx)
-        self.mlp = LlamaMLP(config, mlp_bias, variant)
-        quantize = hands_over_int8(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize)
+    attention_class = BaichuanAlibiAttention
 
 
 class BaiChuanForCausalLM(LlamaForCausalLM):

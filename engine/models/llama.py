@@ -138,7 +138,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention + MLP block; the residual add is fused into the next norm."""
+    """Pre-norm attention + MLP block; the residual add is fused into the next norm. A family whose
+    attention differs (same constructor) subclasses it and sets ``attention_class``."""
+
+    attention_class: type[nn.Module] = LlamaAttention
 
     def __init__(
         self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
@@ -146,7 +149,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         variant = variant or LlamaVariant()
-        self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias, variant, layer_idx)
+        self.self_attn = self.attention_class(config, rotary, qkv_bias, o_bias, variant, layer_idx)
         self.mlp = LlamaMLP(config, mlp_bias, variant)
         quantize, offset = hands_over_int8(config), variant.norm_weight_offset
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize, offset)

@@ -31,20 +31,17 @@ import logging
 from collections.abc import Iterator
 
 import torch
-from torch import nn
 
 from ...protocol.errors import UnsupportedModelError
-from ..layers import RMSNorm, RotaryEmbedding, get_rope
+from ..layers import RotaryEmbedding, get_rope
 from ..layers.logn_scale import LogNScale
 from ..model_config import ModelConfig
 from .llama import (
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
-    LlamaMLP,
     LlamaVariant,
     WeightTarget,
-    hands_over_int8,
 )
 
 logger = logging.getLogger(__name__)
@@ -91,15 +88,7 @@ class QWenAttention(LlamaAttention):
 class QWenBlock(LlamaDecoderLayer):
     """Llama's pre-norm block around ``QWenAttention`` (used when ``use_logn_attn`` is on)."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
-                 mlp_bias: bool, variant: LlamaVariant | None = None, layer_idx: int = 0) -> None:
-        nn.Module.__init__(self)  # LlamaDecoderLayer's body with another attention class
-        variant = variant or LlamaVariant()
-        self.self_attn = QWenAttention(config, rotary, qkv_bias, o_bias, variant, layer_idx)
-        self.mlp = LlamaMLP(config, mlp_bias, variant)
-        quantize = hands_over_int8(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize)
+    attention_class = QWenAttention
 
 
 class QWenLMHeadModel(LlamaForCausalLM):
