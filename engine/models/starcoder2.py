@@ -16,7 +16,8 @@ from torch import nn
 from ...protocol.errors import UnsupportedModelError
 from ..layers import DenseMLP, LayerNorm, RotaryEmbedding
 from ..model_config import ModelConfig
-from .llama import LlamaAttention, LlamaForCausalLM, LlamaVariant, WeightTarget, hands_over_int8, linear_method
+from .llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaVariant, WeightTarget, hands_over_int8,
+                    linear_method)
 
 # StarCoder2 name fragment -> ours.
 _RENAMES = ((".mlp.c_fc.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj."))
@@ -29,33 +30,20 @@ def refuse_int8_hand_over(config: ModelConfig, family: str) -> None:
                                     "rows to the linears); use the 16-bit or AWQ weights")
 
 
-class Starcoder2DecoderLayer(nn.Module):
-    """Pre-norm attention + MLP block over LayerNorms; the residual add is fused into the next norm."""
+class Starcoder2DecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm block (its forward) over LayerNorms and a non-gated MLP."""
 
     def __init__(
         self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
         variant: LlamaVariant | None = None, layer_idx: int = 0,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # LlamaDecoderLayer's forward over other norms and MLP
         variant = variant or LlamaVariant()
         self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias, variant, layer_idx)
         self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, variant.hidden_act, mlp_bias,
                             linear_method(config), linear_method(config))
         self.input_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this block's output, residual stream before it); their sum is the true hidden state."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class Starcoder2ForCausalLM(LlamaForCausalLM):
