@@ -106,6 +106,16 @@ SHAPES: dict[str, dict[str, Any]] = {
                       "vocab_size": 151936, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
                       "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
                       "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16"},
+    # deepseek-ai/deepseek-moe-16b-base: MHA, layer 0 dense (10944), then 64 routed experts of 1408
+    # (top-6 softmax, not renormalised) and 2 shared ones (16.4B, 2.8B active)
+    "deepseek-moe-16b": {**_LLAMA_COMMON, "architectures": ["DeepseekForCausalLM"], "model_type": "deepseek",
+                         "hidden_size": 2048, "num_hidden_layers": 28, "num_attention_heads": 16,
+                         "num_key_value_heads": 16, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+                         "n_routed_experts": 64, "num_experts_per_tok": 6, "n_shared_experts": 2,
+                         "first_k_dense_replace": 1, "moe_layer_freq": 1, "norm_topk_prob": False,
+                         "scoring_func": "softmax", "vocab_size": 102400, "rope_theta": 10000.0,
+                         "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "bos_token_id": 100000,
+                         "eos_token_id": 100001, "torch_dtype": "bfloat16"},
     # A toy of the same family, for smoke-testing the benchmarks on a CPU.
     "tiny": {**_LLAMA2_COMMON, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000},

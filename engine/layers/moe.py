@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,33 @@ _MOE_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytor
 GATE, UP = 0, 1
 
 
+@dataclass(frozen=True)
+class Routing:
+    """How router logits pick and weight experts beyond top-k and renormalisation (``select_experts``'
+    options): the scoring function, DeepSeek-V2's grouped top-k (``num_expert_group`` groups of
+    experts, the k chosen inside the ``topk_group`` groups whose best expert scores highest) and
+    the factor the routed experts' weights are multiplied by (DeepSeek-V2's ``routed_scaling_factor``)."""
+
+    scoring: str = "softmax"
+    num_expert_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+
+    def check(self, num_experts: int, top_k: int) -> None:
+        """UnsupportedModelError for a combination select_experts cannot run."""
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise UnsupportedModelError(f"expert scoring {self.scoring!r} is not supported; use softmax or sigmoid")
+        if self.num_expert_group is None:
+            return
+        groups, keep = self.num_expert_group, self.topk_group
+        if groups < 1 or num_experts % groups or keep is None or not 1 <= keep <= groups:
+            raise UnsupportedModelError(f"grouped top-k needs n_group dividing the {num_experts} experts and "
+                                        f"1 <= topk_group <= n_group; got n_group={groups}, topk_group={keep}")
+        if keep * (num_experts // groups) < top_k:
+            raise UnsupportedModelError(f"topk_group={keep} groups of {num_experts // groups} experts hold fewer "
+                                        f"than the {top_k} experts each token takes")
+
+
 class FusedMoE(nn.Module):
     """All experts of one layer: ``w13`` [E, 2 * I_rank, H] (each expert's gate rows then its up
     rows, the order ``fused_moe`` reads) and ``w2`` [E, H, I_rank]. ``forward(x, router_logits)``
@@ -44,13 +72,15 @@ class FusedMoE(nn.Module):
     summed over the ranks."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, activation: str = "silu") -> None:
+                 renormalize: bool, activation: str = "silu", routing: Routing | None = None) -> None:
         super().__init__()
         tp = tp_group()
         if activation not in _MOE_ACTIVATIONS:
             raise UnsupportedModelError(f"expert activation {activation!r} is not supported; supported: "
                                         f"{sorted(_MOE_ACTIVATIONS)}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.routing = routing or Routing()
+        self.routing.check(num_experts, top_k)
         self.activation = _MOE_ACTIVATIONS[activation]
         self.full_intermediate_size = intermediate_size
         self.inter_start, self.inter_size = shard_range(intermediate_size, tp.rank, tp.size,
@@ -103,7 +133,12 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H], summed over the ranks."""
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        r = self.routing
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize, r.scoring,
+                                      r.num_expert_group, r.topk_group)
+        if r.routed_scaling_factor != 1.0:
+            # On the fp32 routing weights, once: the kernel folds them into each expert's output.
+            weights = weights * r.routed_scaling_factor
         out = fused_moe(x, self.w13, self.w2, weights, ids, self.activation)
         return tp_group().all_reduce(out)
 
@@ -120,14 +155,17 @@ class Router(LinearBase):
 class SparseMoeBlock(nn.Module):
     """Router (``gate``), experts (``experts``) and, optionally, a shared expert every token runs
     through (``shared_expert``, any [T, H] -> [T, H] module, e.g. the family's gated MLP), scaled
-    per token by ``sigmoid(shared_expert_gate(x))`` when ``shared_gate`` (Qwen2-MoE)."""
+    per token by ``sigmoid(shared_expert_gate(x))`` when ``shared_gate`` (Qwen2-MoE) and added as
+    it is otherwise (DeepSeek-MoE's shared experts). ``routing`` (default: softmax, plain top-k, a
+    factor of 1) picks and weights the routed experts (``Routing``)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  renormalize: bool, activation: str = "silu", shared_expert: nn.Module | None = None,
-                 shared_gate: bool = False) -> None:
+                 shared_gate: bool = False, routing: Routing | None = None) -> None:
         super().__init__()
         self.gate = Router(hidden_size, num_experts)
-        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, activation)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, activation,
+                                routing)
         self.shared_expert = shared_expert
         self.shared_expert_gate = LinearBase(hidden_size, 1) if shared_expert is not None and shared_gate else None
 
