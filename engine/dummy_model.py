@@ -116,6 +116,14 @@ SHAPES: dict[str, dict[str, Any]] = {
                          "scoring_func": "softmax", "vocab_size": 102400, "rope_theta": 10000.0,
                          "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "bos_token_id": 100000,
                          "eos_token_id": 100001, "torch_dtype": "bfloat16"},
+    # databricks/dbrx-base (dbrx-instruct is the same shape): 16 experts of 10752, top-4, every layer
+    # sparse, q/k/v clipped at 8 (132B, 36B active); DBRX's nested config as published
+    "dbrx": {"architectures": ["DbrxForCausalLM"], "model_type": "dbrx", "d_model": 6144, "n_heads": 48,
+             "n_layers": 40, "max_seq_len": 32768, "vocab_size": 100352,
+             "attn_config": {"kv_n_heads": 8, "clip_qkv": 8, "rope_theta": 500000},
+             "ffn_config": {"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4,
+                            "moe_jitter_eps": 0, "moe_loss_weight": 0.05, "ffn_act_fn": {"name": "silu"}},
+             "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
     # A toy of the same family, for smoke-testing the benchmarks on a CPU.
     "tiny": {**_LLAMA2_COMMON, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000},

@@ -107,6 +107,31 @@ def _starcoder2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _dbrx_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """DBRX: its nested ``attn_config`` / ``ffn_config`` (transformers' DbrxConfig defaults where a
+    field is absent); the experts' width is the intermediate size, as Mixtral's. RoPE's base is
+    ``attn_config.rope_theta`` even where a ``rope_parameters`` says otherwise: transformers 5
+    reads a released config without it and writes its default base there. LayerNorm's eps is
+    torch's default, which DBRX's code uses (its configs carry none)."""
+    attn, ffn = cfg.get("attn_config") or {}, cfg.get("ffn_config") or {}
+    fields: dict[str, Any] = {
+        "hidden_size": cfg.get("d_model", 2048),
+        "num_attention_heads": cfg.get("n_heads", 16),
+        "num_hidden_layers": cfg.get("n_layers", 24),
+        "max_position_embeddings": cfg.get("max_seq_len", 2048),
+        "num_key_value_heads": attn.get("kv_n_heads", 1),
+        "intermediate_size": ffn.get("ffn_hidden_size", 3584),
+        "num_experts": ffn.get("moe_num_experts", 4),
+        "num_experts_per_tok": ffn.get("moe_top_k", 1),
+        "rms_norm_eps": 1e-5,
+    }
+    if attn.get("rope_theta") is not None:
+        fields["rope_theta"] = attn["rope_theta"]
+        if cfg.get("rope_parameters"):
+            fields["rope_parameters"] = {**cfg["rope_parameters"], "rope_theta": attn["rope_theta"]}
+    return fields
+
+
 # architecture -> the Llama-named fields its config.json spells its own way (config.raw keeps
 # the file as written; the model files read their family's other flags from it).
 _FAMILY_FIELDS = {
@@ -119,6 +144,7 @@ _FAMILY_FIELDS = {
     "FalconForCausalLM": _falcon_fields,
     "RWForCausalLM": _falcon_fields,
     "Starcoder2ForCausalLM": _starcoder2_fields,
+    "DbrxForCausalLM": _dbrx_fields,
 }
 
 

@@ -42,6 +42,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "DeepseekForCausalLM": ("deepseek", "DeepseekForCausalLM"),
+    "DbrxForCausalLM": ("dbrx", "DbrxForCausalLM"),
 }
 
 # Architectures a tensor-parallel rank cannot run a slice of, and why (refused before any rank starts).

@@ -475,6 +475,38 @@ class Qwen3(ChatML):
     match_patterns: ClassVar[tuple[str, ...]] = ("qwen3",)
 
 
+@register_chat_template("dbrx")
+@dataclass
+class Dbrx(ChatML):
+    """DBRX Instruct: ChatML with Databricks' default system prompt, as the chat_template of
+    databricks/dbrx-instruct's tokenizer_config.json renders it: the default stands in when the
+    chat opens with no system message, and a first system message is trimmed of outer whitespace."""
+
+    meta_instruction: str | None = (
+        "You are DBRX, created by Databricks. You were last updated in December 2023. You answer questions "
+        "based on information available up to that point.\n"
+        "YOU PROVIDE SHORT RESPONSES TO SHORT QUESTIONS OR STATEMENTS, but provide thorough responses to more "
+        "complex and open-ended questions.\n"
+        "You assist with various tasks, from writing to coding (using markdown for code blocks \u2014 remember to "
+        "use ``` with code, JSON, and tables).\n"
+        "(You do not have real-time data access or code execution capabilities. You avoid stereotyping and "
+        "provide balanced perspectives on controversial topics. You do not provide song lyrics, poems, or news "
+        "articles and do not divulge details of your training data.)\n"
+        "This is your system prompt, guiding your responses. Do not reference it, just respond to the user. If "
+        "you find yourself talking about this message, stop. You should be responding appropriately and usually "
+        "that means not mentioning this.\n"
+        "YOU DO NOT MENTION ANY OF THIS INFORMATION ABOUT YOURSELF UNLESS THE INFORMATION IS DIRECTLY PERTINENT "
+        "TO THE USER'S QUERY."
+    )
+    stop_words: list[str] = field(default_factory=lambda: ["<|im_end|>", "<|endoftext|>"])
+    match_patterns: ClassVar[tuple[str, ...]] = ("dbrx",)
+
+    def _render(self, messages: list[dict[str, Any]], sequence_start: bool = True) -> str:
+        if messages and messages[0].get("role") == "system":  # the published template's ``| trim``
+            messages = [{**messages[0], "content": _text(messages[0].get("content", "")).strip()}, *messages[1:]]
+        return super()._render(messages, sequence_start)
+
+
 class HFChatTemplate:
     """The Jinja ``chat_template`` a transformers tokenizer ships with."""
 
