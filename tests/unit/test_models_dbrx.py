@@ -284,3 +284,26 @@ def test_chat_template_is_picked_from_the_path_unless_the_tokenizer_has_one() ->
         template = get_chat_template(path)
         assert template.name == "dbrx" and template.stop_words == ["<|im_end|>", "<|endoftext|>"]
     assert isinstance(get_chat_template("/models/dbrx-instruct", tokenizer=_hf_tokenizer()), HFChatTemplate)
+
+
+# |get_ppl(quantized KV) - get_ppl(dense)| (nats): test_models_moe.py's bounds for the MoE
+# families (test_family_capabilities.py's, int8's doubled for a routing near-tie's discrete change).
+KV_TOL = {8: 1e-2, 4: 1e-1}
+
+
+@pytest.mark.parametrize("policy", [8, 4])
+def test_quantized_kv_cache(tiny, policy: int) -> None:
+    """KV int8 / int4 (``quant_policy``) keep get_ppl within the MoE families' bounds: the clamp
+    and the experts change nothing in the cache."""
+    _, _, path = tiny
+    texts = [random_tokens(30, seed=94), random_tokens(30, seed=95)]
+
+    def ppl(**kw) -> list[float]:
+        eng = engine(path, **kw)
+        try:
+            return eng.get_ppl(texts)
+        finally:
+            eng.close()
+
+    dense, quantized = ppl(), ppl(quant_policy=policy)
+    assert max(abs(a - b) for a, b in zip(quantized, dense)) < KV_TOL[policy]
