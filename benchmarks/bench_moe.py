@@ -17,7 +17,8 @@ E 128, k 8) and token count M, with routing from a random router (softmax top-k,
 
     python -m benchmarks.bench_moe            # the full grid, saved to results/<gpu>/bench_moe.json
     python -m benchmarks.bench_moe --quick    # M in {1, 256}
-    python -m benchmarks.bench_moe --sweep    # also a few tile configs, graph-replayed
+
+The tiles are the saved tuning's for this GPU where there is one (``benchmarks/tune_moe.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from benchmarks.common import cuda_time_us, record, save
 from conveyor.kernels.moe import fused_moe_ref, select_experts
 from conveyor.kernels.moe.launch import fused_moe_triton
-from conveyor.kernels.moe.policy import MoeConfig, moe_config
+from conveyor.kernels.moe.policy import moe_config
 
 SHAPES = {
     "Mixtral-8x7B": dict(hidden=4096, inter=14336, experts=8, top_k=2),
@@ -72,30 +73,6 @@ def graph_us(call, samples: int, replays: int = 20) -> float | None:
     return cuda_time_us(lambda: [graph.replay() for _ in range(replays)], samples) / replays
 
 
-def sweep(samples: int) -> list[dict]:
-    """Graph-replayed time of a few tile configs per shape and row count (input to policy.py)."""
-    configs = [MoeConfig(16, 64, 128, 4, 3), MoeConfig(16, 128, 128, 4, 3), MoeConfig(16, 32, 256, 4, 3),
-               MoeConfig(16, 64, 256, 8, 3), MoeConfig(32, 64, 64, 4, 4), MoeConfig(64, 64, 64, 4, 4),
-               MoeConfig(64, 128, 64, 8, 3), MoeConfig(128, 64, 64, 8, 3)]
-    records = []
-    for model, s in SHAPES.items():
-        hid, inter, experts, top_k = s["hidden"], s["inter"], s["experts"], s["top_k"]
-        w13 = torch.randn(experts, 2 * inter, hid, device="cuda", dtype=torch.bfloat16) / hid**0.5
-        w2 = torch.randn(experts, hid, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5
-        for m in (1, 64, 2048):
-            x = torch.randn(m, hid, device="cuda", dtype=torch.bfloat16)
-            weights, ids = select_experts(torch.randn(m, experts, device="cuda"), top_k, renormalize=True)
-            for cfg in configs:
-                if m == 1 and cfg.block_m > 16:
-                    continue
-                us = graph_us(lambda: fused_moe_triton(x, w13, w2, weights, ids, config=cfg), samples)
-                tiles = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-                print(f"sweep {model:14s} M={m:5d} {tiles:22s} {us or float('nan'):9.1f} us", flush=True)
-                records.append(record(engine="conveyor", model=model, precision="bf16", benchmark="moe_tiles",
-                                      batch=m, tiles=tiles, graph_us=us and round(us, 1)))
-    return records
-
-
 def bench_shape(model: str, s: dict, rows: tuple[int, ...], samples: int) -> list[dict]:
     """The records of one expert shape at each row count, bf16."""
     dtype = torch.bfloat16
@@ -117,15 +94,14 @@ def bench_shape(model: str, s: dict, rows: tuple[int, ...], samples: int) -> lis
         loop = cuda_time_us(lambda: moe_loop(x, w13, w2, weights, ids), samples)
         used = ids.unique().numel()
         gbytes = used * 3 * hid * inter * w13.element_size() / 1e9
-        cfg = moe_config(m, top_k, experts)
+        cfg = moe_config(m, top_k, experts, hidden=hid, inter=inter, dtype=dtype, device=x.device)
         rec = record(
             engine="conveyor", model=model, precision="bf16", benchmark="moe_kernel", batch=m,
             hidden=hid, inter=inter, experts=experts, top_k=top_k, experts_used=used,
             fused_us=round(fused, 1), fused_kernel_us=round(fused_kernel, 1),
             fused_graph_us=graph and round(graph, 1), loop_us=round(loop, 1),
             speedup=round(loop / fused, 2), weight_gb_s=round(gbytes / ((graph or fused_kernel) * 1e-6), 1),
-            rel_err=float(f"{err:.3g}"), tiles=f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
-            f" w{cfg.num_warps} s{cfg.num_stages}",
+            rel_err=float(f"{err:.3g}"), tiles=cfg.label(), graph_speedup=graph and round(loop / graph, 2),
         )
         records.append(rec)
         print(f"{model:14s} M={m:5d} fused {fused:9.1f} us (back to back {fused_kernel:9.1f}, graph {graph or 0:8.1f})"
@@ -139,7 +115,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--samples", type=int, default=20)
-    ap.add_argument("--sweep", action="store_true", help="also time a few tile configs (bench_moe_tiles.json)")
     args = ap.parse_args()
     rows = (1, 256) if args.quick else ROWS
     records: list[dict] = []
@@ -147,8 +122,6 @@ def main() -> None:
         records += bench_shape(model, shape, rows, args.samples)
         torch.cuda.empty_cache()  # the shape's weights are gone: free them for the next
     print(save(records, "bench_moe"))
-    if args.sweep:
-        print(save(sweep(args.samples), "bench_moe_tiles"))
 
 
 if __name__ == "__main__":

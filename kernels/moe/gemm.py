@@ -102,3 +102,20 @@ def _down_kernel(
     acc *= tl.load(weights + pairs, mask=real, other=0.0)[:, None]
     y_ptrs = y + pairs[:, None].to(tl.int64) * stride_y + cols[None, :]
     tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=real[:, None] & col_ok[None, :])
+
+
+@jit
+def _sum_slots_kernel(y, out, ids, num_experts, hidden, stride_y, stride_out, TOP_K: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """``out[t] = sum_j y[t*k + j]`` over the slots whose expert is in [0, E) (rows of other
+    ranks' experts were never written), in fp32 with one rounding, as torch's half sum does."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    col_ok = cols < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        # The slot's expert, broadcast over the columns (a vector mask, which every backend takes).
+        e = tl.load(ids + t * TOP_K + j + tl.zeros((BLOCK,), dtype=tl.int64))
+        mine = col_ok & (e >= 0) & (e < num_experts)
+        acc += tl.load(y + (t * TOP_K + j) * stride_y + cols, mask=mine, other=0.0).to(tl.float32)
+    tl.store(out + t * stride_out + cols, acc.to(out.dtype.element_ty), mask=col_ok)

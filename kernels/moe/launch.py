@@ -1,9 +1,9 @@
 """The fused-MoE dispatcher: the Triton kernel for CUDA tensors it can take, else the reference.
 
-The Triton path: ``moe_align`` sorts the (token, slot) pairs by expert into ``BLOCK_M`` tiles,
-``_gate_up_kernel`` writes ``act(gate) * up`` per pair [T*k, I], ``_down_kernel`` the weighted
-down projection per pair [T*k, H], and a torch sum over the k slots gives [T, H]. Three kernels
-plus a few small torch ops for the alignment; no host sync, so it captures in a CUDA graph.
+The Triton path: ``moe_align`` sorts the (token, slot) pairs by expert into ``BLOCK_M`` tiles
+(two kernels for a decode step), ``_gate_up_kernel`` writes ``act(gate) * up`` per pair [T*k, I],
+``_down_kernel`` the weighted down projection per pair [T*k, H], and ``_sum_slots_kernel`` sums
+the k slots of each token into [T, H]. No host sync, so it captures in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import torch
 
 from .._triton import FLOAT_DTYPES, cdiv, triton_takes
 from .align import moe_align
-from .gemm import ACT_CODES, _down_kernel, _gate_up_kernel
-from .policy import MoeConfig, moe_config
+from .gemm import ACT_CODES, _down_kernel, _gate_up_kernel, _sum_slots_kernel
+from .policy import MoeConfig, Tiles, moe_config
 from .reference import fused_moe_ref
+
+_SUM_BLOCK = 1024  # columns a program of the slot sum adds
 
 
 def fused_moe_triton(
@@ -32,28 +34,48 @@ def fused_moe_triton(
     if x.stride(-1) != 1:
         x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()  # no-ops for the engine's weights (checked in _problem)
-    cfg = config or moe_config(num_tokens, top_k, num_experts, x.element_size())
+    cfg = config or moe_config(num_tokens, top_k, num_experts, x.element_size(), hidden=hidden, inter=inter,
+                               dtype=x.dtype, device=x.device)
+    if num_pairs == 0:
+        return torch.zeros_like(x)
     sorted_pairs, tile_expert, _ = moe_align(topk_ids, num_experts, cfg.block_m)
-    tiles = tile_expert.numel()
-    # Pairs of other ranks' experts get no tile: their rows must read as zero in the sum.
-    y = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    if tiles == 0:
-        return y.view(num_tokens, top_k, hidden).sum(dim=1) if top_k else torch.zeros_like(x)
+    # Pairs of other ranks' experts get no tile and no row of y: the sum skips them by their id.
+    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 exact; tf32 is unused for 16-bit
-    launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _gate_up_kernel[(tiles, cdiv(inter, cfg.block_n))](
-        x, w13, h, sorted_pairs, tile_expert, num_pairs, top_k, hidden, inter, x.stride(0), h.stride(0),
-        ACT=ACT_CODES[activation], **launch,
+    gate_up(x, w13, h, sorted_pairs, tile_expert, top_k, cfg.block_m, cfg.gate_up, activation)
+    down(h, w2, y, weights, sorted_pairs, tile_expert, cfg.block_m, cfg.down)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    _sum_slots_kernel[(num_tokens, cdiv(hidden, _SUM_BLOCK))](
+        y, out, ids, num_experts, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=_SUM_BLOCK, num_warps=4)
+    return out
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 exact; tf32 is unused for 16-bit
+
+
+def gate_up(x: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, sorted_pairs: torch.Tensor,
+            tile_expert: torch.Tensor, top_k: int, block_m: int, tiles: Tiles, activation: str = "silu") -> None:
+    """``h[p] = act(gate) * up`` of every pair over ``moe_align``'s layout (also the tuner's entry)."""
+    num_pairs, inter = h.shape
+    _gate_up_kernel[(tile_expert.numel(), cdiv(inter, tiles.block_n))](
+        x, w13, h, sorted_pairs, tile_expert, num_pairs, top_k, x.shape[1], inter, x.stride(0), h.stride(0),
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, ACT=ACT_CODES[activation],
+        PRECISION=_precision(x.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    _down_kernel[(tiles, cdiv(hidden, cfg.block_n))](
-        h, w2, y, weights, sorted_pairs, tile_expert, num_pairs, hidden, inter, h.stride(0), y.stride(0),
-        **launch,
+
+
+def down(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, sorted_pairs: torch.Tensor,
+         tile_expert: torch.Tensor, block_m: int, tiles: Tiles) -> None:
+    """``y[p] = weight[p] * (h[p] @ w2[e].T)`` of every pair (also the tuner's entry)."""
+    num_pairs, hidden = y.shape
+    _down_kernel[(tile_expert.numel(), cdiv(hidden, tiles.block_n))](
+        h, w2, y, weights, sorted_pairs, tile_expert, num_pairs, hidden, h.shape[1], h.stride(0), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=_precision(h.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    # torch's half-precision sum accumulates in fp32: one rounding per slot's product, one at the end.
-    return y.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
 def _problem(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str) -> str | None:

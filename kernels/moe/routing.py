@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from .._triton import triton_takes
+from .topk import select_experts_triton, select_problem
+
 
 def select_experts_ref(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
@@ -40,5 +43,9 @@ def select_experts(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
     num_expert_group: int | None = None, topk_group: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``select_experts_ref`` (a few small torch ops: no kernel of its own yet)."""
+    """``select_experts_ref``'s result: one Triton kernel (``topk.py``) on CUDA, else (and for
+    grouped top-k, which has no kernel) the reference's torch ops."""
+    if not num_expert_group and triton_takes("select_experts", (router_logits,), select_problem,
+                                             router_logits, top_k, scoring):
+        return select_experts_triton(router_logits, top_k, renormalize, scoring)
     return select_experts_ref(router_logits, top_k, renormalize, scoring, num_expert_group, topk_group)

@@ -22,9 +22,11 @@ import torch
 from kernel_harness import assert_close, compiled_gpu, gpu, interp, run_interpreter_cases_in_child
 from conveyor.kernels._triton import TRITON_INTERPRETED, set_kernel_mode
 from conveyor.kernels.moe import fused_moe, fused_moe_ref, select_experts
-from conveyor.kernels.moe.align import max_tiles, moe_align, moe_align_ref
+from conveyor.kernels.moe.align import KERNEL_MAX_PAIRS, max_tiles, moe_align, moe_align_ref, moe_align_triton
 from conveyor.kernels.moe.launch import fused_moe_triton
 from conveyor.kernels.moe.policy import MoeConfig, moe_config
+from conveyor.kernels.moe.routing import select_experts_ref
+from conveyor.kernels.moe.topk import select_experts_triton
 
 launch_mod = importlib.import_module("conveyor.kernels.moe.launch")
 
@@ -96,7 +98,7 @@ def test_policy_by_rows_per_expert() -> None:
     assert moe_config(16, 8, 128).block_m == 16
     assert moe_config(2048, 2, 8).block_m == 64  # prefill: 512 rows per expert
     assert moe_config(8192, 2, 8).block_m == 128
-    assert moe_config(1, 2, 8, element_size=4).num_stages == 2
+    assert moe_config(1, 2, 8, element_size=4).gate_up.num_stages == 2
 
 
 # ---------------------------------------------------------------------------------- interpreter
@@ -122,7 +124,7 @@ def test_interp_activations(activation: str, forced: None) -> None:
 @interp
 @pytest.mark.parametrize(
     "cfg",
-    [MoeConfig(16, 16, 16, 4, 1), MoeConfig(32, 32, 32, 4, 1), MoeConfig(64, 64, 64, 4, 1)],
+    [MoeConfig.uniform(16, 16, 16, 4, 1), MoeConfig.uniform(32, 32, 32, 4, 1), MoeConfig.uniform(64, 64, 64, 4, 1)],
     ids=["m16", "m32", "m64"],
 )
 def test_interp_tiles(cfg: MoeConfig, poisoned_empty: None) -> None:
@@ -150,6 +152,62 @@ def test_interp_forced_rejects(forced: None) -> None:
         fused_moe(x, w13, w2, weights, ids, "relu")
     with pytest.raises(ValueError, match="dtype"):
         fused_moe(x.double(), w13.double(), w2.double(), weights, ids)
+
+
+@interp
+@pytest.mark.parametrize("block_m", [4, 16])
+def test_interp_align_kernels_layout(block_m: int) -> None:
+    """The two Triton alignment kernels lay the pairs out as the host loop does: chunks of 64 pairs
+    (several, and a ragged last one), ids outside [0, E) on both sides, unused experts, E not a
+    power of two, and a single expert."""
+    g = torch.Generator().manual_seed(2)
+    for tokens, top_k, experts in [(1, 2, 8), (5, 2, 4), (33, 2, 8), (40, 8, 128), (3, 1, 1), (70, 3, 6), (150, 8, 60)]:
+        ids = torch.randint(-2, experts + 3, (tokens, top_k), generator=g, dtype=torch.int32)
+        pairs, tile_expert, used = moe_align_triton(ids, experts, block_m)
+        ref_pairs, ref_experts = moe_align_ref(ids, experts, block_m)
+        n = used.item()
+        assert tile_expert.numel() == max_tiles(tokens * top_k, experts, block_m) and n == len(ref_experts)
+        assert tile_expert[:n].tolist() == ref_experts and (tile_expert[n:] == -1).all()
+        assert pairs[: n * block_m].tolist() == ref_pairs and (pairs[n * block_m :] == tokens * top_k).all()
+
+
+@interp
+def test_interp_align_dispatch_by_pairs(monkeypatch: pytest.MonkeyPatch, forced: None) -> None:
+    """Up to KERNEL_MAX_PAIRS pairs take the kernels, past it the torch ops: the same layout."""
+    align_mod = importlib.import_module("conveyor.kernels.moe.align")
+    calls = []
+    monkeypatch.setattr(align_mod, "moe_align_triton", lambda *a: calls.append("triton") or moe_align_triton(*a))
+    small = torch.randint(0, 8, (3, 2), dtype=torch.int32)
+    big = torch.randint(0, 8, (KERNEL_MAX_PAIRS // 2 + 1, 2), dtype=torch.int32)
+    moe_align(small, 8, 16)
+    assert calls == ["triton"]
+    pairs, tile_expert, used = moe_align(big, 8, 16)
+    assert calls == ["triton"]
+    ref_pairs, ref_experts = moe_align_ref(big, 8, 16)
+    assert tile_expert[: used.item()].tolist() == ref_experts and pairs[: len(ref_pairs)].tolist() == ref_pairs
+
+
+@interp
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(("experts", "top_k"), [(8, 2), (60, 4), (128, 8), (5, 5)])
+def test_interp_select_experts_kernel(scoring: str, renormalize: bool, experts: int, top_k: int) -> None:
+    """One program per token gives the reference's experts, in its order, and their weights;
+    fp16 logits are scored in fp32."""
+    g = torch.Generator().manual_seed(experts + top_k)
+    for dtype in (torch.float32, torch.float16):
+        logits = (torch.randn(7, experts, generator=g) * 3).to(dtype)
+        weights, ids = select_experts_triton(logits, top_k, renormalize, scoring)
+        ref_w, ref_ids = select_experts_ref(logits, top_k, renormalize, scoring)
+        assert ids.dtype == torch.int32 and torch.equal(ids, ref_ids)
+        assert_close(weights, ref_w, 1e-6)
+
+
+@interp
+def test_interp_select_experts_ties_take_the_lowest_index() -> None:
+    logits = torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0]])
+    _, ids = select_experts_triton(logits, 3, True)
+    assert ids.tolist() == [[1, 2, 4]]
 
 
 @pytest.mark.skipif(TRITON_INTERPRETED, reason="the interpreter cases run in this process")
