@@ -26,6 +26,11 @@ the other ranks (``workers``, ``engine/tp_workers.py``), then executes it; the o
 collectives; rank 0 alone samples and broadcasts the sampled ids, which the next step's pending
 inputs read on every rank. The cache holds this rank's kv heads, and ``num_blocks`` is the
 smallest rank's budget.
+
+The cache's geometry is the model's ``KVCacheSpec`` (``kv_cache_spec``): kv heads, key and value
+widths, and whether the values are a view of the keys (multi-head latent attention's one latent
+row a token, replicated on every rank); the allocation, the block size in bytes and the
+tensor-parallel head split all read it.
 """
 
 from __future__ import annotations
@@ -44,11 +49,12 @@ from .cuda_graph import DecodeGraphs
 from .distributed import kv_head_range, tp_group
 from ..protocol.errors import EngineConfigError
 from .model_config import ModelConfig
+from .model_registry import model_class
 from .layers import RMSNorm
 from .layers.attention import MixedBatchMetadata
 from .models import build_model
 from .sampler import DeviceSamples, Sampler
-from ..kernels.kv_layout import KVCacheLayout
+from ..kernels.kv_layout import KVCacheSpec
 from ..protocol.sampling import SamplingParams
 from ..protocol.tp import StepKind, StepPlan
 from .scheduler import SchedulerOutput
@@ -98,6 +104,15 @@ def _available_memory(device: torch.device) -> int:
     raise EngineConfigError("cannot read free memory; set cache_max_entry_count to a number of blocks (int)")
 
 
+def kv_cache_spec(config: ModelConfig) -> KVCacheSpec:
+    """The cache geometry of ``config``'s model: its class's ``kv_cache_spec(config)`` where it
+    declares one (MLA's latent row), else a key and a value of ``head_dim`` for each kv head."""
+    declared = getattr(model_class(config.architecture), "kv_cache_spec", None)
+    if declared is not None:
+        return declared(config)
+    return KVCacheSpec(config.num_kv_heads, config.head_dim, config.head_dim)
+
+
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = DUMMY_WEIGHT_SEED) -> None:
     """Seeded random weights, drawn on the parameters' own device (no weight files).
@@ -135,10 +150,12 @@ class ModelRunner:
         self.device, self.dtype = device, dtype
         self.block_size = config.block_size
         self.tp = tp_group()
-        self.num_kv_heads = kv_head_range(model_config.num_kv_heads, self.tp.rank, self.tp.size)[1]  # this rank's
+        self.kv_spec = kv_cache_spec(model_config)
+        self.num_kv_heads = kv_head_range(self.kv_spec.num_kv_heads, self.tp.rank, self.tp.size)[1]  # this rank's
         self.workers = None  # rank 0 under tensor parallel: the other ranks (engine/tp_workers.py)
         try:
-            self.kv_layout = KVCacheLayout(config.quant_policy, model_config.head_dim)
+            # The key cache's layout, and the value cache's (None: values are a view of the keys).
+            self.kv_layout, self.v_layout = self.kv_spec.layouts(config.quant_policy)
         except ValueError as exc:
             raise EngineConfigError(str(exc)) from exc
         self.max_model_len = config.session_len or model_config.max_position_embeddings
@@ -164,7 +181,10 @@ class ModelRunner:
             # patterns are better never met. The CPU keeps empty(): zeroing gigabytes costs seconds.
             alloc = torch.zeros if device.type == "cuda" else torch.empty
             self.k_cache, self.k_scales = self.kv_layout.allocate(lead, dtype, device, alloc)
-            self.v_cache, self.v_scales = self.kv_layout.allocate(lead, dtype, device, alloc)
+            if self.v_layout is None:  # no value cache: the values are each key's first v_dim columns
+                self.v_cache, self.v_scales = self.k_cache[..., : self.kv_spec.v_dim], None
+            else:
+                self.v_cache, self.v_scales = self.v_layout.allocate(lead, dtype, device, alloc)
             self.k_centres = self.kv_layout.allocate_centres(lead[0], self.num_head_blocks, lead[3], device)
         except (RuntimeError, torch.OutOfMemoryError) as exc:
             raise EngineConfigError(
@@ -247,9 +267,12 @@ class ModelRunner:
 
     def _block_bytes(self) -> int:
         """Bytes of one block over all layers, keys and values: a quantized cache's codes and
-        scales (``KVCacheLayout``), so a smaller cache buys proportionally more tokens."""
-        mc = self.model_config
-        return 2 * mc.num_layers * self.block_size * self.num_kv_heads * self.kv_layout.bytes_per_head(self.dtype)
+        scales (``KVCacheLayout``), so a smaller cache buys proportionally more tokens; values
+        that are a view of the keys (``KVCacheSpec.shares_v``) cost nothing more."""
+        per_head = self.kv_layout.bytes_per_head(self.dtype)
+        if self.v_layout is not None:
+            per_head += self.v_layout.bytes_per_head(self.dtype)
+        return self.model_config.num_layers * self.block_size * self.num_kv_heads * per_head
 
     def _num_cache_blocks(self) -> int:
         """This rank's budget, or under tensor parallel the smallest rank's (every rank must

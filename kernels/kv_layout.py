@@ -7,6 +7,10 @@ questions (``min_first_chunk_tokens``, ``reserved_head_blocks``): the scheduler 
 manager take those answers as plain ints from the engine, so they neither import torch nor know
 why a layout asks.
 
+``KVCacheSpec`` is the model's side of it: how many kv heads a layer's cache holds per token and
+how wide their keys and values are (MLA's latent cache: one head whose values are its keys' first
+columns, no value cache of its own).
+
 Torch only, no Triton: the model runner sizes the cache from it before any kernel runs.
 """
 
@@ -31,6 +35,38 @@ def turned_centres(bits: int) -> bool:
     position (int4), or by one constant vector (int8: its error is small enough without, and the
     turned centre's scores cost the attention kernels ~10 % of ShareGPT throughput)."""
     return bits == 4
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """A model's cache geometry per layer and token: ``num_kv_heads`` heads (the whole model's;
+    tensor parallel splits them, ``distributed.kv_head_range``) of ``k_dim`` key values and
+    ``v_dim`` value values. With ``shares_v`` there is no value cache: the values are each key
+    head's first ``v_dim`` values, read through a view of the key cache (multi-head latent
+    attention caches one latent row, ``[c_kv, k_pe]``, and attends with ``c_kv`` as the values).
+    Dense attention's default: ``KVCacheSpec(num_kv_heads, head_dim, head_dim)``."""
+
+    num_kv_heads: int
+    k_dim: int
+    v_dim: int
+    shares_v: bool = False
+
+    def __post_init__(self) -> None:
+        if self.shares_v and self.v_dim > self.k_dim:
+            raise ValueError(f"shared values ({self.v_dim} wide) must fit in the keys ({self.k_dim} wide)")
+
+    def layouts(self, quant_policy: int) -> tuple["KVCacheLayout", "KVCacheLayout | None"]:
+        """The key cache's layout under ``quant_policy`` and the value cache's (None: the values
+        are a view of the keys). ValueError for a policy this geometry has no layout for."""
+        if quant_policy and (self.shares_v or self.k_dim != self.v_dim):
+            # The quantizer stores a key and a value of one width each in caches of their own
+            # (codes, scales, key centres): a latent row has no such layout yet.
+            raise ValueError(
+                f"quant_policy={quant_policy}: this model caches one latent row per token (keys {self.k_dim} "
+                f"wide{', values a view of them' if self.shares_v else f', values {self.v_dim}'}), which the "
+                "int8/int4 KV cache cannot hold yet: use quant_policy=0")
+        keys = KVCacheLayout(quant_policy, self.k_dim)
+        return keys, None if self.shares_v else KVCacheLayout(quant_policy, self.v_dim)
 
 
 @dataclass(frozen=True)

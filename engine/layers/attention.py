@@ -50,17 +50,26 @@ class Attention(nn.Module):
     ``alibi_slopes``: ALiBi's slopes of this layer's (this rank's) query heads, fp32 [num_heads]
     (``kernels.attention.alibi_slopes``, sliced by the model), a buffer that follows the module's
     device; None: no ALiBi.
+
+    ``v_head_dim`` set (below ``head_dim``): the values are each key's first ``v_head_dim``
+    values, not a tensor of their own (multi-head latent attention: keys ``[c_kv, k_pe]``, values
+    ``c_kv``). The layer then stores only the keys, ``v_cache`` is a view of ``k_cache``
+    (``KVCacheSpec.shares_v``), ``forward`` takes ``v=None`` and returns ``[T, H * v_head_dim]``.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
                  sliding_window: int | None = None, softcap: float | None = None,
-                 alibi_slopes: torch.Tensor | None = None) -> None:
+                 alibi_slopes: torch.Tensor | None = None, v_head_dim: int | None = None) -> None:
         super().__init__()
+        if v_head_dim is not None and not 0 < v_head_dim <= head_dim:
+            raise ValueError(f"values shared with the keys ({v_head_dim} wide) must fit in head_dim {head_dim}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.shares_v = v_head_dim is not None
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
         self.softcap = softcap
@@ -75,14 +84,18 @@ class Attention(nn.Module):
         self.v_scales: torch.Tensor | None = None
         self.k_centres: torch.Tensor | None = None  # a quantized cache's key centres (kernels/kv_cache.py)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                 positions: torch.Tensor | None = None, cos_sin_cache: torch.Tensor | None = None) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H*D].
+        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H*D] (shared values: v None, -> [T, H*v_head_dim]).
 
         With ``positions`` and ``cos_sin_cache`` (``RotaryEmbedding.cos_sin_cache``), q and k are
         rotated here, in the same kernel that stores k and v; without them they arrive rotated."""
         meta = get_attention_metadata()
         rotate = positions is not None and cos_sin_cache is not None
+        if self.shares_v:
+            if v is not None or rotate:
+                raise ValueError("shared values: pass v=None and keys rotated already (the values are their columns)")
+            return self._forward_shared_v(q, k, meta)
         if self.k_cache is None or self.v_cache is None or self.k_cache.numel() == 0:
             if rotate:
                 q, k = apply_rotary(q, k, positions, cos_sin_cache)
@@ -111,13 +124,30 @@ class Attention(nn.Module):
                 store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scales, self.v_scales)
                 if self.k_scales is not None:  # the cache holds keys in the key basis: queries alike
                     q = to_key_basis(q)
-            if isinstance(meta, MixedBatchMetadata) and meta.decode is not None and meta.prefill is not None:
-                n = meta.num_decode_tokens
-                out = torch.cat([self._attend(q[:n], meta.decode, _rows(centres, 0, n)),
-                                 self._attend(q[n:], meta.prefill, _rows(centres, n, q.shape[0]))])
-            else:
-                out = self._attend(q, meta, centres)
+            out = self._attend_batch(q, meta, centres)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _forward_shared_v(self, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention whose values are the keys' first ``v_head_dim`` columns: only the keys are
+        stored (an unquantized cache, ``KVCacheSpec.layouts``), the values read through a view."""
+        if self.k_cache is None or self.k_cache.numel() == 0:
+            out = self._attend_without_cache(q, k, k[..., : self.v_head_dim], meta)
+        else:
+            # store_kv writes a key and a value tensor; here both are the keys, into the one cache
+            # (the same row written twice: no value tensor of another width to store).
+            store_kv(k, k, self.k_cache, self.k_cache, meta.slot_mapping)
+            out = self._attend_batch(q, meta)
+        return out.reshape(q.shape[0], self.num_heads * self.v_head_dim)
+
+    def _attend_batch(self, q: torch.Tensor, meta: AttentionMetadata, centres: KeyCentres | None = None
+                      ) -> torch.Tensor:
+        """Attention of the step's queries over the cache: a mixed batch's decode rows and prefill
+        rows each through their own kernel (``MixedBatchMetadata``)."""
+        if isinstance(meta, MixedBatchMetadata) and meta.decode is not None and meta.prefill is not None:
+            n = meta.num_decode_tokens
+            return torch.cat([self._attend(q[:n], meta.decode, _rows(centres, 0, n)),
+                              self._attend(q[n:], meta.prefill, _rows(centres, n, q.shape[0]))])
+        return self._attend(q, meta, centres)
 
     def _attend(self, q: torch.Tensor, meta: AttentionMetadata, centres: KeyCentres | None = None) -> torch.Tensor:
         # The maxima come from the host-side metadata: the kernels then never read them from

@@ -37,8 +37,10 @@ def _check_inputs(
     if alibi_slopes is not None and (alibi_slopes.shape != (q.shape[1],) or alibi_slopes.dtype != torch.float32
                                      or alibi_slopes.stride(0) != 1 or alibi_slopes.device != q.device):
         return f"alibi_slopes must be fp32 [{q.shape[1]}] (one a query head), contiguous, on q's device"
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
         return "q must be [T, H, D] and the caches [num_blocks, block_size, Hkv, D]"
+    if k_cache.shape[-1] != v_cache.shape[-1]:  # the reference takes them (paged_attention_ref)
+        return f"the kernels read values as wide as keys, not {v_cache.shape[-1]} against {k_cache.shape[-1]}"
     head_dim = q.shape[-1]
     if k_scales is not None:
         if k_cache.dtype != torch.uint8 or v_cache.dtype != torch.uint8 or q.dtype not in FLOAT_DTYPES:
@@ -245,6 +247,8 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over the paged caches: Triton on CUDA, else the reference.
+    Returns [T, H, Dv]: the value cache may be narrower than the keys (the reference takes that,
+    the kernels refuse it).
 
     Pass ``max_seqlen_q`` / ``max_seqlen_k`` (from ``AttentionMetadata``) when known: without them
     the Triton path reads the maxima from the device, a host sync per call. Values passed must be

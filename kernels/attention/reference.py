@@ -28,7 +28,9 @@ def paged_attention_ref(
     """Plain-torch reference: gather each sequence's keys, then causal SDPA with GQA.
 
     q: [T, H, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks];
-    cu_seqlens_q: [B+1]; seqlens_k: [B]. Returns [T, H, D]. A quantized cache (uint8 codes,
+    cu_seqlens_q: [B+1]; seqlens_k: [B]. Returns [T, H, Dv]: the values may be narrower than the
+    keys (``v_cache`` [num_blocks, block_size, Hkv, Dv], e.g. multi-head latent attention's view
+    of the key cache's first columns); Dv = D otherwise. A quantized cache (uint8 codes,
     ``kv_cache.KVCacheLayout``) comes with its ``k_scales`` / ``v_scales`` and is read back
     through ``dequantize_kv_ref``; with ``key_centres`` its keys were stored centred, and each
     gets its centre back (``kv_cache.key_shifts_ref``, the row of the sequence's first block).
@@ -42,14 +44,15 @@ def paged_attention_ref(
     assert sliding_window is None or sliding_window >= 1, "a sliding window holds at least one key"
     assert softcap is None or softcap > 0, "softcap must be positive"
     assert alibi_slopes is None or alibi_slopes.shape == (q.shape[1],), "one ALiBi slope a query head"
-    assert q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+    assert q.dim() == 3 and k_cache.dim() == 4 and v_cache.dim() == 4 and k_cache.shape[:3] == v_cache.shape[:3]
     bits = cache_bits(k_cache, q.shape[-1])
     assert (k_scales is not None) == (v_scales is not None) == bool(bits), "codes and scales go together"
     assert key_centres is None or bits, "key centres belong to a quantized cache: pass them with its scales"
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    dv = q.shape[-1] if bits else v_cache.shape[-1]  # quantized values are codes of head_dim values
+    out = q.new_empty(*q.shape[:2], dv)
     starts, lens_k = cu_seqlens_q.tolist(), seqlens_k.tolist()
     for b, len_k in enumerate(lens_k):
         qs, qe = starts[b], starts[b + 1]

@@ -14,6 +14,7 @@ from conveyor.engine.attention_metadata import AttentionMetadata, set_attention_
 from conveyor.protocol.errors import UnsupportedModelError
 from conveyor.engine.model_config import ModelConfig
 from conveyor.engine.model_registry import SUPPORTED_ARCHITECTURES, model_class
+from conveyor.engine.model_runner import kv_cache_spec
 from conveyor.engine.models import build_model
 from conveyor.engine.weight_loader import iter_checkpoint, load_model
 
@@ -75,11 +76,13 @@ class PagedCache:
     """A small paged KV cache plus the bookkeeping a model runner would do, for driving a model."""
 
     def __init__(self, model: torch.nn.Module, num_blocks: int = 64, seed: int = 0) -> None:
-        cfg = model.config
-        shape = (num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+        spec = kv_cache_spec(model.config)  # the runner's geometry (MLA: one latent row, values a view of it)
+        lead = (num_blocks, BLOCK_SIZE, spec.num_kv_heads)
         self.device = next(model.parameters()).device
         for attn in model.attention_layers():
-            attn.k_cache, attn.v_cache = torch.zeros(shape, device=self.device), torch.zeros(shape, device=self.device)
+            attn.k_cache = torch.zeros((*lead, spec.k_dim), device=self.device)
+            attn.v_cache = (attn.k_cache[..., : spec.v_dim] if spec.shares_v
+                            else torch.zeros((*lead, spec.v_dim), device=self.device))
         # Hand out blocks in a shuffled order so sequences get non-contiguous blocks.
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.blocks: dict[int, list[int]] = {}

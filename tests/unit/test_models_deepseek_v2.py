@@ -1,0 +1,138 @@
+"""DeepSeek-V2 (multi-head latent attention over a latent KV cache) against transformers: tiny
+random models (2 layers, hidden 64, 4 heads, kv_lora_rank 32, rope 8, nope 16, v 16) saved with
+``save_pretrained``, loaded by the engine; float32 logits within 1e-4 for prefills, a
+two-sequence batch, prefill then decode and a chunked prefill over a cached prefix; greedy tokens,
+the engine's batch with prefix caching and chunked prefill, and ``get_ppl`` (test_models.py's
+checks). One config projects q straight from the hidden state, the other through q_lora_rank
+with YaRN RoPE (mscale and mscale_all_dim: the rotary table's factor and the softmax scale's).
+Also: the cache holds one latent row a token (shape, value view, block bytes), a quantized KV
+cache is refused, tp=2 equals tp=1, and the attention reference takes values narrower than keys
+while the Triton kernels refuse them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_models import (
+    TINY,
+    check_chunked_prefill,
+    check_engine_batch_and_ppl,
+    check_greedy_matches_generate,
+    check_prefill_then_decode,
+    check_prefills,
+    check_two_sequence_batch,
+    load_ours,
+    save_tiny,
+)
+from tiny_llama import engine
+from transformers import AutoModelForCausalLM, DeepseekV2Config
+
+from conveyor.engine.layers.mla import MLAttention
+from conveyor.kernels.attention.launch import _check_inputs
+from conveyor.kernels.attention.reference import paged_attention_ref
+from conveyor.protocol.errors import EngineConfigError
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny models: see tests/conftest.py
+
+IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+MLA = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+LATENT = MLA["kv_lora_rank"] + MLA["qk_rope_head_dim"]
+# Every layer dense (first_k_dense_replace = num_hidden_layers): attention alone is under test.
+DENSE = dict(first_k_dense_replace=TINY["num_hidden_layers"], n_routed_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=32)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
+
+
+def _configs() -> dict[str, DeepseekV2Config]:
+    tiny = {k: v for k, v in TINY.items() if k != "num_key_value_heads"}
+    return {
+        "q_proj": DeepseekV2Config(**tiny, **MLA, **DENSE, q_lora_rank=None, **IDS),
+        "q_lora_yarn": DeepseekV2Config(**tiny, **MLA, **DENSE, q_lora_rank=24, rope_parameters=YARN, **IDS),
+    }
+
+
+@pytest.fixture(scope="module", params=sorted(_configs()))
+def tiny(request, tmp_path_factory) -> tuple[torch.nn.Module, torch.nn.Module, Path]:
+    """(HF reference model loaded back from disk, ours loaded from the same files, the directory)."""
+    path = tmp_path_factory.mktemp(request.param)
+    save_tiny(_configs()[request.param], path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf, load_ours(path), path
+
+
+def test_logits_match_hf(tiny) -> None:
+    """Prefills of several lengths, a two-sequence batch, prefill then decode, a chunked prefill:
+    every step in the absorbed form over the latent cache."""
+    hf, ours, _ = tiny
+    assert all(isinstance(layer.self_attn, MLAttention) for layer in ours.model.layers)
+    check_prefills(hf, ours, (5, 13, 30))
+    check_two_sequence_batch(hf, ours)
+    check_prefill_then_decode(hf, ours)
+    check_chunked_prefill(hf, ours)
+
+
+def test_greedy_engine_batch_and_ppl_match_hf(tiny) -> None:
+    """Greedy decoding equals ``generate``; the engine's batch, prefix cache and get_ppl agree."""
+    hf, _, path = tiny
+    check_greedy_matches_generate(hf, path, IDS["eos_token_id"], (50, 51))
+    check_engine_batch_and_ppl(hf, path, IDS["eos_token_id"])
+
+
+def test_cache_holds_one_latent_row_per_token(tiny) -> None:
+    """The runner allocates one kv head of kv_lora_rank + qk_rope_head_dim values a token and
+    layer, and no value cache: each layer's values are a view of its keys' first kv_lora_rank
+    columns; a block costs (kv_lora_rank + rope) * 4 bytes a token and layer in float32."""
+    _, _, path = tiny
+    eng = engine(path)
+    try:
+        runner = eng.runner
+        layers = TINY["num_hidden_layers"]
+        assert runner.k_cache.shape == (layers, runner.num_blocks, runner.block_size, 1, LATENT)
+        assert runner.v_cache.shape == (layers, runner.num_blocks, runner.block_size, 1, MLA["kv_lora_rank"])
+        assert runner.v_cache.data_ptr() == runner.k_cache.data_ptr() and runner.v_scales is None
+        assert runner._block_bytes() == layers * runner.block_size * LATENT * 4
+        for i, attn in enumerate(runner.model.attention_layers()):
+            assert attn.k_cache.data_ptr() == attn.v_cache.data_ptr() == runner.k_cache[i].data_ptr()
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("policy", [8, 4])
+def test_quantized_kv_cache_is_refused(policy: int, tmp_path: Path) -> None:
+    """No quantizer holds a latent row yet: quant_policy 8/4 is an EngineConfigError naming 0."""
+    save_tiny(_configs()["q_proj"], tmp_path)
+    with pytest.raises(EngineConfigError, match="use quant_policy=0"):
+        engine(tmp_path, quant_policy=policy)
+
+
+def test_tp2_matches_tp1(tiny) -> None:
+    """Heads split over two ranks (q and kv_b_proj by head, o_proj by inputs), the latent
+    projection and cache on both: tp=2 gives tp=1's greedy tokens and logprobs (CPU, gloo)."""
+    from test_tensor_parallel import _run, _same
+
+    _, _, path = tiny
+    (trace1, ppl1), (trace_tp, ppl_tp) = _run(path, 1), _run(path, 2)
+    _same(trace1, trace_tp)
+    assert ppl_tp == pytest.approx(ppl1, rel=1e-4)
+
+
+def test_attention_takes_values_narrower_than_keys() -> None:
+    """The reference attends with a value cache narrower than the keys (a view of their first
+    columns) as with a copy of those columns; the Triton kernels' check refuses the pair, so
+    the dispatcher sends it to the reference."""
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(6, 4, 1, 24, generator=gen)
+    q = torch.randn(7, 4, 24, generator=gen)
+    tables = torch.tensor([[3, 1, 5], [0, 2, 4]], dtype=torch.int32)
+    cu, lens = torch.tensor([0, 5, 7], dtype=torch.int32), torch.tensor([9, 6], dtype=torch.int32)
+    view = cache[..., :16]
+    out = paged_attention_ref(q, cache, view, tables, cu, lens, 0.3)
+    copy = torch.zeros_like(cache)
+    copy[..., :16] = view
+    wide = paged_attention_ref(q, cache, copy, tables, cu, lens, 0.3)
+    assert out.shape == (7, 4, 16)
+    torch.testing.assert_close(out, wide[..., :16])
+    assert "as wide as keys" in _check_inputs(q, cache, view, tables, cu, lens)
