@@ -54,15 +54,32 @@ _RENAMES: tuple[tuple[str, str], ...] = (
 _EXPERTS = re.compile(r"^(?P<layer>model\.layers\.\d+)\.ffn\.experts\.mlp\.(?P<proj>w1|v1|w2)$")
 
 
-def expert_weight_norm(config: ModelConfig) -> float | None:
-    """``ffn_config.moe_normalize_expert_weights`` (transformers' default 1.0 when absent); a p
-    other than None and 1 is refused, naming the value."""
-    p = (config.raw.get("ffn_config") or {}).get("moe_normalize_expert_weights", 1.0)
+def _ffn_config(config: ModelConfig) -> dict:
+    return config.raw.get("ffn_config") or {}
+
+
+def renormalizes(config: ModelConfig) -> bool:
+    """Whether the top-k weights are divided by their sum: ``moe_normalize_expert_weights`` 1
+    (transformers' default when absent, as in every release); None keeps the softmax weights."""
+    return _ffn_config(config).get("moe_normalize_expert_weights", 1.0) is not None
+
+
+def check_supported(config: ModelConfig) -> None:
+    """Refuse, naming the field, what DBRX's configs can ask for that is not implemented: another
+    p-norm of the expert weights, llm-foundry's uniform expert assignment, activation arguments."""
+    ffn = _ffn_config(config)
+    p = ffn.get("moe_normalize_expert_weights", 1.0)
     if p is not None and float(p) != 1.0:
         raise UnsupportedModelError(
             f"DBRX with ffn_config.moe_normalize_expert_weights={p} is not supported: only 1 (the top-k weights "
             "divided by their sum, as every released DBRX) or null (the softmax weights as they are)")
-    return p
+    if ffn.get("uniform_expert_assignment"):
+        raise UnsupportedModelError("DBRX with ffn_config.uniform_expert_assignment=true (experts assigned "
+                                    "round-robin, not by the router) is not supported; set it to false")
+    extra = sorted(set(ffn.get("ffn_act_fn") or {}) - {"name"})
+    if extra:
+        raise UnsupportedModelError(f"DBRX's ffn_config.ffn_act_fn takes a name only here, not {extra}; "
+                                    "remove them or use the released {'name': 'silu'}")
 
 
 class ClampedOutput(nn.Module):
@@ -102,7 +119,7 @@ class DbrxDecoderLayer(LlamaDecoderLayer):
         variant = variant or LlamaVariant()
         self.self_attn = DbrxAttention(config, rotary, qkv_bias, o_bias, variant, layer_idx)
         self.mlp = SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
-                                  config.intermediate_size, renormalize=expert_weight_norm(config) is not None,
+                                  config.intermediate_size, renormalize=renormalizes(config),
                                   activation=variant.hidden_act)
         self.input_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps, bias=False)
         self.post_attention_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps, bias=False)
@@ -132,7 +149,7 @@ class DbrxForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, *args, **kwargs) -> None:
         refuse_int8_hand_over(config, "DBRX")
-        expert_weight_norm(config)  # refused before any weight is allocated
+        check_supported(config)  # before any weight is allocated
         super().__init__(config, *args, **kwargs)
         self.model.norm = LayerNorm(config.hidden_size, config.rms_norm_eps, bias=False)
         given = (config.raw.get("rope_parameters") or {}).get("rope_theta")
@@ -149,7 +166,7 @@ class DbrxForCausalLM(LlamaForCausalLM):
     @staticmethod
     def variant(config: ModelConfig) -> LlamaVariant:
         """The experts' activation (``ffn_config.ffn_act_fn.name``, silu by default) in DBRX's block."""
-        act = (config.raw.get("ffn_config") or {}).get("ffn_act_fn") or {"name": "silu"}
+        act = _ffn_config(config).get("ffn_act_fn") or {"name": "silu"}
         return LlamaVariant(hidden_act=act.get("name", "silu"), decoder_layer=DbrxDecoderLayer)
 
     def map_weight(self, name: str, tensor: torch.Tensor) -> Iterator[WeightTarget]:

@@ -507,6 +507,34 @@ class Dbrx(ChatML):
         return super()._render(messages, sequence_start)
 
 
+@register_chat_template("deepseek")
+@dataclass
+class Deepseek(BaseChatTemplate):
+    """DeepSeek LLM / DeepSeek-MoE / DeepSeek-V2 chat: ``User: ...\n\nAssistant: ...<｜end▁of▁sentence｜>``,
+    a system message's text first followed by a blank line.
+
+    As the chat_template of deepseek-llm-7b-chat's and deepseek-moe-16b-chat's tokenizer_config.json
+    (bos_token left to the tokenizer): the prompt ends at ``Assistant:`` with no space, which the
+    model writes itself (LMDeploy's ``deepseek`` prompts with ``Assistant: ``). Matched as
+    LMDeploy matches it: a DeepSeek *chat* model that is not a VL one.
+    """
+
+    eosys: str = "\n\n"
+    user: str = "User: "
+    eoh: str = "\n\n"
+    assistant: str = "Assistant: "
+    eoa: str = "<\uff5cend\u2581of\u2581sentence\uff5c>"
+    stop_words: list[str] = field(default_factory=lambda: ["<\uff5cend\u2581of\u2581sentence\uff5c>"])
+    match_patterns: ClassVar[tuple[str, ...]] = ("deepseek",)
+    exclude_patterns: ClassVar[tuple[str, ...]] = ("-vl",)
+    generation_prompt: ClassVar[str | None] = "Assistant:"
+
+    @classmethod
+    def match(cls, model_path: str) -> bool:
+        """LMDeploy's rule: a DeepSeek *chat* model (the base models take plain text)."""
+        return super().match(model_path) and "chat" in model_path.lower()
+
+
 class HFChatTemplate:
     """The Jinja ``chat_template`` a transformers tokenizer ships with."""
 

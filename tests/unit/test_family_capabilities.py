@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_models import TINY, pack_internlm2, random_tokens, save_tiny
 from test_models_glm_starcoder_falcon import FALCON, to_chatglm
+from test_models_deepseek_moe import deepseek_v1
 from test_models_remote_code_families import baichuan, baichuan2, internlm, qwen
 from tiny_llama import engine
 from transformers import (
@@ -193,6 +194,8 @@ FAMILIES: dict[str, Family] = {
     "qwen": Family(_remote(qwen), KV | {TP}, NOT_BY_TOOLS),
     "baichuan": Family(_remote(baichuan), KV | {TP}, NOT_BY_TOOLS),
     "baichuan2": Family(_remote(baichuan2), KV | {TP}, NOT_BY_TOOLS),
+    # DeepSeek-MoE v1's layout: a dense layer 0, then 8 routed experts (top-3) and 2 shared ones.
+    "deepseek_moe": Family(_remote(lambda path: deepseek_v1("v1", path)), KV | {TP}, NOT_BY_TOOLS),
 }
 
 TEXTS = [random_tokens(30, seed=101), random_tokens(30, seed=102)]

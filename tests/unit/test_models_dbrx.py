@@ -105,6 +105,20 @@ def test_config_reaches_the_layers(tiny) -> None:
     assert ours.config.rope_theta == ROPE_THETA and ours.config.rms_norm_eps == 1e-5
 
 
+def test_transformers_saves_the_released_expert_layout(tiny) -> None:
+    """transformers 5 writes the experts as the released checkpoints hold them (fused w1 / v1 / w2,
+    each [E * I, H]): the one layout the loader reads."""
+    from safetensors import safe_open
+
+    _, ours, path = tiny
+    e, i, h = ours.config.num_experts, ours.config.intermediate_size, ours.config.hidden_size
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        names = [n for n in f.keys() if ".ffn.experts." in n]
+        assert sorted(names) == sorted(f"transformer.blocks.{b}.ffn.experts.mlp.{p}" for b in range(2)
+                                       for p in ("w1", "v1", "w2"))
+        assert all(tuple(f.get_slice(n).get_shape()) == (e * i, h) for n in names)
+
+
 def test_clip_qkv_clamps_and_matters(tiny) -> None:
     """The clamp acts on these weights (some q/k/v outputs lie past ±clip_qkv), and the model
     without it is off by far more than the tolerance: the parity tests above would fail without
@@ -205,13 +219,19 @@ def test_rope_base_from_attn_config_over_a_rewritten_rope_parameters(caplog) -> 
     assert "rope_parameters.rope_theta=10000.0 differs from attn_config.rope_theta=500000.0" in caplog.text
 
 
-@pytest.mark.parametrize("p", [2, 2.0, 0.5])
-def test_other_expert_weight_norms_are_refused(p: float) -> None:
-    """Only p=1 and None are implemented; another p is an UnsupportedModelError naming it."""
+@pytest.mark.parametrize(("ffn", "message"), [
+    ({"moe_normalize_expert_weights": 2}, "moe_normalize_expert_weights=2"),
+    ({"moe_normalize_expert_weights": 0.5}, "moe_normalize_expert_weights=0.5"),
+    ({"uniform_expert_assignment": True}, "uniform_expert_assignment=true"),
+    ({"ffn_act_fn": {"name": "gelu", "approximate": "tanh"}}, "not \\['approximate'\\]"),
+])
+def test_unimplemented_ffn_options_are_refused(ffn: dict, message: str) -> None:
+    """Another p-norm than 1 / None, llm-foundry's uniform assignment and activation arguments are
+    each an UnsupportedModelError naming the field, raised before any weight is allocated."""
     from conveyor.engine.models import build_model
 
-    raw = {**RELEASED, "ffn_config": {**RELEASED["ffn_config"], "moe_normalize_expert_weights": p}}
-    with pytest.raises(UnsupportedModelError, match=f"moe_normalize_expert_weights={p}"):
+    raw = {**RELEASED, "ffn_config": {**RELEASED["ffn_config"], **ffn}}
+    with pytest.raises(UnsupportedModelError, match=message):
         build_model(ModelConfig.from_dict(raw), dtype=torch.bfloat16, device="meta")
 
 

@@ -50,6 +50,7 @@ from conveyor.engine.models.deepseek import build_deepseek_mlp
 from conveyor.engine.models.llama import LlamaMLP, LlamaVariant
 from conveyor.kernels.moe import select_experts
 from conveyor.protocol.errors import EngineConfigError, UnsupportedModelError
+from conveyor.services.tokenizer.chat_template import ChatTemplateConfig, get_chat_template
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny models: see tests/conftest.py
 
@@ -292,3 +293,42 @@ def test_dummy_shape_parameter_count() -> None:
     active = total - routed * (64 - 6) // 64
     assert total / 1e9 == pytest.approx(16.4, abs=0.05)
     assert active / 1e9 == pytest.approx(2.8, abs=0.1)
+
+
+# ---- the chat template ---------------------------------------------------------------------------
+
+# deepseek-ai/deepseek-llm-7b-chat's and deepseek-moe-16b-chat's tokenizer_config.json "chat_template".
+DEEPSEEK_JINJA = (
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ 'User: ' + message['content'] + '\\n\\n' }}{% elif message['role'] == 'assistant' %}"
+    "{{ 'Assistant: ' + message['content'] + eos_token }}{% elif message['role'] == 'system' %}"
+    "{{ message['content'] + '\\n\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "{{ 'Assistant:' }}{% endif %}")
+EOS = "<\uff5cend\u2581of\u2581sentence\uff5c>"
+
+
+@pytest.mark.parametrize("with_system", [True, False])
+def test_chat_template_equals_published_jinja(with_system: bool) -> None:
+    """The built-in ``deepseek`` template gives the published template's string (BOS aside: the
+    tokenizer adds it) for a system message, two user turns with an answer between, and the
+    generation prompt ``Assistant:``; a later turn of a session continues it."""
+    from test_chat_templates_families import SYSTEM, TURNS, _builtin, _render_jinja
+
+    messages = (SYSTEM if with_system else []) + TURNS
+    assert _builtin("deepseek", messages) == _render_jinja(DEEPSEEK_JINJA, messages, eos_token=EOS)
+    template = ChatTemplateConfig("deepseek").to_template()
+    assert template.stop_words == [EOS]
+    assert template.get_prompt("Name a prime.", sequence_start=False) == "User: Name a prime.\n\nAssistant:"
+
+
+@pytest.mark.parametrize(("path", "name"), [
+    ("/models/deepseek-ai/deepseek-moe-16b-chat", "deepseek"),
+    ("deepseek-llm-7b-chat", "deepseek"),
+    ("/m/DeepSeek-V2-Lite-Chat", "deepseek"),
+    ("/m/deepseek-moe-16b-base", "base"),  # base models take plain text (LMDeploy's rule)
+    ("/m/deepseek-vl-7b-chat", "base"),
+])
+def test_chat_template_matched_from_path(path: str, name: str) -> None:
+    """A DeepSeek chat model's path picks ``deepseek`` when its tokenizer ships no template."""
+    assert get_chat_template(path).name == name
