@@ -116,6 +116,22 @@ SHAPES: dict[str, dict[str, Any]] = {
                          "scoring_func": "softmax", "vocab_size": 102400, "rope_theta": 10000.0,
                          "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "bos_token_id": 100000,
                          "eos_token_id": 100001, "torch_dtype": "bfloat16"},
+    # deepseek-ai/DeepSeek-V2-Lite: MLA (16 heads, kv_lora_rank 512, rope 64, nope 128, v 128: a 576-value
+    # latent row a token and layer), layer 0 dense (10944), then 64 routed experts of 1408 (top-6) and
+    # 2 shared; YaRN x40 (15.7B, 2.4B active)
+    "deepseek-v2-lite": {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                         "hidden_act": "silu", "hidden_size": 2048, "num_hidden_layers": 27,
+                         "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None,
+                         "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+                         "intermediate_size": 10944, "moe_intermediate_size": 1408, "n_routed_experts": 64,
+                         "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1,
+                         "moe_layer_freq": 1, "norm_topk_prob": False, "scoring_func": "softmax",
+                         "topk_method": "greedy", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+                         "vocab_size": 102400, "rope_theta": 10000.0, "max_position_embeddings": 163840,
+                         "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                          "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+                         "rms_norm_eps": 1e-6, "attention_bias": False, "tie_word_embeddings": False,
+                         "bos_token_id": 100000, "eos_token_id": 100001, "torch_dtype": "bfloat16"},
     # databricks/dbrx-base (dbrx-instruct is the same shape): 16 experts of 10752, top-4, every layer
     # sparse, q/k/v clipped at 8 (132B, 36B active); DBRX's nested config as published
     "dbrx": {"architectures": ["DbrxForCausalLM"], "model_type": "dbrx", "d_model": 6144, "n_heads": 48,

@@ -10,8 +10,10 @@ MLP's ``gate_proj`` / ``up_proj`` load into Llama's fused ``gate_up_proj``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 
+import torch
 from torch import nn
 
 from ...kernels.kv_layout import KVCacheSpec
@@ -19,7 +21,8 @@ from ...protocol.errors import UnsupportedModelError
 from ..layers import RMSNorm, RotaryEmbedding, get_rope
 from ..layers.mla import MLAttention, yarn_softmax_scale
 from ..model_config import ModelConfig
-from .llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaVariant, hands_over_int8
+from .deepseek import build_deepseek_mlp, map_deepseek_mlp_weight
+from .llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaVariant, WeightTarget, hands_over_int8
 
 
 def mla_dims(config: ModelConfig) -> tuple[int, int, int, int, int | None]:
@@ -45,8 +48,9 @@ class DeepseekV2Attention(MLAttention):
 
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):
-    """Llama's pre-norm block (its forward) around MLA, with a dense MLP of ``intermediate_size``
-    on the first ``first_k_dense_replace`` layers and DeepSeek's MoE block on the sparse ones."""
+    """Llama's pre-norm block (its forward) around MLA, with ``build_deepseek_mlp``'s MLP: dense
+    (``intermediate_size``) before ``first_k_dense_replace``, DeepSeek's MoE block on the sparse
+    layers (V2's ``routed_scaling_factor`` and ``group_limited_greedy`` included)."""
 
     def __init__(
         self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
@@ -56,20 +60,10 @@ class DeepseekV2DecoderLayer(LlamaDecoderLayer):
         nn.Module.__init__(self)
         variant = variant or LlamaVariant()
         self.self_attn = DeepseekV2Attention(config, rotary, qkv_bias, o_bias, variant, layer_idx)
-        self.mlp = self.build_mlp(config, layer_idx, variant)
+        self.mlp = build_deepseek_mlp(config, layer_idx, variant)
         quantize = hands_over_int8(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize)
-
-    @staticmethod
-    def build_mlp(config: ModelConfig, layer_idx: int, variant: LlamaVariant) -> nn.Module:
-        """The dense MLP, or the MoE block of a sparse layer."""
-        raw = config.raw
-        sparse = (raw.get("n_routed_experts") and layer_idx >= int(raw.get("first_k_dense_replace") or 0)
-                  and layer_idx % int(raw.get("moe_layer_freq") or 1) == 0)
-        if sparse:
-            raise UnsupportedModelError("DeepSeek-V2's MoE layers are not built yet (engine/models/deepseek.py)")
-        return LlamaMLP(config, bias=False, variant=variant)
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
@@ -95,3 +89,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def variant(cls, config: ModelConfig) -> LlamaVariant:
         """Llama's (the MLP's ``hidden_act``) with DeepSeek's block; MLA has no sliding window."""
         return replace(LlamaForCausalLM.variant(config), decoder_layer=DeepseekV2DecoderLayer, layer_windows=())
+
+    def map_weight(self, name: str, tensor: torch.Tensor) -> Iterator[WeightTarget]:
+        """Routed experts into the stacked ``w13`` / ``w2``, the shared experts and dense MLPs as
+        Llama's gated MLP (``map_deepseek_mlp_weight``), MLA's projections by their own names."""
+        name, experts = map_deepseek_mlp_weight(name, tensor)
+        return experts if experts is not None else super().map_weight(name, tensor)

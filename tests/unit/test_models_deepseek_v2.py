@@ -3,11 +3,13 @@ random models (2 layers, hidden 64, 4 heads, kv_lora_rank 32, rope 8, nope 16, v
 ``save_pretrained``, loaded by the engine; float32 logits within 1e-4 for prefills, a
 two-sequence batch, prefill then decode and a chunked prefill over a cached prefix; greedy tokens,
 the engine's batch with prefix caching and chunked prefill, and ``get_ppl`` (test_models.py's
-checks). One config projects q straight from the hidden state, the other through q_lora_rank
-with YaRN RoPE (mscale and mscale_all_dim: the rotary table's factor and the softmax scale's).
-Also: the cache holds one latent row a token (shape, value view, block bytes), a quantized KV
-cache is refused, tp=2 equals tp=1, and the attention reference takes values narrower than keys
-while the Triton kernels refuse them."""
+checks). One config projects q straight from the hidden state, one through q_lora_rank with
+YaRN RoPE (mscale and mscale_all_dim: the rotary table's factor and the softmax scale's), and
+one has DeepSeek's MoE block (engine/models/deepseek.py) on layer 1: 4 experts in 2 groups
+(group_limited_greedy), top-2 scaled by routed_scaling_factor 2, one shared expert. Also: the
+cache holds one latent row a token (shape, value view, block bytes), a quantized KV cache is
+refused, tp=2 equals tp=1, the attention reference takes values narrower than keys while the
+Triton kernels refuse them, the dummy shape's parameter count and the chat template."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from tiny_llama import engine
 from transformers import AutoModelForCausalLM, DeepseekV2Config
 
 from conveyor.engine.layers.mla import MLAttention
+from conveyor.engine.layers.moe import SparseMoeBlock
 from conveyor.kernels.attention.launch import _check_inputs
 from conveyor.kernels.attention.reference import paged_attention_ref
 from conveyor.protocol.errors import EngineConfigError
@@ -51,6 +54,10 @@ def _configs() -> dict[str, DeepseekV2Config]:
     return {
         "q_proj": DeepseekV2Config(**tiny, **MLA, **DENSE, q_lora_rank=None, **IDS),
         "q_lora_yarn": DeepseekV2Config(**tiny, **MLA, **DENSE, q_lora_rank=24, rope_parameters=YARN, **IDS),
+        "moe": DeepseekV2Config(**tiny, **MLA, q_lora_rank=None, first_k_dense_replace=1, n_routed_experts=4,
+                                num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                                topk_method="group_limited_greedy", n_group=2, topk_group=1,
+                                routed_scaling_factor=2.0, **IDS),
     }
 
 
@@ -72,6 +79,16 @@ def test_logits_match_hf(tiny) -> None:
     check_two_sequence_batch(hf, ours)
     check_prefill_then_decode(hf, ours)
     check_chunked_prefill(hf, ours)
+
+
+def test_layers_are_sparse_or_dense_as_configured(tiny) -> None:
+    """first_k_dense_replace=1 makes layer 1 of the MoE config sparse (with its shared expert);
+    the others keep dense MLPs on every layer."""
+    _, ours, path = tiny
+    kinds = [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.model.layers]
+    assert kinds == ([False, True] if path.name.startswith("moe") else [False, False])
+    if kinds[1]:
+        assert ours.model.layers[1].mlp.shared_expert is not None
 
 
 def test_greedy_engine_batch_and_ppl_match_hf(tiny) -> None:
@@ -136,3 +153,29 @@ def test_attention_takes_values_narrower_than_keys() -> None:
     assert out.shape == (7, 4, 16)
     torch.testing.assert_close(out, wide[..., :16])
     assert "as wide as keys" in _check_inputs(q, cache, view, tables, cu, lens)
+
+
+def test_dummy_shape_parameter_count() -> None:
+    """deepseek-v2-lite builds on the meta device with DeepSeek-V2-Lite's 15.7B parameters, and its
+    cache is one 576-value row a token and layer."""
+    from conveyor.engine.dummy_model import shape_config
+    from conveyor.engine.model_config import ModelConfig
+    from conveyor.engine.model_runner import kv_cache_spec
+    from conveyor.engine.models import build_model
+
+    config = ModelConfig.from_dict(shape_config("deepseek-v2-lite"))
+    model = build_model(config, dtype=torch.bfloat16, device="meta")
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(15.7, abs=0.05)
+    spec = kv_cache_spec(config)
+    assert (spec.num_kv_heads, spec.k_dim, spec.v_dim, spec.shares_v) == (1, 576, 512, True)
+
+
+@pytest.mark.parametrize(("path", "name"), [("/models/deepseek-ai/DeepSeek-V2-Lite-Chat", "deepseek"),
+                                            ("deepseek_v2-chat", "deepseek"),
+                                            ("/models/DeepSeek-V2-Lite", "base")])
+def test_chat_template(path: str, name: str) -> None:
+    """A DeepSeek-V2 chat model's path takes the deepseek template (LMDeploy's rule: base models
+    take plain text)."""
+    from conveyor.services.tokenizer.chat_template import get_chat_template
+
+    assert get_chat_template(path).name == name
