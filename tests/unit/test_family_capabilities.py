@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from test_models import TINY, pack_internlm2, random_tokens, save_tiny
 from test_models_glm_starcoder_falcon import FALCON, to_chatglm
 from test_models_deepseek_moe import deepseek_v1
+from test_models_deepseek_v2 import tiny_configs as deepseek_v2_configs
 from test_models_remote_code_families import baichuan, baichuan2, internlm, qwen
 from tiny_llama import engine
 from transformers import (
@@ -196,6 +197,9 @@ FAMILIES: dict[str, Family] = {
     "baichuan2": Family(_remote(baichuan2), KV | {TP}, NOT_BY_TOOLS),
     # DeepSeek-MoE v1's layout: a dense layer 0, then 8 routed experts (top-3) and 2 shared ones.
     "deepseek_moe": Family(_remote(lambda path: deepseek_v1("v1", path)), KV | {TP}, NOT_BY_TOOLS),
+    # DeepSeek-V2: MLA over a latent cache (no quantized layout: quant_policy 8/4 refused, tested in
+    # test_models_deepseek_v2.py), a dense layer 0, then 4 routed experts (grouped top-2) and a shared one.
+    "deepseek_v2": Family(_pretrained(deepseek_v2_configs()["moe"]), frozenset({TP}), NOT_BY_TOOLS),
 }
 
 TEXTS = [random_tokens(30, seed=101), random_tokens(30, seed=102)]

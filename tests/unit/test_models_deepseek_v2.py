@@ -25,12 +25,16 @@ from test_models import (
     check_prefill_then_decode,
     check_prefills,
     check_two_sequence_batch,
+    hf_logits,
+    assert_close,
     load_ours,
+    random_tokens,
     save_tiny,
 )
 from tiny_llama import engine
 from transformers import AutoModelForCausalLM, DeepseekV2Config
 
+from conveyor.engine.attention_metadata import AttentionMetadata, set_attention_metadata
 from conveyor.engine.layers.mla import MLAttention
 from conveyor.engine.layers.moe import SparseMoeBlock
 from conveyor.kernels.attention.launch import _check_inputs
@@ -49,7 +53,7 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
         "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
 
 
-def _configs() -> dict[str, DeepseekV2Config]:
+def tiny_configs() -> dict[str, DeepseekV2Config]:
     tiny = {k: v for k, v in TINY.items() if k != "num_key_value_heads"}
     return {
         "q_proj": DeepseekV2Config(**tiny, **MLA, **DENSE, q_lora_rank=None, **IDS),
@@ -61,11 +65,11 @@ def _configs() -> dict[str, DeepseekV2Config]:
     }
 
 
-@pytest.fixture(scope="module", params=sorted(_configs()))
+@pytest.fixture(scope="module", params=sorted(tiny_configs()))
 def tiny(request, tmp_path_factory) -> tuple[torch.nn.Module, torch.nn.Module, Path]:
     """(HF reference model loaded back from disk, ours loaded from the same files, the directory)."""
     path = tmp_path_factory.mktemp(request.param)
-    save_tiny(_configs()[request.param], path)
+    save_tiny(tiny_configs()[request.param], path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return hf, load_ours(path), path
 
@@ -79,6 +83,26 @@ def test_logits_match_hf(tiny) -> None:
     check_two_sequence_batch(hf, ours)
     check_prefill_then_decode(hf, ours)
     check_chunked_prefill(hf, ours)
+
+
+def test_prefill_without_a_cache_matches_hf(tiny) -> None:
+    """Before the cache exists (the runner's profiling forward on the GPU) a two-sequence prefill
+    attends over the step's own latent rows, values a view of them, with the same logits."""
+    hf, _, path = tiny
+    ours = load_ours(path)  # no cache assigned
+    a, b = random_tokens(11, seed=60), random_tokens(6, seed=61)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((17,), -1), block_tables=torch.zeros(2, 1, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 11, 17], dtype=torch.int32), seqlens_k=torch.tensor([11, 6], dtype=torch.int32),
+        max_seqlen_q=11, max_seqlen_k=11)
+    set_attention_metadata(meta)
+    try:
+        with torch.no_grad():
+            logits = ours.compute_logits(ours(torch.tensor(a + b), torch.tensor([*range(11), *range(6)])))
+    finally:
+        set_attention_metadata(None)
+    assert_close(logits[:11], hf_logits(hf, a))
+    assert_close(logits[11:], hf_logits(hf, b))
 
 
 def test_layers_are_sparse_or_dense_as_configured(tiny) -> None:
@@ -120,7 +144,7 @@ def test_cache_holds_one_latent_row_per_token(tiny) -> None:
 @pytest.mark.parametrize("policy", [8, 4])
 def test_quantized_kv_cache_is_refused(policy: int, tmp_path: Path) -> None:
     """No quantizer holds a latent row yet: quant_policy 8/4 is an EngineConfigError naming 0."""
-    save_tiny(_configs()["q_proj"], tmp_path)
+    save_tiny(tiny_configs()["q_proj"], tmp_path)
     with pytest.raises(EngineConfigError, match="use quant_policy=0"):
         engine(tmp_path, quant_policy=policy)
 
