@@ -4,7 +4,7 @@ it; ``paged_attention`` sends CUDA tensors here and the rest to the reference.""
 
 import torch
 
-from .._triton import FLOAT_DTYPES, TRITON_INTERPRETED, cdiv, next_pow2, triton_takes
+from .._triton import FLOAT_DTYPES, TRITON_INTERPRETED, cdiv, kernel_mode, next_pow2, triton_takes
 from ..kv_centres import KeyCentres
 from ..kv_layout import CENTRE_GROUP, SCALE_DTYPE
 from ..kv_quant import cache_bits
@@ -13,7 +13,7 @@ from .decode_quant import TUNE_FOLD, TUNE_PAIR, _decode_simt_kernel
 from .policy import (_DECODE_MAXNREG, _SIMT_BLOCK_N, _SIMT_PROGRAMS_PER_SM, DEFAULT_TUNING, AttentionTuning,
                      _decode_partition, _fast_codes, _fill_target)
 from .prefill import _prefill_kernel
-from .reference import paged_attention_ref
+from .reference import paged_attention_ref, paged_decode_torch
 
 _LOG2E = 1.4426950408889634
 
@@ -256,7 +256,9 @@ def paged_attention(
     CUDA-graph capture should pass so the launch grid stays fixed). A quantized cache (uint8
     codes) comes with ``k_scales`` / ``v_scales``; its keys and values are dequantized in registers,
     and with ``key_centres`` when its keys were stored centred (``kv_cache.KeyCentring``).
-    ``sliding_window``, ``softcap`` and ``alibi_slopes`` are ``paged_attention_ref``'s.
+    ``sliding_window``, ``softcap`` and ``alibi_slopes`` are ``paged_attention_ref``'s. On the
+    GPU a decode batch the kernels refuse (no window, cap, ALiBi or quantized cache) runs
+    ``paged_decode_torch`` instead of the reference: no host sync, so a CUDA graph captures it.
     """
     if triton_takes("paged_attention", (q, k_cache, v_cache), _check_inputs,
                     q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, k_scales, v_scales,
@@ -266,5 +268,12 @@ def paged_attention(
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, k_scales=k_scales, v_scales=v_scales,
             key_centres=key_centres, sliding_window=sliding_window, softcap=softcap, alibi_slopes=alibi_slopes,
         )
+    plain = k_scales is None and sliding_window is None and softcap is None and alibi_slopes is None
+    if (q.is_cuda and plain and kernel_mode() == "auto" and max_seqlen_q == 1 and max_seqlen_k is not None
+            and q.shape[0] == seqlens_k.shape[0]):
+        # Decode inputs no kernel takes (multi-head latent attention's widths) on the GPU: the
+        # reference reads its host lists back from the device (a sync a layer, which no CUDA graph
+        # captures). kernels='ref' keeps the reference itself.
+        return paged_decode_torch(q, k_cache, v_cache, block_tables, seqlens_k, scale, max_seqlen_k)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, k_scales, v_scales,
                                key_centres, sliding_window, softcap, alibi_slopes)

@@ -1,5 +1,10 @@
 """The plain-torch reference of paged attention (the package doc): used on CPU, and what every
-Triton kernel of this package is tested against."""
+Triton kernel of this package is tested against.
+
+Also ``paged_decode_torch``, decode in plain torch with no host sync (checked against the
+reference): what the dispatcher runs on the GPU for decode inputs no kernel takes (multi-head
+latent attention's 576-wide keys and 512-wide values), so that a CUDA graph still captures the step.
+"""
 
 import torch
 import torch.nn.functional as F
@@ -90,3 +95,53 @@ def paged_attention_ref(
             ob = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ vf
         out[qs:qe] = ob.transpose(0, 1).to(q.dtype)
     return out
+
+
+# Elements of one chunk's gathered keys (sequences x keys x kv heads x dims): bounds the transient
+# memory of ``paged_decode_torch`` (256 MiB of fp32 scores' inputs at most).
+_DECODE_CHUNK_ELEMENTS = 1 << 26
+
+
+def _values_are_key_columns(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether ``v_cache`` is a view of ``k_cache``'s first columns (``KVCacheSpec.shares_v``)."""
+    return v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
+
+
+def paged_decode_torch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seqlens_k: torch.Tensor, scale: float, max_seqlen_k: int,
+) -> torch.Tensor:
+    """Decode (sequence b brings one query, ``q[b]`` [H, D]) over unquantized paged caches,
+    ``paged_attention_ref``'s result for that case, with no host sync: the block tables' columns
+    up to ``max_seqlen_k`` (a host bound, as a CUDA graph fixes it) are read in chunks of whole
+    blocks, every sequence's at once, keys past a sequence's length masked, and the chunks merged
+    by an online softmax (flash-decoding). Values may be narrower than keys; when they are a view
+    of the keys' first columns they are not gathered twice. Returns [B, H, Dv]."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group, dv = num_heads // num_kv_heads, v_cache.shape[-1]
+    shared = _values_are_key_columns(k_cache, v_cache)
+    blocks = min(block_tables.shape[1], -(-max_seqlen_k // block_size))
+    per_chunk = max(1, _DECODE_CHUNK_ELEMENTS // max(1, num_seqs * block_size * num_kv_heads * head_dim))
+    qf = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    lens = seqlens_k.long()[:, None]
+    dev = q.device
+    best = torch.full((num_seqs, num_kv_heads, group), float("-inf"), device=dev)
+    total = torch.zeros((num_seqs, num_kv_heads, group), device=dev)
+    acc = torch.zeros((num_seqs, num_kv_heads, group, dv), device=dev)
+    for first in range(0, blocks, per_chunk):
+        ids = block_tables[:num_seqs, first : min(first + per_chunk, blocks)].long()  # [B, n]
+        keys = k_cache[ids].flatten(1, 2).float()  # [B, n * block_size, Hkv, D]
+        values = keys[..., :dv] if shared else v_cache[ids].flatten(1, 2).float()
+        scores = torch.einsum("bkgd,blkd->bkgl", qf, keys) * scale
+        pos = first * block_size + torch.arange(keys.shape[1], device=dev)
+        scores = scores.masked_fill((pos[None, :] >= lens)[:, None, None, :], float("-inf"))
+        new_best = torch.maximum(best, scores.amax(dim=-1))
+        # A chunk wholly past a sequence's end leaves its maximum at -inf: shift by 0 there.
+        shift = torch.where(torch.isinf(new_best), torch.zeros_like(new_best), new_best)
+        probs = torch.exp(scores - shift[..., None])
+        keep = torch.exp(best - shift)
+        total = total * keep + probs.sum(dim=-1)
+        acc = acc * keep[..., None] + torch.einsum("bkgl,blkd->bkgd", probs, values)
+        best = new_best
+    return (acc / total[..., None]).view(num_seqs, num_heads, dv).to(q.dtype)

@@ -8,8 +8,10 @@ YaRN RoPE (mscale and mscale_all_dim: the rotary table's factor and the softmax 
 one has DeepSeek's MoE block (engine/models/deepseek.py) on layer 1: 4 experts in 2 groups
 (group_limited_greedy), top-2 scaled by routed_scaling_factor 2, one shared expert. Also: the
 cache holds one latent row a token (shape, value view, block bytes), a quantized KV cache is
-refused, tp=2 equals tp=1, the attention reference takes values narrower than keys while the
-Triton kernels refuse them, the dummy shape's parameter count and the chat template."""
+refused (and a quantized checkpoint), tp=2 equals tp=1, the attention reference takes values
+narrower than keys while the Triton kernels refuse them, the GPU's sync-free decode equals the
+reference and an MLA decode step lists no op that syncs with the host, the dummy shape's
+parameter count and the chat template."""
 
 from __future__ import annotations
 
@@ -149,6 +151,19 @@ def test_quantized_kv_cache_is_refused(policy: int, tmp_path: Path) -> None:
         engine(tmp_path, quant_policy=policy)
 
 
+def test_quantized_checkpoint_is_refused_before_loading(tmp_path: Path) -> None:
+    """An AWQ config.json is an EngineConfigError naming the fp16/bf16 checkpoint (MLA's absorbed
+    form multiplies by kv_b_proj's dense weight); the directory holds no weights at all."""
+    import json
+
+    cfg = tiny_configs()["moe"].to_dict()
+    cfg.update(architectures=["DeepseekV2ForCausalLM"], quantization_config={
+        "quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(EngineConfigError, match="fp16/bf16 checkpoint"):
+        engine(tmp_path)
+
+
 def test_tp2_matches_tp1(tiny) -> None:
     """Heads split over two ranks (q and kv_b_proj by head, o_proj by inputs), the latent
     projection and cache on both: tp=2 gives tp=1's greedy tokens and logprobs (CPU, gloo)."""
@@ -203,3 +218,79 @@ def test_chat_template(path: str, name: str) -> None:
     from conveyor.services.tokenizer.chat_template import get_chat_template
 
     assert get_chat_template(path).name == name
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "k_dim", "v_dim", "shared"),
+                         [(8, 2, 24, 24, False), (4, 1, 40, 32, True), (4, 1, 40, 16, False)])
+def test_sync_free_decode_matches_the_reference(monkeypatch, heads: int, kv_heads: int, k_dim: int, v_dim: int,
+                                                shared: bool) -> None:
+    """``paged_decode_torch`` (what decode runs on the GPU where no kernel takes the widths) equals
+    the reference: sequences of 1 to 30 keys in shuffled blocks, the block tables padded and
+    ``max_seqlen_k`` a graph's bound past every length, chunks small enough that some lie wholly
+    past a sequence's end; values separate, or a view of the keys' first columns."""
+    from conveyor.kernels.attention import reference
+
+    monkeypatch.setattr(reference, "_DECODE_CHUNK_ELEMENTS", 4 * 8 * kv_heads * k_dim)  # 8 keys a chunk
+    gen = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(40, 4, kv_heads, k_dim, generator=gen)
+    v_cache = k_cache[..., :v_dim] if shared else torch.randn(40, 4, kv_heads, v_dim, generator=gen)
+    lens = [1, 9, 30, 17]
+    order = torch.randperm(40, generator=gen).tolist()
+    tables = torch.zeros(4, 16, dtype=torch.int32)  # 64 slots: the bound, past every length
+    for b, n in enumerate(lens):
+        blocks = -(-n // 4)
+        tables[b, :blocks] = torch.tensor([order.pop() for _ in range(blocks)])
+    q = torch.randn(4, heads, k_dim, generator=gen)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    cu = torch.arange(5, dtype=torch.int32)
+    got = reference.paged_decode_torch(q, k_cache, v_cache, tables, seqlens, 0.25, max_seqlen_k=64)
+    want = paged_attention_ref(q, k_cache, v_cache, tables, cu, seqlens, 0.25)
+    assert got.shape == (4, heads, v_dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_mla_decode_step_has_no_host_sync(monkeypatch) -> None:
+    """A decode step of an MLA layer (projections, norm, RoPE, absorbed query, attention over the
+    latent cache, W_UV, o_proj) on the meta device lists no op that syncs with the host or copies
+    a host value in, so a CUDA graph captures it. The cache store is the Triton kernel's on the GPU
+    (its reference picks rows with a mask), so it is left out here; attention runs what the GPU
+    dispatch runs for these widths (``paged_decode_torch``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from conveyor.engine.layers import attention as attention_module
+    from conveyor.engine.layers.rotary import RotaryEmbedding
+    from conveyor.kernels.attention.reference import paged_decode_torch
+
+    def gpu_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, *, max_seqlen_q,
+                   max_seqlen_k, **_):
+        assert max_seqlen_q == 1
+        return paged_decode_torch(q, k_cache, v_cache, block_tables, seqlens_k, scale, max_seqlen_k)
+
+    monkeypatch.setattr(attention_module, "store_kv", lambda *args: None)
+    monkeypatch.setattr(attention_module, "paged_attention", gpu_decode)
+    with torch.device("meta"):
+        rotary = RotaryEmbedding(8, 256, 10000.0, interleaved=True)
+        layer = MLAttention(64, 4, 32, 16, 8, 16, rotary, 0.2, 1e-6, q_lora_rank=24)
+        layer.attn.k_cache = torch.empty(16, 4, 1, LATENT)
+        layer.attn.v_cache = layer.attn.k_cache[..., :32]
+        meta = AttentionMetadata(slot_mapping=torch.empty(3, dtype=torch.int64),
+                                 block_tables=torch.empty(3, 8, dtype=torch.int32),
+                                 cu_seqlens_q=torch.empty(4, dtype=torch.int32),
+                                 seqlens_k=torch.empty(3, dtype=torch.int32), max_seqlen_q=1, max_seqlen_k=32)
+        hidden, positions = torch.empty(3, 64), torch.empty(3, dtype=torch.int64)
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    set_attention_metadata(meta)
+    try:
+        with Ops(), torch.no_grad():
+            out = layer(positions, hidden)
+    finally:
+        set_attention_metadata(None)
+    assert out.shape == (3, 64)
+    bad = [op for op in seen if any(s in op for s in ("copy_", "_local_scalar_dense", "nonzero", "item"))]
+    assert "aten.bmm.default" in seen and not bad, bad
