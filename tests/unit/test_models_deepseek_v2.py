@@ -249,6 +249,26 @@ def test_sync_free_decode_matches_the_reference(monkeypatch, heads: int, kv_head
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_sync_free_decode_in_the_model_matches_hf(tiny, monkeypatch) -> None:
+    """The model's decode steps through ``paged_decode_torch``, as the GPU runs them (the CPU
+    dispatch keeps the reference): the same logits as transformers."""
+    from conveyor.engine.layers import attention as attention_module
+    from conveyor.kernels.attention.reference import paged_decode_torch
+
+    original, used = attention_module.paged_attention, []
+
+    def gpu_dispatch(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, **kw):
+        if kw["max_seqlen_q"] == 1 and q.shape[0] == seqlens_k.shape[0]:
+            used.append(q.shape[0])
+            return paged_decode_torch(q, k_cache, v_cache, block_tables, seqlens_k, scale, kw["max_seqlen_k"])
+        return original(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, **kw)
+
+    monkeypatch.setattr(attention_module, "paged_attention", gpu_dispatch)
+    hf, ours, _ = tiny
+    check_prefill_then_decode(hf, ours)
+    assert used, "no decode step took the sync-free path"
+
+
 def test_mla_decode_step_has_no_host_sync(monkeypatch) -> None:
     """A decode step of an MLA layer (projections, norm, RoPE, absorbed query, attention over the
     latent cache, W_UV, o_proj) on the meta device lists no op that syncs with the host or copies
