@@ -61,10 +61,10 @@ class KVCacheSpec:
         if quant_policy and (self.shares_v or self.k_dim != self.v_dim):
             # The quantizer stores a key and a value of one width each in caches of their own
             # (codes, scales, key centres): a latent row has no such layout yet.
-            raise ValueError(
-                f"quant_policy={quant_policy}: this model caches one latent row per token (keys {self.k_dim} "
-                f"wide{', values a view of them' if self.shares_v else f', values {self.v_dim}'}), which the "
-                "int8/int4 KV cache cannot hold yet: use quant_policy=0")
+            what = (f"one latent row a token ({self.k_dim} values, the first {self.v_dim} also the values)"
+                    if self.shares_v else f"keys {self.k_dim} and values {self.v_dim} wide")
+            raise ValueError(f"quant_policy={quant_policy}: this model's KV cache holds {what}, which the "
+                             "int8/int4 KV cache cannot hold yet: use quant_policy=0")
         keys = KVCacheLayout(quant_policy, self.k_dim)
         return keys, None if self.shares_v else KVCacheLayout(quant_policy, self.v_dim)
 

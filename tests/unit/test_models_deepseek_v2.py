@@ -164,6 +164,19 @@ def test_quantized_checkpoint_is_refused_before_loading(tmp_path: Path) -> None:
         engine(tmp_path)
 
 
+def test_cache_spec_layouts() -> None:
+    """A dense spec lays out keys and values as before (one layout each, any policy); a shared-value
+    spec has no value layout and no quantized one; shared values must fit in the keys."""
+    from conveyor.kernels.kv_layout import KVCacheLayout, KVCacheSpec
+
+    assert KVCacheSpec(2, 64, 64).layouts(8) == (KVCacheLayout(8, 64), KVCacheLayout(8, 64))
+    assert KVCacheSpec(1, LATENT, 32, shares_v=True).layouts(0) == (KVCacheLayout(0, LATENT), None)
+    with pytest.raises(ValueError, match="use quant_policy=0"):
+        KVCacheSpec(1, LATENT, 32, shares_v=True).layouts(4)
+    with pytest.raises(ValueError, match="must fit"):
+        KVCacheSpec(1, 32, LATENT, shares_v=True)
+
+
 def test_tp2_matches_tp1(tiny) -> None:
     """Heads split over two ranks (q and kv_b_proj by head, o_proj by inputs), the latent
     projection and cache on both: tp=2 gives tp=1's greedy tokens and logprobs (CPU, gloo)."""
