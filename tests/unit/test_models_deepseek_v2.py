@@ -26,6 +26,7 @@ from test_models import (
     check_greedy_matches_generate,
     check_prefill_then_decode,
     check_prefills,
+    check_triton_kernels,
     check_two_sequence_batch,
     hf_logits,
     assert_close,
@@ -262,24 +263,43 @@ def test_sync_free_decode_matches_the_reference(monkeypatch, heads: int, kv_head
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_sync_free_decode_in_the_model_matches_hf(tiny, monkeypatch) -> None:
-    """The model's decode steps through ``paged_decode_torch``, as the GPU runs them (the CPU
-    dispatch keeps the reference): the same logits as transformers."""
+def _gpu_attention(monkeypatch) -> list[int]:
+    """Make the attention layer dispatch MLA's widths as the GPU does (``paged_attention``'s
+    fallbacks when the kernels refuse): decode batches to ``paged_decode_torch``, the rest to the
+    reference, whatever the kernel mode. Returns the list each sync-free call appends its batch to."""
     from conveyor.engine.layers import attention as attention_module
     from conveyor.kernels.attention.reference import paged_decode_torch
 
-    original, used = attention_module.paged_attention, []
+    used: list[int] = []
 
-    def gpu_dispatch(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, **kw):
-        if kw["max_seqlen_q"] == 1 and q.shape[0] == seqlens_k.shape[0]:
+    def gpu_dispatch(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, *, max_seqlen_q,
+                     max_seqlen_k, **kw):
+        if max_seqlen_q == 1 and q.shape[0] == seqlens_k.shape[0]:
             used.append(q.shape[0])
-            return paged_decode_torch(q, k_cache, v_cache, block_tables, seqlens_k, scale, kw["max_seqlen_k"])
-        return original(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, **kw)
+            return paged_decode_torch(q, k_cache, v_cache, block_tables, seqlens_k, scale, max_seqlen_k)
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale)
 
     monkeypatch.setattr(attention_module, "paged_attention", gpu_dispatch)
+    return used
+
+
+def test_sync_free_decode_in_the_model_matches_hf(tiny, monkeypatch) -> None:
+    """The model's decode steps through ``paged_decode_torch``, as the GPU runs them (the CPU
+    dispatch keeps the reference): the same logits as transformers."""
+    used = _gpu_attention(monkeypatch)
     hf, ours, _ = tiny
     check_prefill_then_decode(hf, ours)
     assert used, "no decode step took the sync-free path"
+
+
+def test_triton_kernels_match_hf(tiny, monkeypatch) -> None:
+    """Every other kernel in Triton (the interpreter, or compiled on a GPU): the latent rows
+    stored by the cache kernel into the one cache (keys and values the same row), the norms,
+    linears and experts; attention as the GPU dispatches MLA's widths, which no Triton attention
+    kernel takes."""
+    used = _gpu_attention(monkeypatch)
+    check_triton_kernels(*tiny[:2])
+    assert used
 
 
 def test_mla_decode_step_has_no_host_sync(monkeypatch) -> None:
