@@ -96,7 +96,7 @@ def main() -> None:
     args = ap.parse_args()
     engine = dummy_engine(args.model, args.dtype, max_batch_size=256, quant_policy=args.quant_policy)
     bw = copy_bandwidth()
-    weight_bytes = 2 * param_count(args.model)
+    weight_bytes = 2 * param_count(args.model, active=True)  # a MoE step reads k of E experts a token
     floor_ms = weight_bytes / bw * 1e3
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; decode weight-read floor {floor_ms:.2f} ms "
           f"({1e3 / floor_ms:.0f} tok/s at batch 1)")

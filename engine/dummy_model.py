@@ -224,14 +224,21 @@ def _warn_small_vocab(model_dir: Path, vocab: int) -> None:
                        "nothing (the detokenizer's work is understated)", known, vocab)
 
 
-def param_count(shape: str) -> int:
-    """Parameters of the shape (for bandwidth arithmetic in the reports; a MoE shape's count is
-    every expert's, not the ones a token reads)."""
-    c = SHAPES[shape]
-    h, inter, layers, vocab = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
-    heads, d = c["num_attention_heads"], c.get("head_dim") or h // c["num_attention_heads"]
-    kv = d * c["num_key_value_heads"]
-    experts = c.get("num_experts") or c.get("num_local_experts") or 0
-    mlp = 3 * h * inter if not experts else experts * 3 * h * c.get("moe_intermediate_size", inter) + experts * h
-    per_layer = h * (heads * d + 2 * kv) + heads * d * h + mlp + 2 * h
-    return layers * per_layer + 2 * vocab * h + h
+def param_count(shape: str, active: bool = False) -> int:
+    """Parameters of the shape, counted on a model built on the meta device (exact for every
+    family). ``active``: what one token reads, for bandwidth arithmetic: a mixture-of-experts
+    layer's experts count ``top_k / num_experts`` of their parameters (the embeddings and every
+    other weight count whole)."""
+    import torch  # here: the stateless stages read SHAPES without importing torch
+
+    from .layers.moe import FusedMoE
+    from .model_config import ModelConfig
+    from .models import build_model
+
+    model = build_model(ModelConfig.from_dict(shape_config(shape)), dtype=torch.bfloat16, device="meta")
+    total = sum(p.numel() for p in model.parameters())
+    if active:
+        for m in model.modules():
+            if isinstance(m, FusedMoE):
+                total -= round((m.w13.numel() + m.w2.numel()) * (1 - m.top_k / m.num_experts))
+    return total

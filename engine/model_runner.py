@@ -51,6 +51,7 @@ from ..protocol.errors import EngineConfigError
 from .model_config import ModelConfig
 from .model_registry import model_class
 from .layers import RMSNorm
+from .layers.layer_norm import LayerNorm
 from .layers.attention import MixedBatchMetadata
 from .models import build_model
 from .sampler import DeviceSamples, Sampler
@@ -122,7 +123,7 @@ def init_dummy_weights(model: nn.Module, seed: int = DUMMY_WEIGHT_SEED) -> None:
     """
     params = list(model.parameters())
     gen = torch.Generator(device=params[0].device).manual_seed(seed) if params else None
-    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, (RMSNorm, LayerNorm))}
     done: set[int] = set()
     for module in model.modules():  # quantized layers know what random weights of theirs look like
         init = getattr(getattr(module, "method", None), "init_dummy", None)

@@ -144,12 +144,18 @@ class FusedMoE(nn.Module):
 
 
 class Router(LinearBase):
-    """The router's [E, H] linear, the same on every rank, run in float32 (x and weight cast) so
-    that near-tied experts are picked as a float32 reference picks them in any model dtype."""
+    """The router's [E, H] linear, the same on every rank, run in float32 so that near-tied
+    experts are picked as a float32 reference picks them in any model dtype. The weight is held
+    in float32 (the checkpoint's values, cast once at load) rather than cast every step: a decode
+    step would otherwise copy it once a layer."""
+
+    def __init__(self, input_size: int, output_size: int) -> None:
+        super().__init__(input_size, output_size)
+        self.weight.data = self.weight.data.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, E] float32 logits."""
-        return F.linear(x.float(), self.weight.float())
+        return F.linear(x.float(), self.weight)
 
 
 class SparseMoeBlock(nn.Module):

@@ -56,6 +56,9 @@ EXPECTED = {
     "phi-3": ("<|system|>\nS<|end|>\n<|user|>\nU1<|end|>\n<|assistant|>\nA1<|end|>\n<|user|>\nU2<|end|>\n"
               "<|assistant|>\n"),
     "falcon": "SU1A1U2",
+    # Issue 31's families, each checked against its published template in its model test file.
+    "dbrx": CHATML,
+    "deepseek": "S\n\nUser: U1\n\nAssistant: A1<｜end▁of▁sentence｜>User: U2\n\nAssistant:",
     **dict.fromkeys(("llama3_1", "llama3_2"), (
         "<|start_header_id|>system<|end_header_id|>\n\n"
         "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\nS<|eot_id|>"

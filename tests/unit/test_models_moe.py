@@ -192,3 +192,54 @@ def test_quantized_kv_cache(tiny, policy: int) -> None:
 
     dense, quantized = ppl(), ppl(quant_policy=policy)
     assert max(abs(a - b) for a, b in zip(quantized, dense)) < KV_TOL[policy]
+
+
+@pytest.mark.parametrize(("shape", "total", "active"), [("mixtral-8x7b", 46.70, 12.88), ("qwen3-30b-a3b", 30.53, 3.35),
+                                                        ("deepseek-v2-lite", 15.71, 2.66), ("llama2-7b", 6.74, 6.74)])
+def test_param_count_total_and_active(shape: str, total: float, active: float) -> None:
+    """``param_count`` counts the model built on the meta device; ``active=True`` counts top_k of
+    E experts (the benchmarks' weight-read floor): Mixtral's published 46.7B / 12.9B."""
+    from conveyor.engine.dummy_model import param_count
+
+    assert param_count(shape) / 1e9 == pytest.approx(total, abs=0.01)
+    assert param_count(shape, active=True) / 1e9 == pytest.approx(active, abs=0.01)
+
+
+def test_router_holds_float32_weights_in_any_model_dtype(tiny) -> None:
+    """The router's weight is float32 after a bf16 build and load (no cast per step), holding the
+    checkpoint's values (the tiny checkpoint is float32: not rounded to the model's bf16)."""
+    from conveyor.engine.model_config import ModelConfig
+    from conveyor.engine.models import build_model
+    from conveyor.engine.weight_loader import load_model
+
+    hf, _, path = tiny
+    model = build_model(ModelConfig.from_dict(json.loads((path / "config.json").read_text())), dtype=torch.bfloat16)
+    load_model(model, path)
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(b.gate.weight.dtype == torch.float32 for b in blocks)
+    ref = dict(hf.named_parameters())
+    name = next(n for n in ref if n.endswith("mlp.gate.weight") or n.endswith("block_sparse_moe.gate.weight"))
+    layer = int(name.split(".")[2])
+    ours = next(m for i, m in enumerate(model.model.layers) if i == layer).mlp.gate.weight
+    assert torch.equal(ours, ref[name])
+
+
+def test_dummy_weights_set_every_norm_scale_to_one() -> None:
+    """LayerNorm scales (DBRX, Falcon, StarCoder2) are 1 like RMSNorm's: at 0 every router input
+    of a dummy DBRX is zero and each token goes to the same experts, which would skew MoE timings."""
+    from transformers import DbrxConfig
+
+    from conveyor.engine.layers import RMSNorm
+    from conveyor.engine.layers.layer_norm import LayerNorm
+    from conveyor.engine.model_config import ModelConfig
+    from conveyor.engine.model_runner import init_dummy_weights
+    from conveyor.engine.models import build_model
+
+    cfg = DbrxConfig(d_model=64, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=128,
+                     attn_config={"kv_n_heads": 2, "clip_qkv": 8.0},
+                     ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2})
+    raw = {**cfg.to_dict(), "architectures": ["DbrxForCausalLM"]}
+    model = build_model(ModelConfig.from_dict(raw), dtype=torch.float32)
+    init_dummy_weights(model)
+    norms = [m for m in model.modules() if isinstance(m, (LayerNorm, RMSNorm))]
+    assert norms and all(bool((m.weight == 1).all()) for m in norms)
