@@ -27,16 +27,22 @@ Two Triton kernels sit behind :func:`paged_attention`, chosen by ``max_seqlen_q`
   their sequence's ``q_len`` return at once (no host-side tile list, so no device sync when the
   caller passes ``max_seqlen_q``). Key tiles after the tile's last query position are never read.
 
-Both read keys through the block table token by token (a gather per key row), so any block size
+A latent cache (multi-head latent attention: one kv head of rows ``[c_kv, k_pe]``, the values a
+view of their first ``kv_lora_rank`` columns) has its own decode and prefill kernels
+(``mla.py``): every query head against the one row, each key tile read once for a block of
+heads (decode) or of (token, head) rows (prefill), ``c_kv`` serving as keys and values.
+
+All read keys through the block table token by token (a gather per key row), so any block size
 works, including the one-token blocks of the attention layer's cache-less path. Softmax runs in
 fp32 with exp2 (the scale is folded with log2(e)); outputs are cast to ``q.dtype``.
 
 The package, one concern a module: ``reference`` (plain torch, CPU and tests), ``decode`` and
 ``prefill`` (the kernels), ``decode_quant`` (decode over a quantized cache: tensor-core walk and
-CUDA-core kernel), ``tiles`` (the key-tile step decode and prefill share), ``codes`` and ``ptx``
-(reading quantized codes, portable and inline PTX), ``centres`` (centred keys' scores),
-``policy`` (``AttentionTuning`` and the launch heuristics), ``launch`` (the launcher and the
-dispatcher) and ``alibi`` (ALiBi's slopes).
+CUDA-core kernel), ``mla`` (the latent cache's kernels and their launcher), ``tiles`` (the
+key-tile step decode and prefill share), ``codes`` and ``ptx`` (reading quantized codes,
+portable and inline PTX), ``centres`` (centred keys' scores), ``policy`` (``AttentionTuning``
+and the launch heuristics), ``launch`` (the launcher and the dispatcher) and ``alibi`` (ALiBi's
+slopes).
 
 A layer's sliding window, soft-capping and ALiBi slopes are compile-time switches of every
 kernel (``tiles._score_mods``: scale, then ALiBi, then the cap; the window a mask). With a window
@@ -48,7 +54,9 @@ and are never stored, so a power-of-two head dim compiles to the same code as be
 
 from .alibi import alibi_slopes
 from .launch import paged_attention, paged_attention_triton
+from .mla import paged_mla_triton
 from .policy import AttentionTuning
 from .reference import paged_attention_ref
 
-__all__ = ["AttentionTuning", "alibi_slopes", "paged_attention", "paged_attention_ref", "paged_attention_triton"]
+__all__ = ["AttentionTuning", "alibi_slopes", "paged_attention", "paged_attention_ref", "paged_attention_triton",
+           "paged_mla_triton"]

@@ -10,6 +10,7 @@ from ..kv_layout import CENTRE_GROUP, SCALE_DTYPE
 from ..kv_quant import cache_bits
 from .decode import _decode_kernel, _decode_reduce_kernel
 from .decode_quant import TUNE_FOLD, TUNE_PAIR, _decode_simt_kernel
+from .mla import _check_mla_inputs, is_mla_layout, paged_mla_triton
 from .policy import (_DECODE_MAXNREG, _SIMT_BLOCK_N, _SIMT_PROGRAMS_PER_SM, DEFAULT_TUNING, AttentionTuning,
                      _decode_partition, _fast_codes, _fill_target)
 from .prefill import _prefill_kernel
@@ -256,13 +257,23 @@ def paged_attention(
     CUDA-graph capture should pass so the launch grid stays fixed). A quantized cache (uint8
     codes) comes with ``k_scales`` / ``v_scales``; its keys and values are dequantized in registers,
     and with ``key_centres`` when its keys were stored centred (``kv_cache.KeyCentring``).
-    ``sliding_window``, ``softcap`` and ``alibi_slopes`` are ``paged_attention_ref``'s. On the
-    GPU a decode batch the kernels refuse (no window, cap, ALiBi or quantized cache) runs
-    ``paged_decode_torch`` instead of the reference: no host sync, so a CUDA graph captures it.
+    ``sliding_window``, ``softcap`` and ``alibi_slopes`` are ``paged_attention_ref``'s. A latent
+    cache (multi-head latent attention: one kv head, values a view of its rows' first columns)
+    runs the MLA kernels (``mla.py``). On the GPU a decode batch the kernels refuse (no window,
+    cap, ALiBi or quantized cache) runs ``paged_decode_torch`` instead of the reference: no host
+    sync, so a CUDA graph captures it.
     """
-    if triton_takes("paged_attention", (q, k_cache, v_cache), _check_inputs,
-                    q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, k_scales, v_scales,
-                    sliding_window, softcap, alibi_slopes, key_centres):
+    # A latent cache (values narrower than keys: multi-head latent attention) has kernels of its
+    # own (mla.py); every other cache the dense ones.
+    if is_mla_layout(k_cache, v_cache):
+        if triton_takes("paged_attention (latent cache)", (q, k_cache, v_cache), _check_mla_inputs,
+                        q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, k_scales, v_scales,
+                        sliding_window, softcap, alibi_slopes, key_centres):
+            return paged_mla_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale,
+                                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    elif triton_takes("paged_attention", (q, k_cache, v_cache), _check_inputs,
+                      q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, k_scales, v_scales,
+                      sliding_window, softcap, alibi_slopes, key_centres):
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, k_scales=k_scales, v_scales=v_scales,
@@ -271,7 +282,7 @@ def paged_attention(
     plain = k_scales is None and sliding_window is None and softcap is None and alibi_slopes is None
     if (q.is_cuda and plain and kernel_mode() == "auto" and max_seqlen_q == 1 and max_seqlen_k is not None
             and q.shape[0] == seqlens_k.shape[0]):
-        # Decode inputs no kernel takes (multi-head latent attention's widths) on the GPU: the
+        # Decode inputs no kernel takes (latent rows of widths mla.py refuses) on the GPU: the
         # reference reads its host lists back from the device (a sync a layer, which no CUDA graph
         # captures). kernels='ref' keeps the reference itself.
         return paged_decode_torch(q, k_cache, v_cache, block_tables, seqlens_k, scale, max_seqlen_k)
