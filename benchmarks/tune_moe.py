@@ -64,7 +64,7 @@ def bench_us(fn) -> float:
 
 
 def tune_shape(name: str, experts: int, top_k: int, hidden: int, inter: int, tokens: tuple[int, ...],
-               dtype: torch.dtype, quick: bool) -> dict[str, dict]:
+               dtype: torch.dtype, quick: bool, save) -> dict[str, dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) / hidden**0.5).to(dtype)
     w2 = (torch.randn(experts, hidden, inter, device="cuda", generator=g) / inter**0.5).to(dtype)
@@ -99,6 +99,7 @@ def tune_shape(name: str, experts: int, top_k: int, hidden: int, inter: int, tok
         err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
         assert err < 2e-2, f"{name} M={m} {cfg.label()}: relative error {err:.3g}"
         entries[str(m)] = {**cfg.to_json(), "gate_up_us": round(up_us, 2), "down_us": round(down_us, 2)}
+        save(entries)  # after every token count: a run cut short keeps what it measured
         print(f"{name:18s} M={m:5d} {cfg.label():50s} gate_up {up_us:8.1f} us  down {down_us:8.1f} us"
               f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
     return entries
@@ -116,13 +117,19 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     for name in args.shape or sorted(SHAPES):
         experts, top_k, hidden, inter = SHAPES[name]
-        entries = tune_shape(name, experts, top_k, hidden, inter, tuple(args.tokens), dtype, args.quick)
         path = config_path(gpu, experts, top_k, hidden, inter, dtype)
         if args.out_dir:
             path = type(path)(args.out_dir) / path.parent.name / path.name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"gpu": gpu, "shape": name, "commit": commit(), "triton": triton.__version__,
-                                    "configs": entries}, indent=1) + "\n")
+        # Entries of token counts this run does not measure are kept.
+        old = json.loads(path.read_text())["configs"] if path.is_file() else {}
+
+        def save(entries: dict, path=path, name=name, old=old) -> None:
+            merged = dict(sorted({**old, **entries}.items(), key=lambda e: int(e[0])))
+            path.write_text(json.dumps({"gpu": gpu, "shape": name, "commit": commit(), "triton": triton.__version__,
+                                        "configs": merged}, indent=1) + "\n")
+
+        tune_shape(name, experts, top_k, hidden, inter, tuple(args.tokens), dtype, args.quick, save)
         print(path, flush=True)
 
 
