@@ -12,8 +12,10 @@ one GPU proves the NCCL path runs inside the CUDA graphs.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +88,19 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 def tp_group() -> TPGroup:
     """The group of this process (the single-rank group unless ``init_tp`` ran)."""
     return _GROUP
+
+
+@contextlib.contextmanager
+def as_first_of(size: int) -> Iterator[None]:
+    """Within the block, ``tp_group()`` is rank 0 of ``size`` ranks with no process group (no
+    collective runs): building a model on the meta device in it runs every layer's split of its
+    shapes, so a tp that one of them cannot take is refused before any rank starts."""
+    global _GROUP
+    previous, _GROUP = _GROUP, TPGroup(rank=0, size=size)
+    try:
+        yield
+    finally:
+        _GROUP = previous
 
 
 def init_tp(rank: int, size: int, init_method: str, device: torch.device, all_reduce: str = "nccl") -> TPGroup:

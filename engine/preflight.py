@@ -159,7 +159,21 @@ def check_tensor_parallel(model_config: ModelConfig, config: EngineConfig) -> No
     check_tp_shapes(model_config.num_heads, model_config.num_kv_heads, model_config.head_dim,
                     model_config.intermediate_size, config.tp,
                     quant.group_size if quant is not None and quant.method == "awq" else None)
+    _check_layer_splits(model_config, config.tp)
     _check_gpu_count(config.tp, config.device)
+
+
+def _check_layer_splits(model_config: ModelConfig, tp: int) -> None:
+    """Every layer's own split (an expert's width, a shared expert's, MLA's heads, a family's
+    fused projections): the model built on the meta device as rank 0 of ``tp`` ranks, which
+    raises where a shape does not split. No memory is allocated; about a second for the largest."""
+    import torch
+
+    from .distributed import as_first_of
+    from .models import build_model
+
+    with as_first_of(tp):
+        build_model(model_config, dtype=torch.bfloat16, device="meta")
 
 
 def _check_gpu_count(tp: int, device: str) -> None:

@@ -128,3 +128,19 @@ def test_pipeline_raises_the_typed_error_before_loading(tmp_path: Path) -> None:
     (model / "model.safetensors").write_bytes(b"\x00" * 3)
     with pytest.raises(UnsupportedModelError, match="cut short"):
         pipeline(str(model), backend_config=CPU)
+
+
+def test_tp_split_of_every_layer_is_checked_before_any_rank_starts(tmp_path: Path) -> None:
+    """Splits only a layer knows (an expert's width here) are refused by preflight, by the name the
+    layer gives, before a rank starts: the model is built on the meta device as rank 0 of tp."""
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=30)
+    path = tmp_path / "moe"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**cfg.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}))
+    with pytest.raises(EngineConfigError, match=r"moe_intermediate_size \(30\) does not split evenly over tp=4"):
+        preflight(str(path), EngineConfig(tp=4, device="cpu", load_format="dummy"))
+    assert preflight(str(path), EngineConfig(tp=2, device="cpu", load_format="dummy")) == path
