@@ -95,7 +95,11 @@ class LinearBase(nn.Module):
 class RowParallelLinear(LinearBase):
     """A linear layer whose inputs are split over the ranks (o_proj, down_proj): each rank
     multiplies its part of the input by its rows of the weight, and one all-reduce sums the
-    parts. The bias is added once: rank 0 keeps it, the others hold zeros."""
+    parts. The bias is added once: rank 0 keeps it, the others hold zeros. ``reduce_output``
+    False leaves the sum to the caller, which adds this rank's part to others first (a MoE block's
+    shared expert and routed experts: one all-reduce for both)."""
+
+    reduce_output = True
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool = False, method: LinearMethod | None = None
@@ -130,8 +134,10 @@ class RowParallelLinear(LinearBase):
             _copy_checked(param.data, narrow(loaded, dim, self.input_start // group, param.shape[dim]), what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., in / tp] -> [..., out], summed over the ranks."""
-        return tp_group().all_reduce(self.method.apply(self, x))
+        """[..., in / tp] -> [..., out], summed over the ranks (this rank's part without
+        ``reduce_output``)."""
+        out = self.method.apply(self, x)
+        return tp_group().all_reduce(out) if self.reduce_output else out
 
 
 class MergedLinear(LinearBase):

@@ -28,7 +28,7 @@ from ...kernels.moe import fused_moe, select_experts
 from ...protocol.errors import UnsupportedModelError
 from ..distributed import shard_range, tp_group
 from ..weight_loader import materialize, narrow
-from .linear import LinearBase
+from .linear import LinearBase, RowParallelLinear
 
 # config.json ``hidden_act`` names -> the names kernels/moe takes for the expert gate.
 _MOE_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -131,8 +131,9 @@ class FusedMoE(nn.Module):
                              f"expected {tuple(dst.shape)}")
         dst.copy_(src)
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """x [T, H], router_logits [T, E] -> [T, H], summed over the ranks."""
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """x [T, H], router_logits [T, E] -> [T, H], summed over the ranks (this rank's part
+        without ``reduce``)."""
         r = self.routing
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize, r.scoring,
                                       r.num_expert_group, r.topk_group)
@@ -140,7 +141,7 @@ class FusedMoE(nn.Module):
             # On the fp32 routing weights, once: the kernel folds them into each expert's output.
             weights = weights * r.routed_scaling_factor
         out = fused_moe(x, self.w13, self.w2, weights, ids, self.activation)
-        return tp_group().all_reduce(out)
+        return tp_group().all_reduce(out) if reduce else out
 
 
 class Router(LinearBase):
@@ -174,16 +175,23 @@ class SparseMoeBlock(nn.Module):
                                 routing)
         self.shared_expert = shared_expert
         self.shared_expert_gate = LinearBase(hidden_size, 1) if shared_expert is not None and shared_gate else None
+        # A shared expert ending in a row-parallel projection (the family's gated MLP) leaves its
+        # sum over the ranks to forward: the per-token gate is a scale, so it commutes with the sum,
+        # and one all-reduce carries routed and shared parts together.
+        down = getattr(shared_expert, "down_proj", None)
+        self._joint_reduce = isinstance(down, RowParallelLinear)
+        if self._joint_reduce:
+            down.reduce_output = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, H] -> [T, H]."""
-        out = self.experts(x, self.gate(x))
+        """[T, H] -> [T, H], summed over the ranks."""
+        out = self.experts(x, self.gate(x), reduce=not self._joint_reduce)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
-        return out
+        return tp_group().all_reduce(out) if self._joint_reduce else out
 
 
 # experts.{e}.{projection}.weight (one expert's tensor) and experts.{gate_up_proj,down_proj} (stacked).

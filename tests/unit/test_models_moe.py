@@ -243,3 +243,21 @@ def test_dummy_weights_set_every_norm_scale_to_one() -> None:
     init_dummy_weights(model)
     norms = [m for m in model.modules() if isinstance(m, (LayerNorm, RMSNorm))]
     assert norms and all(bool((m.weight == 1).all()) for m in norms)
+
+
+def test_one_all_reduce_per_sparse_block(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sparse block sums routed and shared parts over the ranks in one all-reduce (the shared
+    expert's down projection leaves its sum to the block): count the group's all-reduces of one
+    forward. tp2 == tp1 (test_tp2_matches_tp1) checks the sum itself."""
+    from conveyor.engine.distributed import TPGroup
+
+    _, ours, _ = tiny
+    blocks = [m for m in ours.modules() if isinstance(m, SparseMoeBlock)]
+    calls = []
+    original = TPGroup.all_reduce
+    monkeypatch.setattr(TPGroup, "all_reduce", lambda self, x: calls.append(x.shape) or original(self, x))
+    x = torch.randn(3, ours.config.hidden_size)
+    for block in blocks:
+        calls.clear()
+        block(x)
+        assert len(calls) == 1, (type(block.shared_expert).__name__, calls)
