@@ -25,19 +25,27 @@ values (no second read of the cache, no value tile of its own).
   with the prefix's offset). Tiles wholly before the tile's first token are unmasked, as in
   ``prefill.py``; those after its last token are never read.
 
-Tiles (Hopper: 228 KB of shared memory and 64K registers an SM; the choices below are the
-launcher's defaults, ``AttentionTuning`` overrides them; not yet timed on a GPU):
+Tiles (Hopper: 228 KB of shared memory and 64K registers an SM). The launcher's defaults below
+(``AttentionTuning`` overrides them) are not yet timed on a GPU; the register and shared-memory
+figures are ptxas's for sm_90 (Triton 3.9, bf16, L 512, R 64, compiled without a device):
 
-* decode: ``BLOCK_H`` 16 (the query heads padded to 16 rows for ``tl.dot``; 32 with more than 16
-  heads, in 8 warps). The fp32 accumulator is ``BLOCK_H * L * 4`` bytes in registers: 32 KB at 16
-  heads and L 512, 64 registers a thread over 4 warps; 64 heads would be 128 KB, the whole
-  register file of 8 warps at 128 a thread before q and the scores, hence the cap at 32 (more
-  heads: more head blocks, each re-reading the keys, mostly from L2). ``BLOCK_N`` 32 with 2
-  stages: a key tile is 32 x 576 bf16 = 36 KB, 72 KB for the two stages, so two programs fit an
-  SM (a 64-key tile, 72 KB a stage, would leave room for one).
+* decode: ``BLOCK_H`` 16 (the query heads padded to 16 rows for ``tl.dot``), 4 warps; 32 heads in
+  8 warps when there are more than 16. The fp32 accumulator is ``BLOCK_H * L * 4`` bytes in
+  registers: 32 KB at 16 heads (64 registers a thread over 4 warps); 64 heads, 128 KB, spill
+  even over 8 warps (255 registers and 208 bytes of spills, against 243 registers and none at
+  32), hence the cap (more heads: more head blocks, each re-reading the keys, mostly from L2).
+  ``BLOCK_N`` 32: a key tile is 32 x 576 bf16 = 36 KB; the kernel takes 58 KB of shared memory
+  and 255 registers without spills, two programs an SM; 64-key tiles (72 KB a tile) spill 1.3 KB.
+  ``num_stages`` 2 is asked for, but Triton does not multi-buffer this gather through the block
+  table in 16 bits (the same 58 KB at 1, 2 or 3 stages): two programs an SM keep the loads in
+  flight instead.
 * prefill: ``BLOCK_M`` 64 rows (four tokens of DeepSeek-V2-Lite's 16 heads), ``BLOCK_N`` 32, 8
-  warps (the accumulator, 64 x 512 fp32, is 128 KB: 128 registers a thread), 1 stage (the query
-  rows, 64 x 576 bf16 = 72 KB, stay in shared memory next to the key tile).
+  warps, 1 stage: warpgroup MMAs (``wgmma``; 32-row tiles fall back to ``mma.sync``), 108 KB of
+  shared memory (the query rows, 64 x 576, stay there next to the key tile), 255 registers and
+  248 bytes of spills (the accumulator, 64 x 512 fp32, is 128 registers a thread); 4 warps
+  spill 4.8 KB.
+* fp32 (exact products, the tests' mode): 16-key tiles, and 16-row prefill tiles in 4 warps; the
+  16-bit tiles would spill kilobytes (prefill 64 x 32: 78 KB of spills in 216 KB of shared memory).
 
 L and R must be powers of two (512 and 64 in every DeepSeek release); L at least 16 (a dot's
 smallest side); an R below 16 (the tiny test models' 8) is padded to 16 inside the kernels, the
@@ -56,12 +64,12 @@ from .reference import _values_are_key_columns
 from .tiles import _decode_slice, _fold_tile
 
 _LOG2E = 1.4426950408889634
-# Launch defaults (the module doc says why).
+# Launch defaults (the module doc says why): 16-bit inputs, and fp32's smaller tiles.
 _DECODE_BLOCK_N = 32
+_DECODE_BLOCK_N_FP32 = 16
 _DECODE_STAGES = 2
-_PREFILL_BLOCK_M = 64
-_PREFILL_BLOCK_N = 32
-_PREFILL_WARPS = 8
+_PREFILL_TILES = (64, 32, 8)  # BLOCK_M, BLOCK_N, warps
+_PREFILL_TILES_FP32 = (16, 16, 4)
 _PREFILL_STAGES = 1
 _MAX_LORA = 512  # the accumulator's register budget (module doc)
 _MAX_ROPE = 128
@@ -294,7 +302,8 @@ def paged_mla_triton(
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     qk_scale = float(scale) * _LOG2E
     # fp32 inputs would default to TF32 tensor-core products on the GPU: keep them exact.
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    fp32 = q.dtype == torch.float32
+    precision = "ieee" if fp32 else "tf32"
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
                out.stride(0), out.stride(1))
     shape = dict(NUM_HEADS=num_heads, LORA=lora, ROPE=rope, ROPE_PAD=max(16, rope), BLOCK_SIZE=block_size)
@@ -305,7 +314,7 @@ def paged_mla_triton(
         bh = tuning.block_m or (16 if num_heads <= 16 else 32)
         head_blocks = cdiv(num_heads, bh)
         partition = tuning.decode_partition or _decode_partition(q.device, num_seqs, head_blocks, max_seqlen_k)
-        bn = tuning.block_n or min(_DECODE_BLOCK_N, next_pow2(partition))
+        bn = tuning.block_n or min(_DECODE_BLOCK_N_FP32 if fp32 else _DECODE_BLOCK_N, next_pow2(partition))
         assert partition % bn == 0, "the decode partition must be a multiple of its key tile"
         num_parts = max(cdiv(max_seqlen_k, partition), 1)
         split = num_parts > 1
@@ -337,11 +346,11 @@ def paged_mla_triton(
             )
         return out
 
-    bm = tuning.block_m or _PREFILL_BLOCK_M
-    bn = tuning.block_n or _PREFILL_BLOCK_N
+    bm, bn, warps = _PREFILL_TILES_FP32 if fp32 else _PREFILL_TILES
+    bm, bn = tuning.block_m or bm, tuning.block_n or bn
     _mla_prefill_kernel[(cdiv(max_seqlen_q * num_heads, bm), num_seqs)](
         q, k_cache, block_tables, cu_seqlens_q, seqlens_k, out, *strides, qk_scale,
         BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=precision, **shape,
-        num_warps=tuning.num_warps or _PREFILL_WARPS, num_stages=tuning.num_stages or _PREFILL_STAGES,
+        num_warps=tuning.num_warps or warps, num_stages=tuning.num_stages or _PREFILL_STAGES,
     )
     return out

@@ -147,10 +147,10 @@ def test_mla_refusals(forced: None) -> None:
     assert launch_mod._check_inputs(q3, kc3, vc3, bt, cu, sk) is None and not mla_mod.is_mla_layout(kc3, vc3)
 
 
-@interp
 def test_mla_kernels_in_the_model_match_hf(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny DeepSeek-V2 (L 32, R 8, 4 heads) with every kernel in Triton, its attention the MLA
-    kernels' (a prefill over the cache, then a decode step): transformers' float32 logits."""
+    kernels' (a prefill over the cache, then a decode step): transformers' float32 logits. Under
+    the interpreter on CPU, or compiled on a GPU (``check_triton_kernels``; skipped with neither)."""
     from test_models import check_triton_kernels, load_ours, save_tiny
     from test_models_deepseek_v2 import tiny_configs
     from transformers import AutoModelForCausalLM
