@@ -280,7 +280,8 @@ def paged_mla_triton(
     sizes the decode grid; either is read from the device (a sync) when not given, and a value
     given must be at least the true maximum. ``tuning``: ``decode_partition`` (keys a decode
     program walks), ``block_m`` (decode: heads a program; prefill: (token, head) rows a program),
-    ``block_n`` (key tile), ``num_warps``, ``num_stages``; None keeps this module's defaults.
+    ``block_n`` (key tile), ``num_warps``, ``num_stages``, ``maxnreg``; None keeps this module's
+    defaults.
     """
     problem = _check_mla_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k)
     assert problem is None, problem
@@ -307,6 +308,8 @@ def paged_mla_triton(
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
                out.stride(0), out.stride(1))
     shape = dict(NUM_HEADS=num_heads, LORA=lora, ROPE=rope, ROPE_PAD=max(16, rope), BLOCK_SIZE=block_size)
+    # (The quantized cache's knobs, simt, fast_codes and the variant flags, have nothing to act on here.)
+    extra = {"maxnreg": tuning.maxnreg} if tuning.maxnreg else {}
 
     if max_seqlen_q == 1 and num_tokens == num_seqs:
         if max_seqlen_k is None:
@@ -336,6 +339,7 @@ def paged_mla_triton(
             *strides, *po_strides, *pl_strides, qk_scale, min_part,
             BLOCK_H=bh, BLOCK_N=bn, SPLIT=split, DOT_PRECISION=precision, **shape,
             num_warps=tuning.num_warps or (4 if bh <= 16 else 8), num_stages=tuning.num_stages or _DECODE_STAGES,
+            **extra,
         )
         if split:
             _decode_reduce_kernel[(num_heads, num_seqs)](
@@ -351,6 +355,6 @@ def paged_mla_triton(
     _mla_prefill_kernel[(cdiv(max_seqlen_q * num_heads, bm), num_seqs)](
         q, k_cache, block_tables, cu_seqlens_q, seqlens_k, out, *strides, qk_scale,
         BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=precision, **shape,
-        num_warps=tuning.num_warps or warps, num_stages=tuning.num_stages or _PREFILL_STAGES,
+        num_warps=tuning.num_warps or warps, num_stages=tuning.num_stages or _PREFILL_STAGES, **extra,
     )
     return out

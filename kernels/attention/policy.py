@@ -46,7 +46,7 @@ class AttentionTuning:
     """
 
     decode_partition: int | None = None  # keys a decode program walks (min_part follows it)
-    block_m: int | None = None  # prefill query tile
+    block_m: int | None = None  # prefill query tile (mla.py: heads a decode program, (token, head) rows a prefill one)
     block_n: int | None = None  # key tile (decode and prefill)
     num_warps: int | None = None  # of whichever kernel runs
     num_stages: int | None = None
