@@ -249,7 +249,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over the paged caches: Triton on CUDA, else the reference.
     Returns [T, H, Dv]: the value cache may be narrower than the keys (the reference takes that,
-    the kernels refuse it).
+    and the MLA kernels a latent cache's; the dense kernels refuse it).
 
     Pass ``max_seqlen_q`` / ``max_seqlen_k`` (from ``AttentionMetadata``) when known: without them
     the Triton path reads the maxima from the device, a host sync per call. Values passed must be
