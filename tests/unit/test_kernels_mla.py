@@ -62,6 +62,8 @@ DECODE_CASES = {
     # 20 heads in two blocks of 16 (the second 4 real heads and 12 padding rows), split keys.
     "h20_head_blocks_split": ([1] * 3, [70, 5, 48], 20, 32, 8, 16, None,
                               dict(block_m=16, decode_partition=32, block_n=16)),
+    # More than 16 heads by default: one block of 32 rows (12 of them padding).
+    "h20_default_head_block": ([1] * 2, [70, 5], 20, 32, 8, 16, None, dict(decode_partition=32, block_n=16)),
     # More partitions than the merge kernel's 16 a pass; and a sequence one partition covers.
     "batch1_many_parts": ([1] * 2, [300, 9], 4, 32, 8, 16, None, dict(decode_partition=16, block_n=16)),
     # The grid sized for a graph's bound (512 keys) past every sequence: each cuts its own length.
