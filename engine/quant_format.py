@@ -31,6 +31,10 @@ AWQ_GROUP_SIZES = (32, 64, 128)
 QUANT_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                  "InternLM3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
                                  "Gemma3ForCausalLM"})
+# Mixture-of-experts families whose AWQ checkpoints are read (experts: engine/layers/moe_awq.py).
+# W8A8 has no expert kernel; DBRX's fused Wqkv and DeepSeek-V2's MLA (absorbed through kv_b_proj's
+# dense weight) and DeepSeek-MoE are not read quantized.
+AWQ_MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
 DEFAULT_AWQ_GROUP_SIZE = 128
 # model_format name -> QuantFormat.method
 _METHOD_OF_FORMAT = {"awq": "awq", "smooth_quant": "w8a8"}
@@ -154,8 +158,14 @@ def resolve_quant_format(model_config: Any, model_format: str | None,
     no checkpoint: ``model_format`` alone decides."""
     fmt = _resolve(model_config.raw, model_format, dummy_weights)
     if fmt is not None:
-        if model_config.architecture not in QUANT_ARCHITECTURES:
-            raise EngineConfigError(f"{fmt.model_format} weights are read for {sorted(QUANT_ARCHITECTURES)}, not "
+        arch = model_config.architecture
+        if arch in AWQ_MOE_ARCHITECTURES and fmt.method != "awq":
+            raise EngineConfigError(f"{fmt.model_format} weights are not read for {arch} (no W8A8 expert kernel): "
+                                    "quantize it with `conveyor lite auto_awq` (AWQ), or serve its fp16/bf16 "
+                                    "checkpoint")
+        if arch not in QUANT_ARCHITECTURES | AWQ_MOE_ARCHITECTURES:
+            raise EngineConfigError(f"{fmt.model_format} weights are read for "
+                                    f"{sorted(QUANT_ARCHITECTURES | AWQ_MOE_ARCHITECTURES)}, not "
                                     f"{model_config.architecture}: serve its fp16/bf16 checkpoint")
         d = model_config.head_dim
         fmt.check_widths({"hidden_size": model_config.hidden_size,

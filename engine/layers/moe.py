@@ -11,7 +11,8 @@ token the same), so no token moves between ranks.
 Checkpoints come in two layouts, both accepted by the loaders: one tensor per expert and
 projection (``experts.{e}.gate_proj.weight``, as published and as transformers 5 saves them), or
 already stacked (``experts.gate_up_proj`` [E, 2I, H] and ``experts.down_proj`` [E, H, I], the
-layout transformers 5 holds in memory).
+layout transformers 5 holds in memory). AWQ checkpoints hold per-expert triples
+(``experts.{e}.gate_proj.qweight`` / ``qzeros`` / ``scales``), loaded by ``moe_awq.AWQMoEMethod``.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.moe import fused_moe, select_experts
-from ...protocol.errors import UnsupportedModelError
+from ...protocol.errors import EngineConfigError, UnsupportedModelError
 from ..distributed import shard_range, tp_group
 from ..weight_loader import materialize, narrow
 from .linear import LinearBase, RowParallelLinear
+from .moe_awq import AWQMoEMethod
 
 # config.json ``hidden_act`` names -> the names kernels/moe takes for the expert gate.
 _MOE_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -67,12 +69,14 @@ class Routing:
 
 class FusedMoE(nn.Module):
     """All experts of one layer: ``w13`` [E, 2 * I_rank, H] (each expert's gate rows then its up
-    rows, the order ``fused_moe`` reads) and ``w2`` [E, H, I_rank]. ``forward(x, router_logits)``
-    routes each token to its ``top_k`` experts and returns the weighted sum of their outputs,
-    summed over the ranks."""
+    rows, the order ``fused_moe`` reads) and ``w2`` [E, H, I_rank], or, with an AWQ ``quant``
+    (``engine/quant_format.QuantFormat``), their packed triples (``moe_awq.AWQMoEMethod``, held as
+    ``method``). ``forward(x, router_logits)`` routes each token to its ``top_k`` experts and
+    returns the weighted sum of their outputs, summed over the ranks."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, activation: str = "silu", routing: Routing | None = None) -> None:
+                 renormalize: bool, activation: str = "silu", routing: Routing | None = None,
+                 quant=None) -> None:
         super().__init__()
         tp = tp_group()
         if activation not in _MOE_ACTIVATIONS:
@@ -85,6 +89,14 @@ class FusedMoE(nn.Module):
         self.full_intermediate_size = intermediate_size
         self.inter_start, self.inter_size = shard_range(intermediate_size, tp.rank, tp.size,
                                                         "moe_intermediate_size")
+        self.method = None
+        if quant is not None:
+            if quant.method != "awq":
+                raise EngineConfigError(f"{quant.model_format} experts are not supported; use an AWQ checkpoint "
+                                        "(`conveyor lite auto_awq`) or the fp16/bf16 one")
+            self.method = AWQMoEMethod(quant.group_size)
+            self.method.create_weights(self, hidden_size, tp.size)
+            return
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter_size), requires_grad=False)
         self.w13.weight_loader = self.weight_loader
@@ -140,7 +152,10 @@ class FusedMoE(nn.Module):
         if r.routed_scaling_factor != 1.0:
             # On the fp32 routing weights, once: the kernel folds them into each expert's output.
             weights = weights * r.routed_scaling_factor
-        out = fused_moe(x, self.w13, self.w2, weights, ids, self.activation)
+        if self.method is not None:
+            out = self.method.apply(self, x, weights, ids)
+        else:
+            out = fused_moe(x, self.w13, self.w2, weights, ids, self.activation)
         return tp_group().all_reduce(out) if reduce else out
 
 
@@ -164,15 +179,16 @@ class SparseMoeBlock(nn.Module):
     through (``shared_expert``, any [T, H] -> [T, H] module, e.g. the family's gated MLP), scaled
     per token by ``sigmoid(shared_expert_gate(x))`` when ``shared_gate`` (Qwen2-MoE) and added as
     it is otherwise (DeepSeek-MoE's shared experts). ``routing`` (default: softmax, plain top-k, a
-    factor of 1) picks and weights the routed experts (``Routing``)."""
+    factor of 1) picks and weights the routed experts (``Routing``); ``quant`` the experts' format
+    (``FusedMoE``). The router and the shared expert's gate stay 16-bit whatever the format."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  renormalize: bool, activation: str = "silu", shared_expert: nn.Module | None = None,
-                 shared_gate: bool = False, routing: Routing | None = None) -> None:
+                 shared_gate: bool = False, routing: Routing | None = None, quant=None) -> None:
         super().__init__()
-        self.gate = Router(hidden_size, num_experts)
+        self.gate = Router(hidden_size, num_experts)  # 16-bit in every format (AWQ leaves it so)
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, activation,
-                                routing)
+                                routing, quant)
         self.shared_expert = shared_expert
         self.shared_expert_gate = LinearBase(hidden_size, 1) if shared_expert is not None and shared_gate else None
         # A shared expert ending in a row-parallel projection (the family's gated MLP) leaves its
@@ -194,8 +210,10 @@ class SparseMoeBlock(nn.Module):
         return tp_group().all_reduce(out) if self._joint_reduce else out
 
 
-# experts.{e}.{projection}.weight (one expert's tensor) and experts.{gate_up_proj,down_proj} (stacked).
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+# experts.{e}.{projection}.weight (one expert's tensor; AWQ: .qweight / .qzeros / .scales) and
+# experts.{gate_up_proj,down_proj} (stacked).
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\."
+                         r"(?P<kind>weight|qweight|qzeros|scales)$")
 _STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
@@ -206,12 +224,13 @@ def map_expert_weight(name: str, tensor: torch.Tensor, gate: str, up: str, down:
     m = _PER_EXPERT.match(name)
     if m is not None:
         e, proj, prefix = int(m["expert"]), m["proj"], m["prefix"]
+        suffix = "" if m["kind"] == "weight" else f"_{m['kind']}"  # AWQ: w13_qweight, ...
         if proj == gate:
-            return iter([(f"{prefix}.w13", (e, GATE), tensor)])
+            return iter([(f"{prefix}.w13{suffix}", (e, GATE), tensor)])
         if proj == up:
-            return iter([(f"{prefix}.w13", (e, UP), tensor)])
+            return iter([(f"{prefix}.w13{suffix}", (e, UP), tensor)])
         if proj == down:
-            return iter([(f"{prefix}.w2", e, tensor)])
+            return iter([(f"{prefix}.w2{suffix}", e, tensor)])
         return None
     m = _STACKED.match(name)
     if m is not None:

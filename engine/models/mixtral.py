@@ -49,7 +49,8 @@ class MoeDecoderLayer(LlamaDecoderLayer):
     def build_mlp(config: ModelConfig, layer_idx: int, variant: LlamaVariant) -> nn.Module:
         """Mixtral: every layer sparse, top-k weights renormalised, no shared expert."""
         return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
-                              config.intermediate_size, renormalize=True, activation=variant.hidden_act)
+                              config.intermediate_size, renormalize=True, activation=variant.hidden_act,
+                              quant=config.quant)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

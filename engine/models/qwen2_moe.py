@@ -46,7 +46,8 @@ class Qwen2MoeDecoderLayer(MoeDecoderLayer):
         return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                               raw["moe_intermediate_size"], renormalize=bool(raw.get("norm_topk_prob",
                                                                                      cls.norm_topk_default)),
-                              activation=variant.hidden_act, shared_expert=shared, shared_gate=shared is not None)
+                              activation=variant.hidden_act, shared_expert=shared, shared_gate=shared is not None,
+                              quant=config.quant)
 
 
 class Qwen2MoeForCausalLM(MixtralForCausalLM):

@@ -3,8 +3,8 @@ top-2 of 4-8 experts 32 wide) saved with ``save_pretrained``, loaded by the engi
 within 1e-4, greedy tokens, the engine's batch and ``get_ppl`` (test_models.py's checks). Qwen2-MoE
 has a gated shared expert and one dense layer (``mlp_only_layers``), Mixtral a 6-token window the
 prompts cross. Also: tp=2 equals tp=1 (CPU, gloo), the stacked expert layout transformers 5 holds
-in memory loads the same, quantized checkpoints are refused before any weight is read, and the
-dummy shapes' parameter counts."""
+in memory loads the same, AWQ checkpoints build packed experts, and the dummy shapes' parameter
+counts."""
 
 from __future__ import annotations
 
@@ -145,16 +145,26 @@ def test_tp2_matches_tp1(tiny) -> None:
 
 
 @pytest.mark.parametrize("arch", ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"])
-def test_quantized_checkpoint_is_refused_before_loading(arch: str, tmp_path: Path) -> None:
-    """An AWQ config.json for an MoE family is an EngineConfigError naming the dense checkpoint;
-    the directory holds no weights at all, so nothing was read before the refusal."""
+def test_awq_checkpoint_builds_packed_experts(arch: str) -> None:
+    """An AWQ config.json for an MoE family builds its experts as packed AWQ triples
+    (test_models_moe_awq.py loads and runs such checkpoints against transformers); a W8A8 one is
+    refused naming AWQ."""
+    from conveyor.engine.model_config import ModelConfig
+    from conveyor.engine.models import build_model
+    from conveyor.engine.quant_format import resolve_quant_format
+
     cfg = {"mixtral": _configs()["mixtral_window"], "qwen2moe": _configs()["qwen2_moe_shared_dense"],
            "qwen3moe": _configs()["qwen3_moe"]}[arch.removesuffix("ForCausalLM").lower()].to_dict()
     cfg.update(architectures=[arch], quantization_config={"quant_method": "awq", "bits": 4, "group_size": 32,
                                                           "zero_point": True, "version": "gemm"})
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(EngineConfigError, match="fp16/bf16 checkpoint"):
-        engine(tmp_path)
+    config = ModelConfig.from_dict(cfg)
+    config.quant = resolve_quant_format(config, None)
+    model = build_model(config, dtype=torch.float32, device="meta")
+    experts = model.model.layers[1].mlp.experts
+    assert experts.w13_qweight.dtype == torch.int32 and not hasattr(experts, "w13")
+    unquantized = ModelConfig.from_dict({k: v for k, v in cfg.items() if k != "quantization_config"})
+    with pytest.raises(EngineConfigError, match="conveyor lite auto_awq"):
+        resolve_quant_format(unquantized, "smooth_quant", dummy_weights=True)
 
 
 @pytest.mark.parametrize(("shape", "billions"), [("mixtral-8x7b", 46.7), ("qwen3-30b-a3b", 30.5)])
