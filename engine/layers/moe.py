@@ -22,10 +22,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.moe import fused_moe, select_experts
+from ...kernels.moe.router import router_logits
 from ...protocol.errors import EngineConfigError, UnsupportedModelError
 from ..distributed import shard_range, tp_group
 from ..weight_loader import materialize, narrow
@@ -171,7 +171,7 @@ class Router(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, E] float32 logits."""
-        return F.linear(x.float(), self.weight)
+        return router_logits(x, self.weight)
 
 
 class SparseMoeBlock(nn.Module):

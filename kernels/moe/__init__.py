@@ -1,6 +1,8 @@
 """Mixture-of-experts: routing and the fused expert MLP, each beside its plain-torch reference.
 
-``select_experts`` turns router logits [T, E] into (weights [T, k] fp32, ids [T, k] int32) with a
+``router_logits`` (``router.py``) computes the router's fp32 logits from a 16-bit hidden state
+(one kernel for a decode step's tokens). ``select_experts`` (``routing.py``; its kernel in
+``topk.py``) turns router logits [T, E] into (weights [T, k] fp32, ids [T, k] int32) with a
 family's rule: softmax then top-k (Mixtral, Qwen2/3-MoE), with or without renormalising the k
 weights, optionally top-k within the best groups of experts (DeepSeek-V2's grouped top-k).
 
@@ -13,11 +15,11 @@ the (token, slot) pairs by expert and runs one grouped GEMM per projection:
 
 * ``align.py``: ``moe_align`` lays the T*k pairs out expert by expert, each run padded to a
   multiple of BLOCK_M, on the device (no host sync; sizes from T, k, E alone: CUDA graphs capture
-  it), with each tile's expert;
+  it), with each tile's expert: two Triton kernels up to 4096 pairs, torch ops past it;
 * ``gemm.py``: the gate/up GEMM (``act(gate) * up`` in its epilogue, [T*k, I]) and the down GEMM
   (the routing weight in its epilogue, [T*k, H], summed over k by the launcher);
-* ``policy.py``: the tiles by rows per expert (BLOCK_M 16 for decode). Hand-picked defaults:
-  autotuning per shape, saved in the repository, is a later step;
+* ``policy.py``: the tiles: per-shape tunings saved in ``configs/<GPU>/`` (written by
+  ``benchmarks/tune_moe.py``), else a table by rows per expert (BLOCK_M 16 for decode);
 * ``launch.py``: ``fused_moe`` takes the Triton path through ``triton_takes`` (fp16/bf16/fp32,
   contiguous weights of x's dtype, silu/gelu/gelu_tanh), else the reference.
 """

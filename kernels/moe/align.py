@@ -26,7 +26,7 @@ from .._triton import cdiv, jit, next_pow2, tl, triton_takes
 
 # Pairs up to which the Triton kernels lay the pairs out (the module doc).
 KERNEL_MAX_PAIRS = 4096
-_CHUNK = 64  # pairs per chunk of both kernels (the rank within a chunk is a CHUNK x CHUNK compare)
+_CHUNK = 64  # most pairs per chunk of both kernels (the rank within a chunk is a CHUNK x CHUNK compare)
 _ROWS = 256  # layout rows a scatter program pads
 
 
@@ -68,10 +68,11 @@ def _count_kernel(
     for start in range(0, num_pairs, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         e = tl.load(ids + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+        e = tl.where(e < num_experts, e, -1)  # other ranks' experts count nowhere
         # Each chunk's scatter program starts its experts where the chunks before it ended.
         tl.store(chunk_base + (start // CHUNK) * E_PAD + experts, running)
         running += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    real = experts < num_experts  # ids >= E land in padding columns, ids < 0 in none
+    real = experts < num_experts
     tiles_of = tl.where(real, (running + BLOCK_M - 1) // BLOCK_M, 0)
     tile_end = tl.cumsum(tiles_of, axis=0)  # inclusive: expert e's tiles end at tile_end[e]
     tl.store(counts + experts, running)
@@ -126,18 +127,20 @@ def moe_align_triton(
     num_pairs = ids.numel()
     tiles = max_tiles(num_pairs, num_experts, block_m)
     rows = tiles * block_m
-    e_pad = next_pow2(num_experts + 1)  # a padding column at least: ids == E must match no real expert
-    chunks = cdiv(num_pairs, _CHUNK)
+    e_pad = next_pow2(num_experts)
+    # A decode step's few pairs take a chunk of their own size (the count's one-hot is CHUNK x E_PAD).
+    chunk = min(_CHUNK, max(16, next_pow2(num_pairs)))
+    chunks = cdiv(num_pairs, chunk)
     i32 = dict(dtype=torch.int32, device=device)
     counts, first_row = torch.empty(e_pad, **i32), torch.empty(e_pad, **i32)
     chunk_base = torch.empty(chunks, e_pad, **i32)
     tile_expert, used = torch.empty(tiles, **i32), torch.empty(1, **i32)
     sorted_pairs = torch.empty(rows, **i32)
     _count_kernel[(1,)](ids, num_pairs, num_experts, tiles, counts, first_row, chunk_base, tile_expert, used,
-                        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_CHUNK, num_warps=4)
+                        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, num_warps=4)
     _scatter_kernel[(max(chunks, cdiv(rows, _ROWS)),)](
         ids, num_pairs, num_experts, rows, counts, first_row, chunk_base, tile_expert, sorted_pairs,
-        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_CHUNK, ROWS=_ROWS, num_warps=4)
+        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, ROWS=_ROWS, num_warps=4)
     return sorted_pairs, tile_expert, used
 
 

@@ -26,6 +26,7 @@ from conveyor.kernels.moe.align import KERNEL_MAX_PAIRS, max_tiles, moe_align, m
 from conveyor.kernels.moe.launch import fused_moe_triton
 from conveyor.kernels.moe.policy import MoeConfig, moe_config
 from conveyor.kernels.moe.routing import select_experts_ref
+from conveyor.kernels.moe.router import router_logits_ref, router_logits_triton
 from conveyor.kernels.moe.topk import select_experts_triton
 
 launch_mod = importlib.import_module("conveyor.kernels.moe.launch")
@@ -201,6 +202,19 @@ def test_interp_select_experts_kernel(scoring: str, renormalize: bool, experts: 
         ref_w, ref_ids = select_experts_ref(logits, top_k, renormalize, scoring)
         assert ids.dtype == torch.int32 and torch.equal(ids, ref_ids)
         assert_close(weights, ref_w, 1e-6)
+
+
+@interp
+@pytest.mark.parametrize(("tokens", "experts", "hidden"), [(1, 128, 2048), (3, 8, 300), (16, 60, 64), (2, 5, 17)])
+def test_interp_router_logits_kernel(tokens: int, experts: int, hidden: int) -> None:
+    """fp32 router logits from bf16 / fp32 x against F.linear on x.float(): ragged E and H."""
+    g = torch.Generator().manual_seed(tokens * experts)
+    w = torch.randn(experts, hidden, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(tokens, hidden, generator=g).to(dtype)
+        out = router_logits_triton(x, w)
+        assert out.dtype == torch.float32
+        assert_close(out, router_logits_ref(x, w), 1e-6)
 
 
 @interp
