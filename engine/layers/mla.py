@@ -14,9 +14,10 @@ query ``[q_lat, rope(q_pe)]`` against the latent rows scores exactly ``q_nope . 
 k_pe``; the attention runs as multi-query attention over the cache (``Attention`` with shared
 values), and its per-head output in latent space is taken through ``W_UV`` before ``o_proj``.
 Nothing is ever expanded to per-head keys or values, and the layer reads nothing back to the host.
-The attention kernels take neither the 576-wide keys nor values narrower than keys: on the GPU
-a decode step runs ``paged_decode_torch`` (plain torch, no host sync: a CUDA graph captures it,
-its work sized by the graph's ``max_seqlen_k``), other steps the reference (eager, per sequence).
+On the GPU, decode and prefill run the MLA kernels of ``kernels/attention/mla.py`` (each latent
+key tile loaded once for a block of heads; decode split over the keys, CUDA-graph capturable);
+widths those kernels refuse fall back to ``paged_decode_torch`` for decode (plain torch, no host
+sync) and the reference otherwise.
 
 Tensor parallel: the query heads are split over the ranks (``q_proj`` / ``q_b_proj`` and
 ``kv_b_proj`` keep their heads' rows, ``o_proj`` its heads' inputs, one all-reduce); the latent

@@ -2,8 +2,8 @@
 Triton kernel of this package is tested against.
 
 Also ``paged_decode_torch``, decode in plain torch with no host sync (checked against the
-reference): what the dispatcher runs on the GPU for decode inputs no kernel takes (multi-head
-latent attention's 576-wide keys and 512-wide values), so that a CUDA graph still captures the step.
+reference): what the dispatcher runs on the GPU for decode inputs no kernel takes (a latent cache
+whose widths ``mla.py`` refuses), so that a CUDA graph still captures the step.
 """
 
 import torch

@@ -9,9 +9,10 @@ one has DeepSeek's MoE block (engine/models/deepseek.py) on layer 1: 4 experts i
 (group_limited_greedy), top-2 scaled by routed_scaling_factor 2, one shared expert. Also: the
 cache holds one latent row a token (shape, value view, block bytes), a quantized KV cache is
 refused (and a quantized checkpoint), tp=2 equals tp=1, the attention reference takes values
-narrower than keys while the Triton kernels refuse them, the GPU's sync-free decode equals the
-reference and an MLA decode step lists no op that syncs with the host, the dummy shape's
-parameter count and the chat template."""
+narrower than keys, every kernel in Triton (the MLA attention kernels included) gives
+transformers' logits, the GPU's sync-free fallback decode equals the reference and an MLA decode
+step lists no op that syncs with the host, the dummy shape's parameter count and the chat
+template."""
 
 from __future__ import annotations
 
@@ -264,9 +265,9 @@ def test_sync_free_decode_matches_the_reference(monkeypatch, heads: int, kv_head
 
 
 def _gpu_attention(monkeypatch) -> list[int]:
-    """Make the attention layer dispatch MLA's widths as the GPU does (``paged_attention``'s
-    fallbacks when the kernels refuse): decode batches to ``paged_decode_torch``, the rest to the
-    reference, whatever the kernel mode. Returns the list each sync-free call appends its batch to."""
+    """Make the attention layer dispatch MLA's widths as the GPU does where the MLA kernels refuse
+    them (``paged_attention``'s fallbacks): decode batches to ``paged_decode_torch``, the rest to
+    the reference, whatever the kernel mode. Returns the list each sync-free call appends its batch to."""
     from conveyor.engine.layers import attention as attention_module
     from conveyor.kernels.attention.reference import paged_decode_torch
 
@@ -292,14 +293,11 @@ def test_sync_free_decode_in_the_model_matches_hf(tiny, monkeypatch) -> None:
     assert used, "no decode step took the sync-free path"
 
 
-def test_triton_kernels_match_hf(tiny, monkeypatch) -> None:
-    """Every other kernel in Triton (the interpreter, or compiled on a GPU): the latent rows
-    stored by the cache kernel into the one cache (keys and values the same row), the norms,
-    linears and experts; attention as the GPU dispatches MLA's widths, which no Triton attention
-    kernel takes."""
-    used = _gpu_attention(monkeypatch)
+def test_triton_kernels_match_hf(tiny) -> None:
+    """Every kernel in Triton (the interpreter, or compiled on a GPU): the latent rows stored by
+    the cache kernel into the one cache (keys and values the same row), the MLA attention kernels
+    (kernels/attention/mla.py), the norms, linears and experts."""
     check_triton_kernels(*tiny[:2])
-    assert used
 
 
 def test_mla_decode_step_has_no_host_sync(monkeypatch) -> None:
