@@ -15,6 +15,8 @@ have the same shape: with grouped-query attention one ``v_proj`` row feeds sever
 columns (AutoAWQ and LMDeploy skip it too). A clip search then shrinks each group's range
 (``max |w|`` times ``1 - i / 20``, up to half) where that lowers the error of the linear's output
 on calibration inputs; q/k are not clipped (their error is amplified by the q-k product).
+The sparse blocks of the mixture-of-experts families have their own groups (``moe.py``): one
+gate/up scale for all experts, a down scale per expert on the tokens routed to it.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from torch import nn
 
 from .calibration import InputRecord, LayerwiseRunner
 from .config import AwqConfig
+from .layouts import LAYOUTS
+from .moe import MOE_INPUT_OF, clip_experts, is_sparse, moe_scale_groups, quantize_experts
 from .quantizer import GroupQuantized, fake_quantize, quantize
-from .scale_groups import INPUT_OF, ScaleGroup, apply_scale, decoder_linears, scale_groups
+from .scale_groups import INPUT_OF, ScaleGroup, apply_scale, attention_groups, decoder_linears, scale_groups
 
 logger = logging.getLogger(__name__)
 
@@ -163,13 +167,16 @@ def _clip_tokens(kept: torch.Tensor, count: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_linears(layer: nn.Module, config: AwqConfig) -> dict[str, GroupQuantized]:
-    """Round every linear of ``layer`` to the grid; its weight becomes the dequantized value."""
+def quantize_linears(layer: nn.Module, config: AwqConfig, model_type: str | None = None) -> dict[str, GroupQuantized]:
+    """Round every linear of ``layer`` (and, in a sparse block, every expert: ``model_type``
+    names the layout) to the grid; its weight becomes the dequantized value."""
     quantized = {}
     for name, lin in decoder_linears(layer).items():
         q = quantize(lin.weight, config.w_bits, config.w_group_size)
         lin.weight.copy_(q.dequantize(lin.weight.dtype))
         quantized[name] = q
+    if is_sparse(layer.mlp):
+        quantized.update(quantize_experts(layer, LAYOUTS[model_type], config.w_bits, config.w_group_size))
     return quantized
 
 
@@ -178,7 +185,14 @@ def awq_layer(layer: nn.Module, runner: LayerwiseRunner, config: AwqConfig,
               records: dict[str, InputRecord]) -> LayerReport:
     """Search, fold and clip one decoder layer in place (the weights stay unquantized)."""
     report = LayerReport()
-    groups = scale_groups(layer, runner)
+    sparse = is_sparse(layer.mlp)
+    # Experts with calibration tokens of their own (moe.ExpertRecorder's records).
+    searched = {int(name.split(".")[2]) for name in records if name.startswith("mlp.experts.")}
+    if sparse:
+        layout = LAYOUTS[runner.model.config.model_type]
+        groups = attention_groups(layer, runner) + moe_scale_groups(layer, layout, searched)
+    else:
+        groups = scale_groups(layer, runner)
     # Every group is searched on the layer as it was (AutoAWQ's order); then all scales are folded.
     found = [(g, search_scale(g, records[g.input_name], config, runner)) for g in groups]
     for group, (_scales, alpha, rtn_loss, best_loss) in found:
@@ -187,13 +201,16 @@ def awq_layer(layer: nn.Module, runner: LayerwiseRunner, config: AwqConfig,
     for group, (scales, *_) in found:
         apply_scale(group, scales, records[group.input_name])
     if config.apply_clip:
+        def clip(lin: nn.Linear, x: torch.Tensor) -> None:
+            bound = search_clip(lin.weight, x, config.w_bits, config.w_group_size, config.n_grid)
+            apply_clip(lin, bound, config.w_group_size)
+
         for name, lin in decoder_linears(layer).items():
             if name.rsplit(".", 1)[-1] in _NO_CLIP:
                 continue
-            kept = records[INPUT_OF[name]].kept
-            bound = search_clip(lin.weight, _clip_tokens(kept, config.clip_tokens), config.w_bits,
-                                config.w_group_size, config.n_grid)
-            apply_clip(lin, bound, config.w_group_size)
+            clip(lin, _clip_tokens(records[INPUT_OF.get(name) or MOE_INPUT_OF[name]].kept, config.clip_tokens))
+        if sparse:
+            clip_experts(layer, records, searched, config.clip_tokens, clip)
     return report
 
 

@@ -76,6 +76,9 @@ class AwqConfig:
                   "intermediate_size (down_proj)": inter}
         outputs = {"q_proj": heads * head_dim, "k/v_proj": kv_heads * head_dim, "o_proj": hidden,
                    "gate/up_proj": inter}
+        for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # Qwen MoE experts' widths
+            if hf_config.get(key):
+                inputs[f"{key} (down_proj)"] = outputs[f"{key} (gate/up_proj)"] = hf_config[key]
         bad = {what: size for what, size in inputs.items() if size % self.w_group_size}
         if bad:
             fits = [g for g in SUPPORTED_GROUP_SIZES if all(size % g == 0 for size in inputs.values())]

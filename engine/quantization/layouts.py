@@ -5,6 +5,11 @@ so they must know, per family, which norm feeds the attention's q/k/v and which 
 gate/up, and how the norm applies its weight. Every family here has Llama's linear names
 (``self_attn.q/k/v/o_proj``, ``mlp.gate/up/down_proj``) in transformers; q/k norms after the
 projections (Qwen3, Gemma 3) act on their outputs and are untouched by input-channel scales.
+
+The mixture-of-experts families (AWQ only: ``moe.py``) hold their experts stacked in transformers
+(``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]); ``experts`` names
+each expert's (gate, up, down) projection in the published checkpoints, under ``moe_prefix``
+(Mixtral's ``block_sparse_moe``, the Qwen MoE families' ``mlp``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ class DecoderLayout:
     norm_offset: float = 0.0
     # transformers' attention for calibration: SDPA, or eager where transformers has no SDPA path.
     attention: str = "sdpa"
+    # Mixture-of-experts families: each expert's published (gate, up, down) names, and the MoE block's.
+    experts: tuple[str, str, str] | None = None
+    moe_prefix: str = "mlp"
 
 
 _LLAMA = DecoderLayout()
@@ -36,4 +44,7 @@ LAYOUTS: dict[str, DecoderLayout] = {
     # transformers runs Gemma 2's soft-capped attention eagerly only.
     "gemma2": DecoderLayout(mlp_norm="pre_feedforward_layernorm", norm_offset=1.0, attention="eager"),
     "gemma3_text": _GEMMA_SANDWICH,
+    "mixtral": DecoderLayout(experts=("w1", "w3", "w2"), moe_prefix="block_sparse_moe"),
+    "qwen2_moe": DecoderLayout(experts=("gate_proj", "up_proj", "down_proj")),
+    "qwen3_moe": DecoderLayout(experts=("gate_proj", "up_proj", "down_proj")),
 }

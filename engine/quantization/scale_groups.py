@@ -34,17 +34,25 @@ class ScaleGroup:
     input_name: str  # the key of the InputRecord holding the group's input
     block: Callable[[torch.Tensor], torch.Tensor]
     prev_offset: float = 0.0  # a norm ``prev`` that scales by ``prev_offset + weight`` (Gemma's 1)
+    # Modules that read the same input but are not quantized (an MoE router, the shared expert's
+    # gate, experts without calibration tokens): multiplied by the scales when they are folded.
+    also_scaled: tuple[nn.Module, ...] = ()
+
+
+# Linears of a decoder layer that stay 16-bit: Qwen2-MoE's one-output gate of the shared expert.
+KEEP_16BIT = ("mlp.shared_expert_gate",)
 
 
 def decoder_linears(layer: nn.Module) -> dict[str, nn.Linear]:
-    """The linear layers of a decoder layer, by name relative to the layer."""
-    return {name: module for name, module in layer.named_modules() if isinstance(module, nn.Linear)}
+    """The linear layers of a decoder layer that are quantized, by name relative to the layer."""
+    return {name: module for name, module in layer.named_modules()
+            if isinstance(module, nn.Linear) and name not in KEEP_16BIT}
 
 
-def scale_groups(layer: nn.Module, runner: LayerwiseRunner) -> list[ScaleGroup]:
-    """The scale groups of a decoder layer of ``runner``'s model (transformers' module names)."""
+def attention_groups(layer: nn.Module, runner: LayerwiseRunner) -> list[ScaleGroup]:
+    """The attention's scale groups: q/k/v, and o_proj where v_proj's shape allows."""
     layout = LAYOUTS[runner.model.config.model_type]
-    attn, mlp = layer.self_attn, layer.mlp
+    attn = layer.self_attn
     groups = [ScaleGroup("qkv", getattr(layer, layout.attn_norm),
                          {"self_attn.q_proj": attn.q_proj, "self_attn.k_proj": attn.k_proj,
                           "self_attn.v_proj": attn.v_proj},
@@ -52,6 +60,14 @@ def scale_groups(layer: nn.Module, runner: LayerwiseRunner) -> list[ScaleGroup]:
     if attn.v_proj.weight.shape == attn.o_proj.weight.shape:
         groups.append(ScaleGroup("o", attn.v_proj, {"self_attn.o_proj": attn.o_proj}, "self_attn.o_proj",
                                  attn.o_proj))
+    return groups
+
+
+def scale_groups(layer: nn.Module, runner: LayerwiseRunner) -> list[ScaleGroup]:
+    """The scale groups of a dense decoder layer of ``runner``'s model (transformers' module names)."""
+    layout = LAYOUTS[runner.model.config.model_type]
+    mlp = layer.mlp
+    groups = attention_groups(layer, runner)
     groups.append(ScaleGroup("gate_up", getattr(layer, layout.mlp_norm),
                              {"mlp.gate_proj": mlp.gate_proj, "mlp.up_proj": mlp.up_proj}, "mlp.gate_proj", mlp,
                              layout.norm_offset))
@@ -93,7 +109,7 @@ def apply_scale(group: ScaleGroup, scales: torch.Tensor, record: InputRecord | N
         prev.weight.add_(offset).div_(s.to(prev.weight.dtype)).sub_(offset)
         if getattr(prev, "bias", None) is not None:
             prev.bias.div_(s.to(prev.bias.dtype))
-    for lin in group.linears.values():
+    for lin in (*group.linears.values(), *group.also_scaled):
         lin.weight.mul_(s.to(lin.weight.dtype).view(1, -1))
     if record is not None:
         if record.kept is not None:

@@ -31,7 +31,8 @@ from ...kernels.w8a8 import quant_per_token_ref
 from . import tool_run
 from .calibration import LayerwiseRunner
 from .checkpoint import w8a8_quantization_config
-from .config import SmoothQuantConfig
+from .config import QuantizationError, SmoothQuantConfig
+from .layouts import LAYOUTS
 from .scale_groups import apply_scale, decoder_linears, recorded_inputs, scale_groups
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,12 @@ def quantize_int8(layer: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     return stored
 
 
+def _refuse_experts(hf_config: dict) -> None:
+    if LAYOUTS[hf_config["model_type"]].experts:
+        raise QuantizationError(f"{hf_config['model_type']} is a mixture-of-experts model, whose experts have no W8A8 "
+                                "kernel: quantize it with `conveyor lite auto_awq` (AWQ) instead")
+
+
 def smooth_quant(model_dir: str | Path, work_dir: str | Path, config: SmoothQuantConfig | None = None,
                  calib_dataset: str | Path | None = None, device: str = "auto", dtype: str = "auto",
                  progress: bool = True) -> SmoothQuantResult:
@@ -92,7 +99,7 @@ def smooth_quant(model_dir: str | Path, work_dir: str | Path, config: SmoothQuan
     """
     config = config or SmoothQuantConfig()
     run = tool_run.begin("smooth_quant", model_dir, work_dir, config, config.smooth, calib_dataset, device, dtype,
-                         needs_dataset="SmoothQuant")
+                         needs_dataset="SmoothQuant", check_model=_refuse_experts)
     stored: dict[str, dict[str, torch.Tensor]] = {}
     max_scales: list[dict[str, float]] = []
     layers = run.model.model.layers

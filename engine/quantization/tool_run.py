@@ -80,11 +80,12 @@ def begin(name: str, model_dir: str | Path, work_dir: str | Path, settings: Cali
 
 
 def finish(run: ToolRun, work_dir: str | Path, stored: Mapping[str, Mapping[str, torch.Tensor]],
-           quant_config: dict[str, Any]) -> float:
+           quant_config: dict[str, Any], state: Mapping[str, torch.Tensor] | None = None) -> float:
     """Write the checkpoint (the model's other tensors as they are, ``stored`` for the decoder
-    linears) to ``work_dir`` atomically; returns the run's seconds so far."""
+    linears) to ``work_dir`` atomically; returns the run's seconds so far. ``state``: the model's
+    tensors under other names than its state dict's (the MoE families' published per-expert ones)."""
     tied = bool(run.hf_config.get("tie_word_embeddings", False))
-    tensors = quantized_state_dict(run.model.state_dict(), stored, tied)
+    tensors = quantized_state_dict(run.model.state_dict() if state is None else state, stored, tied)
     run.model = run.runner = None  # the calibration model's memory goes before the writing
     with atomic_directory(work_dir) as tmp:
         write_quantized_checkpoint(run.model_dir, tmp, tensors, quant_config)

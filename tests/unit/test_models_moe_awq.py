@@ -1,24 +1,26 @@
 """AWQ (W4A16) checkpoints of the mixture-of-experts families (Mixtral, Qwen2-MoE with its gated
 shared expert and a dense layer, Qwen3-MoE) against transformers.
 
-A tiny random model is saved with ``save_pretrained``; every decoder linear (attention, each
-expert's gate/up/down, the shared expert, the dense MLP) is rounded to 4 bits per group of 32
-(test_awq_engine.py's ``rtn_awq``) and written as AutoAWQ writes it (``experts.{e}.w1.qweight``
-/ ``qzeros`` / ``scales`` ...; router and shared-expert gate in 16 bits), and beside it the dense
-checkpoint of the dequantized weights, which transformers loads. The engine on the AWQ files must
-give transformers' fp32 logits within 1e-4, its greedy tokens, the engine checks of
-test_models.py, and tp=2 the tokens of tp=1.
+A tiny random model is saved with ``save_pretrained`` and quantized by ``conveyor lite auto_awq``
+(group 32, a few calibration windows); ``dequantize_checkpoint`` writes the dense checkpoint of
+its dequantized weights, which transformers loads. The engine on the AWQ files must give
+transformers' fp32 logits within 1e-4, its greedy tokens, the engine checks of test_models.py,
+and tp=2 the tokens of tp=1. Independently of the tool, a checkpoint packed here as AutoAWQ packs
+(test_awq_engine.py's ``rtn_awq``: ``experts.{e}.w1.qweight`` / ``qzeros`` / ``scales`` ...;
+router and shared-expert gate in 16 bits) loads the same way.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from calibration_models import text, tokenizer
 from test_awq_engine import rtn_awq
 from test_models import (
     TINY,
@@ -37,6 +39,7 @@ from conveyor.engine.layers.moe import FusedMoE, SparseMoeBlock
 from conveyor.engine.model_config import ModelConfig
 from conveyor.engine.models import build_model
 from conveyor.engine.quant_format import QuantFormat, resolve_quant_format
+from conveyor.engine.quantization import AwqConfig, auto_awq, dequantize_checkpoint, quantize
 from conveyor.engine.weight_loader import load_model
 from conveyor.kernels._triton import TRITON_INTERPRETED, set_kernel_mode
 from conveyor.kernels.moe import select_experts
@@ -68,8 +71,24 @@ def _configs() -> dict[str, object]:
     }
 
 
+def quantize_with_tool(config, root: Path, hf: torch.nn.Module | None = None) -> tuple[Path, Path, object]:
+    """(the tool's AWQ checkpoint of a tiny model, the dense checkpoint of its dequantized weights,
+    the tool's result); ``hf``: the model to save instead of a random one of ``config``."""
+    src = root / "hf"
+    if hf is None:
+        save_tiny(config, src)
+    else:
+        hf.save_pretrained(src)
+    tokenizer().save_pretrained(src)
+    (root / "calib.txt").write_text(text())
+    result = auto_awq(src, root / "awq", AwqConfig(w_group_size=GROUP, calib_samples=4, calib_seqlen=32),
+                      calib_dataset=root / "calib.txt", device="cpu", dtype="float32", progress=False)
+    return root / "awq", dequantize_checkpoint(root / "awq", root / "dense"), result
+
+
 def write_awq(config, root: Path) -> tuple[Path, Path]:
-    """(the AWQ checkpoint, the dense checkpoint of its dequantized weights) of a tiny model."""
+    """(an AWQ checkpoint packed here by round-to-nearest, the dense checkpoint of its dequantized
+    weights) of a tiny model."""
     dense_dir, awq_dir = root / "dense", root / "awq"
     save_tiny(config, dense_dir)
     (file,) = dense_dir.glob("*.safetensors")
@@ -102,7 +121,7 @@ def load_ours(path: Path) -> torch.nn.Module:
 @pytest.fixture(scope="module", params=sorted(_configs()))
 def tiny(request, tmp_path_factory) -> tuple[torch.nn.Module, torch.nn.Module, Path]:
     """(transformers on the dequantized weights, ours on the AWQ files, the AWQ directory)."""
-    awq_dir, dense_dir = write_awq(_configs()[request.param], tmp_path_factory.mktemp(request.param))
+    awq_dir, dense_dir, _ = quantize_with_tool(_configs()[request.param], tmp_path_factory.mktemp(request.param))
     hf = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32).eval()
     return hf, load_ours(awq_dir), awq_dir
 
@@ -132,6 +151,27 @@ def test_experts_load_packed(tiny) -> None:
     torch.testing.assert_close(w2, down.float(), rtol=0, atol=1e-6)
 
 
+def test_the_tool_writes_the_published_layout(tiny) -> None:
+    """One triple per expert and projection under the published names (Mixtral's
+    ``block_sparse_moe.experts.{e}.w1``), routers and the shared expert's gate in fp16, no stacked
+    expert tensor."""
+    _, ours, path = tiny
+    names = set(load_file(path / "model.safetensors"))
+    state = load_file(path / "model.safetensors")
+    mixtral = ours.config.architecture == "MixtralForCausalLM"
+    block, projs = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else ("mlp", ("gate_proj", "up_proj",
+                                                                                     "down_proj"))
+    for e in range(ours.config.num_experts):
+        for proj in projs:
+            assert {f"model.layers.1.{block}.experts.{e}.{proj}.{k}" for k in ("qweight", "qzeros", "scales")} <= names
+    assert state[f"model.layers.1.{block}.gate.weight"].dtype == torch.float16
+    assert not any("gate_up_proj" in n or n.endswith("experts.down_proj") for n in names)
+    if ours.config.architecture == "Qwen2MoeForCausalLM":
+        assert state["model.layers.1.mlp.shared_expert_gate.weight"].dtype == torch.float16
+        assert "model.layers.1.mlp.shared_expert.down_proj.qweight" in names
+        assert "model.layers.0.mlp.down_proj.qweight" in names  # the dense layer
+
+
 def test_logits_match_hf(tiny) -> None:
     """Prefills of several lengths, a two-sequence batch, prefill then decode, a chunked prefill."""
     hf, ours, _ = tiny
@@ -158,6 +198,47 @@ def test_tp2_matches_tp1(tiny) -> None:
     (trace1, ppl1), (trace_tp, ppl_tp) = _run(path, 1), _run(path, 2)
     _same(trace1, trace_tp)
     assert ppl_tp == pytest.approx(ppl1, rel=1e-4)
+
+
+def test_an_expert_no_calibration_token_reaches_is_rounded_to_nearest(tmp_path: Path, caplog) -> None:
+    """Routers whose rows are (r, -r, r', -r', 0) never pick expert 4 (its logit 0 is below the
+    larger of a and -a and of b and -b): the tool searches experts 0-3 on their tokens, says that
+    expert 4 gets round-to-nearest, rounds its down projection exactly so, and the checkpoint
+    still runs as its dequantized weights do."""
+    config = MixtralConfig(**{**TINY, "intermediate_size": 64}, num_local_experts=5, **MOE, **IDS)
+    hf = save_tiny(config, tmp_path / "random")
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            w = layer.mlp.gate.weight
+            w[1], w[3], w[4] = -w[0], -w[2], 0.0
+    downs = [layer.mlp.experts.down_proj[4].clone() for layer in hf.model.layers]
+    with caplog.at_level(logging.INFO):
+        awq_dir, dense_dir, result = quantize_with_tool(None, tmp_path, hf)
+    for i, report in enumerate(result.layers):
+        assert sorted(k for k in report.alphas if k.startswith("down.")) == [f"down.{e}" for e in range(4)]
+        assert f"layer {i}: no calibration token reaches expert(s) [4]: round-to-nearest" in caplog.text
+    dense = load_file(dense_dir / "model.safetensors")
+    for i, down in enumerate(downs):
+        rtn = quantize(down, 4, GROUP).dequantize()
+        torch.testing.assert_close(dense[f"model.layers.{i}.block_sparse_moe.experts.4.w2.weight"], rtn,
+                                   rtol=0, atol=0)
+    ref = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32).eval()
+    check_prefills(ref, load_ours(awq_dir), (5, 13))
+
+
+def test_an_autoawq_packed_checkpoint_loads(tmp_path: Path) -> None:
+    """A Mixtral packed here as AutoAWQ packs (not by the tool) computes its dequantized weights."""
+    awq_dir, dense_dir = write_awq(_configs()["mixtral"], tmp_path)
+    ref = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32).eval()
+    check_prefills(ref, load_ours(awq_dir), (5, 13))
+
+
+def test_smooth_quant_refuses_an_moe_model_naming_auto_awq(tmp_path: Path) -> None:
+    from conveyor.engine.quantization import QuantizationError, SmoothQuantConfig, smooth_quant
+
+    save_tiny(_configs()["qwen3_moe"], tmp_path / "hf")
+    with pytest.raises(QuantizationError, match="conveyor lite auto_awq"):
+        smooth_quant(tmp_path / "hf", tmp_path / "w8a8", SmoothQuantConfig(smooth=False), device="cpu", progress=False)
 
 
 def _qwen3_dir(root: Path, **change) -> Path:
