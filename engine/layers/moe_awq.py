@@ -43,18 +43,23 @@ class AWQMoEMethod:
         (``layer.inter_size``); EngineConfigError for a slice the groups cannot follow."""
         inter, full, e = layer.inter_size, layer.full_intermediate_size, layer.num_experts
         group = self.group_size
-        if group == -1 and tp_size > 1:
+        one_group = group == -1 or group >= full  # one group over each expert's inputs to down_proj
+        if one_group and tp_size > 1:
             raise EngineConfigError(f"this AWQ checkpoint has one group over each expert's {full} inputs to "
-                                    f"down_proj (group_size -1), which cannot be split over tp={tp_size}: use tp=1")
-        g2 = inter if group == -1 else group
-        if inter % g2 or inter % PACK:
-            raise EngineConfigError(
-                f"tp={tp_size} gives each rank {inter} of the experts' {full} intermediate columns "
-                f"(moe_intermediate_size), not a multiple of the AWQ group_size {group}: pick a tp that leaves "
-                f"each rank a multiple of {group} (tp dividing {full // group})")
-        g13 = hidden_size if group == -1 else group
-        if hidden_size % g13 or hidden_size % PACK:
-            raise EngineConfigError(f"hidden_size {hidden_size} is not a multiple of the AWQ group_size {group}")
+                                    f"down_proj (group_size {group}), which cannot be split over tp={tp_size}: "
+                                    "use tp=1")
+        if not one_group and inter % group:
+            where = (f"tp={tp_size} gives each rank {inter} of the experts' {full} intermediate columns"
+                     if tp_size > 1 else f"the experts' intermediate size is {full}")
+            fix = (f"pick a tp that leaves each rank a multiple of {group} (one dividing {full // group})"
+                   if full % group == 0 else "re-quantize with a group_size that divides it")
+            raise EngineConfigError(f"{where} (moe_intermediate_size), not a multiple of the AWQ group_size "
+                                    f"{group}: {fix}")
+        g2 = inter if one_group else group
+        g13 = hidden_size if group == -1 or group >= hidden_size else group
+        if hidden_size % g13 or hidden_size % PACK or inter % PACK:
+            raise EngineConfigError(f"hidden_size {hidden_size} / the experts' width {inter} is not a multiple of "
+                                    f"the AWQ group_size {group} (and of 8)")
         shapes = {
             "w13_qweight": ((e, hidden_size, 2 * inter // PACK), torch.int32),
             "w13_qzeros": ((e, hidden_size // g13, 2 * inter // PACK), torch.int32),
@@ -88,7 +93,7 @@ class AWQMoEMethod:
             what = f"expert {expert} {'up' if half else 'gate'} {kind}"
         else:
             expert = shard_id
-            rows = 1 if kind == "qweight" else size if self.group_size == -1 else self.group_size  # I per row
+            rows = 1 if kind == "qweight" else size // per_expert[0]  # inputs of I per tensor row: 1, or a group
             want = (full // rows, per_expert[1])
             src = narrow(loaded, 0, start // rows, size // rows)
             dst = param.data[expert]

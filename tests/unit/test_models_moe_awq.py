@@ -312,3 +312,18 @@ def test_the_packed_path_computes_what_the_cpu_path_does(group: int) -> None:
         set_kernel_mode("auto")
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert err < 2e-3, err
+
+
+def test_dummy_awq_experts_run(tmp_path: Path) -> None:
+    """model_format='awq' with dummy weights (benchmarks) builds and fills packed experts."""
+    from conveyor.kernels.w4a16 import awq_unpack
+    from tiny_llama import greedy
+
+    cfg = _configs()["qwen3_moe"].to_dict()
+    cfg.update(architectures=["Qwen3MoeForCausalLM"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    eng = engine(tmp_path, model_format="awq", load_format="dummy")
+    experts = eng.runner.model.model.layers[0].mlp.experts
+    codes = awq_unpack(experts.w2_qweight[3])
+    assert codes.min() == 0 and codes.max() == 15 and (awq_unpack(experts.w13_qzeros[0]) == 8).all()
+    assert len(greedy(eng, [1, 2, 3], 4)) == 4
