@@ -22,11 +22,18 @@ the (token, slot) pairs by expert and runs one grouped GEMM per projection:
   ``benchmarks/tune_moe.py``), else a table by rows per expert (BLOCK_M 16 for decode);
 * ``launch.py``: ``fused_moe`` takes the Triton path through ``triton_takes`` (fp16/bf16/fp32,
   contiguous weights of x's dtype, silu/gelu/gelu_tanh), else the reference.
+
+On AWQ (W4A16) experts, ``fused_moe_w4a16`` (``launch_w4a16.py``) runs the same layout and
+epilogues with each K tile of 4-bit weights dequantized in registers (``gemm_w4a16.py``, by
+``kernels/w4a16``'s tile reader; fp16/bf16); its reference (``reference_w4a16.py``) dequantizes
+the experts in use and runs ``fused_moe_ref``.
 """
 
 from .align import moe_align
 from .launch import fused_moe, fused_moe_triton
+from .launch_w4a16 import fused_moe_w4a16
 from .reference import fused_moe_ref
 from .routing import select_experts, select_experts_ref
 
-__all__ = ["fused_moe", "fused_moe_ref", "fused_moe_triton", "moe_align", "select_experts", "select_experts_ref"]
+__all__ = ["fused_moe", "fused_moe_ref", "fused_moe_triton", "fused_moe_w4a16", "moe_align", "select_experts",
+           "select_experts_ref"]
