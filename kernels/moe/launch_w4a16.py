@@ -47,6 +47,8 @@ def fused_moe_w4a16_triton(
     if x.stride(-1) != 1:
         x = x.contiguous()
     cfg = config or table_config(num_tokens, top_k, num_experts, x.element_size())
+    # As kernels/w4a16's GEMM: its dequantized tiles feed tl.dot from 64 columns (8 packed words) up.
+    assert min(cfg.gate_up.block_n, cfg.down.block_n) >= 64 or TRITON_INTERPRETED, "BLOCK_N below 64"
     g13 = hidden if group_size == -1 else group_size
     g2 = inter if group_size == -1 else group_size
     sorted_pairs, tile_expert, _ = moe_align(topk_ids, num_experts, cfg.block_m)
