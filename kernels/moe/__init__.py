@@ -27,13 +27,19 @@ On AWQ (W4A16) experts, ``fused_moe_w4a16`` (``launch_w4a16.py``) runs the same 
 epilogues with each K tile of 4-bit weights dequantized in registers (``gemm_w4a16.py``, by
 ``kernels/w4a16``'s tile reader; fp16/bf16); its reference (``reference_w4a16.py``) dequantizes
 the experts in use and runs ``fused_moe_ref``.
+
+On W8A8 (SmoothQuant int8) experts, ``fused_moe_w8a8`` (``launch_w8a8.py``) quantizes x per token
+(``kernels/w8a8``), runs the same layout with int8 x int8 -> int32 tiles and both scales in the
+epilogues (``gemm_w8a8.py``), and quantizes the intermediate per (token, slot) pair between the
+two GEMMs; its reference (``reference_w8a8.py``) is the same integer arithmetic in plain torch.
 """
 
 from .align import moe_align
 from .launch import fused_moe, fused_moe_triton
 from .launch_w4a16 import fused_moe_w4a16
+from .launch_w8a8 import fused_moe_w8a8
 from .reference import fused_moe_ref
 from .routing import select_experts, select_experts_ref
 
-__all__ = ["fused_moe", "fused_moe_ref", "fused_moe_triton", "fused_moe_w4a16", "moe_align", "select_experts",
-           "select_experts_ref"]
+__all__ = ["fused_moe", "fused_moe_ref", "fused_moe_triton", "fused_moe_w4a16", "fused_moe_w8a8", "moe_align",
+           "select_experts", "select_experts_ref"]
