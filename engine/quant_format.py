@@ -16,6 +16,7 @@ Two formats run:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +32,10 @@ AWQ_GROUP_SIZES = (32, 64, 128)
 QUANT_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                  "InternLM3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
                                  "Gemma3ForCausalLM"})
-# Mixture-of-experts families whose AWQ checkpoints are read (experts: engine/layers/moe_awq.py).
-# W8A8 has no expert kernel; DBRX's fused Wqkv and DeepSeek-V2's MLA (absorbed through kv_b_proj's
-# dense weight) and DeepSeek-MoE are not read quantized.
-AWQ_MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
+# Mixture-of-experts families whose AWQ and W8A8 checkpoints are read (experts:
+# engine/layers/moe_awq.py, moe_w8a8.py). DBRX's fused Wqkv and DeepSeek-V2's MLA (absorbed through
+# kv_b_proj's dense weight) and DeepSeek-MoE are not read quantized.
+MOE_QUANT_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
 DEFAULT_AWQ_GROUP_SIZE = 128
 # model_format name -> QuantFormat.method
 _METHOD_OF_FORMAT = {"awq": "awq", "smooth_quant": "w8a8"}
@@ -110,6 +111,7 @@ def _from_awq_config(qc: dict[str, Any]) -> QuantFormat:
     return QuantFormat("awq", bits, group)
 
 
+_LEFT_16_BIT = re.compile(r"(lm_head|\.gate|shared_expert_gate)\$?$")
 _W8A8_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
 _W8A8_INPUTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
 
@@ -132,7 +134,10 @@ def _from_compressed_tensors(qc: dict[str, Any]) -> QuantFormat:
             wrong["targets"] = group.get("targets")
         if wrong:
             raise EngineConfigError(f"this compressed-tensors checkpoint has {wrong}; {fix}")
-    kept = [name for name in qc.get("ignore") or [] if not str(name).endswith("lm_head")]
+    # The LM head stays 16-bit in every format, and so do the routers and Qwen2-MoE's shared-expert
+    # gate (``mlp.gate``, ``block_sparse_moe.gate``, ``shared_expert_gate``; llm-compressor lists
+    # them, often as ``re:.*mlp.gate$``), which the engine never quantizes.
+    kept = [name for name in qc.get("ignore") or [] if not _LEFT_16_BIT.search(str(name))]
     if kept:
         raise EngineConfigError(f"this checkpoint leaves {kept[:3]} unquantized; W8A8 runs here with every decoder "
                                 "linear quantized: re-quantize with `conveyor lite smooth_quant`")
@@ -158,14 +163,9 @@ def resolve_quant_format(model_config: Any, model_format: str | None,
     no checkpoint: ``model_format`` alone decides."""
     fmt = _resolve(model_config.raw, model_format, dummy_weights)
     if fmt is not None:
-        arch = model_config.architecture
-        if arch in AWQ_MOE_ARCHITECTURES and fmt.method != "awq":
-            raise EngineConfigError(f"{fmt.model_format} weights are not read for {arch} (no W8A8 expert kernel): "
-                                    "quantize it with `conveyor lite auto_awq` (AWQ), or serve its fp16/bf16 "
-                                    "checkpoint")
-        if arch not in QUANT_ARCHITECTURES | AWQ_MOE_ARCHITECTURES:
+        if model_config.architecture not in QUANT_ARCHITECTURES | MOE_QUANT_ARCHITECTURES:
             raise EngineConfigError(f"{fmt.model_format} weights are read for "
-                                    f"{sorted(QUANT_ARCHITECTURES | AWQ_MOE_ARCHITECTURES)}, not "
+                                    f"{sorted(QUANT_ARCHITECTURES | MOE_QUANT_ARCHITECTURES)}, not "
                                     f"{model_config.architecture}: serve its fp16/bf16 checkpoint")
         d = model_config.head_dim
         fmt.check_widths({"hidden_size": model_config.hidden_size,

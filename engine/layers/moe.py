@@ -12,7 +12,9 @@ Checkpoints come in two layouts, both accepted by the loaders: one tensor per ex
 projection (``experts.{e}.gate_proj.weight``, as published and as transformers 5 saves them), or
 already stacked (``experts.gate_up_proj`` [E, 2I, H] and ``experts.down_proj`` [E, H, I], the
 layout transformers 5 holds in memory). AWQ checkpoints hold per-expert triples
-(``experts.{e}.gate_proj.qweight`` / ``qzeros`` / ``scales``), loaded by ``moe_awq.AWQMoEMethod``.
+(``experts.{e}.gate_proj.qweight`` / ``qzeros`` / ``scales``), loaded by ``moe_awq.AWQMoEMethod``;
+W8A8 ones per-expert pairs (``experts.{e}.gate_proj.weight`` int8 / ``weight_scale``), loaded by
+``moe_w8a8.W8A8MoEMethod``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ..distributed import shard_range, tp_group
 from ..weight_loader import materialize, narrow
 from .linear import LinearBase, RowParallelLinear
 from .moe_awq import AWQMoEMethod
+from .moe_w8a8 import W8A8MoEMethod
 
 # config.json ``hidden_act`` names -> the names kernels/moe takes for the expert gate.
 _MOE_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -69,10 +72,11 @@ class Routing:
 
 class FusedMoE(nn.Module):
     """All experts of one layer: ``w13`` [E, 2 * I_rank, H] (each expert's gate rows then its up
-    rows, the order ``fused_moe`` reads) and ``w2`` [E, H, I_rank], or, with an AWQ ``quant``
-    (``engine/quant_format.QuantFormat``), their packed triples (``moe_awq.AWQMoEMethod``, held as
-    ``method``). ``forward(x, router_logits)`` routes each token to its ``top_k`` experts and
-    returns the weighted sum of their outputs, summed over the ranks."""
+    rows, the order ``fused_moe`` reads) and ``w2`` [E, H, I_rank], or, with an AWQ or W8A8 ``quant``
+    (``engine/quant_format.QuantFormat``), their packed triples (``moe_awq.AWQMoEMethod``) or
+    their int8 codes and scales (``moe_w8a8.W8A8MoEMethod``), the method held as ``method``.
+    ``forward(x, router_logits)`` routes each token to its ``top_k`` experts and returns the
+    weighted sum of their outputs, summed over the ranks."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, activation: str = "silu", routing: Routing | None = None,
@@ -91,10 +95,11 @@ class FusedMoE(nn.Module):
                                                         "moe_intermediate_size")
         self.method = None
         if quant is not None:
-            if quant.method != "awq":
+            if quant.method not in ("awq", "w8a8"):
                 raise EngineConfigError(f"{quant.model_format} experts are not supported; use an AWQ checkpoint "
-                                        "(`conveyor lite auto_awq`) or the fp16/bf16 one")
-            self.method = AWQMoEMethod(quant.group_size)
+                                        "(`conveyor lite auto_awq`), a W8A8 one (`conveyor lite smooth_quant`) "
+                                        "or the fp16/bf16 one")
+            self.method = AWQMoEMethod(quant.group_size) if quant.method == "awq" else W8A8MoEMethod()
             self.method.create_weights(self, hidden_size, tp.size)
             return
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter_size, hidden_size), requires_grad=False)
@@ -186,7 +191,7 @@ class SparseMoeBlock(nn.Module):
                  renormalize: bool, activation: str = "silu", shared_expert: nn.Module | None = None,
                  shared_gate: bool = False, routing: Routing | None = None, quant=None) -> None:
         super().__init__()
-        self.gate = Router(hidden_size, num_experts)  # 16-bit in every format (AWQ leaves it so)
+        self.gate = Router(hidden_size, num_experts)  # 16-bit in every format (AWQ and W8A8 leave it so)
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, activation,
                                 routing, quant)
         self.shared_expert = shared_expert
@@ -210,10 +215,12 @@ class SparseMoeBlock(nn.Module):
         return tp_group().all_reduce(out) if self._joint_reduce else out
 
 
-# experts.{e}.{projection}.weight (one expert's tensor; AWQ: .qweight / .qzeros / .scales) and
-# experts.{gate_up_proj,down_proj} (stacked).
+# experts.{e}.{projection}.weight (one expert's tensor; AWQ: .qweight / .qzeros / .scales; W8A8:
+# .weight and .weight_scale) and experts.{gate_up_proj,down_proj} (stacked).
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\."
-                         r"(?P<kind>weight|qweight|qzeros|scales)$")
+                         r"(?P<kind>weight|weight_scale|qweight|qzeros|scales)$")
+# A per-expert tensor kind -> the suffix of the FusedMoE parameter it loads into.
+_SUFFIX = {"weight": "", "weight_scale": "_scale", "qweight": "_qweight", "qzeros": "_qzeros", "scales": "_scales"}
 _STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
@@ -224,7 +231,7 @@ def map_expert_weight(name: str, tensor: torch.Tensor, gate: str, up: str, down:
     m = _PER_EXPERT.match(name)
     if m is not None:
         e, proj, prefix = int(m["expert"]), m["proj"], m["prefix"]
-        suffix = "" if m["kind"] == "weight" else f"_{m['kind']}"  # AWQ: w13_qweight, ...
+        suffix = _SUFFIX[m["kind"]]  # AWQ: w13_qweight, ...; W8A8: w13, w13_scale
         if proj == gate:
             return iter([(f"{prefix}.w13{suffix}", (e, GATE), tensor)])
         if proj == up:

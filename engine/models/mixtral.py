@@ -43,7 +43,10 @@ class MoeDecoderLayer(LlamaDecoderLayer):
         self.mlp = self.build_mlp(config, layer_idx, variant)
         quantize, offset = hands_over_int8(config), variant.norm_weight_offset
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize, offset)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize, offset)
+        # Under W8A8 a sparse block's router reads the normed rows in 16 bits: the experts (and a
+        # shared expert) quantize them themselves. A dense layer's MLP takes them as int8.
+        quantize_mlp = quantize and not isinstance(self.mlp, SparseMoeBlock)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize_mlp, offset)
 
     @staticmethod
     def build_mlp(config: ModelConfig, layer_idx: int, variant: LlamaVariant) -> nn.Module:

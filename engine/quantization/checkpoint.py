@@ -39,9 +39,10 @@ def quantization_config(bits: int, group_size: int) -> dict[str, Any]:
     return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True, "version": "gemm"}
 
 
-def w8a8_quantization_config() -> dict[str, Any]:
+def w8a8_quantization_config(ignore: tuple[str, ...] = ()) -> dict[str, Any]:
     """The ``quantization_config`` of a W8A8 checkpoint: compressed-tensors' int8 scheme, as llm-compressor
-    writes it for symmetric per-channel weights and dynamic per-token activations."""
+    writes it for symmetric per-channel weights and dynamic per-token activations. ``ignore``: linears
+    left 16-bit besides the LM head (MoE routers, by compressed-tensors' ``re:`` patterns)."""
     def int8(strategy: str, dynamic: bool) -> dict[str, Any]:
         return {"num_bits": 8, "type": "int", "symmetric": True, "strategy": strategy, "dynamic": dynamic,
                 "group_size": None, "block_structure": None, "actorder": None, "observer": None,
@@ -50,7 +51,7 @@ def w8a8_quantization_config() -> dict[str, Any]:
     group = {"targets": ["Linear"], "weights": int8("channel", False), "input_activations": int8("token", True),
              "output_activations": None, "format": "int-quantized"}
     return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": group}, "ignore": ["lm_head"], "kv_cache_scheme": None}
+            "config_groups": {"group_0": group}, "ignore": ["lm_head", *ignore], "kv_cache_scheme": None}
 
 
 def check_work_dir(work_dir: str | Path) -> Path:

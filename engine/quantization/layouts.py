@@ -6,7 +6,7 @@ gate/up, and how the norm applies its weight. Every family here has Llama's line
 (``self_attn.q/k/v/o_proj``, ``mlp.gate/up/down_proj``) in transformers; q/k norms after the
 projections (Qwen3, Gemma 3) act on their outputs and are untouched by input-channel scales.
 
-The mixture-of-experts families (AWQ only: ``moe.py``) hold their experts stacked in transformers
+The mixture-of-experts families (``moe.py``; both tools) hold their experts stacked in transformers
 (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]); ``experts`` names
 each expert's (gate, up, down) projection in the published checkpoints, under ``moe_prefix``
 (Mixtral's ``block_sparse_moe``, the Qwen MoE families' ``mlp``).

@@ -1,6 +1,7 @@
 """AWQ for the sparse blocks of the mixture-of-experts families (``layouts.LAYOUTS`` entries with
 ``experts``): which inputs to record, the scale groups, the experts' clip search and rounding, and
-the published per-expert checkpoint names.
+the published per-expert checkpoint names. SmoothQuant (``smooth_quant_tool``) smooths the same
+scale groups, each expert's down projection on its routed tokens' ranges (``ExpertRecorder``).
 
 transformers holds a block's experts stacked (``experts.gate_up_proj`` [E, 2I, H],
 ``experts.down_proj`` [E, H, I]); each expert's gate, up and down rows are taken as ``nn.Linear``

@@ -32,7 +32,6 @@ from tiny_llama import engine
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from conveyor.engine.layers.moe import SparseMoeBlock
-from conveyor.protocol.errors import EngineConfigError
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny models: see tests/conftest.py
 
@@ -147,8 +146,8 @@ def test_tp2_matches_tp1(tiny) -> None:
 @pytest.mark.parametrize("arch", ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"])
 def test_awq_checkpoint_builds_packed_experts(arch: str) -> None:
     """An AWQ config.json for an MoE family builds its experts as packed AWQ triples
-    (test_models_moe_awq.py loads and runs such checkpoints against transformers); a W8A8 one is
-    refused naming AWQ."""
+    (test_models_moe_awq.py loads and runs such checkpoints against transformers); a W8A8 one as
+    int8 codes and scales (test_models_moe_w8a8.py)."""
     from conveyor.engine.model_config import ModelConfig
     from conveyor.engine.models import build_model
     from conveyor.engine.quant_format import resolve_quant_format
@@ -163,8 +162,9 @@ def test_awq_checkpoint_builds_packed_experts(arch: str) -> None:
     experts = model.model.layers[1].mlp.experts
     assert experts.w13_qweight.dtype == torch.int32 and not hasattr(experts, "w13")
     unquantized = ModelConfig.from_dict({k: v for k, v in cfg.items() if k != "quantization_config"})
-    with pytest.raises(EngineConfigError, match="conveyor lite auto_awq"):
-        resolve_quant_format(unquantized, "smooth_quant", dummy_weights=True)
+    unquantized.quant = resolve_quant_format(unquantized, "smooth_quant", dummy_weights=True)
+    experts = build_model(unquantized, dtype=torch.float32, device="meta").model.layers[1].mlp.experts
+    assert experts.w13.dtype == torch.int8 and experts.w13_scale.dtype == torch.float32
 
 
 @pytest.mark.parametrize(("shape", "billions"), [("mixtral-8x7b", 46.7), ("qwen3-30b-a3b", 30.5)])

@@ -233,14 +233,6 @@ def test_an_autoawq_packed_checkpoint_loads(tmp_path: Path) -> None:
     check_prefills(ref, load_ours(awq_dir), (5, 13))
 
 
-def test_smooth_quant_refuses_an_moe_model_naming_auto_awq(tmp_path: Path) -> None:
-    from conveyor.engine.quantization import QuantizationError, SmoothQuantConfig, smooth_quant
-
-    save_tiny(_configs()["qwen3_moe"], tmp_path / "hf")
-    with pytest.raises(QuantizationError, match="conveyor lite auto_awq"):
-        smooth_quant(tmp_path / "hf", tmp_path / "w8a8", SmoothQuantConfig(smooth=False), device="cpu", progress=False)
-
-
 def _qwen3_dir(root: Path, **change) -> Path:
     # intermediate_size 128 (unused by the sparse layers, but checked for tp) splits into whole groups.
     awq_dir, _ = write_awq(Qwen3MoeConfig(**{**TINY, "intermediate_size": 128}, head_dim=32, num_experts=4,
@@ -256,19 +248,6 @@ def test_a_tp_that_splits_a_group_is_refused_before_loading(tmp_path: Path) -> N
     the model is built on the meta device, before any rank starts or reads a weight."""
     with pytest.raises(EngineConfigError, match=r"tp=4 .*16 .*group_size 32"):
         engine(_qwen3_dir(tmp_path), tp=4)
-
-
-def test_a_w8a8_checkpoint_of_an_moe_family_names_awq(tmp_path: Path) -> None:
-    w8a8 = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
-        "targets": ["Linear"], "format": "int-quantized",
-        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
-        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
-                              "dynamic": True}}}}
-    cfg = _configs()["qwen3_moe"].to_dict()
-    cfg.update(architectures=["Qwen3MoeForCausalLM"], quantization_config=w8a8)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(EngineConfigError, match="conveyor lite auto_awq"):
-        engine(tmp_path)
 
 
 def test_a_wrongly_shaped_expert_tensor_is_named(tmp_path: Path) -> None:
