@@ -42,6 +42,7 @@ from conveyor.engine.models import build_model
 from conveyor.engine.quant_format import resolve_quant_format
 from conveyor.engine.quantization import SmoothQuantConfig, smooth_quant, w8a8_quantization_config
 from conveyor.engine.weight_loader import load_model
+from conveyor.kernels._triton import TRITON_INTERPRETED, set_kernel_mode
 from conveyor.kernels.w8a8 import quant_per_token_ref
 from conveyor.protocol.errors import EngineConfigError
 
@@ -306,3 +307,60 @@ def test_w8a8_dbrx_and_deepseek_are_refused(arch: str) -> None:
                                     "quantization_config": w8a8_quantization_config()})
     with pytest.raises(EngineConfigError, match="serve its fp16/bf16 checkpoint"):
         resolve_quant_format(config, None)
+
+
+def test_smoothing_keeps_the_moe_model_and_scales_the_router(tmp_path: Path) -> None:
+    """The tool's smoothing of a Qwen2-MoE (dense layer, sparse block with a gated shared expert):
+    one gate/up scale for the whole block, each routed-to expert's down projection, the shared
+    down projection; the router and the shared expert's gate are multiplied by the block's scale,
+    so the unquantized model (routing included) computes what it did."""
+    from conveyor.engine.quantization import LayerwiseRunner
+    from conveyor.engine.quantization.smooth_quant_tool import _record, smooth_layer
+
+    hf = save_tiny(_configs()["qwen2_moe"], tmp_path / "hf")
+    ids = torch.randint(3, 128, (4, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = hf(ids).logits
+    block = hf.model.layers[1].mlp
+    router, shared_gate = block.gate.weight.clone(), block.shared_expert_gate.weight.clone()
+    runner = LayerwiseRunner(hf, ids, batch_size=4)
+    largest = []
+    for layer in runner.layers:
+        outputs, absmax, routed = _record(runner, layer)
+        largest.append(smooth_layer(layer, runner, absmax, 0.5, routed))
+        runner.advance(outputs)
+    assert {"qkv", "gate_up", "down"} <= set(largest[0])  # the dense layer
+    assert {"qkv", "gate_up", "shared_down"} <= set(largest[1])
+    assert any(k.startswith("down.") for k in largest[1])
+    assert not torch.allclose(block.gate.weight, router) and not torch.allclose(block.shared_expert_gate.weight,
+                                                                                shared_gate)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, before, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not TRITON_INTERPRETED, reason="the kernels run under Triton's interpreter on the CPU")
+def test_the_kernel_path_computes_what_the_cpu_path_does() -> None:
+    """The layer's GPU path (``fused_moe_w8a8``'s Triton kernels on its fp16 input, here under
+    Triton's interpreter) against its CPU path (the integer reference), on dummy W8A8 experts with
+    scales that differ by expert and channel."""
+    from conveyor.engine.layers.moe import FusedMoE
+    from conveyor.engine.model_runner import init_dummy_weights
+    from conveyor.engine.quant_format import QuantFormat
+    from conveyor.kernels.moe import select_experts
+
+    layer = FusedMoE(4, 2, 64, 128, renormalize=True, quant=QuantFormat("w8a8", 8, -1))
+    init_dummy_weights(layer, seed=3)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in (layer.w13_scale, layer.w2_scale):
+            p.copy_(torch.rand(p.shape, generator=g) * 0.002 + 0.0005)
+    x = torch.randn(7, 64, generator=g).half()
+    weights, ids = select_experts(torch.randn(7, 4, generator=g), 2, renormalize=True)
+    ref = layer.method.apply(layer, x, weights, ids)
+    set_kernel_mode("triton")
+    try:
+        out = layer.method.apply(layer, x, weights, ids)
+    finally:
+        set_kernel_mode("auto")
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < 2e-3, err
