@@ -16,8 +16,8 @@ What differs from Mixtral's block:
   into ``FusedMoE``'s stacked ``w13`` / ``w2`` through its per-expert loader, read lazily, so a
   tensor-parallel rank reads its own slice of I only.
 
-LayerNorm hands no int8 rows to a W8A8 linear, and no quantized format is read for MoE families
-(engine/quant_format.py refuses them with the fix): DBRX runs from its 16-bit checkpoint.
+LayerNorm hands no int8 rows to a W8A8 linear, and neither AWQ nor W8A8 experts are read for DBRX
+(engine/quant_format.py refuses them with the fix): it runs from its 16-bit checkpoint.
 """
 
 from __future__ import annotations
