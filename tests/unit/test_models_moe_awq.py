@@ -212,7 +212,9 @@ def test_an_expert_no_calibration_token_reaches_is_rounded_to_nearest(tmp_path: 
             w = layer.mlp.gate.weight
             w[1], w[3], w[4] = -w[0], -w[2], 0.0
     downs = [layer.mlp.experts.down_proj[4].clone() for layer in hf.model.layers]
-    with caplog.at_level(logging.INFO):
+    # The tool's own logger: an earlier pipeline() in the same process may have set "conveyor"'s
+    # level to WARNING, which a root-level at_level would not lift.
+    with caplog.at_level(logging.INFO, logger="conveyor.engine.quantization.awq_tool"):
         awq_dir, dense_dir, result = quantize_with_tool(None, tmp_path, hf)
     for i, report in enumerate(result.layers):
         assert sorted(k for k in report.alphas if k.startswith("down.")) == [f"down.{e}" for e in range(4)]
