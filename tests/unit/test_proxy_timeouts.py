@@ -46,7 +46,9 @@ def test_a_node_that_never_answers_is_timed_out_and_stays_out_while_its_health_p
 
 
 def test_a_stream_that_stalls_ends_with_an_error_event_and_done():
-    with StandInNode("stall_stream") as node, ProxyServer(**FAST) as proxy:
+    # The stall under test comes after the first event, so only the chunk timeout is short: a 0.3 s
+    # first-byte limit once ran out on a loaded 2-core CI machine before the first event came (504).
+    with StandInNode("stall_stream") as node, ProxyServer(**{**FAST, "first_byte_timeout_s": 5.0}) as proxy:
         _add(proxy, node)
         with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json={**CHAT, "stream": True},
                           timeout=10) as r:
