@@ -34,13 +34,14 @@ DTYPES, DTYPE_IDS = [torch.float16, torch.bfloat16], ["fp16", "bf16"]
 
 def _awq_stack(experts: int, k: int, n: int, group: int, g: torch.Generator, device: str):
     """Random stacked AWQ triples [E, K, N/8], [E, K/g, N/8], [E, K/g, N] fp32 scales whose
-    dequantized weights are ~N(0, 1/K)-sized."""
+    dequantized weights are ~N(0, 1/K)-sized, drawn and packed on ``device`` (on the CPU and
+    expert by expert, the GPU shapes took ~10 s a case)."""
     groups = -(-k // group)
     q = torch.randint(0, 16, (experts, k, n), generator=g, device=device, dtype=torch.int32)
     z = torch.randint(0, 16, (experts, groups, n), generator=g, device=device, dtype=torch.int32)
     s = (0.5 + torch.rand(experts, groups, n, generator=g, device=device)) / (6.0 * k**0.5)
-    qweight = torch.stack([awq_pack(q[e].cpu()) for e in range(experts)]).to(device)
-    qzeros = torch.stack([awq_pack(z[e].cpu()) for e in range(experts)]).to(device)
+    qweight = awq_pack(q.view(experts * k, n)).view(experts, k, n // 8)
+    qzeros = awq_pack(z.view(experts * groups, n)).view(experts, groups, n // 8)
     return qweight, qzeros, s
 
 
@@ -48,12 +49,11 @@ def make_case(tokens, experts, top_k, hidden, inter, group, dtype, device="cpu",
     """(x, w13 triple, w2 triple, weights, ids): ids from a random router over E - 1 experts and,
     with ``foreign``, every fourth pair (from the second) on an expert outside [0, E)."""
     g = torch.Generator(device=device).manual_seed(seed)
-    gc = torch.Generator().manual_seed(seed)
+    gw = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(tokens, hidden, device=device, generator=g).to(dtype)
-    w13 = _awq_stack(experts, hidden, 2 * inter, group, gc, "cpu")
-    w2 = _awq_stack(experts, inter, hidden, group, gc, "cpu")
-    w13 = tuple(t.to(device) for t in w13[:2]) + (w13[2].to(device, dtype),)
-    w2 = tuple(t.to(device) for t in w2[:2]) + (w2[2].to(device, dtype),)
+    w13 = _awq_stack(experts, hidden, 2 * inter, group, gw, device)
+    w2 = _awq_stack(experts, inter, hidden, group, gw, device)
+    w13, w2 = w13[:2] + (w13[2].to(dtype),), w2[:2] + (w2[2].to(dtype),)
     logits = torch.randn(tokens, max(experts - 1, top_k), device=device, generator=g)
     weights, ids = select_experts(logits, top_k, renormalize=True)
     if foreign:

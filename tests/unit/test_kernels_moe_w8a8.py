@@ -38,19 +38,21 @@ DTYPES, DTYPE_IDS = [torch.float16, torch.bfloat16], ["fp16", "bf16"]
 def _int8_stack(experts: int, n: int, k: int, g: torch.Generator, device: str):
     """Random experts quantized per output channel: (int8 [E, N, K], fp32 scales [E, N]) whose
     dequantized weights are ~N(0, 1/K)-sized."""
-    w = torch.randn(experts, n, k, generator=g) / k**0.5
+    w = torch.randn(experts, n, k, generator=g, device=device) / k**0.5
     q, s = quant_per_token_ref(w)
-    return q.view(experts, n, k).to(device), s.view(experts, n).to(device)
+    return q.view(experts, n, k), s.view(experts, n)
 
 
 def make_case(tokens, experts, top_k, hidden, inter, dtype, device="cpu", foreign=True, seed=0):
     """(x, (w13, w13_scale), (w2, w2_scale), weights, ids): ids from a random router over E - 1
     experts and, with ``foreign``, every fourth pair (from the second) on an expert outside [0, E)."""
     g = torch.Generator(device=device).manual_seed(seed)
-    gc = torch.Generator().manual_seed(seed)
+    # The experts come from a generator of their own, on the case's device: drawn on the CPU and
+    # moved, the GPU shapes' billions of weights took ~10 s a case.
+    gw = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(tokens, hidden, device=device, generator=g).to(dtype)
-    w13 = _int8_stack(experts, 2 * inter, hidden, gc, device)
-    w2 = _int8_stack(experts, hidden, inter, gc, device)
+    w13 = _int8_stack(experts, 2 * inter, hidden, gw, device)
+    w2 = _int8_stack(experts, hidden, inter, gw, device)
     logits = torch.randn(tokens, max(experts - 1, top_k), device=device, generator=g)
     weights, ids = select_experts(logits, top_k, renormalize=True)
     if foreign:
