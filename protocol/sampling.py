@@ -23,6 +23,7 @@ from __future__ import annotations
 import msgspec
 
 from .errors import InvalidRequestError
+from .guided import Guide, check_guide
 
 MAX_LOGPROBS = 20  # alternatives per token the engine reports (OpenAI's top_logprobs limit)
 MIN_PENALTY, MAX_PENALTY = 0.01, 100.0
@@ -61,6 +62,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # What the output must match (a JSON schema, a regex, ...): the engine masks every token that
+    # would leave it (``protocol/guided.py``).
+    guide: Guide | None = None
 
     @property
     def greedy(self) -> bool:
@@ -117,6 +121,9 @@ _RULES = (
     ("bad_sequences", lambda p: all(t >= 0 for s in p.bad_sequences for t in s), "token ids must be >= 0"),
     ("random_seed", lambda p: p.random_seed is None or SEED_RANGE[0] <= p.random_seed <= SEED_RANGE[1],
      f"must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (64 bits)"),
+    # A finished grammar allows only the end tokens: without them it could never end.
+    ("ignore_eos", lambda p: not (p.ignore_eos and p.guide is not None),
+     "cannot be combined with a response format (a completed output ends on the end token)"),
 )
 _DETOKENIZE_RULES = (_STOP_WORDS_RULE,)
 
@@ -134,6 +141,8 @@ def validate(params: SamplingParams, vocab_size: int | None = None, prefix: str 
     field name in the message (``"GenerationConfig."`` for the pipeline).
     """
     _check(params, _RULES, prefix)
+    if params.guide is not None:
+        check_guide(params.guide, f"{prefix}guide" if prefix else "response_format")
     if vocab_size is not None:
         lists = {"stop_token_ids": params.stop_token_ids, "bad_token_ids": params.bad_token_ids,
                  "bad_sequences": [t for s in params.bad_sequences for t in s]}

@@ -19,6 +19,7 @@ from ...protocol.errors import InvalidRequestError, PromptTooLongError
 from ...protocol.messages import GenerateReq, TokenizedReq
 from ...protocol.sampling import SamplingParams, validate
 from .chat_template import ChatTemplateConfig, get_chat_template
+from .guide_syntax import check_guide_syntax
 from .loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -89,9 +90,12 @@ class Preprocessor:
         return ids
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
-        """``params`` validated, with the model's end ids added to ``stop_token_ids`` (unless
-        ``ignore_eos``) and ``bad_words`` turned into ``bad_token_ids`` and ``bad_sequences``."""
+        """``params`` validated (a response format's schema, regex or grammar parsed), with the
+        model's end ids added to ``stop_token_ids`` (unless ``ignore_eos``) and ``bad_words``
+        turned into ``bad_token_ids`` and ``bad_sequences``."""
         validate(params, self.vocab_size)
+        if params.guide is not None:
+            check_guide_syntax(params.guide)
         stops = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
         bad_single, bad_seqs = list(params.bad_token_ids), []
         for word in params.bad_words:
