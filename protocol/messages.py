@@ -72,6 +72,12 @@ class GenerateReq(msgspec.Struct, tag=1, **_TAG):
     session_id: int | None = None
     sequence_start: bool | None = True
     priority: int = 0  # the engine admits waiting requests with a lower value first (QoS user groups)
+    # The chat template's options (for ``messages``, or a prompt with ``do_preprocess``): a Jinja
+    # template's extra variables (Qwen3's enable_thinking), whether the prompt ends where the
+    # assistant speaks, or inside the last (assistant) message, which the model continues.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizedReq(msgspec.Struct, tag=2, **_TAG):

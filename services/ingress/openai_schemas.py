@@ -3,17 +3,24 @@
 Requests check types and the API's own limits here (``n``, ``top_logprobs``, ``seed``, ...);
 each body maps onto the engine's one ``SamplingParams`` (``sampling_params``), which
 ``protocol.sampling.validate`` checks like every other entry, so the ingress answers 400 before
-anything reaches the engine. Prompt lengths and the chat template are checked by the tokenizer
-stage. Unknown fields
-are ignored (OpenAI clients send some conveyor has no use for, e.g. ``store``, ``metadata``), but
-known fields the engine cannot honour are refused with a 400 naming the alternative rather than
-dropped: ``presence_penalty`` and ``frequency_penalty`` other than 0 (the engine implements
-``repetition_penalty``, an extension), ``logit_bias``, ``tools`` / ``tool_choice`` /
-``functions`` (no function calling), ``response_format`` other than text (no constrained
-decoding), ``stream_options`` without ``stream``. LMDeploy's bodies are taken as they are
-written: ``"stop": false`` means no stop strings, ``session_id: -1`` a request of no session,
-``top_k: -1`` (as vLLM's clients send it) no top-k limit. Sampling defaults are LMDeploy's
-api_server's (``protocol.sampling.OPENAI_DEFAULTS`` and ``INTERACTIVE_DEFAULTS``), not OpenAI's.
+anything reaches the engine. Prompt lengths, the chat template and a constraint's syntax are
+checked by the tokenizer stage.
+
+No field is dropped without a word. The fields conveyor knows act: OpenAI's, LMDeploy's, and
+vLLM's / SGLang's extensions (constrained output through ``response_format``, ``guided_*``,
+``structured_outputs``, ``regex`` / ``ebnf`` / ``json_schema``, one per request, as a
+``protocol.guided.Guide``; ``chat_template_kwargs``, ``add_generation_prompt``,
+``continue_final_message``, ``min_tokens``, ``bad_words``, ``no_stop_trim``). Known fields the
+engine cannot honour are refused with a 400 naming the alternative, unless they hold their
+no-op value: ``presence_penalty`` / ``frequency_penalty`` other than 0 (the engine implements
+``repetition_penalty``), ``logit_bias``, ``tools`` / ``tool_choice`` / ``functions``, beam
+search, ``best_of`` above ``n``, prompt logprobs, ``priority`` (QoS sets it), per-request chat
+templates, multimodal and disaggregation fields (``_REFUSED``). Unknown fields are ignored
+(OpenAI clients send some conveyor has no use for, e.g. ``store``, ``metadata``) and logged once
+per name. LMDeploy's bodies are taken as they are written: ``"stop": false`` means no stop
+strings, ``session_id: -1`` a request of no session, ``top_k: -1`` (as vLLM's clients send it)
+no top-k limit. Sampling defaults are LMDeploy's api_server's (``protocol.sampling.OPENAI_DEFAULTS``
+and ``INTERACTIVE_DEFAULTS``), not OpenAI's.
 
 The response models describe the whole bodies in /docs and /openapi.json; streamed chunks are
 written as bytes by ``sse.py``, which matches OpenAI's chunk shapes field for field.
@@ -21,12 +28,19 @@ written as bytes by ``sse.py``, which matches OpenAI's chunk shapes field for fi
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+import functools
+import logging
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ModelWrapValidatorHandler,
+                      PrivateAttr, model_validator)
 
 from ...protocol import FINISH_REASONS, InvalidRequestError, SamplingParams, validate
+from ...protocol.guided import Guide, guide_from_fields, guide_from_response_format
 from ...protocol.sampling import INTERACTIVE_DEFAULTS, OPENAI_DEFAULTS
+from ..tokenizer.chat_template import check_template_kwargs
+
+logger = logging.getLogger(__name__)
 
 INT32_MAX = 2**31 - 1
 MAX_N = 128  # choices per request: each is a separate engine request
@@ -79,11 +93,43 @@ TopK = Annotated[int, AfterValidator(_no_limit_is_zero)]
 TokenId = int_in(0, INT32_MAX)
 
 
+# Unknown field names already logged (each once); bounded, since every request may bring new ones.
+_LOGGED_UNKNOWN: set[str] = set()
+MAX_LOGGED_UNKNOWN = 256
+
+
+def _log_unknown(where: str, name: str) -> None:
+    key = f"{where}.{name}"
+    if key in _LOGGED_UNKNOWN or len(_LOGGED_UNKNOWN) >= MAX_LOGGED_UNKNOWN:
+        return
+    _LOGGED_UNKNOWN.add(key)
+    logger.warning("ignored field %r of %s: conveyor has no use for it (logged once per name)", name[:100], where)
+
+
 class _Body(BaseModel):
-    """Base of every request body: extra fields ignored, NaN / Infinity refused."""
+    """Base of every request body: extra fields ignored (and logged once per name), NaN / Infinity refused."""
 
     # strict: no "1" -> 1 or false -> 0 coercions; a value is accepted only if the schema allows it.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+
+    # Fields of other servers' APIs this body refuses unless they hold their no-op value (kept in
+    # ``_unknown`` for ``refuse_unsupported``; they are not logged as unknown).
+    _refused: ClassVar[frozenset[str]] = frozenset()
+    _unknown: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_unknown(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        # A field conveyor does not know is dropped, but said so in the log: a client that counts
+        # on it (a newer API's field, a typo of a known one) can be found from the server's side.
+        body = handler(data)
+        if isinstance(data, dict):
+            for name, value in data.items():
+                if name in cls._refused:
+                    body._unknown[name] = value
+                elif isinstance(name, str) and name not in cls.model_fields:
+                    _log_unknown(cls.__name__, name)
+        return body
 
 
 class TextContent(_Body):
@@ -115,8 +161,39 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+# guided_decoding_backend values that ask for what conveyor does: its one backend, xgrammar, with
+# compact JSON (vLLM's old "backend:option" spelling of that).
+_NO_OP_BACKENDS = (None, "", "auto", "xgrammar", "xgrammar:disable-any-whitespace")
+_EMPTY = (None, False, "", [], {})  # what a client sends for "not used"
+# vLLM's and SGLang's fields conveyor does not implement: the values that mean "not used", and
+# what to do instead. A field here is refused only when the request sets it to something else.
+_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "prompt_logprobs": ((None,), "the prompt's logprobs are not computed; send null (pipeline().get_ppl scores "
+                                 "a prompt offline)"),
+    "truncate_prompt_tokens": ((None,), "prompts are not truncated; shorten the prompt (one longer than the "
+                                        "context is a 400 naming its length)"),
+    "allowed_token_ids": (_EMPTY, "not supported; constrain the output with guided_choice, guided_regex or "
+                                  "response_format"),
+    "logits_processors": (_EMPTY, "custom logits processors are not supported; constrain the output with "
+                                  "guided_* or response_format"),
+    "return_tokens_as_token_ids": (_EMPTY, "not supported; logprobs carry each token's text (and its bytes)"),
+    "request_id": ((None,), "conveyor names each request itself (the response's id); leave it out"),
+    "cache_salt": ((None,), "the prefix cache is not salted per request; leave it out (run a separate server "
+                            "for tenants that must not share the cache)"),
+    "kv_transfer_params": ((None,), "no disaggregated prefill/decode; leave it out"),
+    "vllm_xargs": (_EMPTY, "no custom extensions; leave it out"),
+    "mm_processor_kwargs": (_EMPTY, "no multimodal inputs; leave it out"),
+    "lora_path": ((None,), "LoRA adapters are not supported; serve a merged model"),
+    "return_hidden_states": ((None, False), "hidden states are not returned; leave it out"),
+    "structural_tag": ((None,), "structural tags are not supported; use response_format json_schema, "
+                                "guided_regex or guided_grammar"),
+}
+
+
 class _SamplingBody(_Body):
     """Sampling fields shared by chat and text completions (None means the default)."""
+
+    _refused: ClassVar[frozenset[str]] = frozenset(_REFUSED)
 
     model: str | None = Field(None, description="The served model's name (GET /v1/models); omitted: that one.")
     temperature: float | None = Field(None, le=2, description="OpenAI's range [0, 2]. "
@@ -145,6 +222,34 @@ class _SamplingBody(_Body):
     session_id: int_in(-1, 2**53 - 1) | None = Field(
         None, description="LMDeploy's: only -1 (no session); a conversation kept on the server is "
                           "/v1/chat/interactive's.")
+    # Constrained output: at most one of these per request (protocol/guided.py reads each).
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text"}, {"type": "json_object"}, or {"type": "json_schema", "json_schema": '
+                          '{"name": ..., "schema": {...}, "strict": true}}: the output matches it (compact JSON).')
+    guided_json: str | dict[str, Any] | None = Field(None, description="vLLM's: the output matches this JSON Schema.")
+    guided_regex: str | None = Field(None, description="vLLM's: the output matches this regular expression.")
+    guided_choice: list[str] | None = Field(None, description="vLLM's: the output is one of these strings.")
+    guided_grammar: str | None = Field(None, description="vLLM's: the output matches this EBNF grammar (GBNF, "
+                                       "start rule root).")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's newer spelling: one of json, regex, choice, grammar, json_object.")
+    regex: str | None = Field(None, description="SGLang's guided_regex.")
+    ebnf: str | None = Field(None, description="SGLang's guided_grammar.")
+    json_schema: str | dict[str, Any] | None = Field(None, description="SGLang's guided_json.")
+    guided_decoding_backend: str | None = Field(None, description='Only "xgrammar" (or "auto"): conveyor\'s one '
+                                                "backend.")
+    guided_whitespace_pattern: str | None = Field(None, description="Not supported: JSON output is compact.")
+    # vLLM's / SGLang's sampling extensions.
+    min_tokens: int_in(0, INT32_MAX) | None = Field(None, description="vLLM's min_new_tokens.")
+    bad_words: list[NonEmptyStr] | None = Field(None, description="Extension: words never generated.")
+    no_stop_trim: bool = Field(False, description="SGLang's include_stop_str_in_output.")
+    best_of: int_in(1, MAX_N) | None = Field(None, description="Only n (or null): every generated choice is "
+                                             "returned.")
+    use_beam_search: bool = Field(False, description="Only false: no beam search.")
+    length_penalty: float | None = Field(None, description="Only 1 (it applies to beam search).")
+    spaces_between_special_tokens: bool = Field(True, description="Only true.")
+    priority: int | None = Field(None, description="vLLM's: only 0; the server's QoS config (--qos-config-path) "
+                                 "orders requests by user.")
 
     @property
     def num_choices(self) -> int:
@@ -164,6 +269,60 @@ class _SamplingBody(_Body):
             raise InvalidRequestError(f"session_id={self.session_id}: this endpoint keeps no session (send -1 or "
                                       "leave it out); for a conversation the server remembers, use "
                                       "/v1/chat/interactive with interactive_mode", param="session_id")
+        if self.best_of not in (None, self.num_choices):
+            raise InvalidRequestError(f"best_of={self.best_of}: conveyor returns every choice it generates; ask "
+                                      f"for n={self.best_of} and pick the best on your side (or send best_of = n)",
+                                      param="best_of")
+        if self.use_beam_search:
+            raise InvalidRequestError("use_beam_search: no beam search; sample n choices (n, temperature, seed) or "
+                                      "decode greedily (temperature 0)", param="use_beam_search")
+        if self.length_penalty not in (None, 1.0):
+            raise InvalidRequestError("length_penalty: it scores beam search, which conveyor does not do; send 1 "
+                                      "or leave it out", param="length_penalty")
+        if not self.spaces_between_special_tokens:
+            raise InvalidRequestError("spaces_between_special_tokens: false is not supported (special tokens are "
+                                      "decoded as the tokenizer decodes them); leave it out, or drop them with "
+                                      "skip_special_tokens", param="spaces_between_special_tokens")
+        if self.priority not in (None, 0):
+            raise InvalidRequestError(f"priority={self.priority}: a request's priority comes from its `user` in the "
+                                      "server's QoS config (--qos-config-path); send 0 or leave it out",
+                                      param="priority")
+        if self.min_tokens is not None and self.min_new_tokens not in (None, self.min_tokens):
+            raise InvalidRequestError("min_tokens and min_new_tokens differ: they are one setting; send one",
+                                      param="min_tokens")
+        if self.guided_whitespace_pattern is not None:
+            raise InvalidRequestError("guided_whitespace_pattern: not supported; conveyor's JSON output is compact "
+                                      "(no whitespace between tokens): leave it out", param="guided_whitespace_pattern")
+        if self.guided_decoding_backend not in _NO_OP_BACKENDS:
+            raise InvalidRequestError(f"guided_decoding_backend={self.guided_decoding_backend!r}: conveyor has one "
+                                      'backend, xgrammar; send "xgrammar" or leave it out',
+                                      param="guided_decoding_backend")
+        for name, value in self._unknown.items():
+            no_op, alternative = _REFUSED.get(name, ((value,), ""))
+            if value not in no_op:
+                raise InvalidRequestError(f"{name}: {alternative}", param=name)
+
+    @functools.cached_property
+    def guide(self) -> Guide | None:
+        """The request's output constraint, from whichever one field gives it (400 for two)."""
+        found: list[tuple[str, Guide]] = []
+        if self.response_format is not None:
+            guide = guide_from_response_format(self.response_format)
+            if guide is not None:
+                found.append(("response_format", guide))
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "regex", "ebnf"):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, guide_from_fields(name, value)))
+        if self.json_schema is not None:  # SGLang's: a schema (or its text), read as response_format's
+            found.append(("json_schema", guide_from_response_format(
+                {"type": "json_schema", "json_schema": {"schema": self.json_schema}}, "json_schema")))
+        found += _structured_outputs(self.structured_outputs)
+        if len(found) > 1:
+            names = " and ".join(name for name, _ in found)
+            raise InvalidRequestError(f"{names}: one output constraint per request; send one of them",
+                                      param=found[1][0])
+        return found[0][1] if found else None
 
     def sampling_params(self, max_new_tokens: int, logprobs: int | None, choice: int = 0) -> SamplingParams:
         """The engine's parameters for choice ``choice`` (its seed is seed + choice), validated."""
@@ -178,7 +337,7 @@ class _SamplingBody(_Body):
         d = OPENAI_DEFAULTS
         return checked(SamplingParams(
             max_new_tokens=max_new_tokens,
-            min_new_tokens=_given(self.min_new_tokens, d.min_new_tokens),
+            min_new_tokens=_given(self.min_new_tokens, _given(self.min_tokens, d.min_new_tokens)),
             temperature=_given(self.temperature, d.temperature),
             top_k=_given(self.top_k, d.top_k),
             top_p=_given(self.top_p, d.top_p),
@@ -187,11 +346,40 @@ class _SamplingBody(_Body):
             ignore_eos=self.ignore_eos,
             random_seed=None if self.seed is None else self.seed + choice,
             stop_words=_stop_list(self.stop),
+            bad_words=list(self.bad_words or []),
             stop_token_ids=list(self.stop_token_ids or []),
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
+            guide=self.guide,
         ))
+
+
+def _structured_outputs(spec: dict[str, Any] | None) -> list[tuple[str, Guide]]:
+    """The constraints in vLLM's ``structured_outputs`` object (its options that ask for what
+    conveyor does are accepted; others, and unknown keys, are refused)."""
+    found: list[tuple[str, Guide]] = []
+    for key, value in (spec or {}).items():
+        param = f"structured_outputs.{key}"
+        if key in ("json", "regex", "choice", "grammar"):
+            if value is not None:
+                found.append((param, guide_from_fields(param, value)))
+        elif key == "json_object":
+            if value:
+                found.append((param, Guide("json_object")))
+        elif key in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
+            # Permissions or conveyor's own behaviour (no fallback: a bad constraint is a 400;
+            # compact JSON; the schema's properties only): either value is honoured.
+            if not isinstance(value, bool | None):
+                raise InvalidRequestError(f"{param} must be a boolean", param="structured_outputs")
+        elif key in ("whitespace_pattern", "structural_tag", "backend"):
+            if value not in (None, "") and not (key == "backend" and value in _NO_OP_BACKENDS):
+                raise InvalidRequestError(f"{param}: not supported (conveyor's JSON output is compact and its one "
+                                          "backend is xgrammar); leave it out", param="structured_outputs")
+        else:
+            raise InvalidRequestError(f"{param}: unknown; structured_outputs takes one of json, regex, choice, "
+                                      "grammar, json_object", param="structured_outputs")
+    return found
 
 
 # The OpenAI name of each SamplingParams field whose name differs, for error messages.
@@ -213,6 +401,8 @@ def checked(params: SamplingParams) -> SamplingParams:
     try:
         return validate(params)
     except InvalidRequestError as exc:
+        if exc.param not in SamplingParams.__struct_fields__:  # already the body's name (response_format)
+            raise
         name = _OPENAI_NAMES.get(exc.param, exc.param)
         raise InvalidRequestError(f"{name}: {str(exc).split(': ', 1)[-1]} (got {getattr(params, exc.param)!r})",
                                   param=name) from None
@@ -227,19 +417,49 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int_in(1, INT32_MAX) | None = Field(None, description="Wins over max_tokens.")
     logprobs: bool | None = False
     top_logprobs: int_in(0, MAX_TOP_LOGPROBS) | None = Field(None, description="Ignored unless logprobs is true.")
-    response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}: no JSON mode.')
     tools: list[dict[str, Any]] | None = Field(None, description="Only null or []: no function calling.")
     tool_choice: str | dict[str, Any] | None = Field(None, description='Only null or "none".')
     functions: list[dict[str, Any]] | None = Field(None, description="Only null or [] (OpenAI's older tools).")
+    # The chat template's options (vLLM's and SGLang's).
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='Extra variables of the chat template, e.g. {"enable_thinking": false} for Qwen3.')
+    add_generation_prompt: bool | None = Field(
+        None, description="Default true: the prompt ends where the assistant speaks; false: after the last message.")
+    continue_final_message: bool = Field(
+        False, description="The prompt ends inside the last message, an assistant's, which the model continues "
+                           "(its text is not repeated in the output).")
+    echo: bool = Field(False, description="Only false on chat: the request's messages are the client's already.")
+    add_special_tokens: bool = Field(False, description="Only false: the chat template writes the special tokens "
+                                     "(the tokenizer adds a BOS only where the template has none).")
+    documents: list[Any] | None = Field(None, description="Not supported: put the documents' text in a message.")
+    chat_template: str | None = Field(None, description="Not supported: the server's template is set at start "
+                                      "(--chat-template).")
 
     def refuse_unsupported(self) -> None:
-        """Besides the shared checks: no function calling, no constrained output formats."""
+        """Besides the shared checks: no function calling; the chat template's options as it can take them."""
         super().refuse_unsupported()
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise InvalidRequestError(f"response_format {kind!r}: not supported (no JSON mode or schema-constrained "
-                                      'output); send {"type": "text"} or leave it out, and ask for JSON in the '
-                                      "prompt", param="response_format")
+        check_template_kwargs(self.chat_template_kwargs)
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise InvalidRequestError("continue_final_message continues the last message, so no generation "
+                                          "prompt follows it: send add_generation_prompt: false or leave it out",
+                                          param="add_generation_prompt")
+            if self.messages[-1].role != "assistant":
+                raise InvalidRequestError("continue_final_message: the last message must be the assistant's (the "
+                                          "text the model continues)", param="messages")
+        if self.echo:
+            raise InvalidRequestError("echo: not supported on chat completions (your messages are in your request); "
+                                      "leave it out, or use /v1/completions with echo", param="echo")
+        if self.add_special_tokens:
+            raise InvalidRequestError("add_special_tokens: the chat template writes the special tokens and conveyor "
+                                      "adds a BOS only where it has none; send false or leave it out",
+                                      param="add_special_tokens")
+        if self.documents:
+            raise InvalidRequestError("documents: not passed to the chat template; put the documents' text in a "
+                                      "system or user message", param="documents")
+        if self.chat_template is not None:
+            raise InvalidRequestError("chat_template: the server's chat template is set when it starts "
+                                      "(--chat-template, or the model's own); leave it out", param="chat_template")
         for name in ("tools", "functions"):
             if getattr(self, name):
                 raise InvalidRequestError(f"{name}: function calling is not supported; leave {name} out",
@@ -247,6 +467,13 @@ class ChatCompletionRequest(_SamplingBody):
         if self.tool_choice not in (None, "none"):
             raise InvalidRequestError(f"tool_choice={self.tool_choice!r}: function calling is not supported; "
                                       'send "none" or leave it out', param="tool_choice")
+
+    @property
+    def template_options(self) -> dict[str, Any]:
+        """The GenerateReq fields of the chat template's options."""
+        return {"chat_template_kwargs": self.chat_template_kwargs or None,
+                "add_generation_prompt": not self.continue_final_message and self.add_generation_prompt is not False,
+                "continue_final_message": self.continue_final_message}
 
     @property
     def num_logprobs(self) -> int | None:
@@ -269,6 +496,15 @@ class CompletionRequest(_SamplingBody):
     echo: bool = Field(False, description="Prepend the prompt to the text (the prompt gets no logprobs).")
     logprobs: int_in(0, MAX_COMPLETION_LOGPROBS) | None = None
     suffix: str | None = Field(None, description="Only null or empty: text insertion is not supported.")
+    add_special_tokens: bool = Field(True, description="Only true: a text prompt is encoded with the tokenizer's "
+                                     "special tokens (BOS); send token ids for exact control.")
+
+    def refuse_unsupported(self) -> None:
+        """Besides the shared checks: special tokens as the tokenizer adds them."""
+        super().refuse_unsupported()
+        if not self.add_special_tokens:
+            raise InvalidRequestError("add_special_tokens: false is not supported for text prompts; send the "
+                                      "prompt as token ids to choose every token", param="add_special_tokens")
 
     @property
     def prompts(self) -> list[str | list[int]]:

@@ -8,6 +8,12 @@ wrapped around each turn::
 Built-in templates never contain the BOS token: the tokenizer adds it when encoding (LMDeploy's
 llama3 puts ``<|begin_of_text|>`` in the text, which would double it with a HF tokenizer). Only
 ``HFChatTemplate`` may render a BOS, and then says so through ``includes_bos``.
+
+Every template's ``messages2prompt`` takes the request's template options (``TemplateOptions``):
+``add_generation_prompt`` (the prompt ends where the assistant speaks; false: after the last
+message), ``continue_final_message`` (the prompt ends inside the last, assistant, message, which
+the model continues) and ``chat_template_kwargs``, the extra variables a Jinja template reads
+(Qwen3's ``enable_thinking``); a built-in template ignores the ones it does not know.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from ...protocol.errors import ConveyorError
+from ...protocol.errors import ConveyorError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +45,63 @@ def _text(content: Any) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
     raise TypeError(f"message content must be a str or a list of parts, got {type(content).__name__}")
+
+
+# Names a chat_template_kwargs entry may not take: apply_chat_template's own parameters, the
+# variables the template gets from the request itself, and the tokenizer's special tokens (a
+# client overriding bos_token would change what the prompt starts with, unseen).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception",
+    "strftime_now", "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "additional_special_tokens",
+})
+# Stands in for the last message's text while continue_final_message renders the chat: the
+# prompt is cut where it appears (private-use characters: no real text carries them).
+_CONTINUE_MARK = "\ue000conveyor-continue\ue000"
+
+
+def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """``chat_template_kwargs`` checked (a dict of identifier names, none reserved); raises
+    InvalidRequestError naming the field to use instead."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequestError("chat_template_kwargs must be an object of template variables, e.g. "
+                                  '{"enable_thinking": false}', param="chat_template_kwargs")
+    for name in kwargs:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise InvalidRequestError(f"chat_template_kwargs: {name!r} is not a template variable name",
+                                      param="chat_template_kwargs")
+        if name in RESERVED_TEMPLATE_KWARGS:
+            raise InvalidRequestError(
+                f"chat_template_kwargs: {name!r} is set by the request itself, not by a template variable "
+                "(messages, add_generation_prompt and continue_final_message are the request's own fields; "
+                "the chat template and its special tokens are the server's)", param="chat_template_kwargs")
+    return kwargs
+
+
+def _final_to_continue(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last message, which continue_final_message continues: it must be the assistant's."""
+    if not messages or messages[-1].get("role") != "assistant":
+        raise InvalidRequestError("continue_final_message: the last message must be the assistant's (the text "
+                                  "the model continues); or leave continue_final_message out", param="messages")
+    return messages[-1]
+
+
+def _cut_at_mark(rendered: str, final: dict[str, Any]) -> str:
+    """The chat rendered with the mark for the last message's text, cut at the mark, followed by
+    that text: the prompt ends inside the last message."""
+    at = rendered.rfind(_CONTINUE_MARK)
+    if at < 0:
+        raise InvalidRequestError("continue_final_message: this chat template does not render the last "
+                                  "assistant message's text; leave continue_final_message out", param="messages")
+    return rendered[:at] + _text(final.get("content") or "")
+
+
+def _marked(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [*messages[:-1], {**messages[-1], "content": _CONTINUE_MARK}]
 
 
 @dataclass
@@ -88,13 +151,27 @@ class BaseChatTemplate:
         # The previous turn ended at the generated eoa, so only the separator is missing.
         return f"{self.separator}{self.user}{prompt}{self.eoh}{self._assistant_prompt()}"
 
-    def messages2prompt(self, messages: Messages, sequence_start: bool = True) -> str:
-        """Prompt for a user string or an OpenAI-style message list, ending where the assistant speaks."""
+    def messages2prompt(self, messages: Messages, sequence_start: bool = True, *, add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, **template_kwargs: Any) -> str:
+        """Prompt for a user string or an OpenAI-style message list, ending where the assistant
+        speaks (``add_generation_prompt``), after the last message (not), or inside the last,
+        assistant, message (``continue_final_message``). ``template_kwargs`` are the request's
+        chat_template_kwargs: a built-in template reads the ones it knows and ignores the rest."""
         if isinstance(messages, str):
-            return self.get_prompt(messages, sequence_start)
-        return self._render(messages, sequence_start)
+            text = self.get_prompt(messages, sequence_start)
+        elif continue_final_message:
+            final = _final_to_continue(messages)
+            return _cut_at_mark(self._render(_marked(messages), sequence_start, generation_prompt=False), final)
+        else:
+            text = self._render(messages, sequence_start, generation_prompt=add_generation_prompt)
+        return text + self._after_generation_prompt(template_kwargs) if add_generation_prompt else text
 
-    def _render(self, messages: list[dict[str, Any]], sequence_start: bool = True) -> str:
+    def _after_generation_prompt(self, template_kwargs: dict[str, Any]) -> str:
+        """What follows the generation prompt, given the request's chat_template_kwargs."""
+        return ""
+
+    def _render(self, messages: list[dict[str, Any]], sequence_start: bool = True,
+                generation_prompt: bool = True) -> str:
         ret, pending = "", ""
         has_system = bool(messages) and messages[0].get("role") == "system"
         if sequence_start and self.meta_instruction is not None and not has_system:
@@ -114,7 +191,7 @@ class BaseChatTemplate:
                 ret += f"{self.assistant}{content}{self.eoa}{self.separator}"
             else:
                 raise ValueError(f"unsupported message role {role!r}: use 'system', 'user' or 'assistant'")
-        return f"{ret}{pending}{self._assistant_prompt()}"
+        return f"{ret}{pending}{self._assistant_prompt() if generation_prompt else ''}"
 
 
 # Fields a ChatTemplateConfig may override on a template: the template's own, declared once above
@@ -347,7 +424,8 @@ class ChatGLM2(BaseChatTemplate):
             return self._render([{"role": "user", "content": prompt}])
         return f"{self.eoa}{self.user}{prompt}{self.eoh}{self.assistant}"
 
-    def _render(self, messages: list[dict[str, Any]], sequence_start: bool = True) -> str:
+    def _render(self, messages: list[dict[str, Any]], sequence_start: bool = True,
+                generation_prompt: bool = True) -> str:
         ret, rounds = "", 0
         for msg in messages:
             role, content = msg.get("role"), _text(msg.get("content", ""))
@@ -360,6 +438,8 @@ class ChatGLM2(BaseChatTemplate):
                 ret += f"{content}{self.eoa}"
             else:
                 raise ValueError(f"unsupported message role {role!r}: use 'system', 'user' or 'assistant'")
+        if not generation_prompt and messages and messages[-1].get("role") == "user":
+            ret = ret[:-len(self.assistant)]  # each round opens the answer; without a generation prompt, not
         return ret  # ends at 答： after a user turn; after an answer, where the next round starts
 
 
@@ -469,10 +549,15 @@ class Llama3_1(Llama3):
 @register_chat_template("qwen3")
 @dataclass
 class Qwen3(ChatML):
-    """Qwen3: ChatML with no default system prompt (the model thinks first unless told not to)."""
+    """Qwen3: ChatML with no default system prompt (the model thinks first unless told not to:
+    ``chat_template_kwargs`` ``enable_thinking: false`` closes an empty think block after the
+    generation prompt, as Qwen3's own template does)."""
 
     stop_words: list[str] = field(default_factory=lambda: ["<|im_end|>", "<|endoftext|>"])
     match_patterns: ClassVar[tuple[str, ...]] = ("qwen3",)
+
+    def _after_generation_prompt(self, template_kwargs: dict[str, Any]) -> str:
+        return "<think>\n\n</think>\n\n" if template_kwargs.get("enable_thinking", True) is False else ""
 
 
 @register_chat_template("dbrx")
@@ -501,10 +586,11 @@ class Dbrx(ChatML):
     stop_words: list[str] = field(default_factory=lambda: ["<|im_end|>", "<|endoftext|>"])
     match_patterns: ClassVar[tuple[str, ...]] = ("dbrx",)
 
-    def _render(self, messages: list[dict[str, Any]], sequence_start: bool = True) -> str:
+    def _render(self, messages: list[dict[str, Any]], sequence_start: bool = True,
+                generation_prompt: bool = True) -> str:
         if messages and messages[0].get("role") == "system":  # the published template's ``| trim``
             messages = [{**messages[0], "content": _text(messages[0].get("content", "")).strip()}, *messages[1:]]
-        return super()._render(messages, sequence_start)
+        return super()._render(messages, sequence_start, generation_prompt)
 
 
 @register_chat_template("deepseek")
@@ -535,6 +621,41 @@ class Deepseek(BaseChatTemplate):
         return super().match(model_path) and "chat" in model_path.lower()
 
 
+def _reads_content_parts(source: Any) -> bool:
+    """Whether a Jinja chat template loops over a message's content (OpenAI's list of parts, as
+    multimodal templates do) rather than using it as a string.
+
+    A template of the second kind fed a list of parts fails (``'...' + message['content']``
+    raises TypeError) or prints the list; so the parts are joined for it, and kept for the first.
+    Read from the template's syntax tree: a ``for`` whose iterable reads ``content``, directly or
+    through a variable set from it."""
+    from jinja2 import TemplateSyntaxError, nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if not isinstance(source, str):
+        return False
+    try:
+        tree = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+    except TemplateSyntaxError:  # a tag only transformers knows ({% generation %}): strings, the common case
+        return False
+
+    def reads_content(node: nodes.Node) -> bool:
+        for n in (node, *node.find_all((nodes.Getattr, nodes.Getitem, nodes.Name))):
+            if isinstance(n, nodes.Getattr) and n.attr == "content":
+                return True
+            if isinstance(n, nodes.Getitem) and isinstance(n.arg, nodes.Const) and n.arg.value == "content":
+                return True
+            if isinstance(n, nodes.Name) and n.name in content_names:
+                return True
+        return False
+
+    content_names: set[str] = set()
+    for assign in tree.find_all(nodes.Assign):
+        if isinstance(assign.target, nodes.Name) and reads_content(assign.node):
+            content_names.add(assign.target.name)
+    return any(reads_content(loop.iter) for loop in tree.find_all(nodes.For))
+
+
 class HFChatTemplate:
     """The Jinja ``chat_template`` a transformers tokenizer ships with."""
 
@@ -547,6 +668,8 @@ class HFChatTemplate:
         self.tokenizer = tokenizer
         eos = getattr(tokenizer, "eos_token", None)
         self.stop_words: list[str] = [eos] if eos else []
+        # A content list of text parts goes to the template as parts only if it loops over them.
+        self.reads_parts = _reads_content_parts(tokenizer.chat_template)
         # Templates such as Llama 3's render the BOS that the tokenizer also adds on encode: then the
         # caller must encode with add_special_tokens=False, or the model sees two BOS tokens.
         bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
@@ -559,19 +682,29 @@ class HFChatTemplate:
         """Never selected by name: it is chosen when the tokenizer has a template."""
         return False
 
-    def _apply(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def _apply(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **template_kwargs: Any) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            self._content(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs)
 
-    def get_prompt(self, prompt: str, sequence_start: bool = True) -> str:
+    def _content(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Messages whose content the template can read: parts kept for a template that loops
+        over them, else joined into one string (by newlines, as the server's ingress joins them)."""
+        if self.reads_parts or all(isinstance(m.get("content"), str | None) for m in messages):
+            return messages
+        return [m if isinstance(m.get("content"), str | None) else
+                {**m, "content": "\n".join(p.get("text", "") for p in m["content"]
+                                           if isinstance(p, dict) and p.get("type", "text") == "text")}
+                for m in messages]
+
+    def get_prompt(self, prompt: str, sequence_start: bool = True, **template_kwargs: Any) -> str:
         """Prompt for one user turn; with sequence_start=False only the new turn's text."""
         if sequence_start:
-            return self._apply([{"role": "user", "content": prompt}], True)
+            return self._apply([{"role": "user", "content": prompt}], True, **template_kwargs)
         # Render a dummy history with and without the new turn and keep the difference, cut just
         # after the history's last eos, because the session's previous output ended there.
         history = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
-        head = self._apply(history, False)
-        full = self._apply([*history, {"role": "user", "content": prompt}], True)
+        head = self._apply(history, False, **template_kwargs)
+        full = self._apply([*history, {"role": "user", "content": prompt}], True, **template_kwargs)
         cut = len(head)
         if self.stop_words and self.stop_words[0] in head:
             cut = head.rindex(self.stop_words[0]) + len(self.stop_words[0])
@@ -580,11 +713,16 @@ class HFChatTemplate:
             return full
         return full[cut:]
 
-    def messages2prompt(self, messages: Messages, sequence_start: bool = True) -> str:
-        """Prompt for a user string or an OpenAI-style message list, via ``apply_chat_template``."""
+    def messages2prompt(self, messages: Messages, sequence_start: bool = True, *, add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, **template_kwargs: Any) -> str:
+        """Prompt for a user string or an OpenAI-style message list, via ``apply_chat_template``;
+        ``template_kwargs`` (the request's chat_template_kwargs) are the template's variables."""
         if isinstance(messages, str):
-            return self.get_prompt(messages, sequence_start)
-        return self._apply(messages, True)
+            return self.get_prompt(messages, sequence_start, **template_kwargs)
+        if continue_final_message:
+            final = _final_to_continue(messages)
+            return _cut_at_mark(self._apply(_marked(messages), False, **template_kwargs), final)
+        return self._apply(messages, add_generation_prompt, **template_kwargs)
 
 
 ChatTemplate = BaseChatTemplate | HFChatTemplate

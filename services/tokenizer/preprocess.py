@@ -18,7 +18,7 @@ from ...engine.hf_config import generation_eos_ids
 from ...protocol.errors import InvalidRequestError, PromptTooLongError
 from ...protocol.messages import GenerateReq, TokenizedReq
 from ...protocol.sampling import SamplingParams, validate
-from .chat_template import ChatTemplateConfig, get_chat_template
+from .chat_template import ChatTemplateConfig, check_template_kwargs, get_chat_template
 from .guide_syntax import check_guide_syntax
 from .loader import load_tokenizer
 
@@ -58,12 +58,21 @@ class Preprocessor:
         self.eos_token_ids = sorted(set(eos))
         self.vocab_size = len(self.tokenizer)
 
-    def render(self, prompt: Prompt, do_preprocess: bool = True, sequence_start: bool = True) -> str:
-        """Apply the chat template (or not) to a string or an OpenAI message list."""
+    def render(self, prompt: Prompt, do_preprocess: bool = True, sequence_start: bool = True,
+               chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> str:
+        """Apply the chat template (or not) to a string or an OpenAI message list.
+
+        ``chat_template_kwargs`` are the template's extra variables (Qwen3's ``enable_thinking``);
+        ``add_generation_prompt=False`` ends the prompt after the last message;
+        ``continue_final_message`` ends it inside the last (assistant) message (and wins over
+        ``add_generation_prompt``)."""
+        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                   **check_template_kwargs(chat_template_kwargs)}
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty: give some text", param="prompt")
-            return self.template.messages2prompt(prompt, sequence_start) if do_preprocess else prompt
+            return self.template.messages2prompt(prompt, sequence_start, **options) if do_preprocess else prompt
         if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
             raise InvalidRequestError(
                 "a prompt must be a non-empty string or a non-empty list of "
@@ -74,13 +83,16 @@ class Preprocessor:
                     f"bad message {repr(m)[:200]}: each needs a role (system/user/assistant) and content "
                     "(a string, or a list of text parts)", param="messages")
         try:
-            return self.template.messages2prompt(prompt, sequence_start)
+            return self.template.messages2prompt(prompt, sequence_start, **options)
+        except InvalidRequestError:
+            raise
         except (ValueError, TypeError, TemplateError) as exc:  # a Jinja template refusing the conversation
             raise InvalidRequestError(str(exc)[:500], param="messages") from exc
 
-    def encode(self, prompt: Prompt, do_preprocess: bool = True, sequence_start: bool = True) -> list[int]:
-        """Token ids of a prompt after the chat template."""
-        text = self.render(prompt, do_preprocess, sequence_start)
+    def encode(self, prompt: Prompt, do_preprocess: bool = True, sequence_start: bool = True,
+               **template_options: Any) -> list[int]:
+        """Token ids of a prompt after the chat template (``template_options``: ``render``'s)."""
+        text = self.render(prompt, do_preprocess, sequence_start, **template_options)
         # Templated text already carries every special token it needs (BOS included, where the
         # template renders it); a continuation turn of a session must not get a second BOS.
         add_special = sequence_start and not getattr(self.template, "includes_bos", False)
@@ -120,9 +132,12 @@ class Preprocessor:
             ids = list(req.input_ids)
         elif req.messages is not None or req.prompt is not None:
             prompt = req.messages if req.messages is not None else req.prompt
-            ids = self.encode(prompt, req.do_preprocess, bool(req.sequence_start))
+            options = {"chat_template_kwargs": req.chat_template_kwargs,
+                       "add_generation_prompt": req.add_generation_prompt,
+                       "continue_final_message": req.continue_final_message}
+            ids = self.encode(prompt, req.do_preprocess, bool(req.sequence_start), **options)
             if req.sequence_start is None:
-                first_turn_ids = self.encode(prompt, req.do_preprocess, True)
+                first_turn_ids = self.encode(prompt, req.do_preprocess, True, **options)
                 first_turn_ids = None if first_turn_ids == ids else first_turn_ids  # e.g. a whole chat
         else:
             raise InvalidRequestError("give a prompt, messages or input_ids", param="prompt")

@@ -29,8 +29,6 @@ async def test_stream_options_need_stream(app) -> None:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("tool_choice", "auto"),
     ("functions", [{"name": "f", "parameters": {}}]),
@@ -39,6 +37,18 @@ async def test_what_the_engine_cannot_do_is_refused(app, engine, field, value) -
     async with http(app) as c:
         err = assert_error(await c.post("/v1/chat/completions", json=chat_body(**{field: value})), 400)
     assert err["param"] == field and not engine.requests
+
+
+@pytest.mark.parametrize("value, kind", [
+    ({"type": "json_object"}, "json_object"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}},
+     "json_schema"),
+])
+async def test_response_format_reaches_the_engine_as_a_guide(app, engine, value, kind) -> None:
+    async with http(app) as c:
+        r = await c.post("/v1/chat/completions", json=chat_body(response_format=value))
+    assert r.status_code == 200, r.text
+    assert engine.requests[0].params.guide.kind == kind
 
 
 async def test_their_no_op_values_are_accepted(app) -> None:

@@ -32,7 +32,7 @@ def install_completions(app: FastAPI, ing: Ingress) -> None:
         # Unbounded by default: the scheduler ends the turn where the context (session_len) is full.
         max_new = body.requested_max_tokens or client.session_len
         reqs = [GenerateReq(rid=f"{rid}-{i}", reply_to=client.reply_to, messages=messages,
-                            params=body.sampling_params(max_new, k, i)) for i in range(n)]
+                            params=body.sampling_params(max_new, k, i), **body.template_options) for i in range(n)]
         fmt = ChatFormat(rid, int(time.time()), ing.model_name, n, ing.renderer, k, body.wants_usage_chunk)
         return await ing.respond(request, reqs, fmt, stream=bool(body.stream), n=n, start=start, user=body.user)
 
