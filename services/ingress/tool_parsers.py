@@ -1,0 +1,459 @@
+"""Tool-call parsers: find the function calls a model printed in its text, whole or streamed.
+
+``--tool-call-parser`` picks one by vLLM's name; ``default_tool_parser`` names the one a model
+family's chat template teaches. Formats (as the models print them):
+
+- ``llama3_json`` (Llama 3.1 / 3.2 / 3.3): the whole output is a call, ``{"name": "f",
+  "parameters": {...}}`` (``"arguments"`` also accepted), optionally after ``<|python_tag|>``;
+  several calls are separated by ``;`` (or whitespace). An output that does not open with a call
+  is all content; text after the last call is content.
+- ``hermes`` (Hermes 2/3, Qwen2.5, Qwen3): ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n
+  </tool_call>``, several in a row; the text around them is content.
+- ``internlm`` (InternLM2 / 2.5 / 3): ``<|action_start|><|plugin|>\\n{"name": "f", "parameters":
+  {...}}<|action_end|>``; the text around it is content (``<|interpreter|>`` actions stay text).
+- ``mistral``: ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]`` (v0.3 tokenizers), and
+  ``[TOOL_CALLS]f[ARGS]{...}`` (v11+; ``[CALL_ID]id`` before ``[ARGS]`` is read, and the form with
+  ``[ARGS]`` dropped, ``[TOOL_CALLS]f{...}``, is accepted); the text before is content.
+
+A call is kept only when its JSON parses into an object with a string ``name`` and object
+arguments; anything else inside the markers stays content, marker text included: model output
+never raises. Arguments are re-serialized compactly (``{"city":"Paris"}``, non-ASCII kept).
+
+Streaming is exact: the content fragments that ``feed`` and ``finish`` return, concatenated, equal
+the content ``parse`` returns, and the calls are the same in the same order, however the text is
+cut into deltas. A possible partial marker (and an undecided call) is held back; content before a
+marker streams at once. Each call is sent as one fragment once its JSON is complete.
+
+The special tokens of the formats (``<|python_tag|>``, ``<|action_start|>``, ``[TOOL_CALLS]``,
+...) are special in their tokenizers: the detokenizer must keep them (``skip_special_tokens``
+false) for a parser whose ``needs_special_tokens`` is true, or the markers never reach it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ...protocol.errors import InvalidRequestError
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: ``arguments`` is JSON text of an object, as OpenAI's ``function.arguments``."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_openai(self) -> dict[str, Any]:
+        """The call as an item of a chat message's ``tool_calls``."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ContentDelta:
+    """Streamed text that is content (not part of a call)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    """A streamed fragment of call ``index``: the first one carries ``id`` and ``name``, later
+    ones (if any) only argument text to append."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+    def to_openai(self) -> dict[str, Any]:
+        """The fragment as an item of a chunk's ``delta.tool_calls``."""
+        if self.id is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {"index": self.index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+ToolDelta = ContentDelta | CallDelta
+
+
+def finish_reason(engine_reason: str | None, has_calls: bool) -> str | None:
+    """OpenAI's finish_reason for a choice: ``tool_calls`` when it stopped after calling tools.
+
+    A choice cut by ``length`` (or aborted) keeps its reason, so the client can tell that its
+    last call may be missing.
+    """
+    if has_calls and engine_reason in ("stop", None):
+        return "tool_calls"
+    return engine_reason
+
+
+def new_call_id() -> str:
+    """An id shaped as OpenAI's: ``call_`` and 24 letters or digits."""
+    return "call_" + "".join(secrets.choice(_ALNUM) for _ in range(24))
+
+
+def held_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that is a proper start of ``marker`` (0 if none)."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def json_end(text: str, start: int) -> int | None:
+    """The end of the JSON object or array opening at ``text[start]``; None while it is not closed.
+
+    Only brackets outside strings count; whether the value is valid JSON is json.loads' business.
+    """
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than the decoder goes
+        return None
+
+
+def call_from_object(obj: Any, name: str | None = None) -> tuple[str, str] | None:
+    """(name, compact arguments JSON) of a decoded call object, or None if it is not one.
+
+    The arguments are ``arguments`` or ``parameters`` (absent: ``{}``); a string holding a JSON
+    object is accepted too (some models double-encode them).
+    """
+    if name is None:
+        if not isinstance(obj, dict):
+            return None
+        name = obj.get("name")
+        args = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
+    else:
+        args = obj
+    if not isinstance(name, str) or not name:
+        return None
+    if args is None:
+        args = {}
+    if isinstance(args, str):
+        args = _loads(args)
+    if not isinstance(args, dict):
+        return None
+    return name, json.dumps(args, ensure_ascii=False, separators=(",", ":"))
+
+
+# One step of a parser's scan: what it decided (("text", s) or ("call", name, args, id or None))
+# and how many characters of its buffer that consumed.
+Event = tuple[Any, ...]
+Step = tuple[list[Event], int]
+
+
+class ToolParser:
+    """One output's calls and content; ``feed`` deltas, then ``finish`` (or ``parse`` a whole text).
+
+    A parser holds the state of one streamed output (one choice): make one per choice. Each
+    format is a ``_step`` over the undecided text that only decides what further text cannot
+    change, which is what makes streaming equal ``parse`` for any cut.
+    """
+
+    name: ClassVar[str] = ""
+    needs_special_tokens: ClassVar[bool] = False  # its markers are special tokens: don't skip them
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._state = "out"
+        self._gap = ""  # the whitespace before the marker of the call being read
+        self.calls: list[ToolCall] = []  # the calls completed so far, in order
+
+    @property
+    def has_calls(self) -> bool:
+        """Whether the output (so far) called a tool: then the finish_reason is ``tool_calls``."""
+        return bool(self.calls)
+
+    def new_id(self) -> str:
+        """A fresh call id in the format's shape."""
+        return new_call_id()
+
+    # ---- whole output ---------------------------------------------------------------------------
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole output; content is None when it is only whitespace."""
+        scan = type(self)()
+        deltas = scan.feed(text) + scan.finish()
+        content = "".join(d.text for d in deltas if isinstance(d, ContentDelta))
+        return (content if content.strip() else None), scan.calls
+
+    # ---- streaming ------------------------------------------------------------------------------
+
+    def feed(self, delta: str) -> list[ToolDelta]:
+        """The content and call fragments that one more piece of output text decides."""
+        self._buf += delta
+        return self._drain(final=False)
+
+    def finish(self) -> list[ToolDelta]:
+        """What is still held back, once the output has ended."""
+        return self._drain(final=True)
+
+    def _drain(self, final: bool) -> list[ToolDelta]:
+        out: list[ToolDelta] = []
+        while True:
+            state = self._state
+            events, used = self._step(self._buf, final)
+            self._buf = self._buf[used:]
+            events = [event for event in events if event[0] != "text" or event[1]]
+            for event in events:
+                if event[0] == "text":
+                    if out and isinstance(out[-1], ContentDelta):
+                        out[-1] = ContentDelta(out[-1].text + event[1])
+                    else:
+                        out.append(ContentDelta(event[1]))
+                else:
+                    call = ToolCall(event[3] or self.new_id(), event[1], event[2])
+                    out.append(CallDelta(len(self.calls), call.arguments, call.id, call.name))
+                    self.calls.append(call)
+            if not used and not events and self._state == state:
+                return out  # nothing more is decided until more text (or the end) comes
+
+    def _step(self, buf: str, final: bool) -> Step:
+        raise NotImplementedError
+
+    def _scan_out(self, buf: str, final: bool, marker: str) -> Step:
+        """Content up to a call ``marker`` (which moves to state ``in``).
+
+        Whitespace between content and a call, between two calls, and after the last call is
+        the format's layout, not content: it is held until the next text decides. Whitespace
+        between a call and more content is kept, so the content's words stay apart.
+        """
+        if self._state == "after":
+            rest = buf.lstrip()
+            if not rest and not final:
+                return [], 0
+            if not rest or rest.startswith(marker):
+                self._state = "out"
+                return [], len(buf) - len(rest)
+            if marker.startswith(rest) and not final:
+                return [], 0
+            self._state = "out"
+            return [], 0
+        at = buf.find(marker)
+        if at >= 0:
+            text = buf[:at].rstrip()
+            self._gap = buf[len(text):at]
+            self._state = "in"
+            return [("text", text)], at + len(marker)
+        if final:
+            return [("text", buf)], len(buf)
+        text = buf[:len(buf) - held_suffix(buf, marker)].rstrip()
+        return [("text", text)], len(text)
+
+
+class TaggedToolParser(ToolParser):
+    """Calls as JSON objects between a start and an end marker, content around them."""
+
+    start: ClassVar[str] = ""
+    end: ClassVar[str] = ""
+
+    def _step(self, buf: str, final: bool) -> Step:
+        if self._state != "in":
+            return self._scan_out(buf, final, self.start)
+        at = buf.find(self.end)
+        if at < 0 and not final:
+            return [], 0  # the call is not closed yet
+        body, used = (buf[:at], at + len(self.end)) if at >= 0 else (buf, len(buf))
+        # A call cut short (no end marker: max_tokens, or a stop word) is still read if complete.
+        call = call_from_object(_loads(body.strip()))
+        if call is None:
+            self._state = "out"
+            return [("text", self._gap + self.start + buf[:used])], used
+        self._state = "after"
+        return [("call", *call, None)], used
+
+
+class HermesToolParser(TaggedToolParser):
+    """Hermes 2 Pro / 3, Qwen2.5, Qwen3: ``<tool_call>{json}</tool_call>``."""
+
+    name = "hermes"
+    start = "<tool_call>"
+    end = "</tool_call>"
+
+
+class InternLMToolParser(TaggedToolParser):
+    """InternLM2 / 2.5 / 3: ``<|action_start|><|plugin|>{json}<|action_end|>``."""
+
+    name = "internlm"
+    needs_special_tokens = True
+    start = "<|action_start|><|plugin|>"
+    end = "<|action_end|>"
+
+
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.1 / 3.2 / 3.3 JSON calls: the output opens with ``{"name": ..., "parameters": ...}``."""
+
+    name = "llama3_json"
+    needs_special_tokens = True  # only to drop <|python_tag|>; without it the JSON still parses
+    _LEAD = re.compile(r"\s*(?:<\|python_tag\|>\s*)?")
+    _SEP = re.compile(r"\s*(?:;\s*)?")
+    _TAG = "<|python_tag|>"
+
+    def _step(self, buf: str, final: bool) -> Step:
+        if self._state == "content":
+            return [("text", buf)], len(buf)
+        first = self._state == "out"
+        at = (self._LEAD if first else self._SEP).match(buf).end()
+        rest = buf[at:]
+        if not rest.startswith("{"):
+            undecided = not rest or (first and self._TAG.startswith(rest.lstrip()))
+            if undecided and not final:
+                return [], 0
+            if not first and not rest.strip():
+                return [], len(buf)  # separators or whitespace after the last call: not content
+            self._state = "content"
+            return [], 0
+        end = json_end(buf, at)
+        if end is None and not final:
+            return [], 0
+        call = call_from_object(_loads(buf[at:end])) if end is not None else None
+        if call is None:
+            self._state = "content"  # not a call: this text and all after it are content
+            return [], 0
+        self._state = "after"
+        return [("call", *call, None)], end
+
+
+class MistralToolParser(ToolParser):
+    """Mistral: ``[TOOL_CALLS][{json}, ...]`` or ``[TOOL_CALLS]name[ARGS]{json}``."""
+
+    name = "mistral"
+    needs_special_tokens = True
+    start = "[TOOL_CALLS]"
+    # v11+: name, an optional [CALL_ID]id, then [ARGS] (dropped by a detokenizer that skips it)
+    _NAMED = re.compile(r"([A-Za-z0-9_.\-]{1,128})(?:\[CALL_ID\]([A-Za-z0-9]{1,64}))?(?:\[ARGS\])?(?=\{)")
+    _NAMED_CHARS = frozenset(string.ascii_letters + string.digits + "_.-[]")
+    _NAMED_MAX = 220  # longer than any _NAMED match: past it without one, none can come
+
+    def new_id(self) -> str:
+        """Mistral's templates refuse any id but 9 letters or digits in the history."""
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+    def _step(self, buf: str, final: bool) -> Step:
+        if self._state != "in":
+            return self._scan_out(buf, final, self.start)
+        rest = buf.lstrip()
+        skipped = len(buf) - len(rest)
+        if rest[:1] in ("[", "{"):
+            end = json_end(buf, skipped)
+            if end is None and not final:
+                return [], 0
+            value = _loads(buf[skipped:end]) if end is not None else None
+            items = value if isinstance(value, list) else [value]
+            calls = [call_from_object(item) for item in items]
+            if end is None or not items or None in calls:
+                return self._not_a_call()
+            self._state = "after"
+            return [("call", *call, None) for call in calls], end
+        match = self._NAMED.match(rest)
+        if match is None:
+            maybe = len(rest) <= self._NAMED_MAX and all(ch in self._NAMED_CHARS for ch in rest)
+            if maybe and not final:
+                return [], 0
+            return self._not_a_call()
+        start = skipped + match.end()
+        end = json_end(buf, start)
+        if end is None and not final:
+            return [], 0
+        call = call_from_object(_loads(buf[start:end]), match.group(1)) if end is not None else None
+        if call is None:
+            return self._not_a_call()
+        self._state = "after"
+        return [("call", *call, match.group(2))], end
+
+    def _not_a_call(self) -> Step:
+        # The marker is text, and what follows it is scanned again (another marker may follow).
+        self._state = "out"
+        return [("text", self._gap + self.start)], 0
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    cls.name: cls
+    for cls in (Llama3JsonToolParser, HermesToolParser, InternLMToolParser, MistralToolParser)
+}
+
+# The builtin chat templates (services/tokenizer/chat_template.py) and architectures whose
+# models were trained on a format. Llama-architecture models span several formats (Llama 2,
+# Vicuna, ...): only their template tells.
+_BY_TEMPLATE = {
+    "llama3": "llama3_json", "llama3_1": "llama3_json", "llama3_2": "llama3_json",
+    "qwen": "hermes", "qwen2": "hermes", "qwen3": "hermes",
+    "internlm2": "internlm", "internlm3": "internlm",
+    "mistral": "mistral", "mixtral": "mistral",
+}
+_BY_ARCHITECTURE = {
+    "Qwen2ForCausalLM": "hermes", "Qwen2MoeForCausalLM": "hermes",
+    "Qwen3ForCausalLM": "hermes", "Qwen3MoeForCausalLM": "hermes",
+    "InternLM2ForCausalLM": "internlm", "InternLM3ForCausalLM": "internlm",
+    "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mistral",
+}
+# A Jinja chat template's own text names its format by the markers it renders.
+_BY_TEMPLATE_TEXT = (
+    ("<tool_call>", "hermes"),
+    ("[TOOL_CALLS]", "mistral"),
+    ("<|action_start|>", "internlm"),
+    ("<|python_tag|>", "llama3_json"),
+)
+
+
+def default_tool_parser(architecture_or_template_name: str | None) -> str | None:
+    """The parser a builtin chat template's name (``llama3_1``, ``qwen``, ``internlm2``,
+    ``mistral``, ...) or an architecture (``Qwen2ForCausalLM``, ...) implies; None when unknown."""
+    if not architecture_or_template_name:
+        return None
+    key = architecture_or_template_name
+    return _BY_TEMPLATE.get(key.lower()) or _BY_ARCHITECTURE.get(key)
+
+
+def tool_parser_for_template_text(template: str | None) -> str | None:
+    """The parser a Jinja chat template's source implies by the call markers it renders; None if none."""
+    if not template or "tool" not in template:
+        return None
+    for marker, parser in _BY_TEMPLATE_TEXT:
+        if marker in template:
+            return parser
+    return None
+
+
+def check_tool_parser(name: str) -> str:
+    """``name`` if it is a known tool-call parser, else an error naming the known ones."""
+    if name not in TOOL_PARSERS:
+        raise InvalidRequestError(
+            f"unknown tool-call parser {name!r}: choose one of {', '.join(sorted(TOOL_PARSERS))}",
+            param="tool_call_parser")
+    return name
+
+
+def make_tool_parser(name: str) -> ToolParser:
+    """A fresh parser of format ``name`` for one output."""
+    return TOOL_PARSERS[check_tool_parser(name)]()
