@@ -109,30 +109,53 @@ def held_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def json_end(text: str, start: int) -> int | None:
-    """The end of the JSON object or array opening at ``text[start]``; None while it is not closed.
+class JsonEnd:
+    """Where the JSON object or array opening at ``text[start]`` closes; None while it is not closed.
 
     Only brackets outside strings count; whether the value is valid JSON is json.loads' business.
+    A look resumes where the last one on the same start stopped (the text only grows between
+    looks), so a call streamed in many deltas is scanned once, not once per delta.
     """
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the last look (the text it scanned changed)."""
+        self._start = self._pos = -1
+        self._depth, self._in_string, self._escaped = 0, False, False
+
+    def find(self, text: str, start: int) -> int | None:
+        """The end (exclusive) of the value opening at ``start``, or None."""
+        if start != self._start:
+            self.reset()
+            self._start = self._pos = start
+        depth, in_string, escaped = self._depth, self._in_string, self._escaped
+        for i in range(self._pos, len(text)):
+            ch = text[i]
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    in_string = False
             elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+                in_string = True
+            elif ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+                if depth == 0:
+                    self.reset()
+                    return i + 1
+        self._pos, self._depth, self._in_string, self._escaped = len(text), depth, in_string, escaped
+        return None
+
+
+def json_end(text: str, start: int) -> int | None:
+    """Where the JSON object or array opening at ``text[start]`` closes (one look, no memory)."""
+    return JsonEnd().find(text, start)
 
 
 def _loads(text: str) -> Any:
@@ -187,6 +210,8 @@ class ToolParser:
         self._buf = ""
         self._state = "out"
         self._gap = ""  # the whitespace before the marker of the call being read
+        self._json = JsonEnd()  # the open call's JSON, scanned as it grows
+        self._searched = 0  # where the next look for a call's end marker starts
         self.calls: list[ToolCall] = []  # the calls completed so far, in order
 
     @property
@@ -223,7 +248,10 @@ class ToolParser:
         while True:
             state = self._state
             events, used = self._step(self._buf, final)
-            self._buf = self._buf[used:]
+            if used:  # positions into the buffer move: the resumable looks start over
+                self._buf = self._buf[used:]
+                self._json.reset()
+                self._searched = 0
             events = [event for event in events if event[0] != "text" or event[1]]
             for event in events:
                 if event[0] == "text":
@@ -280,8 +308,9 @@ class TaggedToolParser(ToolParser):
     def _step(self, buf: str, final: bool) -> Step:
         if self._state != "in":
             return self._scan_out(buf, final, self.start)
-        at = buf.find(self.end)
+        at = buf.find(self.end, self._searched)
         if at < 0 and not final:
+            self._searched = max(0, len(buf) - len(self.end) + 1)
             return [], 0  # the call is not closed yet
         body, used = (buf[:at], at + len(self.end)) if at >= 0 else (buf, len(buf))
         # A call cut short (no end marker: max_tokens, or a stop word) is still read if complete.
@@ -333,7 +362,7 @@ class Llama3JsonToolParser(ToolParser):
                 return [], len(buf)  # separators or whitespace after the last call: not content
             self._state = "content"
             return [], 0
-        end = json_end(buf, at)
+        end = self._json.find(buf, at)
         if end is None and not final:
             return [], 0
         call = call_from_object(_loads(buf[at:end])) if end is not None else None
@@ -365,7 +394,7 @@ class MistralToolParser(ToolParser):
         rest = buf.lstrip()
         skipped = len(buf) - len(rest)
         if rest[:1] in ("[", "{"):
-            end = json_end(buf, skipped)
+            end = self._json.find(buf, skipped)
             if end is None and not final:
                 return [], 0
             value = _loads(buf[skipped:end]) if end is not None else None
@@ -382,7 +411,7 @@ class MistralToolParser(ToolParser):
                 return [], 0
             return self._not_a_call()
         start = skipped + match.end()
-        end = json_end(buf, start)
+        end = self._json.find(buf, start)
         if end is None and not final:
             return [], 0
         call = call_from_object(_loads(buf[start:end]), match.group(1)) if end is not None else None

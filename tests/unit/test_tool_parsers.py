@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 
 import pytest
 
@@ -19,6 +20,7 @@ from conveyor.services.ingress.tool_parsers import (
     TOOL_PARSERS,
     CallDelta,
     ContentDelta,
+    JsonEnd,
     ToolCall,
     default_tool_parser,
     finish_reason,
@@ -319,3 +321,37 @@ def test_tool_parser_for_template_text():
     assert tool_parser_for_template_text("{%- if tools %}<|python_tag|>{% endif %}") == "llama3_json"
     assert tool_parser_for_template_text("{{ '<|im_start|>' + m.content }}") is None
     assert tool_parser_for_template_text(None) is None
+
+
+def test_json_end_resumes_across_deltas():
+    rng = random.Random(7)
+    text = 'x[{"a": "b\\"]}", "c": [1, {"d": "\\\\"}]}, "e{"]  tail'
+    whole = json_end(text, 1)
+    assert text[1:whole] == '[{"a": "b\\"]}", "c": [1, {"d": "\\\\"}]}, "e{"]'
+    json.loads(text[1:whole])
+    for _ in range(50):
+        scanner, got, i = JsonEnd(), None, 1
+        while got is None and i < len(text):
+            i += rng.randint(1, 5)
+            got = scanner.find(text[:i], 1)
+        assert got == whole
+
+
+@pytest.mark.parametrize("fmt, wrap", [
+    ("hermes", lambda body: f"<tool_call>\n{body}\n</tool_call>"),
+    ("llama3_json", lambda body: body),
+    ("mistral", lambda body: f"[TOOL_CALLS][{body}]"),
+    ("internlm", _plugin),
+])
+def test_a_long_call_streams_in_linear_time(fmt, wrap):
+    # 200 KB of arguments in 4-character deltas: a rescan per delta would take minutes
+    content = "def f(x):\n    return {'k': [x, \"}\"]}\n" * 5000
+    text = wrap(json.dumps({"name": "write_file", "arguments": {"path": "a.py", "content": content}}))
+    parser = make_tool_parser(fmt)
+    began = time.perf_counter()
+    for i in range(0, len(text), 4):
+        parser.feed(text[i:i + 4])
+    parser.finish()
+    assert time.perf_counter() - began < 5
+    [call] = parser.calls
+    assert json.loads(call.arguments)["content"] == content
