@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from conveyor.protocol.errors import InvalidRequestError
+from conveyor.protocol.guided import guide_from_response_format
 from conveyor.protocol.sampling import SamplingParams, validate
 
 
@@ -18,13 +19,25 @@ class GenerationConfig(SamplingParams, kw_only=True):
     returned; ``bad_words`` are never generated. With ``n > 1`` each prompt gets ``n``
     responses (seeded ``random_seed + i`` when a seed is given). ``None`` is accepted wherever
     LMDeploy's default is ``None`` (the word and id lists, ``min_new_tokens``).
+
+    ``response_format`` (LMDeploy's) constrains the output: ``dict(type='json_schema',
+    json_schema=dict(name=..., schema={...}))``, ``dict(type='json_object')`` or
+    ``dict(type='regex_schema', regex_schema='...')``; it sets ``guide``, which ``sampling_params``
+    carries to the engine.
     """
 
     n: int = 1
+    response_format: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:
             raise InvalidRequestError(f"GenerationConfig.n={self.n!r}: must be >= 1", param="n")
+        if self.response_format is not None:
+            guide = guide_from_response_format(self.response_format, "GenerationConfig.response_format")
+            if self.guide is not None and guide != self.guide:
+                raise InvalidRequestError("GenerationConfig: response_format and guide say different things; give "
+                                          "one", param="response_format")
+            self.guide = guide
         for name in ("stop_words", "bad_words", "stop_token_ids", "bad_token_ids"):
             value = getattr(self, name)
             if isinstance(value, str):

@@ -56,11 +56,54 @@ class Session:
         self.close()
 
 
+# LMDeploy's older spellings of GenerationConfig fields, accepted as call arguments.
+_OLD_NAMES = {"request_output_len": "max_new_tokens"}
+# GenerationConfig fields that are the tokenizer stage's to fill, never a caller's.
+_NOT_ARGUMENTS = ("bad_sequences",)
+
+
+def _call_options(method: str, gen_config: GenerationConfig | None, kwargs: dict[str, Any],
+                  allowed: tuple[str, ...] = ()) -> tuple[GenerationConfig, dict[str, Any]]:
+    """The call's GenerationConfig and its other options (the names in ``allowed``), from
+    ``gen_config`` or LMDeploy's older keyword arguments (``request_output_len=``, ``top_k=``,
+    ... given to the call itself: each becomes the GenerationConfig field of that meaning).
+
+    Nothing is swallowed: an argument conveyor does not know is a TypeError naming the fix, and so
+    are sampling arguments given beside a ``gen_config`` (which one should win is the caller's call).
+    """
+    options, fields = {}, {}
+    for name, value in kwargs.items():
+        if name in allowed:
+            options[name] = value
+            continue
+        field = _OLD_NAMES.get(name, name)
+        if field not in GenerationConfig.__struct_fields__ or field in _NOT_ARGUMENTS:
+            raise TypeError(f"{method}() got an unexpected keyword argument {name!r}; sampling settings go in "
+                            f"gen_config=GenerationConfig(...), whose fields are "
+                            f"{', '.join(f for f in GenerationConfig.__struct_fields__ if f not in _NOT_ARGUMENTS)}")
+        if field in fields:
+            raise TypeError(f"{method}() got {field} twice (request_output_len is max_new_tokens): give one")
+        fields[field] = value
+    if options.get("adapter_name") is not None:
+        raise InvalidRequestError(f"adapter_name={options['adapter_name']!r}: LoRA adapters are not supported; "
+                                  "serve a merged model", param="adapter_name")
+    if not fields:
+        return gen_config or GenerationConfig(), options
+    if gen_config is not None:
+        raise TypeError(f"{method}() got gen_config and {', '.join(kwargs)}: set "
+                        f"{', '.join(fields)} in the GenerationConfig instead")
+    return GenerationConfig(**fields), options
+
+
 def _is_single(prompts: Any) -> bool:
     """A string or one message list is one prompt; a list of those is a batch."""
     if isinstance(prompts, str):
         return True
     return isinstance(prompts, list) and bool(prompts) and all(isinstance(p, dict) for p in prompts)
+
+
+# The options the calls take besides gen_config (and LMDeploy's older sampling arguments).
+_CALL_OPTIONS = ("chat_template_kwargs", "use_tqdm", "adapter_name")
 
 
 class Pipeline:
@@ -88,25 +131,29 @@ class Pipeline:
 
     # ---- requests -------------------------------------------------------------------------
     def _request(self, prompt: Prompt, gen: GenerationConfig, sample: int, do_preprocess: bool,
-                 session_id: int | None, sequence_start: bool) -> GenerateReq:
+                 session_id: int | None, sequence_start: bool,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> GenerateReq:
         text, messages = (prompt, None) if isinstance(prompt, str) else (None, prompt)
         return GenerateReq(self._stack.new_rid(), "", gen.sampling_params(sample), prompt=text, messages=messages,
-                           do_preprocess=do_preprocess, session_id=session_id, sequence_start=sequence_start)
+                           do_preprocess=do_preprocess, session_id=session_id, sequence_start=sequence_start,
+                           chat_template_kwargs=chat_template_kwargs or None)
 
     def _stream(self, prompts: list[Prompt], gen: GenerationConfig, do_preprocess: bool,
-                session_id: int | None = None, sequence_start: bool = True) -> Iterator[tuple[int, Response]]:
+                session_id: int | None = None, sequence_start: bool = True,
+                chat_template_kwargs: dict[str, Any] | None = None) -> Iterator[tuple[int, Response]]:
         """Yield (request tag, delta) as they come, for every (prompt, sample) of the call."""
         # Cheap checks first (no tokenization), so a malformed prompt fails the call before
         # anything is queued; lengths are checked by the tokenizer stage.
         for p in prompts:
-            self.preprocessor.render(p, do_preprocess, sequence_start)
+            self.preprocessor.render(p, do_preprocess, sequence_start, chat_template_kwargs)
         out: queue.Queue[tuple[int, RequestOutput | RequestError]] = queue.Queue()
         live: dict[int, Response] = {}
         rids: list[str] = []
         try:
             for index, prompt in enumerate(prompts):
                 for sample in range(gen.n):
-                    req = self._request(prompt, gen, sample, do_preprocess, session_id, sequence_start)
+                    req = self._request(prompt, gen, sample, do_preprocess, session_id, sequence_start,
+                                        chat_template_kwargs)
                     tag = len(live)
                     rids.append(req.rid)
                     self._stack.submit(req, out, tag)
@@ -133,49 +180,84 @@ class Pipeline:
                  do_preprocess: bool = True, **kwargs: Any) -> Response | list[Response]:
         """Generate for one prompt (returns a Response) or a batch (returns a list).
 
-        With ``n > 1`` each prompt gives ``n`` responses, in prompt order.
+        With ``n > 1`` each prompt gives ``n`` responses, in prompt order. Keyword arguments:
+        ``chat_template_kwargs`` (the chat template's extra variables, e.g. ``enable_thinking=False``
+        for Qwen3), ``use_tqdm`` (a progress bar), ``adapter_name`` (None only), and LMDeploy's older
+        sampling arguments (``request_output_len``, ``top_k``, ...) instead of ``gen_config``.
         """
-        gen = gen_config or GenerationConfig()
+        gen, options = _call_options("__call__", gen_config, kwargs, _CALL_OPTIONS)
         single = _is_single(prompts)
         batch = [prompts] if single else list(prompts)
         if not batch:
             raise InvalidRequestError("no prompts given", param="prompts")
+        bar = None
+        if options.get("use_tqdm"):
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(batch) * gen.n, desc="generating")
         merged: dict[int, Response] = {}  # request tag -> accumulated response
-        for tag, r in self._stream(batch, gen, do_preprocess):
-            if tag not in merged:
-                merged[tag] = replace(r, text="", token_ids=[], logprobs=None, finish_reason=None)
-            acc = merged[tag]
-            acc.text += r.text
-            acc.token_ids += r.token_ids
-            acc.generate_token_len = r.generate_token_len
-            acc.num_cached_tokens = r.num_cached_tokens
-            if r.logprobs:
-                acc.logprobs = (acc.logprobs or []) + r.logprobs
-            if r.finish_reason is not None:
-                acc.finish_reason = r.finish_reason
+        try:
+            for tag, r in self._stream(batch, gen, do_preprocess,
+                                       chat_template_kwargs=options.get("chat_template_kwargs")):
+                if tag not in merged:
+                    merged[tag] = replace(r, text="", token_ids=[], logprobs=None, finish_reason=None)
+                acc = merged[tag]
+                acc.text += r.text
+                acc.token_ids += r.token_ids
+                acc.generate_token_len = r.generate_token_len
+                acc.num_cached_tokens = r.num_cached_tokens
+                if r.logprobs:
+                    acc.logprobs = (acc.logprobs or []) + r.logprobs
+                if r.finish_reason is not None:
+                    acc.finish_reason = r.finish_reason
+                    if bar is not None:
+                        bar.update()
+        finally:
+            if bar is not None:
+                bar.close()
         results = [merged[tag] for tag in sorted(merged)]  # tags follow prompt, then sample order
         return results[0] if single and gen.n == 1 else results
 
+    def infer(self, prompts: Prompt | list[Prompt], gen_config: GenerationConfig | None = None,
+              do_preprocess: bool = True, **kwargs: Any) -> Response | list[Response]:
+        """LMDeploy's name for calling the pipeline: the same as ``pipe(prompts, ...)``."""
+        return self(prompts, gen_config, do_preprocess, **kwargs)
+
+    def batch_infer(self, prompts: Prompt | list[Prompt], gen_config: GenerationConfig | None = None,
+                    do_preprocess: bool = True, **kwargs: Any) -> Response | list[Response]:
+        """LMDeploy's older name for calling the pipeline: the same as ``pipe(prompts, ...)``."""
+        return self(prompts, gen_config, do_preprocess, **kwargs)
+
     def stream_infer(self, prompts: Prompt | list[Prompt], gen_config: GenerationConfig | None = None,
                      do_preprocess: bool = True, **kwargs: Any) -> Iterator[Response]:
-        """Yield Responses whose ``text`` is the new part; ``index`` says which prompt."""
-        gen = gen_config or GenerationConfig()
+        """Yield Responses whose ``text`` is the new part; ``index`` says which prompt. Keyword
+        arguments as ``__call__``'s (``stream_response`` only True)."""
+        gen, options = _call_options("stream_infer", gen_config, kwargs, ("chat_template_kwargs", "adapter_name",
+                                                                          "stream_response"))
+        if options.get("stream_response", True) is not True:
+            raise TypeError("stream_infer() streams; for whole responses call the pipeline (pipe(prompts, ...))")
         batch = [prompts] if _is_single(prompts) else list(prompts)
-        for _, r in self._stream(batch, gen, do_preprocess):
+        return self._stream_infer(batch, gen, do_preprocess, options.get("chat_template_kwargs"))
+
+    def _stream_infer(self, batch: list[Prompt], gen: GenerationConfig, do_preprocess: bool,
+                      chat_template_kwargs: dict[str, Any] | None) -> Iterator[Response]:
+        for _, r in self._stream(batch, gen, do_preprocess, chat_template_kwargs=chat_template_kwargs):
             yield r
 
     # ---- sessions ---------------------------------------------------------------------------
     def chat(self, prompt: Prompt, session: Session | None = None, gen_config: GenerationConfig | None = None,
              stream_response: bool = False, do_preprocess: bool = True, **kwargs: Any) -> Session | Iterator[Response]:
-        """One turn of a multi-turn chat; the engine keeps the history as KV between turns."""
-        gen = gen_config or GenerationConfig()
+        """One turn of a multi-turn chat; the engine keeps the history as KV between turns.
+        Keyword arguments as ``__call__``'s (``chat_template_kwargs``, LMDeploy's older sampling ones)."""
+        gen, options = _call_options("chat", gen_config, kwargs, ("chat_template_kwargs", "adapter_name"))
         if gen.n != 1:
             raise InvalidRequestError("chat() generates one response per turn: use n=1", param="n")
         session = session or self.session()
         start = not session.history  # the first turn renders the system prompt
         if session.closed:
             raise InvalidRequestError("this session was closed: start a new one with session=None")
-        stream = self._stream([prompt], gen, do_preprocess, session.session_id, sequence_start=start)
+        stream = self._stream([prompt], gen, do_preprocess, session.session_id, sequence_start=start,
+                              chat_template_kwargs=options.get("chat_template_kwargs"))
         if stream_response:
             return self._chat_stream(stream, session, prompt)
         text, ids, logprobs, last = "", [], [], None

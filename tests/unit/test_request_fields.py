@@ -11,6 +11,7 @@ import pytest
 
 from test_ingress import PROMPT, assert_error, chat_body, http
 
+from conveyor import GenerationConfig
 from conveyor.services.ingress import openai_schemas
 
 pytestmark = pytest.mark.anyio
@@ -197,3 +198,104 @@ async def test_unknown_field_names_logged_are_bounded(monkeypatch) -> None:
     for i in range(openai_schemas.MAX_LOGGED_UNKNOWN + 50):
         openai_schemas.ChatCompletionRequest.model_validate({**chat_body(), f"f{i}": 1})
     assert len(openai_schemas._LOGGED_UNKNOWN) == openai_schemas.MAX_LOGGED_UNKNOWN
+
+
+# ---- pipeline() ----------------------------------------------------------------------------------
+
+STRING_TEMPLATE = ("{%- for m in messages %}{{ '<' + m.role + '>' + m.content }}{%- endfor %}"
+                   "{%- if add_generation_prompt %}<assistant>{%- endif %}")
+
+
+class _FakeStack:
+    """LocalStack's surface the pipeline uses: every request answers "ok" at once, and is kept."""
+
+    def __init__(self) -> None:
+        self.requests: list = []
+
+    def new_rid(self) -> str:
+        return f"r{len(self.requests)}"
+
+    def submit(self, req, sink, tag: int) -> None:
+        from conveyor.services.local_stack import RequestOutput
+
+        self.requests.append(req)
+        sink.put((tag, RequestOutput("ok", [1], "stop", 1, 1, 0)))
+
+    def abort(self, rids: list[str]) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def jinja_dir(tmp_path_factory):
+    from test_chat_template_kwargs import tokenizer
+
+    path = tmp_path_factory.mktemp("jinja")
+    tokenizer(STRING_TEMPLATE).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def pipe(jinja_dir):
+    """A Pipeline on a tiny tokenizer's Jinja template and a fake engine stack (no model)."""
+    import itertools
+
+    from conveyor.pipeline import Pipeline
+    from conveyor.services.tokenizer.preprocess import Preprocessor
+
+    p = Pipeline.__new__(Pipeline)
+    p.preprocessor = Preprocessor(jinja_dir, 256)
+    p._stack = _FakeStack()
+    p._session_ids = itertools.count(1)
+    return p
+
+
+def test_pipeline_old_call_arguments_act(pipe) -> None:
+    r = pipe("x", request_output_len=7, top_k=3, top_p=0.5, temperature=0.2, repetition_penalty=1.1,
+             ignore_eos=True, random_seed=5, stop_words=["."])
+    assert r.text == "ok"
+    p = pipe._stack.requests[0].params
+    assert (p.max_new_tokens, p.top_k, p.top_p, p.temperature, p.repetition_penalty, p.ignore_eos, p.random_seed,
+            p.stop_words) == (7, 3, 0.5, 0.2, 1.1, True, 5, ["."])
+    pipe.infer(["x", "y"], max_new_tokens=4)
+    pipe.batch_infer("x", request_output_len=5)
+    list(pipe.stream_infer("x", request_output_len=6))
+    pipe.chat("x", top_k=2)
+    got = [(r.params.max_new_tokens, r.params.top_k) for r in pipe._stack.requests[1:]]
+    assert got == [(4, 1), (4, 1), (5, 1), (6, 1), (512, 2)]
+
+
+@pytest.mark.parametrize("call, error, hint", [
+    (lambda p: p("x", bogus=1), TypeError, "'bogus'"),
+    (lambda p: p("x", top_k=2, gen_config=GenerationConfig()), TypeError, "in the GenerationConfig"),
+    (lambda p: p("x", request_output_len=2, max_new_tokens=3), TypeError, "twice"),
+    (lambda p: p("x", bad_sequences=[[1]]), TypeError, "gen_config=GenerationConfig"),
+    (lambda p: p("x", adapter_name="lora"), ValueError, "merged model"),
+    (lambda p: p.stream_infer("x", stream_response=False), TypeError, "whole responses"),
+    (lambda p: p.stream_infer("x", use_tqdm=True), TypeError, "'use_tqdm'"),
+    (lambda p: p.chat("x", sessions=[1]), TypeError, "'sessions'"),
+    (lambda p: p("x", chat_template_kwargs={"messages": []}), ValueError, "request's own"),
+])
+def test_pipeline_arguments_it_cannot_take_raise_naming_the_fix(pipe, call, error, hint) -> None:
+    with pytest.raises(error, match=hint):
+        call(pipe)
+    assert not pipe._stack.requests
+
+
+def test_pipeline_response_format_and_template_kwargs_reach_the_request(pipe) -> None:
+    schema = {"type": "object"}
+    gen = GenerationConfig(response_format=dict(type="json_schema", json_schema=dict(name="n", schema=schema)), n=2)
+    pipe(["x"], gen, chat_template_kwargs={"enable_thinking": False}, use_tqdm=True)
+    pipe("x", response_format={"type": "regex_schema", "regex_schema": "[0-9]+"})
+    reqs = pipe._stack.requests
+    assert [(r.params.guide.kind, r.params.guide.spec) for r in reqs] == \
+        [("json_schema", '{"type": "object"}')] * 2 + [("regex", "[0-9]+")]
+    assert [r.chat_template_kwargs for r in reqs] == [{"enable_thinking": False}] * 2 + [None]
+    assert GenerationConfig(response_format={"type": "json_object"}).sampling_params().guide.kind == "json_object"
+    with pytest.raises(ValueError, match="GenerationConfig.response_format"):
+        GenerationConfig(response_format={"type": "yaml"})
+
+
+def test_pipeline_takes_text_parts_with_a_string_jinja_template(pipe) -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert pipe(parts).text == "ok"  # this template concatenates content: a list raised TypeError before
+    assert pipe.preprocessor.render(parts) == "<user>a\nb<assistant>"
