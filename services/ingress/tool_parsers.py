@@ -18,15 +18,20 @@ family's chat template teaches. Formats (as the models print them):
 A call is kept only when its JSON parses into an object with a string ``name`` and object
 arguments; anything else inside the markers stays content, marker text included: model output
 never raises. Arguments are re-serialized compactly (``{"city":"Paris"}``, non-ASCII kept).
+Content is the text outside the calls, less the whitespace that only lays calls out (between
+content and a call, between calls, after the last call); ``parse`` answers None for content
+that is empty or only whitespace.
 
 Streaming is exact: the content fragments that ``feed`` and ``finish`` return, concatenated, equal
 the content ``parse`` returns, and the calls are the same in the same order, however the text is
 cut into deltas. A possible partial marker (and an undecided call) is held back; content before a
 marker streams at once. Each call is sent as one fragment once its JSON is complete.
 
-The special tokens of the formats (``<|python_tag|>``, ``<|action_start|>``, ``[TOOL_CALLS]``,
-...) are special in their tokenizers: the detokenizer must keep them (``skip_special_tokens``
-false) for a parser whose ``needs_special_tokens`` is true, or the markers never reach it.
+The markers of ``internlm`` (``<|action_start|>``, ``<|plugin|>``, ``<|action_end|>``) and
+``mistral`` (``[TOOL_CALLS]``, ``[ARGS]``, ...) are special tokens of their tokenizers: the
+detokenizer must keep them (``skip_special_tokens`` false) for a parser whose
+``needs_special_tokens`` is true, or the markers never reach it (``markers`` lists them, to check
+a tokenizer's special tokens with; some Hermes fine-tunes make ``<tool_call>`` special too).
 """
 
 from __future__ import annotations
@@ -205,6 +210,7 @@ class ToolParser:
 
     name: ClassVar[str] = ""
     needs_special_tokens: ClassVar[bool] = False  # its markers are special tokens: don't skip them
+    markers: ClassVar[tuple[str, ...]] = ()  # the marker strings it reads (to check against a tokenizer)
 
     def __init__(self) -> None:
         self._buf = ""
@@ -328,6 +334,7 @@ class HermesToolParser(TaggedToolParser):
     name = "hermes"
     start = "<tool_call>"
     end = "</tool_call>"
+    markers = (start, end)
 
 
 class InternLMToolParser(TaggedToolParser):
@@ -337,13 +344,15 @@ class InternLMToolParser(TaggedToolParser):
     needs_special_tokens = True
     start = "<|action_start|><|plugin|>"
     end = "<|action_end|>"
+    markers = ("<|action_start|>", "<|plugin|>", end)
 
 
 class Llama3JsonToolParser(ToolParser):
     """Llama 3.1 / 3.2 / 3.3 JSON calls: the output opens with ``{"name": ..., "parameters": ...}``."""
 
     name = "llama3_json"
-    needs_special_tokens = True  # only to drop <|python_tag|>; without it the JSON still parses
+    # <|python_tag|> is special; skipped by the detokenizer, the JSON that follows still parses
+    markers = ("<|python_tag|>",)
     _LEAD = re.compile(r"\s*(?:<\|python_tag\|>\s*)?")
     _SEP = re.compile(r"\s*(?:;\s*)?")
     _TAG = "<|python_tag|>"
@@ -379,6 +388,7 @@ class MistralToolParser(ToolParser):
     name = "mistral"
     needs_special_tokens = True
     start = "[TOOL_CALLS]"
+    markers = (start, "[ARGS]", "[CALL_ID]")
     # v11+: name, an optional [CALL_ID]id, then [ARGS] (dropped by a detokenizer that skips it)
     _NAMED = re.compile(r"([A-Za-z0-9_.\-]{1,128})(?:\[CALL_ID\]([A-Za-z0-9]{1,64}))?(?:\[ARGS\])?(?=\{)")
     _NAMED_CHARS = frozenset(string.ascii_letters + string.digits + "_.-[]")
@@ -474,8 +484,13 @@ def tool_parser_for_template_text(template: str | None) -> str | None:
     return None
 
 
+# LMDeploy's names for the same formats (its --tool-call-parser), accepted as well
+TOOL_PARSER_ALIASES = {"qwen": "hermes", "qwen2d5": "hermes", "qwen3": "hermes", "llama3": "llama3_json"}
+
+
 def check_tool_parser(name: str) -> str:
-    """``name`` if it is a known tool-call parser, else an error naming the known ones."""
+    """The parser ``name`` (or LMDeploy's alias of it) selects, else an error naming the known ones."""
+    name = TOOL_PARSER_ALIASES.get(name, name)
     if name not in TOOL_PARSERS:
         raise InvalidRequestError(
             f"unknown tool-call parser {name!r}: choose one of {', '.join(sorted(TOOL_PARSERS))}",

@@ -294,6 +294,11 @@ def test_registry_and_errors():
     # the formats whose markers are special tokens need the detokenizer to keep them
     assert make_tool_parser("mistral").needs_special_tokens and make_tool_parser("internlm").needs_special_tokens
     assert not make_tool_parser("hermes").needs_special_tokens
+    assert not make_tool_parser("llama3_json").needs_special_tokens  # its JSON parses without the tag
+    assert make_tool_parser("mistral").markers[0] == "[TOOL_CALLS]"
+    # LMDeploy's names for the same formats
+    assert make_tool_parser("qwen").name == make_tool_parser("qwen2d5").name == "hermes"
+    assert make_tool_parser("llama3").name == "llama3_json"
 
 
 @pytest.mark.parametrize("key, parser", [
