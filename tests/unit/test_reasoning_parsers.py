@@ -152,3 +152,22 @@ def test_registry_and_errors():
         make_reasoning_parser("granite")
     with pytest.raises(ValueError):
         make_reasoning_parser("DeepSeek_R1")
+
+
+def test_reasoning_then_tool_calls_as_the_route_chains_them():
+    # the reasoning parser first; its content deltas feed the tool-call parser
+    from conveyor.services.ingress.tool_parsers import CallDelta, ContentDelta, make_tool_parser
+
+    text = ('<think>\nThe user wants the weather; I could write <tool_call> here.\n</think>\n\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    for chunks in _chunkings(text, seed=3):
+        reasoner, tools = make_reasoning_parser("qwen3"), make_tool_parser("hermes")
+        reasoning, content, calls = "", "", []
+        for chunk in [*chunks, None]:
+            r, c = reasoner.feed(chunk) if chunk is not None else reasoner.finish()
+            reasoning += r
+            deltas = tools.feed(c) + (tools.finish() if chunk is None else [])
+            content += "".join(d.text for d in deltas if isinstance(d, ContentDelta))
+            calls += [(d.name, d.arguments) for d in deltas if isinstance(d, CallDelta)]
+        assert reasoning == "\nThe user wants the weather; I could write <tool_call> here.\n"
+        assert (content, calls) == ("", [("get_weather", '{"city":"Paris"}')])
