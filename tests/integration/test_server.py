@@ -238,3 +238,27 @@ def test_terminal_api_client(server):
                           input="What is the capital of France?\nexit\n", capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "connected to" in done.stdout and len(done.stdout.splitlines()) >= 2
+
+
+def test_template_options_act_and_unknown_fields_are_refused_or_ignored(server, client, model, smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    messages = [*MESSAGES, {"role": "assistant", "content": "The capital of France is"}]
+    cont = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False, "chat_template_kwargs": {"unused": 1},
+        "store": True})  # store: OpenAI's, unknown here: ignored (and logged)
+    text = tok.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert cont.usage.prompt_tokens == len(tok(text)["input_ids"])
+    parts = client.chat.completions.create(model=model, max_tokens=2, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                     {"type": "text", "text": "of France?"}]}])
+    assert parts.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as beam:
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2,
+                                       extra_body={"use_beam_search": True})
+    # A constraint whose regex does not parse is the tokenizer stage's 400, before the engine.
+    with pytest.raises(openai.BadRequestError) as regex:
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, extra_body={"guided_regex": "(a"})
+    assert "use_beam_search" in str(beam.value) and "regex" in str(regex.value)
+    engine_idle(server)
