@@ -21,7 +21,9 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from ..kernels import set_kernel_mode
@@ -35,10 +37,11 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .distributed import close_tp, init_tp
 from .engine_inputs import resolve_engine_inputs
+from .grammar import GuideCompiler, GuideState, fill_token_bitmask
 from .model_runner import LaunchedStep, ModelRunner
 from .peer_all_reduce import check_all_reduce
 from .rank_timing import RankTiming, StepHook
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 from .tp_workers import TPWorkers
 
@@ -113,6 +116,12 @@ class LLMEngine:
         self._seed_source = random.Random()
         self._request_ids = itertools.count()
         self.generated_tokens = 0
+        # Output constraints: compiled off the step loop (engine/grammar.py); ``_compiling`` holds
+        # the turns queued before their grammar was ready, ``_read_early`` the outputs of a step
+        # read back inside the next launch (its tokens decide the next step's masks).
+        self.guides = GuideCompiler(self.model_path, self.model_config.vocab_size)
+        self._compiling: list[Sequence] = []
+        self._read_early: list[StepOutput] = []
 
     def _start_tensor_parallel(self) -> None:
         if self.config.tp > 1:
@@ -128,6 +137,8 @@ class LLMEngine:
         the ranks' processes waited for. Waiting first would deadlock: each rank waits in its
         destroy for rank 0, rank 0 waits for the ranks to exit, kills them, and then its own
         destroy waits forever for ranks that are gone."""
+        if getattr(self, "guides", None) is not None:
+            self.guides.close()
         if self._rank_timing is not None:  # the other ranks write theirs as they stop
             self.runner.step_hooks.remove(self._rank_timing)
             self._rank_timing.timing.write()
@@ -192,6 +203,10 @@ class LLMEngine:
         # The sampler's noise is a function of (seed, tokens generated): see engine/sampler.py.
         seed = params.random_seed
         seq.sampling_seed = (seed if seed is not None else self._seed_source.getrandbits(63)) % (1 << 63)
+        if params.guide is not None:
+            seq.guide_state = GuideState(self.guides.submit(params.guide), params.stop_token_ids)
+            if not seq.admissible:
+                self._compiling.append(seq)
         self._seqs[request_id] = seq
         seq.priority = priority
         self.scheduler.add(seq)
@@ -240,6 +255,7 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Queue the next step on the device, read back the one before, and report every
         request that moved (see the module docstring for the overlap)."""
+        self._check_compiled()
         outputs, self._pending = self._pending, []
         if self._inflight is not None and (not self.overlap or self._needs_token_ids(self._inflight)):
             outputs += self._read_back()
@@ -250,8 +266,11 @@ class LLMEngine:
                     for s in self._seqs.values() if s.is_finished]
         launched = None
         if sched:
-            launched = self.runner.launch(sched, self._inflight)
-            self.scheduler.launched(sched, launched.sampling)
+            guided = any(s.guide_state is not None for s in self.scheduler.running)
+            launched = self.runner.launch(sched, self._inflight, partial(self._after_forward, sched, guided))
+            outputs, self._read_early = outputs + self._read_early, []
+        elif self._compiling and self._inflight is None:
+            self._wait_compiling()  # nothing to run until a grammar is ready: wait, do not spin
         if self._inflight is not None:
             outputs += self._read_back()
         if launched is not None and launched.sampling:
@@ -260,6 +279,39 @@ class LLMEngine:
                 outputs += self._read_back()
         self._forget_finished()
         return outputs
+
+    def _check_compiled(self) -> None:
+        """Forget the turns whose grammar is ready; end those whose grammar failed to compile
+        (the tokenizer stage parsed it, so this is rare: the model's tokenizer, say)."""
+        if not self._compiling:
+            return
+        still = []
+        for seq in self._compiling:
+            if not seq.guide_state.ready:
+                still.append(seq)
+            elif seq.guide_state.error is None:
+                continue
+            elif seq.guide_state.error is not None and self._seqs.get(seq.request_id) is seq:
+                logger.error("request %s: its response format did not compile: %s", seq.request_id,
+                             seq.guide_state.error)
+                self._finish_outside(seq.request_id, Finish.ERROR)
+        self._compiling = still
+
+    def _wait_compiling(self, timeout: float = 0.01) -> None:
+        wait([s.guide_state.compiled for s in self._compiling], timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def _after_forward(self, sched: SchedulerOutput, guided: bool, rows: list[Sequence]):
+        """Account for the step just queued (``ModelRunner.launch`` calls this once its forward is
+        on the device) and, when some row is constrained, return the rows' token mask. A mask must
+        follow the step before's tokens, so that step is read back here, while the device runs
+        this one's forward; the scheduler has counted this step first, so a turn that the read
+        back ends drops this step's token as it would without the overlap."""
+        self.scheduler.launched(sched, rows)
+        if not guided or not rows:
+            return None
+        if self._inflight is not None:
+            self._read_early += self._read_back()
+        return fill_token_bitmask(rows, self.model_config.vocab_size)
 
     @staticmethod
     def _needs_token_ids(step: LaunchedStep) -> bool:
@@ -276,6 +328,16 @@ class LLMEngine:
             if not self.scheduler.awaits(seq, request_id):
                 continue  # its turn ended since launch: the token is discarded, not reported
             token = result.token_ids[row]
+            guide = seq.guide_state
+            if guide is not None and not guide.accept(token):
+                # Only a row whose every allowed token was also banned (bad_words) gets here.
+                logger.error("request %s: token %d breaks its response format; ending it", request_id, token)
+                self.scheduler.resolve(seq, token)
+                if not seq.is_finished and seq.status != SequenceStatus.PARKED:
+                    self.scheduler.finish(seq, Finish.ERROR)
+                outputs.append(StepOutput(request_id, token, seq.finish_reason or Finish.ERROR,
+                                          num_cached_tokens=seq.num_cached_tokens))
+                continue
             out = StepOutput(request_id, token, self.scheduler.resolve(seq, token),
                              num_cached_tokens=seq.num_cached_tokens)
             if result.logprobs is not None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -483,23 +484,31 @@ class ModelRunner:
         return self.tp.broadcast(token_ids, src=0)
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
+    def launch(self, out: SchedulerOutput, prev: LaunchedStep | None = None,
+               after_forward: Callable[[list[Sequence]], torch.Tensor | None] | None = None) -> LaunchedStep:
         """Queue one step (forward and sampling) on the device without waiting for it.
 
-        ``prev`` is the step before, whose sampled ids this step's pending inputs read."""
+        ``prev`` is the step before, whose sampled ids this step's pending inputs read.
+        ``after_forward`` is called with the sampling rows once the forward pass is queued and
+        before sampling: the host works there while the device runs the forward. It returns the
+        rows' output-constraint mask (host int32, ``engine/grammar.py``), or None."""
         plan, sampling = self._plan(out, prev)
         self._begin_step(graph=plan.kind == StepKind.GRAPH)
         self._send(plan)
         logits = self._execute(plan, prev.samples.token_ids if prev is not None and prev.samples else None)
+        bitmask = after_forward(sampling) if after_forward is not None else None
         if not sampling:
             self._end_step()
             return LaunchedStep([], None)
+        if bitmask is not None and self.device.type == "cuda":  # pinned, so the copy does not wait
+            bitmask = bitmask.pin_memory().to(self.device, non_blocking=True)
         samples = self.sampler.sample(
             logits,
             [s.params for s in sampling],
             [s.token_ids for s in sampling],
             [s.num_output_tokens for s in sampling],
             [s.sampling_seed for s in sampling],
+            bitmask,
         )
         self._share_samples(samples.token_ids, len(sampling))
         self._end_step()

@@ -8,6 +8,7 @@ import torch
 
 from ..protocol.sampling import SamplingParams
 from ..kernels.sampling import seeded_race
+from .grammar import apply_token_bitmask
 
 _NEG_INF = float("-inf")
 
@@ -97,6 +98,9 @@ class Sampler:
 
     Order of processing (Hugging Face / vLLM conventions):
 
+    0. the output constraints' token mask (``token_bitmask``, ``engine/grammar.py``): tokens a
+       row's grammar does not allow are ``-inf`` before anything else sees the logits, so
+       penalties, logprobs and sampling all work within what the grammar allows;
     1. repetition penalty (HF style) on every token that appears in the row's ``token_history``;
     2. bans (``-inf``): ``bad_token_ids``; the last token of each ``bad_sequences`` entry whose
        prefix equals the last generated tokens (only generated tokens count, not the prompt);
@@ -134,13 +138,17 @@ class Sampler:
         token_history: list[list[int]],
         num_generated: list[int],
         seeds: list[int],
+        token_bitmask: torch.Tensor | None = None,
     ) -> DeviceSamples:
         """Choose one token per row of ``logits`` (``[B, V]``), leaving the choices on the device.
 
         ``token_history`` is each row's known tokens (read only by repetition penalties and
         ``bad_sequences``), ``num_generated`` its generated-token count (``min_new_tokens``, and
-        the noise's step), ``seeds`` its noise seed (see the class docstring)."""
+        the noise's step), ``seeds`` its noise seed (see the class docstring), ``token_bitmask``
+        the rows' allowed tokens (int32 ``[B, ceil(V / 32)]`` on ``logits``' device, or None)."""
         device = logits.device
+        if token_bitmask is not None:
+            logits = apply_token_bitmask(logits.to(torch.float32, copy=True), token_bitmask)
         if self._plain_greedy(params, token_history, num_generated):
             # argmax over the raw logits equals the full path's: no penalty or ban applies, an
             # all -inf row gives token 0 either way, and float32 conversion keeps the order.

@@ -143,10 +143,14 @@ class Scheduler:
                 i += 1
         if out.preempted:
             return out  # the cache is short: admit nothing new this step
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
-            seq = self.waiting[0]
+        j = 0  # the first waiting sequence not passed over (one whose grammar still compiles is)
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[j]
+            if not seq.admissible:
+                j += 1
+                continue
             if self._never_fits(seq):
-                self.waiting.popleft()
+                del self.waiting[j]
                 self._drop(seq)
                 continue
             prefix = PrefixMatch()
@@ -166,7 +170,7 @@ class Scheduler:
                 if not self._evict_parked():
                     break
             else:
-                self.waiting.popleft()
+                del self.waiting[j]
                 if fresh:
                     self.block_manager.count_prefix(seq.num_tokens, prefix)
                 seq.status = SequenceStatus.RUNNING
@@ -176,7 +180,7 @@ class Scheduler:
                 continue
             if not self.running and not out.scheduled:
                 # Nothing holds blocks and it still does not fit: it never will.
-                self.waiting.popleft()
+                del self.waiting[j]
                 self._drop(seq)
                 continue
             break

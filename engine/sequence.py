@@ -5,9 +5,13 @@ from __future__ import annotations
 import itertools
 import time
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 from ..protocol.messages import Finish
 from ..protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .grammar import GuideState
 
 
 class SequenceStatus(IntEnum):
@@ -71,6 +75,8 @@ class Sequence:
         # that a recompute after preemption or eviction derives the same per-sequence cache state
         # from the same leading tokens (``KVCacheLayout``).
         self.first_chunk_tokens = 0
+        # The turn's place in its output constraint (``engine/grammar.py``), if it has one.
+        self.guide_state: GuideState | None = None
 
     def __repr__(self) -> str:
         return (
@@ -104,6 +110,12 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def admissible(self) -> bool:
+        """Whether the scheduler may start it: not while its grammar compiles (nor after the
+        compile failed: the engine ends it)."""
+        return self.guide_state is None or (self.guide_state.ready and self.guide_state.error is None)
+
+    @property
     def is_finished(self) -> bool:
         """True once generation for this turn has ended."""
         return self.status == SequenceStatus.FINISHED
@@ -121,3 +133,4 @@ class Sequence:
         self.finish_reason = None
         self.arrival_time = time.monotonic()
         self.logprobs, self.top_logprobs = [], []
+        self.guide_state = None
