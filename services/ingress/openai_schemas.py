@@ -113,9 +113,9 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     # Fields of other servers' APIs this body refuses unless they hold their no-op value (kept in
-    # ``_unknown`` for ``refuse_unsupported``; they are not logged as unknown).
+    # ``_refused_values`` for ``refuse_unsupported``; they are not logged as unknown).
     _refused: ClassVar[frozenset[str]] = frozenset()
-    _unknown: dict[str, Any] = PrivateAttr(default_factory=dict)
+    _refused_values: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="wrap")
     @classmethod
@@ -126,7 +126,7 @@ class _Body(BaseModel):
         if isinstance(data, dict):
             for name, value in data.items():
                 if name in cls._refused:
-                    body._unknown[name] = value
+                    body._refused_values[name] = value
                 elif isinstance(name, str) and name not in cls.model_fields:
                     _log_unknown(cls.__name__, name)
         return body
@@ -297,7 +297,7 @@ class _SamplingBody(_Body):
             raise InvalidRequestError(f"guided_decoding_backend={self.guided_decoding_backend!r}: conveyor has one "
                                       'backend, xgrammar; send "xgrammar" or leave it out',
                                       param="guided_decoding_backend")
-        for name, value in self._unknown.items():
+        for name, value in self._refused_values.items():
             no_op, alternative = _REFUSED.get(name, ((value,), ""))
             if value not in no_op:
                 raise InvalidRequestError(f"{name}: {alternative}", param=name)
