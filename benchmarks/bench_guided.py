@@ -1,0 +1,115 @@
+"""Constrained decoding's cost: batch B with a JSON schema on every request against the same
+batch unconstrained, in one process, alternated (free, guided, guided, free), plus the first
+token's latency with a schema the engine has never compiled.
+
+Random weights of a published shape (``--model``) with another model's tokenizer
+(``--tokenizer``, a model directory: the grammar needs token strings; SmolLM2's by default).
+Greedy decoding on random weights settles on a few tokens: the schema's string field takes them
+for ``--output-len`` tokens, so both runs decode the same number of tokens and the comparison
+is the mask's cost (fill on the host while the forward runs, copy, apply), not output length.
+
+    python -m benchmarks.bench_guided --model llama2-7b -b 64 --input-len 128 --output-len 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+import uuid
+from pathlib import Path
+from statistics import mean
+
+import torch
+
+from benchmarks.common import random_prompt, record, save
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.dummy_model import served_model_dir
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.protocol.guided import Guide
+from conveyor.protocol.sampling import SamplingParams
+
+# A string field the output spends its tokens in (see the module docstring).
+SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "year": {"type": "integer"},
+                                           "tags": {"type": "array", "items": {"type": "string"}}},
+          "required": ["title", "year", "tags"]}
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Submit every prompt at once and step until done: output tok/s and first-token latency."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    first: dict[str, float] = {}
+    n_out = 0
+    for p in prompts:
+        engine.add_request(p, params)
+    while engine.has_work:
+        for o in engine.step():
+            if o.token is not None:
+                n_out += 1
+                first.setdefault(o.request_id, time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    return {"out_tok_s": n_out / wall, "ttft_ms": mean(first.values()) * 1e3, "out_tokens": n_out, "wall_s": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama2-7b")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--tokenizer", default=None, help="a model directory whose tokenizer the grammar uses")
+    ap.add_argument("-b", "--batch", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=2, help="free/guided pairs, alternated")
+    ap.add_argument("--name", default=None)
+    args = ap.parse_args()
+    if args.tokenizer is None:
+        from conveyor.default_model import local_path
+
+        args.tokenizer = local_path(None)
+    model_dir = served_model_dir(args.model, Path(args.tokenizer))
+    engine = LLMEngine(model_dir, EngineConfig(dtype=args.dtype, load_format="dummy"))
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(0)
+    prompts = [random_prompt(rng, args.input_len, vocab) for _ in range(args.batch)]
+    eos = [2]  # the tokenizer's end id: the grammar's only way out once complete
+    free = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    guided = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, stop_token_ids=eos,
+                            guide=Guide("json_schema", json.dumps(SCHEMA, sort_keys=True)))
+    run(engine, prompts[:4], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    run(engine, prompts[:4], SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=eos,
+                                            guide=guided.guide))
+    common = dict(engine="conveyor", model=args.model, precision=args.dtype, batch=args.batch,
+                  input_len=args.input_len, output_len=args.output_len)
+    records = []
+    order = [("free", free), ("guided", guided), ("guided", guided), ("free", free)] * ((args.rounds + 1) // 2)
+    for label, params in order:
+        r = run(engine, prompts, params)
+        print(f"{label:>7} batch {args.batch} {args.input_len}/{args.output_len}: {r['out_tok_s']:9.1f} tok/s "
+              f"({r['out_tokens']} tokens, ttft {r['ttft_ms']:.1f} ms)", flush=True)
+        records.append(record(benchmark=f"bench_guided_{label}", **common, **r))
+    free_rate = mean(r["out_tok_s"] for r in records if r["benchmark"].endswith("free"))
+    guided_rate = mean(r["out_tok_s"] for r in records if r["benchmark"].endswith("guided"))
+    print(f"guided / free: {guided_rate / free_rate:.3f}", flush=True)
+
+    # First token at batch 1: a schema never compiled (its own property name), the same schema
+    # again (cached), and no schema.
+    one = prompts[:1]
+    for label in ("new_schema", "cached_schema", "no_schema"):
+        if label == "new_schema":
+            fresh = dict(SCHEMA, properties={**SCHEMA["properties"], f"k{uuid.uuid4().hex[:8]}": {"type": "number"}})
+            params = SamplingParams(max_new_tokens=1, temperature=0.0, stop_token_ids=eos,
+                                    guide=Guide("json_schema", json.dumps(fresh, sort_keys=True)))
+        elif label == "no_schema":
+            params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        r = run(engine, one, params)
+        print(f"first token, {label}: {r['ttft_ms']:.1f} ms", flush=True)
+        records.append(record(benchmark=f"bench_guided_ttft_{label}", **{**common, "batch": 1, "output_len": 1}, **r))
+    out = save(records, args.name or f"bench_guided_{args.model}")
+    print(f"saved {out}")
+
+
+if __name__ == "__main__":
+    main()
