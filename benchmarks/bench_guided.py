@@ -4,9 +4,10 @@ token's latency with a schema the engine has never compiled.
 
 Random weights of a published shape (``--model``) with another model's tokenizer
 (``--tokenizer``, a model directory: the grammar needs token strings; SmolLM2's by default).
-Greedy decoding on random weights settles on a few tokens: the schema's string field takes them
-for ``--output-len`` tokens, so both runs decode the same number of tokens and the comparison
-is the mask's cost (fill on the host while the forward runs, copy, apply), not output length.
+Greedy decoding on random weights settles on a few tokens, which the schema's string fields take
+until ``--output-len`` or until the output completes the schema; the free runs then generate
+exactly the lengths the guided run did, request by request, so the comparison is the mask's cost
+(fill on the host while the forward runs, copy, apply), not output length.
 
     python -m benchmarks.bench_guided --model llama2-7b -b 64 --input-len 128 --output-len 512
 """
@@ -21,6 +22,7 @@ import uuid
 from pathlib import Path
 from statistics import mean
 
+import msgspec
 import torch
 
 from benchmarks.common import random_prompt, record, save
@@ -36,22 +38,25 @@ SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "year": 
           "required": ["title", "year", "tags"]}
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
-    """Submit every prompt at once and step until done: output tok/s and first-token latency."""
+def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> dict:
+    """Submit every prompt at once and step until done: output tok/s, first-token latency and
+    each request's output length (``lengths``, in prompt order)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     first: dict[str, float] = {}
-    n_out = 0
-    for p in prompts:
-        engine.add_request(p, params)
+    counts: dict[str, int] = {}
+    per_request = params if isinstance(params, list) else [params] * len(prompts)
+    rids = [engine.add_request(p, q).request_id for p, q in zip(prompts, per_request)]
     while engine.has_work:
         for o in engine.step():
             if o.token is not None:
-                n_out += 1
+                counts[o.request_id] = counts.get(o.request_id, 0) + 1
                 first.setdefault(o.request_id, time.perf_counter() - t0)
     wall = time.perf_counter() - t0
-    return {"out_tok_s": n_out / wall, "ttft_ms": mean(first.values()) * 1e3, "out_tokens": n_out, "wall_s": wall}
+    n_out = sum(counts.values())
+    return {"out_tok_s": n_out / wall, "ttft_ms": mean(first.values()) * 1e3, "out_tokens": n_out, "wall_s": wall,
+            "lengths": [counts.get(r, 0) for r in rids]}
 
 
 def main() -> None:
@@ -84,9 +89,14 @@ def main() -> None:
     common = dict(engine="conveyor", model=args.model, precision=args.dtype, batch=args.batch,
                   input_len=args.input_len, output_len=args.output_len)
     records = []
+    # A request whose output completes the schema ends early: the free runs generate exactly the
+    # lengths the first guided run did, request by request, so both decode the same tokens.
+    lengths = run(engine, prompts, guided)["lengths"]
+    free = [msgspec.structs.replace(free, max_new_tokens=max(n, 1)) for n in lengths]
     order = [("free", free), ("guided", guided), ("guided", guided), ("free", free)] * ((args.rounds + 1) // 2)
     for label, params in order:
         r = run(engine, prompts, params)
+        r.pop("lengths")
         print(f"{label:>7} batch {args.batch} {args.input_len}/{args.output_len}: {r['out_tok_s']:9.1f} tok/s "
               f"({r['out_tokens']} tokens, ttft {r['ttft_ms']:.1f} ms)", flush=True)
         records.append(record(benchmark=f"bench_guided_{label}", **common, **r))
@@ -105,6 +115,7 @@ def main() -> None:
         elif label == "no_schema":
             params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
         r = run(engine, one, params)
+        r.pop("lengths")
         print(f"first token, {label}: {r['ttft_ms']:.1f} ms", flush=True)
         records.append(record(benchmark=f"bench_guided_ttft_{label}", **{**common, "batch": 1, "output_len": 1}, **r))
     out = save(records, args.name or f"bench_guided_{args.model}")

@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _CACHED_GRAMMARS = 512  # compiled grammars kept (least recently used dropped first)
-_BITS = torch.arange(32, dtype=torch.int32)
+_bits: dict[torch.device, torch.Tensor] = {}  # 0..31 on each device, made once: a copy per step from
+# pageable host memory would make the host wait for the forward queued before it
 
 
 def _choice_ebnf(spec: str) -> str:
@@ -159,6 +160,8 @@ def fill_token_bitmask(rows: list[Sequence], vocab_size: int) -> torch.Tensor | 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Set ``logits`` (``[B, V]``, in place) to -inf wherever ``bitmask`` clears the token's bit."""
     vocab = logits.shape[-1]
-    bits = _BITS.to(bitmask.device)
+    bits = _bits.get(bitmask.device)
+    if bits is None:
+        bits = _bits[bitmask.device] = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]
     return logits.masked_fill_(~allowed, float("-inf"))
