@@ -158,6 +158,7 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
 
     try:  # a bad template, QoS file, model or tp is reported now, not by a stage that keeps restarting
         template_config(args.chat_template)
+        _check_parsers(args)
         qos = _qos_config(args)
         engine = _engine_config(args)
         model, served_name = _served_model(args)
@@ -172,7 +173,19 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
         tokenizer_workers=args.tokenizer_workers, api_keys=_api_keys(args), chat_template=args.chat_template,
         served_model_name=served_name, engine=engine, log_level=args.log_level, engine_factory=args.engine_factory,
         drain_timeout=args.drain_timeout, max_restarts=args.max_restarts, limits=_limits(args), qos=qos,
-        proxy_url=args.proxy_url, proxy_admin_key=_proxy_admin_key(args)))
+        proxy_url=args.proxy_url, proxy_admin_key=_proxy_admin_key(args), tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser))
+
+
+def _check_parsers(args: argparse.Namespace) -> None:
+    """--tool-call-parser / --reasoning-parser name known parsers (the error lists them)."""
+    from conveyor.services.ingress.reasoning_parsers import check_reasoning_parser
+    from conveyor.services.ingress.tool_parsers import check_tool_parser
+
+    if args.tool_call_parser:
+        check_tool_parser(args.tool_call_parser)
+    if args.reasoning_parser:
+        check_reasoning_parser(args.reasoning_parser)
 
 
 def _preflight(model: str, engine: EngineConfig, reads_weights: bool) -> None:
@@ -283,6 +296,7 @@ def _cmd_stage(args: argparse.Namespace) -> int:
         keys = CurveKeys.load(args.curve_key_file) if args.curve_key_file else None
         addresses = Addresses.tcp(base_port=args.base_port, curve=keys)
         qos = _qos_config(args)  # every stage checks it: a compose file passes the same flags to all
+        _check_parsers(args)
         model, served_name = _served_model(args)
         _preflight(model, _engine_config(args), reads_weights=args.stage == "engine" and not args.engine_factory)
     except (SecurityError, ConveyorError) as exc:
@@ -307,7 +321,8 @@ def _cmd_stage(args: argparse.Namespace) -> int:
         name = served_name or model.rstrip("/").split("/")[-1]
         run_ingress_process("ingress", addresses, model, name, session_len, args.server_name, args.server_port,
                             _api_keys(args), None, args.log_level, args.drain_timeout, _limits(args), qos,
-                            args.proxy_url, _proxy_admin_key(args))
+                            args.proxy_url, _proxy_admin_key(args), chat_template=args.chat_template,
+                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     return 0
 
 
@@ -486,6 +501,12 @@ def _server_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--model-name", default=None, help="the name /v1/models reports (default: the folder name)")
     s.add_argument("--chat-template", default=None,
                    help="a built-in template name (see conveyor list) or a JSON file of ChatTemplateConfig fields")
+    s.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="how the model writes tool calls: llama3_json, hermes, internlm or mistral (vLLM's names; "
+                        "LMDeploy's qwen / qwen2d5 / qwen3 / llama3 too); default: the format the chat template "
+                        "renders, if conveyor knows it (else requests with tools get a 400)")
+    s.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split a thinking model's output into reasoning_content and content: deepseek_r1 or qwen3")
     s.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     s.add_argument("--max-restarts", type=int, default=5,
                    help="restarts of one stage within a minute; one more and the server exits 1 (for systemd/compose)")

@@ -78,6 +78,9 @@ class GenerateReq(msgspec.Struct, tag=1, **_TAG):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # OpenAI's function tools (``[{"type": "function", "function": {...}}]``), which the chat
+    # template renders into the prompt (transformers' ``apply_chat_template(..., tools=...)``).
+    tools: list[dict[str, Any]] | None = None
 
 
 class TokenizedReq(msgspec.Struct, tag=2, **_TAG):

@@ -66,6 +66,8 @@ class ServerArgs:
     qos: QosConfig | None = None  # user groups: priorities and quotas (--qos-config-path)
     proxy_url: str | None = None  # a proxy (conveyor serve proxy) the ingress joins while it serves
     proxy_admin_key: str | None = field(default=None, repr=False)  # the proxy's admin key it joins with
+    tool_call_parser: str | None = None  # the chat route's tool-call format (None: the chat template's)
+    reasoning_parser: str | None = None  # the chat route's reasoning split (None: none)
     # "module:callable" building the engine instead of LLMEngine: no product flag sets it; tests and
     # benchmarks do (conveyor.testing.serve; its default is the model-free conveyor.testing.fake_engine).
     # A name, not the callable: the engine stage is a spawned process, which imports it.
@@ -202,7 +204,8 @@ class Deployment:
         name = args.served_model_name or args.model_path.rstrip("/").split("/")[-1]
         self._spawn("ingress", run_ingress_process, a, args.model_path, name, session_len, args.server_name,
                     args.server_port, args.api_keys, launcher, args.log_level, args.drain_timeout, args.limits,
-                    args.qos, args.proxy_url, args.proxy_admin_key)
+                    args.qos, args.proxy_url, args.proxy_admin_key, chat_template=args.chat_template,
+                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
         self._wait_ready({Stage.INGRESS: 1})
         logger.info("serving %s on http://%s:%d", name, args.server_name, args.server_port)
 

@@ -33,6 +33,7 @@ from .limits import IngressLimits
 from .metrics import RequestCounter
 from .qos import QosConfig, QosGate
 from .routes import install_completions, install_interactive, install_status
+from .tool_calling import ChatParsing
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +46,13 @@ def _guarded(path: str) -> bool:
 def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, served_model_name: str | None = None,
               tokenizer: Any | None = None, limits: IngressLimits | None = None,
-              qos: QosConfig | None = None) -> FastAPI:
+              qos: QosConfig | None = None, chat: ChatParsing | None = None) -> FastAPI:
     """The OpenAI-compatible app serving ``client``'s model.
 
     ``served_model_name`` is the name clients use (default: ``client.model_name``); ``tokenizer``
     (a transformers tokenizer) renders logprob tokens as text and enables ``echo`` of token-id
     prompts; without it tokens are shown as their ids. ``qos``: the user groups (``qos.py``).
+    ``chat``: the tool-call and reasoning parsers of the chat route (``tool_calling.py``).
     """
     app = FastAPI(title="conveyor", summary="OpenAI-compatible LLM server", version="0.1.0",
                   docs_url=None, redoc_url=None)  # install_docs serves them without a CDN
@@ -60,7 +62,8 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
     gate = QosGate(qos, limits.max_queued) if qos is not None and qos.enabled else None
     if qos is not None and gate is None:
         logger.info("the QoS config has enable_user_qos false: every user is served alike")
-    app.state.ingress = ing = Ingress(app, client, served_model_name or client.model_name, tokenizer, limits, gate)
+    app.state.ingress = ing = Ingress(app, client, served_model_name or client.model_name, tokenizer, limits, gate,
+                                      chat)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=limits.body_timeout_s)
     if api_keys:

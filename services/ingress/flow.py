@@ -26,6 +26,7 @@ from .limits import IngressLimits
 from .metrics import IngressMetrics
 from .qos import Admission, QosGate
 from .sse import LogprobRenderer, ResponseFormat, collect, first_event, iter_choices, stream_body, usage_dict
+from .tool_calling import ChatParsing
 
 _encode = msgspec.json.Encoder().encode
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
@@ -68,9 +69,10 @@ class Ingress:
     """Per-app state, and the request flow the generation routes share."""
 
     def __init__(self, app: FastAPI, client: EngineClientLike, model_name: str, tokenizer: Any | None,
-                 limits: IngressLimits, qos: QosGate | None = None):
+                 limits: IngressLimits, qos: QosGate | None = None, chat: ChatParsing | None = None):
         self.app, self.client, self.model_name, self.tokenizer = app, client, model_name, tokenizer
         self.limits, self.qos = limits, qos
+        self.chat = chat or ChatParsing()  # the chat route's tool-call and reasoning parsers
         self.inflight = 0  # HTTP generation requests being served
         self.sequences = 0  # engine requests they made (n x prompts each)
         self.metrics = IngressMetrics(client, lambda: self.inflight)

@@ -6,21 +6,22 @@ each body maps onto the engine's one ``SamplingParams`` (``sampling_params``), w
 anything reaches the engine. Prompt lengths, the chat template and a constraint's syntax are
 checked by the tokenizer stage.
 
-No field is dropped without a word. The fields conveyor knows act: OpenAI's, LMDeploy's, and
-vLLM's / SGLang's extensions (constrained output through ``response_format``, ``guided_*``,
-``structured_outputs``, ``regex`` / ``ebnf`` / ``json_schema``, one per request, as a
-``protocol.guided.Guide``; ``chat_template_kwargs``, ``add_generation_prompt``,
-``continue_final_message``, ``min_tokens``, ``bad_words``, ``no_stop_trim``). Known fields the
-engine cannot honour are refused with a 400 naming the alternative, unless they hold their
-no-op value: ``presence_penalty`` / ``frequency_penalty`` other than 0 (the engine implements
-``repetition_penalty``), ``logit_bias``, ``tools`` / ``tool_choice`` / ``functions``, beam
-search, ``best_of`` above ``n``, prompt logprobs, ``priority`` (QoS sets it), per-request chat
-templates, multimodal and disaggregation fields (``_REFUSED``). Unknown fields are ignored
-(OpenAI clients send some conveyor has no use for, e.g. ``store``, ``metadata``) and logged once
-per name. LMDeploy's bodies are taken as they are written: ``"stop": false`` means no stop
-strings, ``session_id: -1`` a request of no session, ``top_k: -1`` (as vLLM's clients send it)
-no top-k limit. Sampling defaults are LMDeploy's api_server's (``protocol.sampling.OPENAI_DEFAULTS``
-and ``INTERACTIVE_DEFAULTS``), not OpenAI's.
+No field is dropped without a word. The fields conveyor knows act: OpenAI's (``tools`` /
+``tool_choice`` included: ``tool_calling.py``), LMDeploy's, and vLLM's / SGLang's extensions
+(constrained output through ``response_format``, ``guided_*``, ``structured_outputs``, ``regex`` /
+``ebnf`` / ``json_schema``, one per request, as a ``protocol.guided.Guide``;
+``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``, ``min_tokens``,
+``bad_words``, ``no_stop_trim``). Known fields the engine cannot honour are refused with a 400
+naming the alternative, unless they hold their no-op value: ``presence_penalty`` /
+``frequency_penalty`` other than 0 (the engine implements ``repetition_penalty``),
+``logit_bias``, OpenAI's older ``functions`` / ``function_call`` (send ``tools`` /
+``tool_choice``), beam search, ``best_of`` above ``n``, prompt logprobs, ``priority`` (QoS sets
+it), per-request chat templates, multimodal and disaggregation fields (``_REFUSED``). Unknown
+fields are ignored (OpenAI clients send some conveyor has no use for, e.g. ``store``,
+``metadata``) and logged once per name. LMDeploy's bodies are taken as they are written:
+``"stop": false`` means no stop strings, ``session_id: -1`` a request of no session, ``top_k: -1``
+(as vLLM's clients send it) no top-k limit. Sampling defaults are LMDeploy's api_server's
+(``protocol.sampling.OPENAI_DEFAULTS`` and ``INTERACTIVE_DEFAULTS``), not OpenAI's.
 
 The response models describe the whole bodies in /docs and /openapi.json; streamed chunks are
 written as bytes by ``sse.py``, which matches OpenAI's chunk shapes field for field.
@@ -139,20 +140,83 @@ class TextContent(_Body):
     text: Text
 
 
+# OpenAI's rule for a function's name; it is written into prompts and grammars as is.
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionCallIn(_Body):
+    """A call's function in an assistant message of the history: ``arguments`` is JSON text."""
+
+    name: FunctionName
+    arguments: Text = "{}"
+
+
+class ToolCallIn(_Body):
+    """A tool call the assistant made earlier in the conversation."""
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Body):
     """One message of a conversation ("developer" is OpenAI's newer name for "system")."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContent] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="An assistant message's calls (content may be "
+                                                "null).")
+    tool_call_id: Text | None = Field(None, description="A tool message's: the call it answers.")
 
-    def to_wire(self) -> dict[str, str]:
-        """The {role, content} dict the tokenizer stage's chat template takes."""
+    def to_wire(self) -> dict[str, Any]:
+        """The {role, content, ...} dict the tokenizer stage's chat template takes: tool calls,
+        the call id a tool result answers and a name are kept for templates that render them."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)  # as vLLM and LMDeploy merge parts
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        wire: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            wire["tool_calls"] = [{"id": c.id, "type": "function",
+                                   "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                  for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            wire["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            wire["name"] = self.name
+        return wire
+
+
+class FunctionSpec(_Body):
+    """A function the model may call: ``parameters`` is a JSON Schema of its arguments (an object)."""
+
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = Field(None, description="Accepted; arguments match the schema under tool_choice "
+                                "required or a named function (grammar-enforced), and are parsed as printed under "
+                                "auto.")
+
+
+class ToolSpec(_Body):
+    """One of OpenAI's ``tools``: only functions."""
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Body):
+    """The function a named tool_choice picks."""
+
+    name: FunctionName
+
+
+class NamedToolChoice(_Body):
+    """tool_choice naming one function: the output is a call to it."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Body):
@@ -417,9 +481,15 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int_in(1, INT32_MAX) | None = Field(None, description="Wins over max_tokens.")
     logprobs: bool | None = False
     top_logprobs: int_in(0, MAX_TOP_LOGPROBS) | None = Field(None, description="Ignored unless logprobs is true.")
-    tools: list[dict[str, Any]] | None = Field(None, description="Only null or []: no function calling.")
-    tool_choice: str | dict[str, Any] | None = Field(None, description='Only null or "none".')
-    functions: list[dict[str, Any]] | None = Field(None, description="Only null or [] (OpenAI's older tools).")
+    tools: list[ToolSpec] | None = Field(None, description="Functions the model may call; its calls come back in "
+                                         "message.tool_calls (finish_reason tool_calls).")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='"auto" (default with tools): the model decides; "none": no calls; "required" or '
+                          '{"type": "function", "function": {"name": ...}}: a call, enforced by a grammar.')
+    parallel_tool_calls: bool | None = Field(None, description="Default true; false: at most one call.")
+    functions: list[dict[str, Any]] | None = Field(None, description="Only null or []: use tools (OpenAI's "
+                                                   "newer name).")
+    function_call: str | dict[str, Any] | None = Field(None, description="Only null: use tool_choice.")
     # The chat template's options (vLLM's and SGLang's).
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description='Extra variables of the chat template, e.g. {"enable_thinking": false} for Qwen3.')
@@ -460,13 +530,27 @@ class ChatCompletionRequest(_SamplingBody):
         if self.chat_template is not None:
             raise InvalidRequestError("chat_template: the server's chat template is set when it starts "
                                       "(--chat-template, or the model's own); leave it out", param="chat_template")
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise InvalidRequestError(f"{name}: function calling is not supported; leave {name} out",
-                                          param=name)
-        if self.tool_choice not in (None, "none"):
-            raise InvalidRequestError(f"tool_choice={self.tool_choice!r}: function calling is not supported; "
-                                      'send "none" or leave it out', param="tool_choice")
+        if self.functions:
+            raise InvalidRequestError("functions: OpenAI's older name; send them as tools, "
+                                      '[{"type": "function", "function": {...}}]', param="functions")
+        if self.function_call is not None:
+            raise InvalidRequestError("function_call: OpenAI's older name; send tool_choice (\"auto\", \"none\", "
+                                      '"required" or {"type": "function", "function": {"name": ...}})',
+                                      param="function_call")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError(f"tools: function names must differ, got {', '.join(names)}", param="tools")
+
+    @property
+    def tools_wire(self) -> list[dict[str, Any]] | None:
+        """The tools as OpenAI's JSON (what chat templates take), None for none."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    @property
+    def tool_choice_wire(self) -> str | dict[str, Any] | None:
+        """tool_choice as OpenAI's JSON."""
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
     @property
     def template_options(self) -> dict[str, Any]:
@@ -602,11 +686,29 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    """A call's function: ``arguments`` is JSON text of an object."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    """A call the model made."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
-    """The generated message."""
+    """The generated message: with a reasoning parser, the thinking is ``reasoning_content``;
+    with tools, the calls are ``tool_calls`` and ``content`` is null when nothing else was said."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatCompletionChoice(BaseModel):

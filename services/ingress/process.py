@@ -19,7 +19,9 @@ from .limits import IngressLimits, with_connection_limit, with_header_timeout
 from .proxy_registration import ProxyRegistration, advertised_url
 from .qos import QosConfig
 from ..stage import announce_ready, begin_stage_process
+from ..tokenizer.chat_template import get_chat_template, template_config
 from ..tokenizer.preprocess import load_tokenizer
+from .tool_calling import ChatParsing, chat_parsing
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +84,14 @@ class DrainingServer(uvicorn.Server):
 async def _serve(addresses: Addresses, model_path: str, model_name: str, session_len: int, host: str, port: int,
                  api_keys: list[str] | None, launcher: str | None, log_level: str, drain_timeout: float,
                  limits: IngressLimits, qos: QosConfig | None, proxy_url: str | None,
-                 proxy_admin_key: str | None = None) -> None:
+                 proxy_admin_key: str | None = None,
+                 chat_options: tuple[str | None, str | None, str | None] = (None, None, None)) -> None:
+    tokenizer = load_tokenizer(model_path)
+    chat = _chat_parsing(model_path, tokenizer, *chat_options)
     client = EngineClient(addresses, model_name, session_len, request_timeout=limits.request_timeout_s)
     await client.start()
-    app = build_app(client, api_keys=api_keys, served_model_name=model_name, tokenizer=load_tokenizer(model_path),
-                    limits=limits, qos=qos)
+    app = build_app(client, api_keys=api_keys, served_model_name=model_name, tokenizer=tokenizer,
+                    limits=limits, qos=qos, chat=chat)
     from uvicorn.protocols.http.auto import AutoHTTPProtocol  # the class uvicorn would pick (httptools or h11)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
@@ -124,17 +129,39 @@ async def _serve(addresses: Addresses, model_path: str, model_name: str, session
     await client.close()
 
 
+def _chat_parsing(model_path: str, tokenizer: object, chat_template: str | None, tool_call_parser: str | None,
+                  reasoning_parser: str | None) -> ChatParsing:
+    """The chat route's parsers; without --tool-call-parser, the format of the chat template the
+    tokenizer stage renders with (picked here the same way)."""
+    template = None
+    if not tool_call_parser:
+        try:
+            template = get_chat_template(model_path, template_config(chat_template), tokenizer)
+        except Exception:  # the tokenizer stage reports a bad template; here only the tool format is missing
+            logger.warning("could not pick the chat template's tool format: requests with tools need "
+                           "--tool-call-parser", exc_info=True)
+    chat = chat_parsing(tool_call_parser, reasoning_parser, template)
+    logger.info("tool-call parser: %s; reasoning parser: %s",
+                f"{chat.tool_parser} (from {chat.tool_parser_origin})" if chat.tool_parser else "none",
+                chat.reasoning_parser or "none")
+    return chat
+
+
 def run_ingress_process(name: str, addresses: Addresses, model_path: str, model_name: str, session_len: int, host: str,
                         port: int, api_keys: list[str] | None, launcher: str | None, log_level: str = "INFO",
                         drain_timeout: float = 60.0, limits: IngressLimits | None = None,
                         qos: QosConfig | None = None, proxy_url: str | None = None,
-                        proxy_admin_key: str | None = None) -> None:
+                        proxy_admin_key: str | None = None, *, chat_template: str | None = None,
+                        tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
     """Entry point of the ingress process; ``qos``: the user groups (--qos-config-path);
-    ``proxy_admin_key``: what it presents to join ``proxy_url`` (None: join from the proxy's host)."""
+    ``proxy_admin_key``: what it presents to join ``proxy_url`` (None: join from the proxy's host);
+    ``chat_template`` (--chat-template, as the tokenizer stage has it), ``tool_call_parser`` and
+    ``reasoning_parser``: the chat route's output parsers."""
     begin_stage_process(name, log_level, addresses, launcher)
     logger.info("ingress pid %d", os.getpid())
     main = _serve(addresses, model_path, model_name, session_len, host, port, api_keys, launcher, log_level,
-                  drain_timeout, limits or IngressLimits(), qos, proxy_url, proxy_admin_key)
+                  drain_timeout, limits or IngressLimits(), qos, proxy_url, proxy_admin_key,
+                  (chat_template, tool_call_parser, reasoning_parser))
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

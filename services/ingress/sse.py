@@ -21,6 +21,8 @@ from ...protocol import GenerateReq
 from ..engine_client import RequestError, RequestOutput
 from ..http import SSE_DONE, error_envelope, sse_error
 from .metrics import RequestStats
+from .tool_calling import ChoiceParser
+from .tool_parsers import finish_reason as tool_finish_reason
 
 logger = logging.getLogger(__name__)
 
@@ -253,9 +255,58 @@ class _OpenAIFormat(ResponseFormat):
 
 
 class ChatFormat(_OpenAIFormat):
-    """/v1/chat/completions: a role chunk per choice, content deltas, ``logprobs.content`` lists."""
+    """/v1/chat/completions: a role chunk per choice, content deltas, ``logprobs.content`` lists.
+
+    With ``parsers`` (a factory of one ``ChoiceParser`` per choice: a reasoning and / or a
+    tool-call parser), each choice's text is split: streamed as ``delta.reasoning_content``,
+    ``delta.content`` and ``delta.tool_calls`` chunks (a call whole in its first fragment, once
+    its JSON is complete), whole as the message's ``reasoning_content``, ``content`` and
+    ``tool_calls``; a choice that called tools ends with finish_reason ``tool_calls``. A token's
+    logprobs ride on the next chunk that choice sends (text held back by a parser sends none).
+    """
 
     chunk_object, full_object = "chat.completion.chunk", "chat.completion"
+
+    def __init__(self, *args: Any, parsers: Callable[[], ChoiceParser] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._parsers = [parsers() for _ in self._texts] if parsers is not None else None
+        self._held_logprobs: list[list[Any]] = [[] for _ in self._texts]
+
+    def on_output(self, i: int, out: RequestOutput) -> bytes:
+        if self._parsers is None:
+            return super().on_output(i, out)
+        if i in self._done:
+            return b""
+        text, logprobs = self._delta(i, out)
+        held = self._held_logprobs[i]
+        held.extend(logprobs or ())
+        final = out.finish_reason is not None
+        parser = self._parsers[i]
+        parsed = parser.feed(text, final)
+        deltas: list[dict[str, Any]] = []
+        if parsed.reasoning:
+            deltas.append({"reasoning_content": parsed.reasoning})
+        if parsed.content:
+            deltas.append({"content": parsed.content})
+        if parsed.calls:
+            deltas.append({"tool_calls": [call.to_openai() for call in parsed.calls]})
+        piece = b""
+        for delta in deltas:
+            piece += self.chunk({"index": i, "delta": delta, "logprobs": self._take_logprobs(held),
+                                 "finish_reason": None})
+        if final:
+            self._done.add(i)
+            reason = tool_finish_reason(out.finish_reason, parser.has_calls)
+            piece += self.chunk({"index": i, "delta": {}, "logprobs": self._take_logprobs(held),
+                                 "finish_reason": reason})
+        return piece
+
+    def _take_logprobs(self, held: list[Any]) -> dict[str, Any] | None:
+        if self.k is None or not held:
+            return None
+        taken = list(held)
+        held.clear()
+        return {"content": taken}
 
     def opening(self) -> bytes:
         return b"".join(self.chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -275,8 +326,18 @@ class ChatFormat(_OpenAIFormat):
 
     def _whole(self, i: int, text: str) -> dict[str, Any]:
         logprobs = None if self.k is None else {"content": [e for part in self._logprobs[i] for e in part]}
-        return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": self._finish[i]}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        reason = self._finish[i]
+        if self._parsers is not None:
+            parser = self._parsers[i]
+            reasoning, content, calls = parser.whole(text)
+            message["content"] = content
+            if parser.reasoning:
+                message["reasoning_content"] = reasoning
+            if parser.tool_calling:
+                message["tool_calls"] = [call.to_openai() for call in calls]
+                reason = tool_finish_reason(reason, bool(calls))
+        return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
 class CompletionFormat(_OpenAIFormat):

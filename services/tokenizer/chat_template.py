@@ -14,13 +14,20 @@ Every template's ``messages2prompt`` takes the request's template options (``Tem
 message), ``continue_final_message`` (the prompt ends inside the last, assistant, message, which
 the model continues) and ``chat_template_kwargs``, the extra variables a Jinja template reads
 (Qwen3's ``enable_thinking``); a built-in template ignores the ones it does not know.
+
+Tools (OpenAI's ``tools``, assistant messages with ``tool_calls``, ``tool`` messages) go to a
+Jinja template as transformers passes them (``apply_chat_template(..., tools=...)``). Of the
+built-in templates, the families trained on a tool format render it as their published
+templates do (``tool_format`` names the parser that reads the calls back): Qwen2.5 / Qwen3
+(Hermes ``<tool_call>``) and Llama 3.1 / 3.2 (JSON calls, tools in the first user message). Any
+other built-in template refuses tools with a 400 naming those.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
@@ -131,6 +138,8 @@ class BaseChatTemplate:
     system_in_user: ClassVar[bool] = False
     # True when the prompt already holds the BOS the tokenizer adds (encode with add_special_tokens=False).
     includes_bos: ClassVar[bool] = False
+    # The tool-call format the template renders tools in (a tool-call parser's name); None: none.
+    tool_format: ClassVar[str | None] = None
 
     @classmethod
     def match(cls, model_path: str) -> bool:
@@ -152,11 +161,16 @@ class BaseChatTemplate:
         return f"{self.separator}{self.user}{prompt}{self.eoh}{self._assistant_prompt()}"
 
     def messages2prompt(self, messages: Messages, sequence_start: bool = True, *, add_generation_prompt: bool = True,
-                        continue_final_message: bool = False, **template_kwargs: Any) -> str:
+                        continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                        **template_kwargs: Any) -> str:
         """Prompt for a user string or an OpenAI-style message list, ending where the assistant
         speaks (``add_generation_prompt``), after the last message (not), or inside the last,
         assistant, message (``continue_final_message``). ``template_kwargs`` are the request's
-        chat_template_kwargs: a built-in template reads the ones it knows and ignores the rest."""
+        chat_template_kwargs: a built-in template reads the ones it knows and ignores the rest.
+        ``tools`` are rendered in the template's ``tool_format``; a template without one refuses them."""
+        if not isinstance(messages, str) and (tools or _has_tool_turns(messages)):
+            return self._tool_prompt(messages, sequence_start, add_generation_prompt, continue_final_message,
+                                     tools or None, template_kwargs)
         if isinstance(messages, str):
             text = self.get_prompt(messages, sequence_start)
         elif continue_final_message:
@@ -165,6 +179,29 @@ class BaseChatTemplate:
         else:
             text = self._render(messages, sequence_start, generation_prompt=add_generation_prompt)
         return text + self._after_generation_prompt(template_kwargs) if add_generation_prompt else text
+
+    def _tool_prompt(self, messages: list[dict[str, Any]], sequence_start: bool, add_generation_prompt: bool,
+                     continue_final_message: bool, tools: list[dict[str, Any]] | None,
+                     template_kwargs: dict[str, Any]) -> str:
+        """``messages2prompt`` of a chat with tools or tool turns: the template's tool format
+        rewrites the chat into turns the plain layout renders (``_with_tools``)."""
+        if self.tool_format is None:
+            raise InvalidRequestError(
+                f"the chat template {self.name!r} cannot render tools (the request's tools, an assistant's "
+                "tool_calls, messages of role 'tool'): serve the model with "
+                f"--chat-template {' or '.join(TOOL_TEMPLATES)} if it was trained on that tool format, "
+                "or use a model whose own Jinja chat template renders tools", param="tools")
+        plain = self._with_tools(messages, tools, sequence_start)
+        if continue_final_message:
+            final = _final_to_continue(plain)
+            return _cut_at_mark(self._render(_marked(plain), sequence_start, generation_prompt=False), final)
+        text = self._render(plain, sequence_start, generation_prompt=add_generation_prompt)
+        return text + self._after_generation_prompt(template_kwargs) if add_generation_prompt else text
+
+    def _with_tools(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    sequence_start: bool) -> list[dict[str, Any]]:
+        """The chat with its tools, tool calls and tool results written as the format's text."""
+        raise NotImplementedError
 
     def _after_generation_prompt(self, template_kwargs: dict[str, Any]) -> str:
         """What follows the generation prompt, given the request's chat_template_kwargs."""
@@ -189,9 +226,46 @@ class BaseChatTemplate:
                 pending = ""
             elif role == "assistant":
                 ret += f"{self.assistant}{content}{self.eoa}{self.separator}"
+            elif role == _RESULT_ROLE:  # a tool's result, as _with_tools wrote it
+                ret += f"{self.result_header}{content}{self.eoa}{self.separator}"
             else:
                 raise ValueError(f"unsupported message role {role!r}: use 'system', 'user' or 'assistant'")
         return f"{ret}{pending}{self._assistant_prompt() if generation_prompt else ''}"
+
+    # The header of a tool result's own turn (Llama 3.1's ipython role), where the format has one.
+    result_header: ClassVar[str] = ""
+
+
+# The role _with_tools gives a tool result that has a turn of its own (not a chat's role).
+_RESULT_ROLE = "\ue000tool-result"
+
+
+def _has_tool_turns(messages: Any) -> bool:
+    """Whether a chat holds tool calls or tool results (which only a tool format renders)."""
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")) for m in messages)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    """Jinja's ``tojson`` as transformers' chat templates have it (non-ASCII kept)."""
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _call_parts(call: Any) -> tuple[str, Any]:
+    """(name, arguments object) of an assistant message's tool call, OpenAI's shape or the bare
+    function; arguments given as JSON text are decoded, as the published templates expect."""
+    if not isinstance(call, dict):
+        raise ValueError(f"a tool call must be an object, got {call!r:.100}")
+    function = call.get("function", call)
+    name, args = function.get("name"), function.get("arguments", {})
+    if not isinstance(name, str):
+        raise ValueError(f"a tool call needs a function name, got {call!r:.100}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass  # not JSON: rendered as the text it is
+    return name, args
 
 
 # Fields a ChatTemplateConfig may override on a template: the template's own, declared once above
@@ -245,6 +319,43 @@ class ChatML(BaseChatTemplate):
     stop_words: list[str] = field(default_factory=lambda: ["<|im_end|>"])
 
 
+_HERMES_TOOLS = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\n<tools>{tools}\n</tools>\n\nFor each function call, "
+    "return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+    "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+
+
+def _hermes_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 default_system: str | None) -> list[dict[str, Any]]:
+    """A chat with tools as Qwen2.5's and Qwen3's templates write it in ChatML: the tools in the
+    system message, calls as ``<tool_call>`` blocks in the assistant's text, a run of tool
+    results as one user turn of ``<tool_response>`` blocks."""
+    out: list[dict[str, Any]] = []
+    if tools:
+        system = _text(messages[0].get("content") or "") if messages[0].get("role") == "system" else default_system
+        block = _HERMES_TOOLS.format(tools="".join("\n" + _tojson(t) for t in tools))
+        out.append({"role": "system", "content": f"{system}\n\n{block}" if system else block})
+        if messages[0].get("role") == "system":
+            messages = messages[1:]
+    for m in messages:
+        role = m.get("role")
+        if role == "assistant" and m.get("tool_calls"):
+            content = _text(m.get("content") or "")
+            calls = "\n".join('<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (name, _tojson(args))
+                              for name, args in map(_call_parts, m["tool_calls"]))
+            out.append({"role": "assistant", "content": f"{content}\n{calls}" if content else calls})
+        elif role == "tool":
+            block = f"<tool_response>\n{_text(m.get('content') or '')}\n</tool_response>"
+            if out and out[-1].get("_results"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "_results": True})
+        else:
+            out.append(m)
+    return out
+
+
 @register_chat_template("qwen", "qwen2")
 @dataclass
 class Qwen(ChatML):
@@ -254,6 +365,11 @@ class Qwen(ChatML):
     stop_words: list[str] = field(default_factory=lambda: ["<|im_end|>", "<|endoftext|>"])
     match_patterns: ClassVar[tuple[str, ...]] = ("qwen",)
     exclude_patterns: ClassVar[tuple[str, ...]] = ("qwen3",)
+    tool_format: ClassVar[str | None] = "hermes"
+
+    def _with_tools(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    sequence_start: bool) -> list[dict[str, Any]]:
+        return _hermes_chat(messages, tools, self.meta_instruction if sequence_start else None)
 
 
 @register_chat_template("internlm2", "internlm3")
@@ -544,6 +660,53 @@ class Llama3_1(Llama3):
     stop_words: list[str] = field(default_factory=lambda: ["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"])
     match_patterns: ClassVar[tuple[str, ...]] = ("llama-3.1-", "llama3.1-", "llama-3.2-", "llama3.2-")
     exclude_patterns: ClassVar[tuple[str, ...]] = ()
+    tool_format: ClassVar[str | None] = "llama3_json"
+    result_header: ClassVar[str] = "<|start_header_id|>ipython<|end_header_id|>\n\n"
+
+    def _render(self, messages: list[dict[str, Any]], sequence_start: bool = True,
+                generation_prompt: bool = True) -> str:
+        if messages and messages[0].get("_tools"):  # Meta's template says so in the system block
+            head = "<|start_header_id|>system<|end_header_id|>\n\n"
+            tooled = replace(self, system=self.system.replace(head, head + "Environment: ipython\n", 1))
+            return BaseChatTemplate._render(tooled, messages, sequence_start, generation_prompt)
+        return super()._render(messages, sequence_start, generation_prompt)
+
+    def _with_tools(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    sequence_start: bool) -> list[dict[str, Any]]:
+        # As Meta's template with its default tools_in_user_message: the tools open the first
+        # user message; a call is the assistant's whole text; a result is an ipython turn.
+        out: list[dict[str, Any]] = []
+        if tools:
+            system = messages[0] if messages[0].get("role") == "system" else {"role": "system", "content": ""}
+            out.append({**system, "_tools": True})
+            rest = messages[1:] if messages[0].get("role") == "system" else messages
+            users = [i for i, m in enumerate(rest) if m.get("role") == "user"]
+            if not users:
+                raise ValueError("Llama 3.1's tool format puts the tools in the first user message: the chat has "
+                                 "no user message")
+            listing = "".join(_tojson(t, indent=4) + "\n\n" for t in tools)
+            first = rest[users[0]]
+            rest = [*rest[:users[0]], {**first, "content": _LLAMA_TOOLS + listing + _text(first.get("content") or "")},
+                    *rest[users[0] + 1:]]
+            messages = rest
+        for m in messages:
+            role = m.get("role")
+            if role == "assistant" and m.get("tool_calls"):
+                if len(m["tool_calls"]) != 1:
+                    raise ValueError("Llama 3.1's tool format takes one tool call per assistant message")
+                name, args = _call_parts(m["tool_calls"][0])
+                out.append({"role": "assistant", "content": '{"name": "%s", "parameters": %s}' % (name, _tojson(args))})
+            elif role == "tool":
+                content = m.get("content")
+                out.append({"role": _RESULT_ROLE, "content": _tojson(content if content is not None else "")})
+            else:
+                out.append(m)
+        return out
+
+
+_LLAMA_TOOLS = ("Given the following functions, please respond with a JSON for a function call with its proper "
+                "arguments that best answers the given prompt.\n\nRespond in the format {\"name\": function name, "
+                "\"parameters\": dictionary of argument name and its value}.Do not use variables.\n\n")
 
 
 @register_chat_template("qwen3")
@@ -555,6 +718,11 @@ class Qwen3(ChatML):
 
     stop_words: list[str] = field(default_factory=lambda: ["<|im_end|>", "<|endoftext|>"])
     match_patterns: ClassVar[tuple[str, ...]] = ("qwen3",)
+    tool_format: ClassVar[str | None] = "hermes"
+
+    def _with_tools(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    sequence_start: bool) -> list[dict[str, Any]]:
+        return _hermes_chat(messages, tools, None)
 
     def _after_generation_prompt(self, template_kwargs: dict[str, Any]) -> str:
         return "<think>\n\n</think>\n\n" if template_kwargs.get("enable_thinking", True) is False else ""
@@ -619,6 +787,25 @@ class Deepseek(BaseChatTemplate):
     def match(cls, model_path: str) -> bool:
         """LMDeploy's rule: a DeepSeek *chat* model (the base models take plain text)."""
         return super().match(model_path) and "chat" in model_path.lower()
+
+
+# The built-in templates that render tools (the names to suggest when one cannot).
+TOOL_TEMPLATES = tuple(name for name, cls in CHAT_TEMPLATES.items() if cls.tool_format)
+
+
+def _decoded_call(call: Any) -> Any:
+    """An OpenAI tool call with its ``function.arguments`` JSON text decoded into an object."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    args = call["function"].get("arguments")
+    if isinstance(args, str):
+        try:
+            decoded = json.loads(args)
+        except ValueError:
+            return call
+        if isinstance(decoded, dict):
+            return {**call, "function": {**call["function"], "arguments": decoded}}
+    return call
 
 
 def _reads_content_parts(source: Any) -> bool:
@@ -688,7 +875,11 @@ class HFChatTemplate:
 
     def _content(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Messages whose content the template can read: parts kept for a template that loops
-        over them, else joined into one string (by newlines, as the server's ingress joins them)."""
+        over them, else joined into one string (by newlines, as the server's ingress joins them);
+        tool calls' arguments as objects (OpenAI sends JSON text; templates ``tojson`` them)."""
+        if any(m.get("tool_calls") for m in messages):
+            messages = [{**m, "tool_calls": [_decoded_call(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+                        for m in messages]
         if self.reads_parts or all(isinstance(m.get("content"), str | None) for m in messages):
             return messages
         return [m if isinstance(m.get("content"), str | None) else

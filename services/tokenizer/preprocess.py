@@ -60,15 +60,18 @@ class Preprocessor:
 
     def render(self, prompt: Prompt, do_preprocess: bool = True, sequence_start: bool = True,
                chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
-               continue_final_message: bool = False) -> str:
+               continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> str:
         """Apply the chat template (or not) to a string or an OpenAI message list.
 
         ``chat_template_kwargs`` are the template's extra variables (Qwen3's ``enable_thinking``);
         ``add_generation_prompt=False`` ends the prompt after the last message;
         ``continue_final_message`` ends it inside the last (assistant) message (and wins over
-        ``add_generation_prompt``)."""
+        ``add_generation_prompt``); ``tools`` (OpenAI's function tools) are rendered by the
+        template, which refuses them if it has no tool format."""
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                    **check_template_kwargs(chat_template_kwargs)}
+        if tools:
+            options["tools"] = tools
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty: give some text", param="prompt")
@@ -80,7 +83,7 @@ class Preprocessor:
         for m in prompt:
             if not isinstance(m.get("role"), str) or m["role"] not in ROLES or not _is_content(m.get("content")):
                 raise InvalidRequestError(
-                    f"bad message {repr(m)[:200]}: each needs a role (system/user/assistant) and content "
+                    f"bad message {repr(m)[:200]}: each needs a role (system/user/assistant/tool) and content "
                     "(a string, or a list of text parts)", param="messages")
         try:
             return self.template.messages2prompt(prompt, sequence_start, **options)
@@ -134,7 +137,7 @@ class Preprocessor:
             prompt = req.messages if req.messages is not None else req.prompt
             options = {"chat_template_kwargs": req.chat_template_kwargs,
                        "add_generation_prompt": req.add_generation_prompt,
-                       "continue_final_message": req.continue_final_message}
+                       "continue_final_message": req.continue_final_message, "tools": req.tools}
             ids = self.encode(prompt, req.do_preprocess, bool(req.sequence_start), **options)
             if req.sequence_start is None:
                 first_turn_ids = self.encode(prompt, req.do_preprocess, True, **options)

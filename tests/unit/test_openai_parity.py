@@ -29,9 +29,11 @@ async def test_stream_options_need_stream(app) -> None:
 
 
 @pytest.mark.parametrize("field, value", [
+    # no --tool-call-parser and a template of no known tool format: the 400 names the flag
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "auto"),
-    ("functions", [{"name": "f", "parameters": {}}]),
+    ("tool_choice", "required"),  # without tools
+    ("functions", [{"name": "f", "parameters": {}}]),  # OpenAI's older names: the 400 says tools
+    ("function_call", "auto"),
 ])
 async def test_what_the_engine_cannot_do_is_refused(app, engine, field, value) -> None:
     async with http(app) as c:

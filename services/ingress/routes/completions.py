@@ -3,8 +3,10 @@ text completions), JSON or, with ``stream``, server-sent events."""
 
 from __future__ import annotations
 
+import functools
 import time
 
+import msgspec
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
@@ -13,6 +15,7 @@ from ...engine_client import RequestError
 from ..flow import ERRORS, Ingress, request_id
 from ..openai_schemas import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse
 from ..sse import ChatFormat, CompletionFormat
+from ..tool_calling import ChoiceParser, plan_tools
 
 _STREAMED = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE with stream: true"}}
 
@@ -31,9 +34,23 @@ def install_completions(app: FastAPI, ing: Ingress) -> None:
         ing.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         # Unbounded by default: the scheduler ends the turn where the context (session_len) is full.
         max_new = body.requested_max_tokens or client.session_len
-        reqs = [GenerateReq(rid=f"{rid}-{i}", reply_to=client.reply_to, messages=messages,
-                            params=body.sampling_params(max_new, k, i), **body.template_options) for i in range(n)]
-        fmt = ChatFormat(rid, int(time.time()), ing.model_name, n, ing.renderer, k, body.wants_usage_chunk)
+        plan = plan_tools(body.tools_wire, body.tool_choice_wire, body.parallel_tool_calls, ing.chat)
+        params = [body.sampling_params(max_new, k, i) for i in range(n)]
+        if plan.guide is not None:  # tool_choice required / named: the calls are the output's grammar
+            if params[0].guide is not None:
+                raise RequestError(400, f"tool_choice={body.tool_choice_wire!r} constrains the output to tool calls, "
+                                   "and the request has another output constraint (response_format / guided_*): "
+                                   "send one of them", param="tool_choice")
+            params = [msgspec.structs.replace(p, guide=plan.guide) for p in params]
+        if plan.keep_special_tokens:  # the format's markers are special tokens: the parser must see them
+            params = [msgspec.structs.replace(p, skip_special_tokens=False) for p in params]
+        reqs = [GenerateReq(rid=f"{rid}-{i}", reply_to=client.reply_to, messages=messages, params=params[i],
+                            tools=plan.tools, **body.template_options) for i in range(n)]
+        parsers = None
+        if plan.parser is not None or ing.chat.reasoning_parser is not None:
+            parsers = functools.partial(ChoiceParser, ing.chat.reasoning_parser, plan.parser, plan.single_call)
+        fmt = ChatFormat(rid, int(time.time()), ing.model_name, n, ing.renderer, k, body.wants_usage_chunk,
+                         parsers=parsers)
         return await ing.respond(request, reqs, fmt, stream=bool(body.stream), n=n, start=start, user=body.user)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**ERRORS, **_STREAMED})
