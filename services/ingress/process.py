@@ -151,7 +151,7 @@ def run_ingress_process(name: str, addresses: Addresses, model_path: str, model_
                         port: int, api_keys: list[str] | None, launcher: str | None, log_level: str = "INFO",
                         drain_timeout: float = 60.0, limits: IngressLimits | None = None,
                         qos: QosConfig | None = None, proxy_url: str | None = None,
-                        proxy_admin_key: str | None = None, *, chat_template: str | None = None,
+                        proxy_admin_key: str | None = None, chat_template: str | None = None,
                         tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
     """Entry point of the ingress process; ``qos``: the user groups (--qos-config-path);
     ``proxy_admin_key``: what it presents to join ``proxy_url`` (None: join from the proxy's host);

@@ -361,3 +361,35 @@ def test_the_default_parser_follows_the_template() -> None:
         chat_parsing("nope")
     with pytest.raises(ValueError, match="deepseek_r1"):
         chat_parsing(None, "nope")
+
+
+# ---- built-in templates against the published Jinja ---------------------------------------------
+
+def _render_like_transformers(source: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
+    """Render as transformers' apply_chat_template does (its tojson: non-ASCII kept, keys in order)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    return env.from_string(source).render(messages=messages, tools=tools, add_generation_prompt=True, bos_token="")
+
+
+def test_qwen3_builtin_renders_tools_as_its_published_template() -> None:
+    from test_chat_templates_families import QWEN3
+
+    from conveyor.services.tokenizer.chat_template import CHAT_TEMPLATES
+
+    chat = [{"role": "system", "content": "You are terse."}, *ASK,
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": {}}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "call_2", "content": "noon"}]
+    builtin = CHAT_TEMPLATES["qwen3"]()
+    for messages in (ASK, chat, chat[1:]):
+        assert builtin.messages2prompt(messages, tools=TOOLS) == _render_like_transformers(QWEN3, messages, TOOLS)
+    # a history of calls without tools in the request renders too; a template with no tool format refuses
+    assert "<tool_response>\nsunny\n</tool_response>" in builtin.messages2prompt(chat)
+    with pytest.raises(ValueError, match="cannot render tools.*qwen3"):
+        CHAT_TEMPLATES["chatml"]().messages2prompt(ASK, tools=TOOLS)

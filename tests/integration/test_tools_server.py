@@ -1,0 +1,102 @@
+"""Tool calling on a real server (SmolLM2, ``--tool-call-parser hermes``) with the openai client.
+
+SmolLM2-135M was never taught a tool format, so what it calls is up to the grammar: under
+``tool_choice: "required"`` or a named function the output can only be calls whose arguments
+match the function's ``parameters``, which is what these tests check (parsed by the server,
+validated here with ``jsonschema``), streamed and not. ``tool_choice: "none"`` is plain text.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from conveyor.testing.server_process import ServerProcess
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The forecast for a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+CONVERT = {"type": "function", "function": {
+    "name": "convert", "description": "Convert an amount of money",
+    "parameters": {"type": "object", "properties": {
+        "amount": {"type": "number", "minimum": 0, "maximum": 1000},
+        "to": {"type": "string", "enum": ["EUR", "USD"]}},
+        "required": ["amount", "to"], "additionalProperties": False}}}
+TOOLS = [WEATHER, CONVERT]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MODEL = "SmolLM2-135M-Instruct"  # the served name: the model folder's
+ASK = [{"role": "user", "content": "What will the weather be in Paris for the next 3 days?"}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir, tmp_path_factory):
+    srv = ServerProcess(smollm2_dir, "--tool-call-parser", "hermes", "--cache-max-entry-count", "128",
+                        "--cache-block-seq-len", "16", "--session-len", "1024",
+                        log_dir=tmp_path_factory.mktemp("tools-server"))
+    yield srv
+    assert srv.terminate() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def _valid(name: str, arguments: str, allowed: set[str]) -> None:
+    assert name in allowed
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "convert"}}],
+                         ids=["required", "named"])
+def test_enforced_calls_validate_whole(client, choice):
+    allowed = {"convert"} if isinstance(choice, dict) else set(SCHEMAS)
+    done = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                          parallel_tool_calls=False, temperature=0, max_tokens=120)
+    out = done.choices[0]
+    assert out.finish_reason == "tool_calls", out
+    assert len(out.message.tool_calls) == 1 and out.message.content is None
+    call = out.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    _valid(call.function.name, call.function.arguments, allowed)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_enforced_calls_validate_streamed(client, choice):
+    allowed = {"get_weather"} if isinstance(choice, dict) else set(SCHEMAS)
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                            parallel_tool_calls=False, temperature=0.8, seed=5, max_tokens=120,
+                                            stream=True)
+    names, args, finishes, content = {}, {}, [], ""
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for frag in c.delta.tool_calls or ():
+                if frag.function.name:
+                    names[frag.index] = frag.function.name
+                args[frag.index] = args.get(frag.index, "") + (frag.function.arguments or "")
+            if c.finish_reason:
+                finishes.append(c.finish_reason)
+    assert finishes == ["tool_calls"] and list(names) == [0] and content == ""
+    _valid(names[0], args[0], allowed)
+
+
+def test_tool_choice_none_is_text(client):
+    done = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none",
+                                          temperature=0, max_tokens=16)
+    out = done.choices[0]
+    assert out.message.content and not out.message.tool_calls and out.finish_reason in ("stop", "length")
+
+
+def test_a_named_function_that_is_not_a_tool_is_a_400_and_the_server_serves_on(client):
+    with pytest.raises(openai.BadRequestError, match="not in tools"):
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2).choices[0].message.content
