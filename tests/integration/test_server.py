@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -262,3 +263,83 @@ def test_template_options_act_and_unknown_fields_are_refused_or_ignored(server, 
         client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, extra_body={"guided_regex": "(a"})
     assert "use_beam_search" in str(beam.value) and "regex" in str(regex.value)
     engine_idle(server)
+
+
+# ---- structured output -------------------------------------------------------------------------
+
+OUTPUT_SCHEMAS = [
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                      "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+     "required": ["city", "population"], "additionalProperties": False},
+    {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "confidence": {
+        "type": "number", "minimum": 0, "maximum": 1}}, "required": ["answer", "confidence"]},
+    {"type": "object", "properties": {"steps": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9},
+                                         "text": {"type": "string", "maxLength": 20}},
+        "required": ["n", "text"], "additionalProperties": False}}}, "required": ["steps"]},
+    {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{2,6}$"}, "minItems": 2, "maxItems": 3},
+]
+
+
+def _schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+def test_response_format_json_schema_output_validates(client, model, server):
+    """A batch of schemas, sent at once, greedy and sampled (n=2), streamed and not: every
+    output parses and validates against its schema and ends with a stop."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+
+    def ask(schema, stream, temperature):
+        kw = dict(model=model, messages=[{"role": "user", "content": "Answer in JSON."}], max_tokens=120,
+                  temperature=temperature, response_format=_schema_format(schema), seed=5)
+        if stream:
+            text, finish = "", None
+            for chunk in client.chat.completions.create(stream=True, **kw):
+                for c in chunk.choices:
+                    text += c.delta.content or ""
+                    finish = c.finish_reason or finish
+            return [(text, finish)]
+        r = client.chat.completions.create(n=2 if temperature else 1, **kw)
+        return [(c.message.content, c.finish_reason) for c in r.choices]
+
+    cases = ([(s, False, 0) for s in OUTPUT_SCHEMAS] + [(OUTPUT_SCHEMAS[2], True, 0)]
+             + [(s, False, 1.0) for s in OUTPUT_SCHEMAS[1::2]])
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda c: ask(*c), cases))
+    for (schema, _, _), outs in zip(cases, answers):
+        for text, finish in outs:
+            assert finish == "stop", text
+            jsonschema.validate(json.loads(text), schema)
+    engine_idle(server)
+
+
+def test_guided_fields_and_json_object(client, model):
+    ask = dict(model=model, messages=[{"role": "user", "content": "Is water wet?"}], max_tokens=30, temperature=0)
+    r = client.chat.completions.create(extra_body={"guided_choice": ["yes", "no"]}, **ask)
+    assert r.choices[0].message.content in ("yes", "no")
+    r = client.chat.completions.create(extra_body={"guided_regex": "[0-9]{4}-[0-9]{2}"}, **ask)
+    assert re.fullmatch("[0-9]{4}-[0-9]{2}", r.choices[0].message.content)
+    r = client.chat.completions.create(extra_body={"structured_outputs": {"grammar": 'root ::= "(" [a-c]+ ")"'}},
+                                       **ask)
+    assert re.fullmatch(r"\([a-c]+\)", r.choices[0].message.content)
+    r = client.chat.completions.create(response_format={"type": "json_object"}, **{**ask, "max_tokens": 100})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.completions.create(model=model, prompt="The year:", max_tokens=8, temperature=0,
+                                  extra_body={"guided_regex": "[12][0-9]{3}"})
+    assert re.fullmatch("[12][0-9]{3}", r.choices[0].text)
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"response_format": _schema_format({"type": "object", "properties": {"a": {"type": "strng"}}})},
+     "json schema is invalid"),
+    ({"guided_regex": "(unclosed"}, "regex is invalid"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a+"}, "guided_json"),
+])
+def test_bad_constraints_are_400_envelopes(server, model, body, words):
+    r = _post(server, "/v1/chat/completions", {"model": model, "messages": MESSAGES, "max_tokens": 5, **body})
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
