@@ -16,6 +16,8 @@ import pytest
 
 from conveyor.testing.server_process import ServerProcess
 
+pytestmark = pytest.mark.slow
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The forecast for a city",
     "parameters": {"type": "object", "properties": {
@@ -53,10 +55,7 @@ def _valid(name: str, arguments: str, allowed: set[str]) -> None:
     jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "convert"}}],
-                         ids=["required", "named"])
-def test_enforced_calls_validate_whole(client, choice):
-    allowed = {"convert"} if isinstance(choice, dict) else set(SCHEMAS)
+def _whole(client, choice) -> tuple[str, str]:
     done = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
                                           parallel_tool_calls=False, temperature=0, max_tokens=120)
     out = done.choices[0]
@@ -64,16 +63,12 @@ def test_enforced_calls_validate_whole(client, choice):
     assert len(out.message.tool_calls) == 1 and out.message.content is None
     call = out.message.tool_calls[0]
     assert call.type == "function" and call.id.startswith("call_")
-    _valid(call.function.name, call.function.arguments, allowed)
+    return call.function.name, call.function.arguments
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
-                         ids=["required", "named"])
-def test_enforced_calls_validate_streamed(client, choice):
-    allowed = {"get_weather"} if isinstance(choice, dict) else set(SCHEMAS)
+def _streamed(client, choice) -> tuple[str, str]:
     stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
-                                            parallel_tool_calls=False, temperature=0.8, seed=5, max_tokens=120,
-                                            stream=True)
+                                            parallel_tool_calls=False, temperature=0, max_tokens=120, stream=True)
     names, args, finishes, content = {}, {}, [], ""
     for chunk in stream:
         for c in chunk.choices:
@@ -85,12 +80,23 @@ def test_enforced_calls_validate_streamed(client, choice):
             if c.finish_reason:
                 finishes.append(c.finish_reason)
     assert finishes == ["tool_calls"] and list(names) == [0] and content == ""
-    _valid(names[0], args[0], allowed)
+    return names[0], args[0]
+
+
+def test_required_call_validates_streamed_and_whole(client):
+    name, arguments = _whole(client, "required")
+    _valid(name, arguments, set(SCHEMAS))
+    assert _streamed(client, "required") == (name, arguments)  # greedy: the same call either way
+
+
+def test_named_function_is_the_one_called(client):
+    name, arguments = _whole(client, {"type": "function", "function": {"name": "convert"}})
+    _valid(name, arguments, {"convert"})
 
 
 def test_tool_choice_none_is_text(client):
     done = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none",
-                                          temperature=0, max_tokens=16)
+                                          temperature=0, max_tokens=8)
     out = done.choices[0]
     assert out.message.content and not out.message.tool_calls and out.finish_reason in ("stop", "length")
 
