@@ -50,6 +50,9 @@ class ChatParsing:
     tool_parser: str | None = None
     reasoning_parser: str | None = None
     tool_parser_origin: str = ""  # where tool_parser came from, for messages
+    # The generation prompt the chat template ends a turn with (its default options): a template
+    # that opens <think> there (QwQ, Qwen3-*-Thinking-2507) starts every output inside the reasoning.
+    generation_prompt: str | None = None
 
     @property
     def parses_output(self) -> bool:
@@ -61,10 +64,12 @@ def chat_parsing(tool_call_parser: str | None = None, reasoning_parser: str | No
                  template: Any = None) -> ChatParsing:
     """The server's parsers: the flags' (checked, LMDeploy's aliases accepted), else the tool
     format ``template`` (the chat template the tokenizer stage renders with) implies."""
+    prompt = None
     if reasoning_parser:
         check_reasoning_parser(reasoning_parser)
+        prompt = _generation_prompt(template)
     if tool_call_parser:
-        return ChatParsing(check_tool_parser(tool_call_parser), reasoning_parser or None, "--tool-call-parser")
+        return ChatParsing(check_tool_parser(tool_call_parser), reasoning_parser or None, "--tool-call-parser", prompt)
     name, origin = None, ""
     if template is not None:
         source = getattr(getattr(template, "tokenizer", None), "chat_template", None)
@@ -73,7 +78,17 @@ def chat_parsing(tool_call_parser: str | None = None, reasoning_parser: str | No
         else:
             name = getattr(template, "tool_format", None) or default_tool_parser(getattr(template, "name", None))
             origin = f"the chat template {getattr(template, 'name', '')!r}"
-    return ChatParsing(name, reasoning_parser or None, origin if name else "")
+    return ChatParsing(name, reasoning_parser or None, origin if name else "", prompt)
+
+
+def _generation_prompt(template: Any) -> str | None:
+    """The end of a one-message chat as ``template`` renders it, or None (no template, or it fails)."""
+    if template is None:
+        return None
+    try:
+        return template.messages2prompt([{"role": "user", "content": "x"}])[-64:]
+    except Exception:  # noqa: BLE001 - only a hint for the reasoning parser; the tokenizer stage reports errors
+        return None
 
 
 # ---- the request side ---------------------------------------------------------------------------
@@ -194,8 +209,9 @@ class Parsed:
 class ChoiceParser:
     """One choice's output split into reasoning, content and tool calls, streamed or whole."""
 
-    def __init__(self, reasoning_parser: str | None, tool_parser: str | None, single_call: bool = False):
-        self._reasoner = make_reasoning_parser(reasoning_parser) if reasoning_parser else None
+    def __init__(self, reasoning_parser: str | None, tool_parser: str | None, single_call: bool = False,
+                 prompt: str | None = None):
+        self._reasoner = make_reasoning_parser(reasoning_parser, prompt) if reasoning_parser else None
         self._tools = make_tool_parser(tool_parser) if tool_parser else None
         self._single = single_call
         self.reasoning = reasoning_parser is not None

@@ -349,8 +349,7 @@ def test_the_default_parser_follows_the_template() -> None:
     assert chat_parsing(None, None, CHAT_TEMPLATES["qwen3"]()).tool_parser == "hermes"
     assert chat_parsing(None, None, CHAT_TEMPLATES["llama3_1"]()).tool_parser == "llama3_json"
     assert chat_parsing(None, None, CHAT_TEMPLATES["chatml"]()).tool_parser is None
-    assert chat_parsing("qwen", "qwen3", CHAT_TEMPLATES["chatml"]()) == ChatParsing("hermes", "qwen3",
-                                                                                    "--tool-call-parser")
+    assert chat_parsing("qwen", "qwen3", None) == ChatParsing("hermes", "qwen3", "--tool-call-parser")
 
     class Jinja:  # a model's own template: its markers tell
         name = "hf"
@@ -393,3 +392,21 @@ def test_qwen3_builtin_renders_tools_as_its_published_template() -> None:
     assert "<tool_response>\nsunny\n</tool_response>" in builtin.messages2prompt(chat)
     with pytest.raises(ValueError, match="cannot render tools.*qwen3"):
         CHAT_TEMPLATES["chatml"]().messages2prompt(ASK, tools=TOOLS)
+
+
+async def test_a_template_that_opens_thinking_starts_the_output_in_reasoning() -> None:
+    class OpensThinking:  # QwQ / Qwen3-*-Thinking-2507: the generation prompt ends inside <think>
+        name = "hf"
+
+        def messages2prompt(self, messages: Any) -> str:
+            return "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n<think>\n"
+
+    chat = chat_parsing(None, "qwen3", OpensThinking())
+    assert chat.generation_prompt.endswith("<think>\n")
+    app = build_app(ScriptedEngine("Sunny, surely.\n</think>\n\nIt is sunny.", step=2), chat=chat)
+    async with http(app) as c:
+        r = (await c.post("/v1/chat/completions", json=body())).json()
+    assert r["choices"][0]["message"]["reasoning_content"] == "Sunny, surely.\n"
+    assert r["choices"][0]["message"]["content"] == "\n\nIt is sunny."
+    reasoning, content, _, _ = await streamed(app)
+    assert (reasoning, content) == ("Sunny, surely.\n", "\n\nIt is sunny.")

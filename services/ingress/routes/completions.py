@@ -48,7 +48,8 @@ def install_completions(app: FastAPI, ing: Ingress) -> None:
                             tools=plan.tools, **body.template_options) for i in range(n)]
         parsers = None
         if plan.parser is not None or ing.chat.reasoning_parser is not None:
-            parsers = functools.partial(ChoiceParser, ing.chat.reasoning_parser, plan.parser, plan.single_call)
+            parsers = functools.partial(ChoiceParser, ing.chat.reasoning_parser, plan.parser, plan.single_call,
+                                        ing.chat.generation_prompt)
         fmt = ChatFormat(rid, int(time.time()), ing.model_name, n, ing.renderer, k, body.wants_usage_chunk,
                          parsers=parsers)
         return await ing.respond(request, reqs, fmt, stream=bool(body.stream), n=n, start=start, user=body.user)
