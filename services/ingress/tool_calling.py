@@ -16,7 +16,8 @@ A request's ``tools`` and ``tool_choice`` make a ``ToolPlan``:
   ...}\\n</tool_call>``); the other formats' markers are special tokens a grammar cannot emit
   (or, for ``llama3_json``, there are none), so there the output is the bare JSON call
   ``{"name": ..., "parameters": ...}`` (several separated by ``; ``), read by the
-  ``llama3_json`` parser.
+  ``llama3_json`` parser. That needs no known format at all, so these two choices work on a
+  server without a tool-call parser too (``auto`` there is a 400 naming ``--tool-call-parser``).
 
 Each choice's text then goes through a ``ChoiceParser``: the reasoning parser first (its
 reasoning is ``reasoning_content``), then the tool-call parser on the rest (its calls are
@@ -122,13 +123,15 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
         check_parameters(tool["function"])
     if choice == "none":
         return ToolPlan(tools=tools)
-    if parsing.tool_parser is None:
-        raise InvalidRequestError(
-            "tools: this server does not know the model's tool-call format (its chat template renders none conveyor "
-            f"reads): start it with --tool-call-parser NAME ({', '.join(sorted(TOOL_PARSERS))})", param="tools")
     single = parallel_tool_calls is False
     if choice == "auto":
         parser = parsing.tool_parser
+        if parser is None:
+            raise InvalidRequestError(
+                "tools: this server does not know the model's tool-call format (its chat template renders none "
+                f"conveyor reads), so calls the model writes cannot be read: start it with --tool-call-parser NAME "
+                f"({', '.join(sorted(TOOL_PARSERS))}), or send tool_choice \"required\" or a named function "
+                "(a grammar writes those calls)", param="tools")
         return ToolPlan(tools, parser, None, single, TOOL_PARSERS[parser].needs_special_tokens)
     allowed = [t["function"] for t in tools if named is None or t["function"]["name"] == named]
     hermes = parsing.tool_parser == "hermes"

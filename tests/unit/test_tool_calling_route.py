@@ -293,6 +293,17 @@ def test_a_parameter_named_root_does_not_clash_with_the_grammar() -> None:
     assert accepts(ebnf, '{"name": "root", "parameters": {"root": "x"}}')
 
 
+async def test_enforced_calls_need_no_known_format() -> None:
+    # no --tool-call-parser and a template of no tool format: the grammar writes bare JSON calls
+    app, engine = make_app('{"name": "get_weather", "parameters": {"city": "Paris"}}', None)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    async with http(app) as c:
+        r = (await c.post("/v1/chat/completions", json=body(tools=TOOLS, tool_choice=named))).json()
+    assert r["choices"][0]["finish_reason"] == "tool_calls"
+    assert r["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert engine.requests[0].params.guide.spec.startswith("root ::= tool_call")
+
+
 # ---- refused -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra, param", [
