@@ -515,3 +515,12 @@ def test_llama3_1_builtin_renders_tools_as_its_published_template() -> None:
         assert builtin.messages2prompt(messages, tools=TOOLS) == _render_like_transformers(LLAMA3_1, messages, TOOLS)
     with pytest.raises(ValueError, match="one tool call"):
         builtin.messages2prompt([*ASK, {"role": "assistant", "content": "", "tool_calls": chat[2]["tool_calls"] * 2}])
+
+
+@pytest.mark.parametrize("flag, known", [("--tool-call-parser", "hermes"), ("--reasoning-parser", "deepseek_r1")])
+def test_an_unknown_parser_stops_the_server_at_start(flag, known, capsys) -> None:
+    from conveyor.cli import main
+
+    # refused before any stage starts (or the model is read): exit 2, the message lists the known names
+    assert main(["serve", "api_server", "--server-name", "127.0.0.1", "--server-port", "0", flag, "nope"]) == 2
+    assert known in capsys.readouterr().err
