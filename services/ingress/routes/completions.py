@@ -4,6 +4,7 @@ text completions), JSON or, with ``stream``, server-sent events."""
 from __future__ import annotations
 
 import functools
+import json
 import time
 
 import msgspec
@@ -31,10 +32,12 @@ def install_completions(app: FastAPI, ing: Ingress) -> None:
         ing.admit(body.model)
         rid, n, k = request_id("chatcmpl"), body.num_choices, body.num_logprobs
         messages = [m.to_wire() for m in body.messages]
-        ing.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        tools = body.tools_wire  # rendered into the prompt too: their text counts
+        ing.check_prompt_chars(sum(len(m["content"]) for m in messages) + len(json.dumps(tools) if tools else ""),
+                               "messages")
         # Unbounded by default: the scheduler ends the turn where the context (session_len) is full.
         max_new = body.requested_max_tokens or client.session_len
-        plan = plan_tools(body.tools_wire, body.tool_choice_wire, body.parallel_tool_calls, ing.chat)
+        plan = plan_tools(tools, body.tool_choice_wire, body.parallel_tool_calls, ing.chat)
         params = [body.sampling_params(max_new, k, i) for i in range(n)]
         if plan.guide is not None:  # tool_choice required / named: the calls are the output's grammar
             if params[0].guide is not None:
