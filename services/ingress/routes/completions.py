@@ -37,8 +37,8 @@ def install_completions(app: FastAPI, ing: Ingress) -> None:
                                "messages")
         # Unbounded by default: the scheduler ends the turn where the context (session_len) is full.
         max_new = body.requested_max_tokens or client.session_len
+        params = [body.sampling_params(max_new, k, i) for i in range(n)]  # the body's own checks first
         plan = plan_tools(tools, body.tool_choice_wire, body.parallel_tool_calls, ing.chat)
-        params = [body.sampling_params(max_new, k, i) for i in range(n)]
         if plan.guide is not None:  # tool_choice required / named: the calls are the output's grammar
             if params[0].guide is not None:
                 raise RequestError(400, f"tool_choice={body.tool_choice_wire!r} constrains the output to tool calls, "
