@@ -38,7 +38,8 @@ ASK = [{"role": "user", "content": "What will the weather be in Paris for the ne
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir, tmp_path_factory):
-    srv = ServerProcess(smollm2_dir, "--tool-call-parser", "hermes", "--cache-max-entry-count", "128",
+    srv = ServerProcess(smollm2_dir, "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                        "--cache-max-entry-count", "128",
                         "--cache-block-seq-len", "16", "--session-len", "1024",
                         log_dir=tmp_path_factory.mktemp("tools-server"))
     yield srv
@@ -106,3 +107,25 @@ def test_a_named_function_that_is_not_a_tool_is_a_400_and_the_server_serves_on(c
         client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     assert client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2).choices[0].message.content
+
+
+# SmolLM2 does not think; a regex makes it write a think block, so the server's qwen3 reasoning
+# parser has something to split (an output without one stays all content, as above).
+THINKING = r"<think>\n[a-z]{2,8}( [a-z]{2,8}){1,4}\n</think>\n\n[A-Z][a-z]{2,8}( [a-z]{2,8}){0,3}\."
+
+
+def test_reasoning_is_split_from_the_content(client):
+    import re
+
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], temperature=0, max_tokens=80,
+              extra_body={"guided_regex": THINKING})
+    whole = client.chat.completions.create(**kw).choices[0]
+    reasoning = whole.message.model_extra.get("reasoning_content")
+    assert re.fullmatch(r"\n[a-z]{2,8}( [a-z]{2,8}){1,4}\n", reasoning), reasoning
+    assert re.fullmatch(r"\n\n[A-Z][a-z]{2,8}( [a-z]{2,8}){0,3}\.", whole.message.content), whole.message.content
+    streamed = {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            streamed["reasoning_content"] += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            streamed["content"] += c.delta.content or ""
+    assert streamed == {"reasoning_content": reasoning, "content": whole.message.content}
