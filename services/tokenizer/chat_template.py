@@ -46,11 +46,13 @@ class UnknownChatTemplateError(ConveyorError, ValueError):
 
 
 def _text(content: Any) -> str:
-    """Content as a string; OpenAI multi-part content keeps its text parts only."""
+    """Content as a string; OpenAI multi-part content keeps its text parts only, joined by newlines
+    (as the ingress and vLLM join them: every template path reads parts alike)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        return "\n".join(p.get("text", "") for p in content
+                         if isinstance(p, dict) and p.get("type", "text") == "text")
     raise TypeError(f"message content must be a str or a list of parts, got {type(content).__name__}")
 
 
@@ -883,8 +885,7 @@ class HFChatTemplate:
         if self.reads_parts or all(isinstance(m.get("content"), str | None) for m in messages):
             return messages
         return [m if isinstance(m.get("content"), str | None) else
-                {**m, "content": "\n".join(p.get("text", "") for p in m["content"]
-                                           if isinstance(p, dict) and p.get("type", "text") == "text")}
+                {**m, "content": _text(m["content"])}
                 for m in messages]
 
     def get_prompt(self, prompt: str, sequence_start: bool = True, **template_kwargs: Any) -> str:

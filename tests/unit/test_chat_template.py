@@ -116,7 +116,7 @@ def test_multipart_content_and_bad_role() -> None:
     chatml = CHAT_TEMPLATES["chatml"]()
     content = [{"type": "text", "text": "a"}, {"type": "image_url"}, {"type": "text", "text": "b"}]
     parts = [{"role": "user", "content": content}]
-    assert chatml.messages2prompt(parts) == "<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\n"
+    assert chatml.messages2prompt(parts) == "<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError, match="role"):
         chatml.messages2prompt([{"role": "tool", "content": "x"}])
 
