@@ -101,8 +101,12 @@ class Detokenizer:
             ids = [token] if token != -1 else []
             st.completion_tokens += len(ids)
             st.cached = batch.cached[i]
-            res = st.detok.step(ids)
             finish = batch.finish[i]
+            # A turn the engine ended with STOP and a token ended on a stop token id: it counts as
+            # generated but is not text (as vLLM; with skip_special_tokens off, <|im_end|> would
+            # show), unless include_stop_str_in_output asks for stops in the output.
+            ended_on_stop_token = finish == Finish.STOP and ids and not st.detok.include_stop_str
+            res = st.detok.step([] if ended_on_stop_token else ids)
             lp = None
             if batch.logprobs is not None and ids:
                 entry = dict(batch.top_logprobs[i]) if batch.top_logprobs else {}

@@ -262,8 +262,20 @@ def test_a_malformed_token_batch_is_dropped_whole(detok, batch) -> None:
 def test_ids_the_tokenizer_does_not_know_render_as_no_text(detok) -> None:
     """A model's vocabulary can be larger than its tokenizer's (padded embeddings)."""
     assert detok.admit(Admitted("a", REPLY, 3, SamplingParams().detokenize_params(), [1, 500, 2])) == []
-    batches, _ = detok.process(TokenBatch(["a", "a", "a"], [4, 10, 5], [-1, -1, int(Finish.STOP)], [0, 0, 0]))
+    batches, _ = detok.process(TokenBatch(["a", "a", "a"], [4, 10, 5], [-1, -1, int(Finish.LENGTH)], [0, 0, 0]))
     assert "".join(_text(batches)) == "<4><5>" and batches[REPLY].completion_tokens[-1] == 3
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_the_stop_token_a_turn_ends_on_is_not_text(detok, include_stop) -> None:
+    """The engine ends a turn with STOP on a stop token id: it counts, but its text is not the
+    answer's (with skip_special_tokens off, an <|im_end|> would show), unless
+    include_stop_str_in_output asks for stops in the output."""
+    params = SamplingParams(skip_special_tokens=False, include_stop_str_in_output=include_stop)
+    assert detok.admit(Admitted("a", REPLY, 3, params.detokenize_params(), [1, 2])) == []
+    batches, _ = detok.process(TokenBatch(["a", "a", "a"], [4, 6, 9], [-1, -1, int(Finish.STOP)], [0, 0, 0]))
+    assert "".join(_text(batches)) == ("<4><6><9>" if include_stop else "<4><6>")
+    assert batches[REPLY].completion_tokens[-1] == 3 and batches[REPLY].token_ids[-1] == [9]
 
 
 @pytest.mark.parametrize("msg", [

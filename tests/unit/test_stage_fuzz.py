@@ -298,8 +298,10 @@ def test_the_detokenizer_stage_drops_adversarial_messages_whole(smollm2_dir, cap
                     in_codec.send(feed, msg)
             ids = tokenizer.encode("The quick brown fox", add_special_tokens=False)
             in_codec.send(feed, Admitted("normal", reply, 3, SamplingParams().detokenize_params(), [1, 2, 3]))
-            in_codec.send(feed, TokenBatch(["normal"] * len(ids), ids, [-1] * (len(ids) - 1) + [int(Finish.STOP)],
-                                           [0] * len(ids)))
+            # It ends on the end token, as the engine ends a turn: a STOP token is not text.
+            ended = ids + [tokenizer.eos_token_id]
+            in_codec.send(feed, TokenBatch(["normal"] * len(ended), ended, [-1] * len(ids) + [int(Finish.STOP)],
+                                           [0] * len(ended)))
             deadline = time.monotonic() + 10
             while not any(isinstance(m, TextBatch) and "normal" in m.rids and max(m.finish) >= 0 for m in received):
                 assert time.monotonic() < deadline, "the normal request was not answered"
