@@ -7,9 +7,9 @@ deltas, one character at a time, and seeded random chunkings.
 
 from __future__ import annotations
 
-import random
 
 import pytest
+from text_chunkings import chunkings
 
 from conveyor.protocol.errors import InvalidRequestError
 from conveyor.services.ingress.reasoning_parsers import (
@@ -52,21 +52,6 @@ def _ids(samples):
     return [f"{name}-{i}" for i, (name, *_rest) in enumerate(samples)]
 
 
-def _chunkings(text: str, seed: int):
-    yield [text]
-    yield list(text)
-    for cut in range(1, len(text)):
-        yield [text[:cut], text[cut:]]
-    rng = random.Random(seed)
-    for _ in range(30):
-        chunks, i = [], 0
-        while i < len(text):
-            n = rng.randint(1, 6)
-            chunks.append(text[i:i + n])
-            i += n
-        yield chunks + [""]
-
-
 def _stream(name: str, chunks: list[str], **kwargs) -> tuple[str | None, str | None]:
     parser = make_reasoning_parser(name, **kwargs)
     reasoning = content = ""
@@ -85,7 +70,7 @@ def test_split(name, text, reasoning, content):
 @pytest.mark.parametrize("name, text, reasoning, content", SAMPLES, ids=_ids(SAMPLES))
 def test_stream_equals_split_for_any_chunking(name, text, reasoning, content):
     want = make_reasoning_parser(name).split(text)
-    for chunks in _chunkings(text, seed=len(text)):
+    for chunks in chunkings(text, seed=len(text)):
         assert _stream(name, chunks) == want, chunks
 
 
@@ -125,7 +110,7 @@ def test_qwen3_after_a_prompt_that_opened_think():
     text = "The user says hi.\n</think>\n\nHello!"
     parser = make_reasoning_parser("qwen3", prompt=prompt)
     assert parser.split(text) == ("The user says hi.\n", "\n\nHello!")
-    for chunks in _chunkings(text, seed=1):
+    for chunks in chunkings(text, seed=1):
         assert _stream("qwen3", chunks, prompt=prompt) == ("The user says hi.\n", "\n\nHello!")
     # the same output without that prompt is content: the model never opened a think block
     assert make_reasoning_parser("qwen3").split(text) == (None, text)
@@ -160,7 +145,7 @@ def test_reasoning_then_tool_calls_as_the_route_chains_them():
 
     text = ('<think>\nThe user wants the weather; I could write <tool_call> here.\n</think>\n\n'
             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
-    for chunks in _chunkings(text, seed=3):
+    for chunks in chunkings(text, seed=3):
         reasoner, tools = make_reasoning_parser("qwen3"), make_tool_parser("hermes")
         reasoning, content, calls = "", "", []
         for chunk in [*chunks, None]:

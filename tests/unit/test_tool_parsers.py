@@ -14,6 +14,7 @@ import re
 import time
 
 import pytest
+from text_chunkings import chunkings
 
 from conveyor.protocol.errors import InvalidRequestError
 from conveyor.services.ingress.tool_parsers import (
@@ -168,23 +169,6 @@ def _stream(name: str, chunks: list[str]) -> tuple[str, list[tuple[str, str]], l
     return content, [tuple(c) for c in calls], ids
 
 
-def _chunkings(text: str, seed: int):
-    yield [text]
-    yield list(text)
-    for cut in range(1, len(text)):
-        yield [text[:cut], text[cut:]]
-    rng = random.Random(seed)
-    for _ in range(30):
-        chunks, i = [], 0
-        while i < len(text):
-            n = rng.randint(1, 8)
-            chunks.append(text[i:i + n])
-            i += n
-        yield chunks
-        if len(text) > 3:  # empty deltas happen too (a token that decodes to nothing yet)
-            yield [text[:2], "", text[2:]]
-
-
 @pytest.mark.parametrize("fmt, text, content, calls", SAMPLES, ids=_ids(SAMPLES))
 def test_parse(fmt, text, content, calls):
     got_content, got_calls = make_tool_parser(fmt).parse(text)
@@ -198,7 +182,7 @@ def test_parse(fmt, text, content, calls):
 def test_stream_equals_parse_for_any_chunking(fmt, text, content, calls):
     want_content, want_calls = make_tool_parser(fmt).parse(text)
     want = (want_content, [(c.name, c.arguments) for c in want_calls])
-    for chunks in _chunkings(text, seed=len(text)):
+    for chunks in chunkings(text, seed=len(text)):
         got_content, got_calls, ids = _stream(fmt, chunks)
         assert (got_content if got_content.strip() else None, got_calls) == want, chunks
         assert len(set(ids)) == len(ids)
