@@ -15,6 +15,7 @@ import json
 import openai
 import pytest
 
+from conveyor.testing.openai_stream import gather
 from conveyor.testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -52,15 +53,7 @@ def test_a_printed_call_comes_back_as_tool_calls(served):
     assert call.type == "function" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == ARGS
 
-    names, arguments, streamed, finish = [], {}, "", None
-    for chunk in client.chat.completions.create(stream=True, **kw):
-        for c in chunk.choices:
-            streamed += c.delta.content or ""
-            finish = c.finish_reason or finish
-            for d in c.delta.tool_calls or []:
-                if d.function and d.function.name:
-                    names.append(d.function.name)
-                arguments[d.index] = arguments.get(d.index, "") + ((d.function and d.function.arguments) or "")
-    assert finish == "tool_calls" and names == ["get_weather"]
-    assert json.loads(arguments[0]) == ARGS
-    assert (streamed or None) == content
+    streamed = gather(client.chat.completions.create(stream=True, **kw))
+    assert streamed.finishes == ["tool_calls"] and streamed.names == {0: "get_weather"}
+    assert json.loads(streamed.arguments[0]) == ARGS
+    assert (streamed.content or None) == content

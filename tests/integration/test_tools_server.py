@@ -14,6 +14,7 @@ import jsonschema
 import openai
 import pytest
 
+from conveyor.testing.openai_stream import gather
 from conveyor.testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -70,18 +71,9 @@ def _whole(client, choice) -> tuple[str, str]:
 def _streamed(client, choice) -> tuple[str, str]:
     stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
                                             parallel_tool_calls=False, temperature=0, max_tokens=120, stream=True)
-    names, args, finishes, content = {}, {}, [], ""
-    for chunk in stream:
-        for c in chunk.choices:
-            content += c.delta.content or ""
-            for frag in c.delta.tool_calls or ():
-                if frag.function.name:
-                    names[frag.index] = frag.function.name
-                args[frag.index] = args.get(frag.index, "") + (frag.function.arguments or "")
-            if c.finish_reason:
-                finishes.append(c.finish_reason)
-    assert finishes == ["tool_calls"] and list(names) == [0] and content == ""
-    return names[0], args[0]
+    got = gather(stream)
+    assert got.finishes == ["tool_calls"] and list(got.names) == [0] and got.content == ""
+    return got.names[0], got.arguments[0]
 
 
 def test_required_call_validates_streamed_and_whole(client):
@@ -123,9 +115,5 @@ def test_reasoning_is_split_from_the_content(client):
     reasoning = whole.message.model_extra.get("reasoning_content")
     assert re.fullmatch(r"\n[a-z]{2,8}( [a-z]{2,8}){1,4}\n", reasoning), reasoning
     assert re.fullmatch(r"\n\n[A-Z][a-z]{2,8}( [a-z]{2,8}){0,3}\.", whole.message.content), whole.message.content
-    streamed = {"reasoning_content": "", "content": ""}
-    for chunk in client.chat.completions.create(stream=True, **kw):
-        for c in chunk.choices:
-            streamed["reasoning_content"] += (c.delta.model_extra or {}).get("reasoning_content") or ""
-            streamed["content"] += c.delta.content or ""
-    assert streamed == {"reasoning_content": reasoning, "content": whole.message.content}
+    streamed = gather(client.chat.completions.create(stream=True, **kw))
+    assert (streamed.reasoning, streamed.content) == (reasoning, whole.message.content)

@@ -16,6 +16,7 @@ from test_ingress import FakeEngineClient, assert_error, sse_events
 from conveyor.protocol import GenerateReq
 from conveyor.services.engine_client import RequestOutput
 from conveyor.services.ingress.app import build_app
+from conveyor.testing.openai_stream import gather
 from conveyor.services.ingress.tool_calling import ChatParsing, calls_grammar, chat_parsing
 
 pytestmark = pytest.mark.anyio
@@ -133,15 +134,8 @@ async def test_streamed_with_the_openai_client() -> None:
     app, _ = make_app(OUTPUTS["hermes"], "hermes", step=2)
     async with openai_client(app) as client:
         stream = await client.chat.completions.create(model="fake-model", messages=ASK, tools=TOOLS, stream=True)
-        names, args, finishes = {}, {}, []
-        async for chunk in stream:
-            for choice in chunk.choices:
-                for call in choice.delta.tool_calls or ():
-                    if call.function.name:
-                        names[call.index] = call.function.name
-                    args[call.index] = args.get(call.index, "") + (call.function.arguments or "")
-                if choice.finish_reason:
-                    finishes.append(choice.finish_reason)
+        got = gather([chunk async for chunk in stream])
+        names, args, finishes = got.names, got.arguments, got.finishes
     assert names == {0: "get_weather", 1: "get_time"} and json.loads(args[0]) == {"city": "Paris"}
     assert finishes == ["tool_calls"]
 
