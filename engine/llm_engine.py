@@ -266,8 +266,7 @@ class LLMEngine:
                     for s in self._seqs.values() if s.is_finished]
         launched = None
         if sched:
-            guided = any(s.guide_state is not None for s in self.scheduler.running)
-            launched = self.runner.launch(sched, self._inflight, partial(self._after_forward, sched, guided))
+            launched = self.runner.launch(sched, self._inflight, partial(self._after_forward, sched))
             outputs, self._read_early = outputs + self._read_early, []
         elif self._compiling and self._inflight is None:
             self._wait_compiling()  # nothing to run until a grammar is ready: wait, do not spin
@@ -300,14 +299,14 @@ class LLMEngine:
     def _wait_compiling(self, timeout: float = 0.01) -> None:
         wait([s.guide_state.compiled for s in self._compiling], timeout=timeout, return_when=FIRST_COMPLETED)
 
-    def _after_forward(self, sched: SchedulerOutput, guided: bool, rows: list[Sequence]):
+    def _after_forward(self, sched: SchedulerOutput, rows: list[Sequence]):
         """Account for the step just queued (``ModelRunner.launch`` calls this once its forward is
         on the device) and, when some row is constrained, return the rows' token mask. A mask must
         follow the step before's tokens, so that step is read back here, while the device runs
         this one's forward; the scheduler has counted this step first, so a turn that the read
         back ends drops this step's token as it would without the overlap."""
         self.scheduler.launched(sched, rows)
-        if not guided or not rows:
+        if not any(s.guide_state is not None for s in rows):
             return None
         if self._inflight is not None:
             self._read_early += self._read_back()

@@ -13,7 +13,7 @@ import functools
 import re
 
 from ...protocol.errors import InvalidRequestError
-from ...protocol.guided import Guide, check_guide
+from ...protocol.guided import Guide
 
 # xgrammar's errors start with the C++ source position ("[04:18:13] /project/cpp/x.cc:83: ...")
 # and a check's expression ("Check failed: (error.empty()) is false: "): noise to a client.
@@ -43,8 +43,8 @@ def _parse_error(kind: str, spec: str) -> str | None:
 
 
 def check_guide_syntax(guide: Guide, param: str = "response_format") -> Guide:
-    """Raise InvalidRequestError when ``guide`` does not parse (its shape, then its text); return it."""
-    check_guide(guide, param)
+    """Raise InvalidRequestError when ``guide``'s text does not parse; return it. Its shape is
+    ``protocol.guided.check_guide``'s, which ``validate`` runs first."""
     problem = _parse_error(guide.kind, guide.spec)
     if problem is not None:
         raise InvalidRequestError(f"{param}: the {guide.kind.replace('_', ' ')} is invalid: {problem}", param=param)
