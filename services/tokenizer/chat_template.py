@@ -19,12 +19,15 @@ Tools (OpenAI's ``tools``, assistant messages with ``tool_calls``, ``tool`` mess
 Jinja template as transformers passes them (``apply_chat_template(..., tools=...)``). Of the
 built-in templates, the families trained on a tool format render it as their published
 templates do (``tool_format`` names the parser that reads the calls back): Qwen2.5 / Qwen3
-(Hermes ``<tool_call>``) and Llama 3.1 / 3.2 (JSON calls, tools in the first user message). Any
-other built-in template refuses tools with a 400 naming those.
+(Hermes ``<tool_call>``), Llama 3.1 / 3.2 (JSON calls, tools in the first user message),
+InternLM2 / 3 (``<|plugin|>`` system and environment turns, as InternLM's chat format documents)
+and Mistral (v0.3's ``[AVAILABLE_TOOLS]`` / ``[TOOL_CALLS]`` / ``[TOOL_RESULTS]``). Any other
+built-in template refuses tools with a 400 naming those.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -228,18 +231,17 @@ class BaseChatTemplate:
                 pending = ""
             elif role == "assistant":
                 ret += f"{self.assistant}{content}{self.eoa}{self.separator}"
-            elif role == _RESULT_ROLE:  # a tool's result, as _with_tools wrote it
-                ret += f"{self.result_header}{content}{self.eoa}{self.separator}"
+            elif role == _RAW_ROLE:  # a turn _with_tools wrote whole in the format's own markers
+                ret += content
             else:
                 raise ValueError(f"unsupported message role {role!r}: use 'system', 'user' or 'assistant'")
         return f"{ret}{pending}{self._assistant_prompt() if generation_prompt else ''}"
 
-    # The header of a tool result's own turn (Llama 3.1's ipython role), where the format has one.
-    result_header: ClassVar[str] = ""
 
 
-# The role _with_tools gives a tool result that has a turn of its own (not a chat's role).
-_RESULT_ROLE = "\ue000tool-result"
+# The role _with_tools gives a turn it wrote whole, markers included (a tool listing, a call or a
+# result that the format frames in its own way): rendered as is, never a chat's role.
+_RAW_ROLE = "\ue000raw-turn"
 
 
 def _has_tool_turns(messages: Any) -> bool:
@@ -388,6 +390,35 @@ class InternLM2(ChatML):
     )
     stop_words: list[str] = field(default_factory=lambda: ["<|im_end|>", "<|action_end|>"])
     match_patterns: ClassVar[tuple[str, ...]] = ("internlm2", "internlm3")
+    tool_format: ClassVar[str | None] = "internlm"
+
+    def _with_tools(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    sequence_start: bool) -> list[dict[str, Any]]:
+        # InternLM2's published chat format (InternLM's chat/chat_format.md), tools as LMDeploy
+        # writes them: the functions' JSON in a system turn of its own, named <|plugin|>, after
+        # the system prompt; a call follows the assistant's text as
+        # <|action_start|><|plugin|>\n{"name", "parameters"}<|action_end|>; each result is an
+        # environment turn named <|plugin|>.
+        out: list[dict[str, Any]] = []
+        if tools:
+            listing = _tojson([t.get("function", t) for t in tools])
+            at = 1 if messages and messages[0].get("role") == "system" else 0
+            messages = [*messages[:at], {"role": _RAW_ROLE, "content": (
+                f"<|im_start|>system name=<|plugin|>\n{listing}{self.eosys}")}, *messages[at:]]
+        for m in messages:
+            role = m.get("role")
+            if role == "assistant" and m.get("tool_calls"):
+                calls = "".join("<|action_start|><|plugin|>\n%s<|action_end|>"
+                                % _tojson({"name": name, "parameters": args})
+                                for name, args in map(_call_parts, m["tool_calls"]))
+                out.append({"role": "assistant", "content": _text(m.get("content") or "") + calls})
+            elif role == "tool":
+                result = _text(m.get("content") or "")
+                out.append({"role": _RAW_ROLE, "content": (
+                    f"<|im_start|>environment name=<|plugin|>\n{result}{self.eoa}{self.separator}")})
+            else:
+                out.append(m)
+        return out
 
 
 @register_chat_template("llama3")
@@ -444,6 +475,85 @@ class Mistral(BaseChatTemplate):
     stop_words: list[str] = field(default_factory=lambda: ["</s>"])
     match_patterns: ClassVar[tuple[str, ...]] = ("mistral", "mixtral")
     system_in_user: ClassVar[bool] = True
+    tool_format: ClassVar[str | None] = "mistral"
+
+    def _tool_prompt(self, messages: list[dict[str, Any]], sequence_start: bool, add_generation_prompt: bool,
+                     continue_final_message: bool, tools: list[dict[str, Any]] | None,
+                     template_kwargs: dict[str, Any]) -> str:
+        # Tools came with v0.3, whose layout differs from v0.1's (LMDeploy's, above): a chat with
+        # tools renders whole in v0.3's.
+        return BaseChatTemplate._tool_prompt(_MistralV3(), messages, sequence_start, add_generation_prompt,
+                                             continue_final_message, tools, template_kwargs)
+
+
+@dataclass
+class _MistralV3(Mistral):
+    """Mistral-7B-Instruct-v0.3's published template, which a chat with tools renders in:
+    ``[INST] ...[/INST] answer</s>``, the tools in ``[AVAILABLE_TOOLS]`` before the last user
+    turn, calls as ``[TOOL_CALLS] [{"name", "arguments", "id"}]</s>``, results as
+    ``[TOOL_RESULTS] {"content": ..., "call_id": ...}[/TOOL_RESULTS]``.
+
+    Two choices where the Jinja text falls short: the system message joins the last user turn
+    as mistral-common's tokenizer puts it (the Jinja drops it unless the chat ends on that turn,
+    as it does while a tool loop runs), and a call id that is not 9 letters or digits (the
+    Jinja raises) is mapped to one, its result's ``tool_call_id`` alike, so pairs stay pairs.
+    Tool descriptions are JSON strings (the Jinja writes them unescaped, which breaks on a quote).
+    """
+
+    eoh: str = "[/INST]"
+    assistant: str = " "
+    generation_prompt: ClassVar[str | None] = ""
+    system_in_user: ClassVar[bool] = False
+
+    def _with_tools(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    sequence_start: bool) -> list[dict[str, Any]]:
+        system = None
+        if messages and messages[0].get("role") == "system":
+            system, messages = _text(messages[0].get("content") or ""), messages[1:]
+        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+        last_user = users[-1] if users else None
+        out: list[dict[str, Any]] = []
+        for i, m in enumerate(messages):
+            role = m.get("role")
+            if role == "user" and i == last_user:
+                if tools:
+                    listing = _mistral_tools(tools)
+                    out.append({"role": _RAW_ROLE, "content": f"[AVAILABLE_TOOLS] {listing}[/AVAILABLE_TOOLS]"})
+                if system is not None:
+                    m = {**m, "content": f"{system}\n\n{_text(m.get('content') or '')}"}
+                out.append(m)
+            elif role == "assistant" and m.get("tool_calls"):
+                calls = ", ".join(_tojson({"name": name, "arguments": args})[:-1] + ', "id": "%s"}' % _mistral_id(call)
+                                  for call, (name, args) in zip(m["tool_calls"], map(_call_parts, m["tool_calls"])))
+                out.append({"role": _RAW_ROLE, "content": f"[TOOL_CALLS] [{calls}]{self.eoa}"})
+            elif role == "assistant":
+                out.append({**m, "content": _text(m.get("content") or "").strip()})
+            elif role == "tool":
+                result, call_id = _text(m.get("content") or ""), _mistral_id(m.get("tool_call_id"))
+                turn = f'[TOOL_RESULTS] {{"content": {result}, "call_id": "{call_id}"}}[/TOOL_RESULTS]'
+                out.append({"role": _RAW_ROLE, "content": turn})
+            else:
+                out.append(m)
+        return out
+
+
+def _mistral_tools(tools: list[dict[str, Any]]) -> str:
+    """The tool listing of Mistral v0.3: each function's fields but ``return``, in order."""
+    listed = [{"type": "function", "function": {k: v for k, v in t.get("function", t).items() if k != "return"}}
+              for t in tools]
+    return _tojson(listed)
+
+
+def _mistral_id(call_or_id: Any) -> str:
+    """A tool call's id as Mistral's templates take it, 9 letters or digits: such an id is kept;
+    any other is mapped to its last 9 letters and digits (vLLM keeps the last 9 characters), or
+    to a digest when it has fewer."""
+    raw = call_or_id.get("id") if isinstance(call_or_id, dict) else call_or_id
+    raw = "" if raw is None else str(raw)
+    alnum = "".join(ch for ch in raw if ch.isascii() and ch.isalnum())
+    if len(alnum) >= 9:
+        return alnum[-9:]
+    return hashlib.sha1(raw.encode()).hexdigest()[:9]
 
 
 @register_chat_template("vicuna")
@@ -663,7 +773,6 @@ class Llama3_1(Llama3):
     match_patterns: ClassVar[tuple[str, ...]] = ("llama-3.1-", "llama3.1-", "llama-3.2-", "llama3.2-")
     exclude_patterns: ClassVar[tuple[str, ...]] = ()
     tool_format: ClassVar[str | None] = "llama3_json"
-    result_header: ClassVar[str] = "<|start_header_id|>ipython<|end_header_id|>\n\n"
 
     def _render(self, messages: list[dict[str, Any]], sequence_start: bool = True,
                 generation_prompt: bool = True) -> str:
@@ -700,7 +809,9 @@ class Llama3_1(Llama3):
                 out.append({"role": "assistant", "content": '{"name": "%s", "parameters": %s}' % (name, _tojson(args))})
             elif role == "tool":
                 content = m.get("content")
-                out.append({"role": _RESULT_ROLE, "content": _tojson(content if content is not None else "")})
+                result = _tojson(content if content is not None else "")
+                out.append({"role": _RAW_ROLE,
+                            "content": f"<|start_header_id|>ipython<|end_header_id|>\n\n{result}{self.eoa}"})
             else:
                 out.append(m)
         return out
