@@ -22,6 +22,7 @@ from typing import Any, Union
 import msgspec
 
 from .sampling import DetokenizeParams, SamplingParams
+from .multimodal import ImageInput
 
 _WIRE = {"array_like": True, "omit_defaults": True, "gc": False}
 # Messages of a union carry a small int tag as their first array element.
@@ -97,6 +98,10 @@ class TokenizedReq(msgspec.Struct, tag=2, **_TAG):
     session_id: int | None = None
     first_turn_ids: list[int] | None = None
     priority: int = 0  # GenerateReq's, passed on
+    # The prompt's images, preprocessed, each with the span of ``token_ids`` it fills; with
+    # ``first_turn_ids`` the engine shifts the spans by the two renderings' length difference
+    # (they differ only before the turn's own text).
+    images: list[ImageInput] = []
 
 
 class Abort(msgspec.Struct, tag=3, **_TAG):
