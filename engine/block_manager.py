@@ -21,8 +21,11 @@ entry in the block table then names a block the sequence still holds (``Sequence
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from ..protocol.multimodal import ImageInput
+from .multimodal import block_images
 from .sequence import Sequence
 
 
@@ -45,9 +48,10 @@ class PrefixMatch:
     num_tokens: int = 0
 
 
-def chain_hash(parent: int | None, tokens: list[int]) -> int:
-    """Hash of a full block given its parent block's hash (None for the first block)."""
-    return hash((parent, tuple(tokens)))
+def chain_hash(parent: int | None, tokens: list[int], images: tuple[str, ...] = ()) -> int:
+    """Hash of a full block given its parent block's hash (None for the first block) and the
+    digests of the images its tokens show (``engine/multimodal.block_images``)."""
+    return hash((parent, tuple(tokens), images)) if images else hash((parent, tuple(tokens)))
 
 
 class BlockManager:
@@ -96,7 +100,7 @@ class BlockManager:
         """Blocks that hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
 
-    def find_prefix(self, token_ids: list[int], count: bool = True) -> PrefixMatch:
+    def find_prefix(self, token_ids: list[int], count: bool = True, images: Seq[ImageInput] = ()) -> PrefixMatch:
         """The longest run of cached full blocks matching the start of ``token_ids``.
 
         At least one token is always left uncomputed: the last prompt token must run through
@@ -107,7 +111,7 @@ class BlockManager:
             return PrefixMatch()
         bs, parent, found = self.block_size, None, []
         for i in range((len(token_ids) - 1) // bs):
-            parent = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            parent = chain_hash(parent, token_ids[i * bs : (i + 1) * bs], block_images(images, i * bs, (i + 1) * bs))
             block_id = self._cached.get(parent)
             if block_id is None:
                 break
@@ -237,7 +241,8 @@ class BlockManager:
         end = min(min(seq.num_computed_tokens, len(seq.token_ids)) // bs, len(seq.block_table))
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
-            parent = chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            parent = chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs],
+                                block_images(seq.images, i * bs, (i + 1) * bs))
             if block.block_hash is None and parent not in self._cached:
                 block.block_hash = parent
                 self._cached[parent] = block.block_id

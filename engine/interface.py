@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from ..protocol.messages import EngineStats, Finish
+from ..protocol.multimodal import ImageInput
 from ..protocol.sampling import SamplingParams
 
 
@@ -38,8 +39,8 @@ class Engine(Protocol):
         """True while a step would do or report something."""
 
     def add_request(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    session_id: int | None = None, first_turn_ids: list[int] | None = None, priority: int = 0
-                    ) -> AdmittedRequest:
+                    session_id: int | None = None, first_turn_ids: list[int] | None = None, priority: int = 0,
+                    images: list[ImageInput] | None = None) -> AdmittedRequest:
         """Queue a request or a session's next turn; raises a ConveyorError on bad input. Waiting
         requests of a lower ``priority`` start first."""
 

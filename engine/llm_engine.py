@@ -31,6 +31,7 @@ from ..protocol.addresses import free_port
 from ..protocol.checks import check_int64, check_token_ids
 from ..protocol.errors import InvalidRequestError, PromptTooLongError, SessionBusyError
 from ..protocol.messages import EngineStats, Finish
+from ..protocol.multimodal import ImageInput
 from ..protocol.sampling import SamplingParams, validate
 from .attention_windows import common_window
 from .block_manager import BlockManager
@@ -39,6 +40,7 @@ from .distributed import close_tp, init_tp
 from .engine_inputs import resolve_engine_inputs
 from .grammar import GuideCompiler, GuideState, fill_token_bitmask
 from .model_runner import LaunchedStep, ModelRunner
+from .multimodal import check_images, shifted
 from .peer_all_reduce import check_all_reduce
 from .rank_timing import RankTiming, StepHook
 from .scheduler import Scheduler, SchedulerOutput
@@ -160,13 +162,16 @@ class LLMEngine:
 
     def add_request(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     session_id: int | None = None, first_turn_ids: list[int] | None = None,
-                    priority: int = 0) -> Sequence:
+                    priority: int = 0, images: list[ImageInput] | None = None) -> Sequence:
         """Queue a request (or a session's next turn); raises InvalidRequestError on bad input.
 
         ``first_turn_ids``, when given, replace ``token_ids`` if the session has no history yet
         (the prompt rendered as a conversation's first turn). ``request_id`` must be unique among
         running requests; by default one is made up. Waiting requests of a lower ``priority``
         are admitted first (QoS user groups); running ones are never withdrawn for them.
+        ``images``: a vision model's images, each with its span of ``token_ids``
+        (``protocol/multimodal.py``; with ``first_turn_ids`` taken, the spans move by the two
+        prompts' length difference).
         """
         vocab = self.model_config.vocab_size
         # Every field is checked before anything is touched: a peer stage can send any value
@@ -183,8 +188,12 @@ class LLMEngine:
         seq = self._sessions.get(session_id) if session_id is not None else None
         if seq is not None and seq.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING):
             raise SessionBusyError(session_id)
+        images = list(images or ())
         if first_turn_ids is not None and (seq is None or not seq.token_ids):
+            images = shifted(images, len(first_turn_ids) - len(token_ids))
             token_ids = first_turn_ids
+        check_images(images, len(token_ids), getattr(self.runner.model, "image_token_id", None), token_ids,
+                     self.scheduler.max_num_tokens)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
         total = len(token_ids) + (seq.num_tokens if seq is not None else 0)
@@ -199,7 +208,9 @@ class LLMEngine:
             if session_id is not None:
                 self._sessions[session_id] = seq
         else:
+            images = shifted(images, len(seq.token_ids))
             seq.start_turn(token_ids, params, request_id)
+        seq.images.extend(images)
         # The sampler's noise is a function of (seed, tokens generated): see engine/sampler.py.
         seed = params.random_seed
         seq.sampling_seed = (seed if seed is not None else self._seed_source.getrandbits(63)) % (1 << 63)

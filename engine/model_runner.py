@@ -50,6 +50,7 @@ from .cuda_graph import DecodeGraphs
 from .distributed import kv_head_range, tp_group
 from ..protocol.errors import EngineConfigError
 from .model_config import ModelConfig
+from .multimodal import image_rows
 from .model_registry import model_class
 from .layers import RMSNorm
 from .layers.layer_norm import LayerNorm
@@ -58,6 +59,7 @@ from .models import build_model
 from .sampler import DeviceSamples, Sampler
 from ..kernels.kv_layout import KVCacheSpec
 from ..protocol.sampling import SamplingParams
+from ..protocol.multimodal import ImageInput
 from ..protocol.tp import StepKind, StepPlan
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
@@ -140,6 +142,11 @@ def init_dummy_weights(model: nn.Module, seed: int = DUMMY_WEIGHT_SEED) -> None:
             p.zero_()
         else:
             p.normal_(0.0, 0.02, generator=gen)
+
+
+def _pixels(image: ImageInput) -> torch.Tensor:
+    """An image's pixel data as a host tensor of its shape and dtype."""
+    return torch.frombuffer(bytearray(image.pixels), dtype=getattr(torch, image.dtype)).view(image.shape)
 
 
 class ModelRunner:
@@ -305,8 +312,13 @@ class ModelRunner:
         bs = block_size
         ids, positions, slots, cu_q, lens_k, pending = [], [], [], [0], [], []
         centre_rows, new_centres = [], []
+        images, rows = [], []
         for seq, n in seqs:
             start = seq.num_computed_tokens
+            if seq.images:
+                for row, index, src, count in image_rows(seq.images, start, n, len(ids)):
+                    rows.append((row, len(images), src, count))
+                    images.append(seq.images[index])
             centre_rows.extend([seq.block_table[0]] * n)
             if start == 0:  # its first chunk: a centred cache computes its key centre here, from the
                 # leading tokens the scheduler fixed (the whole chunk when it fixed none: the kernels
@@ -327,7 +339,7 @@ class ModelRunner:
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in seqs]
         return StepPlan(kind, input_ids=ids, positions=positions, block_tables=tables, slots=slots,
                         cu_seqlens_q=cu_q, seqlens_k=lens_k, num_new=[n for _, n in seqs], pending=pending,
-                        centre_rows=centre_rows, new_centres=new_centres)
+                        centre_rows=centre_rows, new_centres=new_centres, images=images, image_rows=rows)
 
     @staticmethod
     def _decode_tokens(seqs: list[Sequence], prev: LaunchedStep | None) -> tuple[list[int], list[tuple[int, int]]]:
@@ -412,11 +424,33 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(self, plan: StepPlan, prev_ids: torch.Tensor | None = None) -> torch.Tensor:
         ids, pos, meta = self._inputs(plan, prev_ids)
+        embeds = self._image_embeddings(ids, plan) if plan.image_rows else None
         set_attention_metadata(meta)
         try:
-            return self.model(ids, pos)
+            return self.model(ids, pos) if embeds is None else self.model(ids, pos, inputs_embeds=embeds)
         finally:
             set_attention_metadata(None)
+
+    def _image_embeddings(self, ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """The step's input embeddings with the rows of image spans replaced by the vision
+        encoder's rows: each image the step covers is encoded once (images of one shape in one
+        batch through the tower)."""
+        embeds = self.model.embed_input_ids(ids)
+        features: list[torch.Tensor | None] = [None] * len(plan.images)
+        by_shape: dict[tuple, list[int]] = {}
+        for index, image in enumerate(plan.images):
+            by_shape.setdefault((tuple(image.shape), image.dtype, tuple(image.grid)), []).append(index)
+        for (_, _, grid), indices in by_shape.items():
+            pixels = torch.stack([_pixels(plan.images[i]) for i in indices]).to(self.device, self.dtype)
+            for i, rows in zip(indices, self.model.encode_images(pixels, [list(grid)] * len(indices))):
+                if rows.shape[0] != plan.images[i].length:
+                    raise RuntimeError(f"the vision encoder gave {rows.shape[0]} rows for an image whose span "
+                                       f"is {plan.images[i].length} tokens: the tokenizer stage and the model "
+                                       "disagree on this family's image size")
+                features[i] = rows
+        for row, index, src, count in plan.image_rows:
+            embeds[row:row + count] = features[index][src:src + count].to(embeds.dtype)
+        return embeds
 
     def _graph_batch(self, out: SchedulerOutput) -> list[Sequence] | None:
         """The step's sequences when it can replay a decode graph (each brings one token), else None."""

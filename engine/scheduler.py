@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from .block_manager import BlockManager, PrefixMatch
+from .multimodal import whole_image_chunk
 from ..protocol.messages import Finish
 from .sequence import Sequence, SequenceStatus
 
@@ -127,7 +128,10 @@ class Scheduler:
                 self.running.pop(i)
                 self._drop(seq)
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self._chunk(seq, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget), budget)
+            if not n:  # an image's span does not fit what is left of this step
+                i += 1
+                continue
             while not self.block_manager.allocate(seq, n):
                 if self._evict_parked():
                     continue
@@ -157,8 +161,11 @@ class Scheduler:
             fresh = seq.num_computed_tokens == 0 and not seq.block_table
             if fresh:
                 # Counted on admission: a sequence that does not fit is looked up again next step.
-                prefix = self.block_manager.find_prefix(seq.token_ids, count=False)
-            n = min(seq.num_uncomputed_tokens - prefix.num_tokens, budget)
+                prefix = self.block_manager.find_prefix(seq.token_ids, count=False, images=seq.images)
+            start = seq.num_computed_tokens + prefix.num_tokens
+            n = self._chunk(seq, start, min(seq.num_uncomputed_tokens - prefix.num_tokens, budget), budget)
+            if not n:  # an image's span does not fit what is left of this step: it waits for the next
+                break
             if self.min_first_chunk_tokens and seq.num_computed_tokens == 0 and not prefix.num_tokens:
                 # Its first chunk comes whole, so that what the cache derives from it does not
                 # depend on what else this step carries: it waits for a step with room instead.
@@ -185,6 +192,15 @@ class Scheduler:
                 continue
             break
         return out
+
+    def _chunk(self, seq: Sequence, start: int, n: int, budget: int) -> int:
+        """``n`` new tokens from ``start``, or fewer, or (to finish an image's span the chunk starts
+        in) more, so that no chunk ends inside an image's span; 0 when that span does not fit the
+        ``budget`` left and the step already has work (an image is computed in one step)."""
+        if not seq.images:
+            return n
+        whole = whole_image_chunk(seq.images, start, n)
+        return 0 if whole > budget and budget < self.max_num_tokens else whole
 
     def _reached_limit(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether a turn of ``num_tokens`` tokens has reached max_new_tokens or session_len."""

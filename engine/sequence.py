@@ -11,6 +11,7 @@ from ..protocol.messages import Finish
 from ..protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from ..protocol.multimodal import ImageInput
     from .grammar import GuideState
 
 
@@ -77,6 +78,9 @@ class Sequence:
         self.first_chunk_tokens = 0
         # The turn's place in its output constraint (``engine/grammar.py``), if it has one.
         self.guide_state: GuideState | None = None
+        # Images of every turn, their spans in ``token_ids`` (``engine/multimodal.py``): kept with
+        # the history, since a recompute after preemption runs the encoder again.
+        self.images: list[ImageInput] = []
 
     def __repr__(self) -> str:
         return (

@@ -12,6 +12,8 @@ from enum import IntEnum
 
 import msgspec
 
+from .multimodal import ImageInput
+
 _TAG = dict(tag_field="t", array_like=True, omit_defaults=True)
 
 
@@ -45,6 +47,11 @@ class StepPlan(msgspec.Struct, tag=1, **_TAG):
     num_sampled: int = 0
     centre_rows: list[int] = []  # each token's sequence's first block: its key centre's row
     new_centres: list[tuple[int, int, int]] = []  # (first token, tokens, row) of sequences starting here
+    # The images whose spans this step's chunks cover, and (input row, index in ``images``,
+    # encoder row, rows) of each covered run: a vision model's encoder rows replace those
+    # inputs' embeddings (``engine/multimodal.py``). FORWARD only.
+    images: list[ImageInput] = []
+    image_rows: list[tuple[int, int, int, int]] = []
 
 
 class RankStatus(msgspec.Struct, tag=2, **_TAG):

@@ -18,6 +18,7 @@ from .. import envs
 from ..engine.config import EngineConfig
 from ..engine.llm_engine import StepOutput
 from ..protocol import EngineStats, Finish, InvalidRequestError, PromptTooLongError, SamplingParams, validate
+from ..protocol.multimodal import ImageInput
 
 FILLER = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs! "
 
@@ -56,9 +57,11 @@ class FakeEngine:
         return bool(self._running or self._waiting or self._pending)
 
     def add_request(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    session_id: int | None = None, first_turn_ids: list[int] | None = None, priority: int = 0
-                    ) -> _Req:
+                    session_id: int | None = None, first_turn_ids: list[int] | None = None, priority: int = 0,
+                    images: list[ImageInput] | None = None) -> _Req:
         validate(params)
+        if images:
+            raise InvalidRequestError("the fake engine has no vision encoder: it takes no images", param="messages")
         history, running = self._sessions.get(session_id, (0, None)) if session_id is not None else (0, None)
         if running is not None:
             raise InvalidRequestError(f"session {session_id} is still generating: wait for it or abort it",

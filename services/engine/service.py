@@ -255,7 +255,7 @@ class EngineService:
             self._seen.popitem(last=False)
         try:
             req = self.engine.add_request(msg.token_ids, msg.params, msg.rid, msg.session_id, msg.first_turn_ids,
-                                          priority=msg.priority)
+                                          priority=msg.priority, images=msg.images)
         except ConveyorError as exc:
             self._outbox.put(ErrorOut(msg.rid, 400, str(exc), param=getattr(exc, "param", None),
                                       code=error_code(exc), reply_to=msg.reply_to))

@@ -1,0 +1,82 @@
+"""Images inside the engine: the spans of a sequence's tokens that a vision encoder's rows fill.
+
+The tokenizer stage sends each image preprocessed, with the span of placeholder tokens it
+fills (``protocol/multimodal.ImageInput``). Here: the engine's checks of those spans, the
+prefix cache's extra key of a block (the digests of the images it covers: the same placeholder
+ids with another image are another prompt), the scheduler's rule that a chunk never ends inside
+an image's span (the image is encoded once, in the step whose chunk covers its end), and the
+step's map from input rows to encoder rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from ..protocol.errors import InvalidRequestError
+from ..protocol.multimodal import PIXEL_DTYPES, ImageInput
+
+
+def check_images(images: Seq[ImageInput], num_tokens: int, image_token_id: int | None, token_ids: list[int],
+                 max_span: int) -> None:
+    """InvalidRequestError unless each image's span lies within the ``num_tokens`` prompt tokens,
+    holds only the model's image token, overlaps no other, takes at most ``max_span`` tokens (one
+    step's budget: a span is computed in one step), and its pixels are the bytes their shape and
+    dtype say. A peer stage may send any value the wire types allow."""
+    if not images:
+        return
+    if image_token_id is None:
+        raise InvalidRequestError("this model takes no images: serve a vision-language model", param="messages")
+    end = 0
+    for image in sorted(images, key=lambda im: im.offset):
+        if image.offset < end or image.length <= 0 or image.offset + image.length > num_tokens:
+            raise InvalidRequestError(f"an image's span [{image.offset}, {image.offset + image.length}) is outside "
+                                      f"the {num_tokens}-token prompt or overlaps another", param="messages")
+        if image.length > max_span:
+            raise InvalidRequestError(
+                f"an image takes {image.length} tokens, more than one step computes (max_prefill_token_num="
+                f"{max_span}): raise max_prefill_token_num or send a smaller image", param="messages")
+        if any(t != image_token_id for t in token_ids[image.offset:image.offset + image.length]):
+            raise InvalidRequestError("an image's span holds tokens other than the image token", param="messages")
+        if image.dtype not in PIXEL_DTYPES or not image.shape or any(d <= 0 for d in image.shape) \
+                or len(image.pixels) != math.prod(image.shape) * np.dtype(image.dtype).itemsize:
+            raise InvalidRequestError(f"an image's pixels ({len(image.pixels)} bytes) are not a {image.dtype} array "
+                                      f"of shape {image.shape}", param="messages")
+        end = image.offset + image.length
+
+
+def shifted(images: Seq[ImageInput], by: int) -> list[ImageInput]:
+    """The images with their spans moved ``by`` tokens (a session's history before the turn)."""
+    if not by:
+        return list(images)
+    return [ImageInput(im.offset + by, im.length, im.digest, im.pixels, im.shape, im.dtype, im.grid) for im in images]
+
+
+def block_images(images: Seq[ImageInput], start: int, end: int) -> tuple[str, ...]:
+    """The digests of the images whose spans overlap tokens [start, end): a block's extra key."""
+    return tuple(im.digest for im in images if im.offset < end and start < im.offset + im.length)
+
+
+def whole_image_chunk(images: Seq[ImageInput], start: int, n: int) -> int:
+    """``n`` new tokens from ``start`` adjusted so that the chunk does not end inside an image's
+    span: cut before a span that starts inside the chunk, or carried to the end of a span the
+    chunk starts in (a prefix-cache hit may end inside one)."""
+    end = start + n
+    for im in images:
+        lo, hi = im.offset, im.offset + im.length
+        if lo < end < hi:
+            return lo - start if lo > start else hi - start
+    return n
+
+
+def image_rows(images: Seq[ImageInput], start: int, n: int, first_row: int) -> list[tuple[int, int, int, int]]:
+    """For a chunk of ``n`` tokens from ``start`` laid at input row ``first_row``: (input row,
+    image index, encoder row, rows) of each image span it covers."""
+    rows = []
+    for index, im in enumerate(images):
+        lo, hi = max(im.offset, start), min(im.offset + im.length, start + n)
+        if lo < hi:
+            rows.append((first_row + lo - start, index, lo - im.offset, hi - lo))
+    return rows
