@@ -16,19 +16,19 @@ from __future__ import annotations
 from os import PathLike
 from typing import TYPE_CHECKING
 
-from conveyor.services.tokenizer.images import ImageLimits, resolve_image
+from conveyor.services.tokenizer.images import LOCAL_IMAGE_LIMITS, ImageLimits, resolve_image
 
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-__all__ = ["ImageLimits", "load_image"]
+__all__ = ["LOCAL_IMAGE_LIMITS", "ImageLimits", "load_image"]
 
 
 def load_image(image: str | PathLike | bytes | Image, limits: ImageLimits | None = None) -> Image:
     """An RGB PIL image, every pixel loaded, from a path, an http(s) URL, a ``data:image/...;base64,``
     URL, an image file's bytes or a PIL image.
 
-    ``limits``: the pixel, byte and download-time limits (default: the server's defaults, with local
-    files allowed); pass ``ImageLimits(allow_local_files=True, max_pixels=...)`` to raise one.
+    ``limits``: the pixel, byte and download-time limits; the default, ``LOCAL_IMAGE_LIMITS``, is
+    ``pipeline()``'s: local files allowed, up to Pillow's 89 MP, 1 GiB, 10 s per download.
     """
-    return resolve_image(image, limits or ImageLimits(allow_local_files=True))
+    return resolve_image(image, limits or LOCAL_IMAGE_LIMITS)

@@ -80,6 +80,13 @@ class ImageLimits:
                                     "(--image-fetch-timeout)")
 
 
+# The caller's own images (pipeline(), conveyor.vl.load_image): its files may be read, the count is
+# left to session_len, a PIL image re-encoded as PNG (how pipeline() sends one) may be large, and
+# only Pillow's own suspicion threshold (89 MP) bounds pixels, so a 48 MP phone photo passes.
+LOCAL_IMAGE_LIMITS = ImageLimits(max_images=1024, max_pixels=int(Image.MAX_IMAGE_PIXELS or 89_478_485),
+                                 max_bytes=1 << 30, allow_local_files=True)
+
+
 def check_image_count(n: int, limits: ImageLimits) -> None:
     """A 400 naming ``max_images`` when a request holds more than ``limits.max_images`` images."""
     if n > limits.max_images:

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import base64
 import io
+import shutil
 import socket
+import ssl
+import subprocess
 import struct
 import threading
 import time
@@ -28,7 +31,12 @@ Image = pytest.importorskip("PIL.Image")
 
 from conveyor.protocol.errors import EngineConfigError, InvalidRequestError  # noqa: E402
 from conveyor.services.tokenizer import images  # noqa: E402
-from conveyor.services.tokenizer.images import ImageLimits, check_image_count, resolve_image  # noqa: E402
+from conveyor.services.tokenizer.images import (  # noqa: E402
+    LOCAL_IMAGE_LIMITS,
+    ImageLimits,
+    check_image_count,
+    resolve_image,
+)
 from conveyor.vl import load_image  # noqa: E402
 
 SERVER = ImageLimits()
@@ -289,6 +297,31 @@ def server() -> Iterator[str]:
     thread.join(5)
 
 
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory) -> Iterator[tuple[str, str]]:
+    """The same server over TLS, with a self-signed certificate for 127.0.0.1 (and that certificate's file)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    stop = threading.Event()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), type("H", (Handler,), {"stop": stop}))
+    httpd.daemon_threads = True
+    httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield f"https://127.0.0.1:{httpd.server_address[1]}", str(cert)
+    stop.set()
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join(5)
+
+
 @pytest.fixture(autouse=True)
 def _no_proxy(monkeypatch):
     """The local server is reached directly, whatever proxy the environment names."""
@@ -329,6 +362,16 @@ def test_fetch_time_is_bounded_in_all(server, path):
     assert time.monotonic() - start < 1.5
 
 
+def test_https_and_its_deadline(tls_server, monkeypatch):
+    url, cert = tls_server
+    refused(f"{url}/good.png", SERVER, "unreachable", "CERTIFICATE_VERIFY_FAILED")  # an untrusted certificate
+    monkeypatch.setenv("SSL_CERT_FILE", cert)  # httpx trusts it from here on
+    assert resolve_image(f"{url}/good.png", SERVER).size == (33, 17)
+    start = time.monotonic()
+    refused(f"{url}/drip", FAST, "timed out after 0.3 s")  # the TLS socket is the one closed at the deadline
+    assert time.monotonic() - start < 1.5
+
+
 def test_unreachable_port_is_a_quick_400():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -360,3 +403,13 @@ def test_load_image_raises_instead_of_a_blank_picture(tmp_path):
         load_image(tmp_path / "missing.png")
     with pytest.raises(InvalidRequestError, match="max_pixels"):
         load_image(Image.new("RGB", (10, 10)), ImageLimits(allow_local_files=True, max_pixels=99))
+    with pytest.raises(InvalidRequestError, match="max_pixels"):  # the caller's own images keep Pillow's bomb guard
+        load_image(bomb_png(20000, 20000))
+
+
+def test_the_callers_own_images_have_roomier_limits():
+    assert LOCAL_IMAGE_LIMITS.allow_local_files and LOCAL_IMAGE_LIMITS.max_pixels > 48_000_000
+    assert LOCAL_IMAGE_LIMITS.max_bytes > 200 * 1024 * 1024  # a 48 MP photo as PNG
+    assert not SERVER.allow_local_files and SERVER.allow_remote
+    assert (SERVER.max_images, SERVER.max_pixels, SERVER.max_bytes, SERVER.fetch_timeout_s) == (
+        8, 36_000_000, 20 * 1024 * 1024, 10.0)
