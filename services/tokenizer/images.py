@@ -54,8 +54,9 @@ class ImageLimits:
     ``max_pixels``: 36 million (6000 x 6000) takes any phone photo up to 24 MP, 8K-wide frames
     (7680 x 4320 = 33 MP) and long screenshots, while one decoded image stays under ~140 MiB (RGBA)
     in the worker; Pillow's own bomb guard (89 MP warning, 179 MP error) is looser than a server
-    wants. ``max_bytes``: 20 MiB of encoded image, as OpenAI's vision API takes. ``fetch_timeout_s``
-    bounds one download in all (connect, redirects, headers and body together).
+    wants. ``max_bytes``: 20 MiB of encoded image, the cap OpenAI documents for image inputs.
+    ``fetch_timeout_s`` bounds one download in all (connect, redirects, headers and body together;
+    not the DNS lookup, which the resolver's own timeout bounds).
     ``allow_local_files``: paths, ``file://`` URLs, bytes and PIL images as sources, for
     ``pipeline()`` only; a server keeps it off.
     """
