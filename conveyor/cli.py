@@ -159,6 +159,7 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
     try:  # a bad template, QoS file, model or tp is reported now, not by a stage that keeps restarting
         template_config(args.chat_template)
         _check_parsers(args)
+        _image_limits(args)  # a bad limit is reported now, not by each tokenizer worker
         qos = _qos_config(args)
         engine = _engine_config(args)
         model, served_name = _served_model(args)
@@ -174,7 +175,7 @@ def _cmd_api_server(args: argparse.Namespace) -> int:
         served_model_name=served_name, engine=engine, log_level=args.log_level, engine_factory=args.engine_factory,
         drain_timeout=args.drain_timeout, max_restarts=args.max_restarts, limits=_limits(args), qos=qos,
         proxy_url=args.proxy_url, proxy_admin_key=_proxy_admin_key(args), tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser))
+        reasoning_parser=args.reasoning_parser, image_limits=_image_limits(args)))
 
 
 def _check_parsers(args: argparse.Namespace) -> None:
@@ -219,7 +220,18 @@ def _limits(args: argparse.Namespace):
     return IngressLimits(max_prompt_chars=args.max_prompt_chars, max_prompts=args.max_prompts,
                          max_sequences=args.max_sequences_per_request, max_queued=args.max_queued_requests,
                          request_timeout_s=args.request_timeout or None, header_timeout_s=args.header_timeout,
-                         body_timeout_s=args.body_timeout, max_connections=args.max_connections)
+                         body_timeout_s=args.body_timeout, max_connections=args.max_connections,
+                         max_body_bytes=args.max_body_bytes)
+
+
+def _image_limits(args: argparse.Namespace):
+    """What a request's images may be, from the command line (a flag left out: the default)."""
+    from conveyor.services.tokenizer.images import ImageLimits
+
+    given = {"max_images": args.max_images_per_request, "max_pixels": args.max_image_pixels,
+             "max_bytes": args.max_image_bytes, "fetch_timeout_s": args.image_fetch_timeout}
+    return ImageLimits(allow_remote=not args.disable_image_fetch,
+                       **{name: value for name, value in given.items() if value is not None})
 
 
 def _qos_config(args: argparse.Namespace):
@@ -310,7 +322,8 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     elif args.stage == "tokenizer":
         from conveyor.services.tokenizer.process import run_tokenizer_process
 
-        run_tokenizer_process("tokenizer", addresses, model, session_len, args.chat_template, None, args.log_level)
+        run_tokenizer_process("tokenizer", addresses, model, session_len, args.chat_template, None, args.log_level,
+                              _image_limits(args))
     elif args.stage == "detokenizer":
         from conveyor.services.detokenizer.process import run_detokenizer_process
 
@@ -528,11 +541,23 @@ def _server_options(s: argparse.ArgumentParser) -> None:
                      help="seconds a client may take to send its request headers before the connection is closed")
     lim.add_argument("--body-timeout", type=float, default=30.0,
                      help="seconds a client may take to send its request body before it gets 408")
+    lim.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
+                     help="bytes of a request body (images come inside as data: URLs); past it 413")
     lim.add_argument("--max-connections", type=int, default=4096,
                      help="open connections and requests; past it new requests get 503")
     lim.add_argument("--qos-config-path", default=None, metavar="FILE",
                      help="QoS user groups, LMDeploy's JSON format: a request's `user` picks its group (priority) "
                           "and quota (README: QoS)")
+    img = s.add_argument_group("images", "what a vision-language model's requests may bring (README: Images)")
+    img.add_argument("--max-images-per-request", type=int, default=8, help="image parts in one request")
+    img.add_argument("--max-image-pixels", type=int, default=None,
+                     help="width x height of one image, checked before its pixels are decoded (default: 36 million)")
+    img.add_argument("--max-image-bytes", type=int, default=None,
+                     help="bytes of one encoded image, a data URL's or a download's (default: 20 MiB)")
+    img.add_argument("--disable-image-fetch", action="store_true",
+                     help="refuse http(s) image URLs: images come as data: URLs only")
+    img.add_argument("--image-fetch-timeout", type=float, default=None,
+                     help="seconds one image download may take, in all (default: 10)")
     # No flag: users serve LLMEngine. Tests and benchmarks put a fake engine behind the real stages
     # with conveyor.testing.serve, which adds --engine-factory to this parser.
     s.set_defaults(engine_factory=None)

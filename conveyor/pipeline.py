@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import itertools
 import logging
 import queue
@@ -22,6 +24,7 @@ from conveyor.services.tokenizer.chat_template import (
     UnknownChatTemplateError,
     template_for_model_name,
 )
+from conveyor.services.tokenizer.images import LOCAL_IMAGE_LIMITS
 from conveyor.services.tokenizer.preprocess import Preprocessor, Prompt
 
 logger = logging.getLogger(__name__)
@@ -96,10 +99,39 @@ def _call_options(method: str, gen_config: GenerationConfig | None, kwargs: dict
 
 
 def _is_single(prompts: Any) -> bool:
-    """A string or one message list is one prompt; a list of those is a batch."""
-    if isinstance(prompts, str):
+    """A string, a (text, images) tuple or one message list is one prompt; a list of those is a batch."""
+    if isinstance(prompts, str | tuple):
         return True
     return isinstance(prompts, list) and bool(prompts) and all(isinstance(p, dict) for p in prompts)
+
+
+def _image_part(image: Any) -> dict[str, Any]:
+    """An image of a (text, image) prompt as an OpenAI ``image_url`` part: a PIL image goes as a
+    PNG data URL (lossless: the tokenizer stage decodes the same pixels), a path or URL as is (the
+    pipeline's own tokenizer stage may read local files; a server's never does)."""
+    if isinstance(image, str | Path):
+        return {"type": "image_url", "image_url": {"url": str(image)}}
+    if isinstance(image, bytes | bytearray):
+        return {"type": "image_url", "image_url": {"url": "data:image;base64," + base64.b64encode(image).decode()}}
+    if hasattr(image, "save") and hasattr(image, "size"):  # a PIL image (conveyor.vl.load_image's)
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return {"type": "image_url",
+                "image_url": {"url": "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()}}
+    raise InvalidRequestError(f"an image must be a PIL image, a path, a URL or bytes, got {type(image).__name__}",
+                              param="prompts")
+
+
+def _as_messages(prompt: Any) -> Prompt:
+    """LMDeploy's vision prompt, ``(text, image)`` or ``(text, [images])``, as one user message
+    (the images first, then the text, as vision chat templates lay them out); other prompts as is."""
+    if not isinstance(prompt, tuple):
+        return prompt
+    if len(prompt) != 2 or not isinstance(prompt[0], str):
+        raise InvalidRequestError("a vision prompt is a (text, image) or (text, [images]) tuple", param="prompts")
+    text, images = prompt
+    images = list(images) if isinstance(images, list | tuple) else [images]
+    return [{"role": "user", "content": [*map(_image_part, images), {"type": "text", "text": text}]}]
 
 
 # The options the calls take besides gen_config (and LMDeploy's older sampling arguments).
@@ -121,8 +153,9 @@ class Pipeline:
         self.model_path = preflight(local_path(str(model_path)), config)
         model_config = load_model_config(self.model_path)
         self.session_len = config.session_len or model_config.max_position_embeddings
+        # The caller's own files: paths in (text, image) prompts and image_url parts may be read.
         self.preprocessor = Preprocessor(self.model_path, self.session_len, chat_template_config,
-                                         model_config.eos_token_ids)
+                                         model_config.eos_token_ids, LOCAL_IMAGE_LIMITS)
         self.engine = LLMEngine(self.model_path, config)
         self.tokenizer = self.preprocessor.tokenizer
         # The same stage code and engine client as the server, as threads over inproc:// sockets.
@@ -142,6 +175,7 @@ class Pipeline:
                 session_id: int | None = None, sequence_start: bool = True,
                 chat_template_kwargs: dict[str, Any] | None = None) -> Iterator[tuple[int, Response]]:
         """Yield (request tag, delta) as they come, for every (prompt, sample) of the call."""
+        prompts = [_as_messages(p) for p in prompts]
         # Cheap checks first (no tokenization), so a malformed prompt fails the call before
         # anything is queued; lengths are checked by the tokenizer stage.
         for p in prompts:

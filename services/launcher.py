@@ -38,6 +38,7 @@ from .ingress.limits import IngressLimits
 from .ingress.process import run_ingress_process
 from .ingress.qos import QosConfig
 from .stage import open_socket
+from .tokenizer.images import ImageLimits
 from .tokenizer.process import run_tokenizer_process
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class ServerArgs:
     proxy_admin_key: str | None = field(default=None, repr=False)  # the proxy's admin key it joins with
     tool_call_parser: str | None = None  # the chat route's tool-call format (None: the chat template's)
     reasoning_parser: str | None = None  # the chat route's reasoning split (None: none)
+    image_limits: ImageLimits = field(default_factory=ImageLimits)  # what a request's images may be
     # "module:callable" building the engine instead of LLMEngine: no product flag sets it; tests and
     # benchmarks do (conveyor.testing.serve; its default is the model-free conveyor.testing.fake_engine).
     # A name, not the callable: the engine stage is a spawned process, which imports it.
@@ -199,7 +201,7 @@ class Deployment:
         session_len = int(self.engine_info["session_len"])
         for i in range(args.tokenizer_workers):
             self._spawn(f"tokenizer-{i}", run_tokenizer_process, a, args.model_path, session_len,
-                        args.chat_template, launcher, args.log_level)
+                        args.chat_template, launcher, args.log_level, args.image_limits)
         self._wait_ready({Stage.TOKENIZER: args.tokenizer_workers})
         name = args.served_model_name or args.model_path.rstrip("/").split("/")[-1]
         self._spawn("ingress", run_ingress_process, a, args.model_path, name, session_len, args.server_name,

@@ -26,7 +26,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from ..http import DEFAULT_MAX_BODY_BYTES, ApiKeyGuard, BodyLimit, install_error_handlers
+from ..http import ApiKeyGuard, BodyLimit, install_error_handlers
 from .docs import install_docs
 from .flow import EngineClientLike, Ingress
 from .limits import IngressLimits
@@ -44,7 +44,7 @@ def _guarded(path: str) -> bool:
 
 
 def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, served_model_name: str | None = None,
+              max_body_bytes: int | None = None, served_model_name: str | None = None,
               tokenizer: Any | None = None, limits: IngressLimits | None = None,
               qos: QosConfig | None = None, chat: ChatParsing | None = None) -> FastAPI:
     """The OpenAI-compatible app serving ``client``'s model.
@@ -65,7 +65,7 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
     app.state.ingress = ing = Ingress(app, client, served_model_name or client.model_name, tokenizer, limits, gate,
                                       chat)
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=limits.body_timeout_s)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes or limits.max_body_bytes, timeout_s=limits.body_timeout_s)
     if api_keys:
         app.add_middleware(ApiKeyGuard, api_keys=list(api_keys), guarded=_guarded)
     app.add_middleware(RequestCounter, metrics=ing.metrics)  # outermost: counts 401s and 413s too

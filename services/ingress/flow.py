@@ -90,6 +90,13 @@ class Ingress:
             raise RequestError(503, "the engine is not answering: retry later",
                                type="service_unavailable", code="engine_unavailable", retry_after=RETRY_AFTER_S)
 
+    def check_message_chars(self, messages: list[dict[str, Any]], extra: int = 0) -> None:
+        """``check_prompt_chars`` of a chat: its text (images are held to their own limits, in
+        the tokenizer stage), plus ``extra`` characters rendered with it (tools)."""
+        chars = sum(len(c) if isinstance(c := m.get("content") or "", str)
+                    else sum(len(p.get("text", "")) for p in c) for m in messages)
+        self.check_prompt_chars(chars + extra, "messages")
+
     def check_prompt_chars(self, chars: int, param: str) -> None:
         """400 before tokenizing a prompt longer than the character cap (tokenizing costs the
         tokenizer worker time and memory in proportion, whatever the token count turns out to be)."""

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from ..engine_client import RETRY_AFTER_S
-from ..http import error_envelope
+from ..http import DEFAULT_MAX_BODY_BYTES, error_envelope
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +35,10 @@ class IngressLimits:
     header_timeout_s: float = 10.0  # a connection whose request headers take longer is closed
     body_timeout_s: float = 30.0  # a body that takes longer to arrive gets 408
     max_connections: int = 4096  # open connections and tasks; past it 503 (with_connection_limit)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a request body, read whole; past it 413 (images come inside)
 
     def __post_init__(self) -> None:
-        for name in ("max_prompts", "max_sequences", "max_queued", "max_connections"):
+        for name in ("max_prompts", "max_sequences", "max_queued", "max_connections", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
         for name in ("header_timeout_s", "body_timeout_s"):

@@ -33,8 +33,8 @@ import functools
 import logging
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ModelWrapValidatorHandler,
-                      PrivateAttr, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field,
+                      ModelWrapValidatorHandler, PrivateAttr, Tag, model_validator)
 
 from ...protocol import FINISH_REASONS, InvalidRequestError, SamplingParams, validate
 from ...protocol.guided import Guide, guide_from_fields, guide_from_response_format
@@ -134,10 +134,38 @@ class _Body(BaseModel):
 
 
 class TextContent(_Body):
-    """One part of a message's content; only text parts are supported."""
+    """A text part of a message's content."""
 
     type: Literal["text"]
     text: Text
+
+
+class ImageURL(_Body):
+    """Where an image part's image is: a ``data:image/...;base64,...`` URL, or an http(s) URL the
+    server fetches (within its limits; a server may turn fetching off)."""
+
+    url: Text
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="Accepted; the model's own "
+                                                          "preprocessing decides the resolution.")
+
+
+class ImageContent(_Body):
+    """An image part of a message's content (a vision-language model's input)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+def _part_kind(part: Any) -> str:
+    """The branch a content part validates as, by its ``type`` (any type but image_url is held to
+    the text part's rules, so an unknown one is refused naming ``type``); the branch's class
+    name, which the 400's field path leaves out (``services/http/validation.py``)."""
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return "ImageContent" if kind == "image_url" else "TextContent"
+
+
+ContentPart = Annotated[Annotated[TextContent, Tag("TextContent")] | Annotated[ImageContent, Tag("ImageContent")],
+                        Discriminator(_part_kind)]
 
 
 # OpenAI's rule for a function's name; it is written into prompts and grammars as is.
@@ -163,7 +191,7 @@ class ChatMessage(_Body):
     """One message of a conversation ("developer" is OpenAI's newer name for "system")."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextContent] | None = None
+    content: Text | list[ContentPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCallIn] | None = Field(None, description="An assistant message's calls (content may be "
                                                 "null).")
@@ -173,7 +201,11 @@ class ChatMessage(_Body):
         """The {role, content, ...} dict the tokenizer stage's chat template takes: tool calls,
         the call id a tool result answers and a name are kept for templates that render them."""
         content = self.content
-        if isinstance(content, list):
+        if isinstance(content, list) and any(part.type == "image_url" for part in content):
+            # parts kept, in order: the tokenizer stage places each image where its part is
+            content = [{"type": "text", "text": part.text} if part.type == "text"
+                       else {"type": "image_url", "image_url": {"url": part.image_url.url}} for part in content]
+        elif isinstance(content, list):
             content = "\n".join(part.text for part in content)  # as vLLM and LMDeploy merge parts
         role = "system" if self.role == "developer" else self.role
         wire: dict[str, Any] = {"role": role, "content": content or ""}

@@ -20,7 +20,9 @@ from ...protocol.messages import GenerateReq, TokenizedReq
 from ...protocol.sampling import SamplingParams, validate
 from .chat_template import ChatTemplateConfig, check_template_kwargs, get_chat_template
 from .guide_syntax import check_guide_syntax
+from .images import ImageLimits
 from .loader import load_tokenizer
+from .multimodal import has_image_parts, image_prompt_for, image_sources, load_images
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +43,14 @@ class Preprocessor:
     """Turns requests (prompts and sampling parameters) into token ids for the engine."""
 
     def __init__(self, model_path: str | Path, session_len: int, chat_template_config: ChatTemplateConfig | None = None,
-                 model_eos_ids: list[int] | None = None):
+                 model_eos_ids: list[int] | None = None, image_limits: ImageLimits | None = None):
         self.model_path = Path(model_path)
         self.session_len = session_len
         self.tokenizer = load_tokenizer(self.model_path)
         self.template = get_chat_template(str(self.model_path), chat_template_config, self.tokenizer)
+        # A vision-language model's way of putting images into prompts (None: a text model).
+        self.image_prompt = image_prompt_for(self.model_path, self.tokenizer)
+        self.image_limits = image_limits or ImageLimits()
         eos = list(model_eos_ids or [])
         eos += generation_eos_ids(self.model_path) if self.model_path.is_dir() else []
         if self.tokenizer.eos_token_id is not None:
@@ -85,6 +90,9 @@ class Preprocessor:
                 raise InvalidRequestError(
                     f"bad message {repr(m)[:200]}: each needs a role (system/user/assistant/tool) and content "
                     "(a string, or a list of text parts)", param="messages")
+        if has_image_parts(prompt):
+            self._check_takes_images()
+            prompt = self.image_prompt.messages_for_template(prompt, getattr(self.template, "reads_parts", False))
         try:
             return self.template.messages2prompt(prompt, sequence_start, **options)
         except InvalidRequestError:
@@ -128,7 +136,7 @@ class Preprocessor:
         ``sequence_start=None`` (a session turn whose history the engine knows) renders the
         prompt as a continuation and, in ``first_turn_ids``, as a first turn.
         """
-        first_turn_ids = None
+        first_turn_ids, images = None, []
         if req.input_ids is not None:
             if not req.input_ids:
                 raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
@@ -138,13 +146,40 @@ class Preprocessor:
             options = {"chat_template_kwargs": req.chat_template_kwargs,
                        "add_generation_prompt": req.add_generation_prompt,
                        "continue_final_message": req.continue_final_message, "tools": req.tools}
+            # Images are fetched and processed before the template runs: a bad one fails first.
+            prepared = self._prepare_images(prompt)
             ids = self.encode(prompt, req.do_preprocess, bool(req.sequence_start), **options)
             if req.sequence_start is None:
                 first_turn_ids = self.encode(prompt, req.do_preprocess, True, **options)
                 first_turn_ids = None if first_turn_ids == ids else first_turn_ids  # e.g. a whole chat
+            if prepared:
+                ids, images = self.image_prompt.expand(ids, prepared)
+                if first_turn_ids is not None:
+                    first_turn_ids, first = self.image_prompt.expand(first_turn_ids, prepared)
+                    shift = len(first_turn_ids) - len(ids)
+                    if any(a.offset != b.offset + shift for a, b in zip(first, images)):
+                        raise InvalidRequestError(
+                            "this chat template renders a session's images differently in its first turn: start the "
+                            "session with sequence_start", param="messages")
         else:
             raise InvalidRequestError("give a prompt, messages or input_ids", param="prompt")
         if len(ids) >= self.session_len:  # named after the request's field: chat messages or a text prompt
             raise PromptTooLongError(len(ids), self.session_len, "messages" if req.messages is not None else "prompt")
         return TokenizedReq(rid=req.rid, reply_to=req.reply_to, token_ids=ids, params=self.resolve(req.params),
-                            session_id=req.session_id, first_turn_ids=first_turn_ids, priority=req.priority)
+                            session_id=req.session_id, first_turn_ids=first_turn_ids, priority=req.priority,
+                            images=images)
+
+    def _prepare_images(self, prompt: Prompt) -> list:
+        """The prompt's images fetched, decoded and processed for the vision encoder (none for a
+        prompt without image parts); a text model refuses them."""
+        sources = image_sources(prompt)
+        if not sources:
+            return []
+        self._check_takes_images()
+        return self.image_prompt.prepare(load_images(sources, self.image_limits))
+
+    def _check_takes_images(self) -> None:
+        if self.image_prompt is None:
+            raise InvalidRequestError(
+                f"{self.model_path.name} is a text model and takes no images: send text parts only, or serve a "
+                "vision-language model (conveyor list)", param="messages")

@@ -18,6 +18,7 @@ from ...protocol import Addresses, Codec, ConveyorError, EngineIn, ErrorOut, Pin
 from ..stage import (SEND_TIMEOUT_MS, ReplySockets, announce_ready, begin_stage_process, internal_error, open_socket,
                      stop_on_sigterm)
 from .chat_template import template_config
+from .images import ImageLimits
 from .preprocess import Preprocessor
 
 logger = logging.getLogger(__name__)
@@ -66,10 +67,12 @@ def serve_tokenizer(ctx: zmq.Context, addresses: Addresses, pre: Preprocessor,
 
 
 def run_tokenizer_process(name: str, addresses: Addresses, model_path: str, session_len: int,
-                          chat_template: str | None, launcher: str | None, log_level: str = "INFO") -> None:
+                          chat_template: str | None, launcher: str | None, log_level: str = "INFO",
+                          image_limits: ImageLimits | None = None) -> None:
     """Entry point of a tokenizer worker process."""
     begin_stage_process(name, log_level, addresses, launcher)
     stop = stop_on_sigterm()
     template = template_config(chat_template)
     eos = config_eos_ids(model_path)  # plain JSON: this stage needs no model code, nor torch
-    serve_tokenizer(zmq.Context(), addresses, Preprocessor(model_path, session_len, template, eos), stop, launcher)
+    pre = Preprocessor(model_path, session_len, template, eos, image_limits)
+    serve_tokenizer(zmq.Context(), addresses, pre, stop, launcher)

@@ -416,6 +416,8 @@ async def test_logprob_tokens_use_the_tokenizer(engine) -> None:
     (chat_body(messages=[]), "messages"),
     (chat_body(messages=[{"role": "wizard", "content": "x"}]), "messages.0.role"),
     (chat_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+     "messages.0.content.0.image_url.url"),
+    (chat_body(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]),
      "messages.0.content.0.type"),
     (chat_body(stop=5), "stop"),
     ({"model": "fake-model"}, "messages"),

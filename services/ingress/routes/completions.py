@@ -33,8 +33,7 @@ def install_completions(app: FastAPI, ing: Ingress) -> None:
         rid, n, k = request_id("chatcmpl"), body.num_choices, body.num_logprobs
         messages = [m.to_wire() for m in body.messages]
         tools = body.tools_wire  # rendered into the prompt too: their text counts
-        ing.check_prompt_chars(sum(len(m["content"]) for m in messages) + len(json.dumps(tools) if tools else ""),
-                               "messages")
+        ing.check_message_chars(messages, len(json.dumps(tools)) if tools else 0)
         # Unbounded by default: the scheduler ends the turn where the context (session_len) is full.
         max_new = body.requested_max_tokens or client.session_len
         params = [body.sampling_params(max_new, k, i) for i in range(n)]  # the body's own checks first

@@ -47,7 +47,10 @@ def install_interactive(app: FastAPI, ing: Ingress) -> None:
             raise RequestError(400, "the prompt is empty: give some text or messages", param="prompt")
         prompt, messages = (body.prompt, None) if isinstance(body.prompt, str) else \
             (None, [m.to_wire() for m in body.prompt])
-        ing.check_prompt_chars(len(prompt) if prompt else sum(len(m["content"]) for m in messages or []), "prompt")
+        if prompt:
+            ing.check_prompt_chars(len(prompt), "prompt")
+        else:
+            ing.check_message_chars(messages or [])
         session_id = None
         if body.interactive_mode:  # the engine keeps the session; it knows whether this is a first turn
             session_id = sid if sid != -1 else ing.new_session_id()
