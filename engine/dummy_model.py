@@ -140,6 +140,20 @@ SHAPES: dict[str, dict[str, Any]] = {
              "ffn_config": {"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4,
                             "moe_jitter_eps": 0, "moe_loss_weight": 0.05, "ffn_act_fn": {"name": "silu"}},
              "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    # llava-hf/llava-1.5-7b-hf: CLIP ViT-L/14 at 336 pixels (576 image tokens), a 2-layer GELU
+    # projector, Vicuna-7B (the Llama-2-7B shape) as published, its text_config full here
+    "llava-1.5-7b": {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+                     "image_token_index": 32000, "projector_hidden_act": "gelu", "vision_feature_layer": -2,
+                     "vision_feature_select_strategy": "default", "torch_dtype": "float16",
+                     "text_config": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                     "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                                     "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064,
+                                     "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                                     "torch_dtype": "float16"},
+                     "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024,
+                                       "intermediate_size": 4096, "num_attention_heads": 16, "num_hidden_layers": 24,
+                                       "image_size": 336, "patch_size": 14, "projection_dim": 768,
+                                       "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5}},
     # A toy of the same family, for smoke-testing the benchmarks on a CPU.
     "tiny": {**_LLAMA2_COMMON, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000},

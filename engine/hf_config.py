@@ -61,3 +61,17 @@ def generation_eos_ids(model_dir: Path) -> list[int]:
     if not gen.exists():
         return []
     return token_ids(json.loads(gen.read_text()).get("eos_token_id"))
+
+
+def with_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config.json dict with what it leaves out filled from transformers' config class of its
+    ``model_type`` (nested ``text_config`` / ``vision_config`` too): published multimodal configs
+    write only what differs from those defaults (llava-1.5's text_config has no hidden_size, its
+    vision_config no hidden_act). An unknown ``model_type`` leaves the dict as it is."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = cfg.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        return cfg
+    filled = CONFIG_MAPPING[model_type](**{k: v for k, v in cfg.items() if k != "model_type"}).to_dict()
+    return {**filled, **{k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}}

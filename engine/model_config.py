@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..protocol.errors import UnsupportedModelError
-from .hf_config import read_config, token_ids
-from .model_registry import pick_architecture
+from .hf_config import read_config, token_ids, with_defaults
+from .model_registry import SUPPORTED_ARCHITECTURES, TEXT_ARCHITECTURES, VISION_LANGUAGE, pick_architecture
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -188,11 +188,24 @@ class ModelConfig:
     # The decoder linears' weight format (engine/quant_format.py), set by the engine once it has
     # checked the checkpoint against EngineConfig.model_format; None: dense 16-bit weights.
     quant: Any = None
+    # A vision-language model: its whole config.json (defaults filled: vision_config, projector,
+    # image token), and the architecture of its language model, which every other field describes.
+    vision: dict[str, Any] | None = field(default=None, repr=False)
+    text_architecture: str | None = None
+
+    @property
+    def language_model(self) -> "ModelConfig":
+        """The config of the model that computes the tokens (itself, for a text model)."""
+        if self.text_architecture is None:
+            return self
+        return replace(self, architecture=self.text_architecture, vision=None, text_architecture=None)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """Read a config.json dict; unknown architectures raise UnsupportedModelError."""
         arch = pick_architecture(cfg.get("architectures") or [], cfg.get("model_type"))
+        if arch in VISION_LANGUAGE:
+            return cls._vision_language(arch, cfg)
         raw = cfg
         if arch in _FAMILY_FIELDS:
             cfg = {**cfg, **{k: v for k, v in _FAMILY_FIELDS[arch](cfg).items() if v is not None}}
@@ -235,6 +248,23 @@ class ModelConfig:
             num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
         )
+
+    @classmethod
+    def _vision_language(cls, arch: str, cfg: dict[str, Any]) -> "ModelConfig":
+        """A vision-language config: its language model's fields from ``text_config``."""
+        full = with_defaults(cfg)
+        text = dict(full.get("text_config") or {})
+        named = [a for a in text.get("architectures") or () if a in SUPPORTED_ARCHITECTURES]
+        text_arch = named[0] if named else TEXT_ARCHITECTURES.get(text.get("model_type"))
+        if text_arch is None or text_arch in VISION_LANGUAGE:
+            raise UnsupportedModelError(
+                f"{arch}'s language model ({text.get('model_type')!r}) is not one conveyor runs inside a "
+                f"vision-language model: {', '.join(sorted(TEXT_ARCHITECTURES))}")
+        text["architectures"] = [text_arch]
+        for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id"):
+            if text.get(key) is None and full.get(key) is not None:
+                text[key] = full[key]
+        return replace(cls.from_dict(text), architecture=arch, vision=full, text_architecture=text_arch)
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path) -> "ModelConfig":

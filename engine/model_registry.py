@@ -44,6 +44,16 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekForCausalLM": ("deepseek", "DeepseekForCausalLM"),
     "DbrxForCausalLM": ("dbrx", "DbrxForCausalLM"),
+    # Vision-language models: a vision tower and projector before one of the language models above
+    # (config.json's text_config names which; VISION_LANGUAGE below).
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
+}
+
+# The vision-language architectures, and the text architecture each text_config model_type runs on.
+VISION_LANGUAGE = frozenset({"LlavaForConditionalGeneration"})
+TEXT_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "gemma": "GemmaForCausalLM", "phi3": "Phi3ForCausalLM", "internlm2": "InternLM2ForCausalLM",
 }
 
 # Architectures a tensor-parallel rank cannot run a slice of, and why (refused before any rank starts).

@@ -191,9 +191,11 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, weight_offset=variant.norm_weight_offset)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[T] ids and positions -> [T, hidden] final-normed hidden states."""
-        hidden = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """[T] ids and positions -> [T, hidden] final-normed hidden states; ``inputs_embeds``
+        (a vision model's, image rows written in) stand for the ids' embeddings."""
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
@@ -260,9 +262,11 @@ class LlamaForCausalLM(nn.Module):
         """Whether the LM head reuses the input embedding (config.json's ``tie_word_embeddings``)."""
         return config.tie_word_embeddings
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[T] ids and positions of a flattened batch -> [T, hidden]; reads the attention metadata."""
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """[T] ids and positions of a flattened batch -> [T, hidden]; reads the attention metadata.
+        ``inputs_embeds``: the ids' embeddings given (a vision-language model's)."""
+        return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (soft-capped where the family caps them: Gemma 2)."""

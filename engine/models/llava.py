@@ -1,0 +1,149 @@
+"""LLaVA 1.5 (``LlavaForConditionalGeneration``): a CLIP vision tower, a two-layer projector, and
+one of the engine's language models (config.json's ``text_config``: Llama / Vicuna, Mistral,
+Qwen2, ...).
+
+The model runner asks three things of a vision-language model: ``embed_input_ids`` (the language
+model's input embeddings), ``encode_images`` (each image's projected features, one row per
+placeholder token the tokenizer stage expanded), and ``forward(..., inputs_embeds=...)`` with the
+image rows written over the placeholders' embeddings. Everything else (the KV cache, attention,
+logits, CUDA graphs at decode) is the language model's.
+
+Checkpoints load in transformers 5's layout (``model.vision_tower.*``,
+``model.multi_modal_projector.*``, ``model.language_model.*``, ``lm_head.*``) and 4.x's
+(``vision_tower.*``, ``multi_modal_projector.*``, ``language_model.model.*``,
+``language_model.lm_head.*``), the tower's names with or without ``vision_model.``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from ...protocol.errors import UnsupportedModelError
+from ..layers.vision import ClipVisionModel, activation
+from ..model_config import ModelConfig
+from ..model_registry import model_class
+from ..weight_loader import materialize
+
+logger = logging.getLogger(__name__)
+
+# Checkpoint prefixes -> the part they belong to and the name inside it, newest layout first.
+_PREFIXES = (
+    ("model.vision_tower.", "vision", ""),
+    ("model.multi_modal_projector.", "projector", ""),
+    ("model.language_model.", "text", "model."),
+    ("vision_tower.", "vision", ""),
+    ("multi_modal_projector.", "projector", ""),
+    ("language_model.model.", "text", "model."),
+    ("language_model.lm_head.", "text", "lm_head."),
+    ("lm_head.", "text", "lm_head."),
+)
+
+
+class LlavaProjector(nn.Module):
+    """linear_1 -> activation -> linear_2: vision features into the language model's width."""
+
+    def __init__(self, vision_width: int, text_width: int, act: str, bias: bool) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(vision_width, text_width, bias=bias)
+        self.act = activation(act)
+        self.linear_2 = nn.Linear(text_width, text_width, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class LlavaForConditionalGeneration(nn.Module):
+    """A CLIP tower's chosen hidden states (the CLS row dropped unless the strategy is ``full``),
+    projected, in place of the image placeholders; the language model does the rest."""
+
+    def __init__(self, config: ModelConfig, rope_scaling_factor: float = 0.0, max_position: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        full = config.vision or {}
+        vision = full.get("vision_config") or {}
+        if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
+            raise UnsupportedModelError(f"LLaVA with a {vision.get('model_type')!r} vision tower is not supported: "
+                                        "conveyor runs LLaVA's CLIP towers (clip_vision_model)")
+        text_class = model_class(config.text_architecture)
+        if "inputs_embeds" not in inspect.signature(text_class.forward).parameters:
+            raise UnsupportedModelError(f"{config.text_architecture} cannot take image embeddings yet, so it cannot "
+                                        "be LLaVA's language model here")
+        self.language_model = text_class(config.language_model, rope_scaling_factor, max_position)
+        layers = full.get("vision_feature_layer", -2)
+        self.feature_layers = [layers] if isinstance(layers, int) else list(layers)
+        self.keep_cls = full.get("vision_feature_select_strategy", "default") == "full"
+        self.vision_tower = ClipVisionModel(vision, self.feature_layers)
+        self.multi_modal_projector = LlavaProjector(
+            int(vision["hidden_size"]) * len(self.feature_layers), config.hidden_size,
+            full.get("projector_hidden_act", "gelu"), bool(full.get("multimodal_projector_bias", True)))
+        token = full.get("image_token_id", full.get("image_token_index"))
+        self.image_token_id: int = int(token if token is not None else 32000)
+
+    # ---- the model runner's interface ------------------------------------------------------
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] ids -> [T, hidden]: the language model's input embeddings."""
+        return self.language_model.model.embed_tokens(input_ids)
+
+    def encode_images(self, pixel_values: torch.Tensor, grids: list[list[int]] | None = None) -> list[torch.Tensor]:
+        """[B, 3, H, W] pixels -> each image's [rows, hidden] features (rows: patches, +1 with the
+        CLS row kept), through the tower once for the batch."""
+        states = self.vision_tower.hidden_states(pixel_values)
+        if not self.keep_cls:
+            states = [s[:, 1:] for s in states]
+        features = self.multi_modal_projector(torch.cat(states, dim=-1))
+        return list(features)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.language_model(input_ids, positions, inputs_embeds=inputs_embeds)
+
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden_rows)
+
+    def attention_layers(self) -> list:
+        return self.language_model.attention_layers()
+
+    # ---- weight loading ---------------------------------------------------------------------
+    def _route(self, weights: Iterable[tuple[str, torch.Tensor]],
+               own: dict[str, tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The language model's tensors, renamed to its own layout; the tower's and projector's
+        collected into ``own`` (parameter name -> (checkpoint name, tensor))."""
+        skip = tuple(f"vision_tower.{p}" for p in self.vision_tower.unused_prefixes())
+        for name, tensor in weights:
+            match = next((m for m in _PREFIXES if name.startswith(m[0])), None)
+            if match is None:
+                raise ValueError(f"checkpoint tensor {name} belongs to no part of LLaVA (vision_tower, "
+                                 "multi_modal_projector, language_model)")
+            prefix, part, renamed = match
+            rest = renamed + name[len(prefix):]
+            if part == "text":
+                yield rest, tensor
+            elif part == "vision":
+                # the hub's llava-hf files nest the tower in vision_model.; transformers 5 may save it bare
+                rest = rest if rest.startswith("vision_model.") else f"vision_model.{rest}"
+                if not f"vision_tower.{rest}".startswith(skip):
+                    own[f"vision_tower.{rest}"] = (name, tensor)
+            else:
+                own[f"multi_modal_projector.{rest}"] = (name, tensor)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load a LLaVA checkpoint; raise if any parameter stays unloaded or a tensor fits none."""
+        own: dict[str, tuple[str, torch.Tensor]] = {}
+        self.language_model.load_weights(self._route(weights, own))
+        params = {name: p for name, p in self.named_parameters() if not name.startswith("language_model.")}
+        for name, (ckpt_name, tensor) in own.items():
+            param = params.pop(name, None)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {ckpt_name} matches no parameter of LLaVA's tower or projector")
+            if param.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {ckpt_name} has shape {tuple(tensor.shape)}, expected "
+                                 f"{tuple(param.shape)}")
+            param.data.copy_(materialize(tensor))
+        if params:
+            raise ValueError(f"the checkpoint lacks {len(params)} vision tensors: {', '.join(sorted(params)[:5])}")

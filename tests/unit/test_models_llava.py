@@ -1,0 +1,164 @@
+"""LLaVA against transformers: tiny random-weight ``LlavaForConditionalGeneration`` models saved
+with ``save_pretrained`` (``tiny_vlm``), loaded by the engine; float32 image features and prefill
+logits within 1e-4, for the feature layer -2 (LLaVA 1.5's), a list of layers, the CLS row kept
+(``full``), no projector bias; both checkpoint layouts; and the refusals.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_models import assert_close, load_ours
+from tiny_vlm import IMAGE_SIZE, save_tiny_llava
+
+from conveyor.engine.attention_metadata import AttentionMetadata, set_attention_metadata
+from conveyor.engine.model_config import ModelConfig
+from conveyor.protocol.errors import UnsupportedModelError
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+CONFIGS = {
+    "llava_1_5": {},
+    "feature_layers_list": {"feature_layer": [-3, -1]},
+    "cls_kept": {"strategy": "full", "feature_layer": -1},
+    "no_projector_bias": {"projector_bias": False},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny_llava(path, seed=3, **CONFIGS[request.param])
+    return hf, load_ours(path), path
+
+
+def _pixels(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, 3, IMAGE_SIZE, IMAGE_SIZE, generator=torch.Generator().manual_seed(seed))
+
+
+def _hf_features(hf, pixels: torch.Tensor) -> list[torch.Tensor]:
+    cfg = hf.config
+    with torch.no_grad():
+        out = hf.model.get_image_features(pixel_values=pixels, vision_feature_layer=cfg.vision_feature_layer,
+                                          vision_feature_select_strategy=cfg.vision_feature_select_strategy)
+    feats = getattr(out, "pooler_output", out)
+    return list(feats)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_image_features_match(tiny, count) -> None:
+    hf, ours, _ = tiny
+    pixels = _pixels(count, seed=count)
+    with torch.no_grad():
+        got = ours.encode_images(pixels)
+    expected = _hf_features(hf, pixels)
+    assert len(got) == count
+    for a, b in zip(got, expected):
+        assert_close(a, b)
+
+
+def _prefill_logits(ours, ids: list[int], pixels: torch.Tensor) -> torch.Tensor:
+    """Our logits of one prompt, in one chunk, with each image's rows over its placeholders."""
+    n = len(ids)
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), block_tables=torch.arange((n + 3) // 4)[None].int(),
+                             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+                             seqlens_k=torch.tensor([n], dtype=torch.int32), max_seqlen_q=n, max_seqlen_k=n)
+    ids_t = torch.tensor(ids)
+    with torch.no_grad():
+        embeds = ours.embed_input_ids(ids_t)
+        rows = torch.cat(ours.encode_images(pixels))
+        embeds[ids_t == ours.image_token_id] = rows
+        set_attention_metadata(meta)
+        try:
+            return ours.compute_logits(ours(ids_t, torch.arange(n), inputs_embeds=embeds))
+        finally:
+            set_attention_metadata(None)
+
+
+def _attach_cache(ours, blocks: int = 32, block_size: int = 4) -> None:
+    for attn in ours.attention_layers():
+        attn.k_cache = torch.zeros(blocks, block_size, attn.num_kv_heads, attn.head_dim)
+        attn.v_cache = torch.zeros(blocks, block_size, attn.num_kv_heads, attn.head_dim)
+
+
+def test_prefill_logits_match(tiny) -> None:
+    hf, ours, _ = tiny
+    _attach_cache(ours)
+    rows = ours.encode_images(_pixels(1, 0))[0].shape[0]
+    token = ours.image_token_id
+    ids = [1, 5, 9] + [token] * rows + [17, 23] + [token] * rows + [30, 31, 40]
+    pixels = _pixels(2, seed=7)
+    got = _prefill_logits(ours, ids, pixels)
+    with torch.no_grad():
+        expected = hf(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0].float()
+    assert_close(got, expected)
+    # the image rows matter: other pixels, other logits
+    other = _prefill_logits(ours, ids, _pixels(2, seed=8))
+    assert (other - got).abs().max() > 1e-2
+
+
+def test_transformers_5_layout_loads(tiny, tmp_path) -> None:
+    hf, ours, path = tiny
+    renamed = {}
+    for name, tensor in load_file(str(path / "model.safetensors")).items():
+        for old, new in (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                         ("vision_tower.", "model.vision_tower.vision_model."),
+                         ("multi_modal_projector.", "model.multi_modal_projector.")):
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        renamed[name] = tensor
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    again = load_ours(tmp_path)
+    pixels = _pixels(2, seed=11)
+    with torch.no_grad():
+        for a, b in zip(again.encode_images(pixels), ours.encode_images(pixels)):
+            assert torch.equal(a, b)
+    assert torch.equal(again.language_model.lm_head.weight, ours.language_model.lm_head.weight)
+
+
+def test_config_describes_the_language_model(tiny) -> None:
+    _, _, path = tiny
+    config = ModelConfig.from_pretrained(path)
+    assert config.architecture == "LlavaForConditionalGeneration"
+    assert config.text_architecture == "LlamaForCausalLM"
+    assert (config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads) == (64, 2, 4, 2)
+    assert config.vision["vision_config"]["image_size"] == IMAGE_SIZE
+
+
+def test_a_published_config_with_only_its_differences_fills_the_defaults(tmp_path) -> None:
+    # llava-hf/llava-1.5-7b-hf's config.json: text_config and vision_config name only what differs
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlavaForConditionalGeneration"], "image_token_index": 32000, "model_type": "llava",
+        "projector_hidden_act": "gelu", "torch_dtype": "float16", "vision_feature_layer": -2,
+        "vision_feature_select_strategy": "default",
+        "text_config": {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096,
+                        "model_type": "llama", "rms_norm_eps": 1e-05, "torch_dtype": "float16", "vocab_size": 32064},
+        "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                          "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                          "patch_size": 14, "projection_dim": 768, "vocab_size": 32000}}))
+    config = ModelConfig.from_pretrained(tmp_path)
+    assert (config.hidden_size, config.num_layers, config.num_heads, config.vocab_size) == (4096, 32, 32, 32064)
+    assert config.vision["vision_config"]["hidden_act"] == "quick_gelu"
+    assert config.dtype == torch.float16
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"vision_config": {"model_type": "siglip_vision_model"}}, "CLIP"),
+    ({"text_config": {"model_type": "gpt2"}}, "language model"),
+])
+def test_refusals(tmp_path, change, words) -> None:
+    from conveyor.engine.models import build_model
+
+    save_tiny_llava(tmp_path, seed=1)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for key, value in change.items():
+        cfg[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match=words):
+        build_model(ModelConfig.from_pretrained(Path(tmp_path)), dtype=torch.float32, device="meta")

@@ -1,0 +1,78 @@
+"""Tiny random-weight vision-language models saved by transformers, for tests against it.
+
+``save_tiny_llava`` writes a ``LlavaForConditionalGeneration`` (a 2-layer Llama of width 64 after
+a 3-layer CLIP tower on 28x28 images, 14-pixel patches: 4 image rows a picture) in float32 with
+``save_pretrained``; given a tokenizer directory (the default model's), it adds an ``<image>``
+token, sizes the vocabulary to it, and saves a ``LlavaProcessor`` (CLIP's image processor and a
+llava-hf style chat template) beside the weights, so ``AutoProcessor`` and conveyor's stages both
+read the one directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# llava-hf/llava-1.5-7b-hf's template, shortened: the parts in order, <image> for an image part.
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<image>\n"
+    "{% else %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if message['role'] == 'user' %} {% else %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+IMAGE_SIZE, PATCH = 28, 14
+
+
+def llava_config(vocab_size: int, image_token: int, strategy: str = "default", feature_layer=-2,
+                 projector_bias: bool = True):
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=512,
+                       rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                              image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
+    return LlavaConfig(text_config=text, vision_config=vision, image_token_id=image_token,
+                       vision_feature_select_strategy=strategy, vision_feature_layer=feature_layer,
+                       multimodal_projector_bias=projector_bias)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Norm scales near 1, everything else 0.1 * N(0, 1): logits that tell models apart."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            is_norm = "norm" in name or "layrnorm" in name
+            param.copy_(1 + 0.1 * noise if is_norm and name.endswith("weight") else 0.1 * noise)
+
+
+def save_tiny_llava(path: Path, tokenizer_dir: Path | None = None, seed: int = 0, **config_kwargs) -> torch.nn.Module:
+    """Write a tiny LLaVA (and, with ``tokenizer_dir``, its tokenizer and processor) to ``path``;
+    returns the transformers model."""
+    from transformers import AutoTokenizer, CLIPImageProcessor, LlavaForConditionalGeneration, LlavaProcessor
+
+    path = Path(path)
+    tokenizer = None
+    vocab, image_token = 128, 127
+    if tokenizer_dir is not None:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+        vocab, image_token = len(tokenizer), tokenizer.convert_tokens_to_ids("<image>")
+    config = llava_config(vocab, image_token, **config_kwargs)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).to(torch.float32).eval()
+    _randomize(model, seed)
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        processor = LlavaProcessor(
+            image_processor=CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                                               crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
+            tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy=config.vision_feature_select_strategy,
+            chat_template=LLAVA_TEMPLATE, num_additional_image_tokens=1)
+        processor.save_pretrained(path)
+        tokenizer.chat_template = LLAVA_TEMPLATE
+        tokenizer.save_pretrained(path)
+    return model
