@@ -162,3 +162,33 @@ def test_refusals(tmp_path, change, words) -> None:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match=words):
         build_model(ModelConfig.from_pretrained(Path(tmp_path)), dtype=torch.float32, device="meta")
+
+
+def test_tp2_matches_tp1(tiny) -> None:
+    """The tower replicated on each rank (its pixels travel in the step's plan), the language
+    model split: tp=2 gives tp=1's greedy tokens for a prompt with two images."""
+    from tiny_llama import engine
+
+    from conveyor.protocol.multimodal import ImageInput
+    from conveyor.protocol.sampling import SamplingParams
+
+    _, ours, path = tiny
+    rows = ours.encode_images(_pixels(1, 0))[0].shape[0]
+    token = ours.image_token_id
+    ids = [1, 5] + [token] * rows + [9] + [token] * rows + [17, 23]
+    pixels = _pixels(2, seed=21).numpy()
+    images = [ImageInput(2, rows, "a", pixels[0].tobytes(), list(pixels[0].shape)),
+              ImageInput(3 + rows, rows, "b", pixels[1].tobytes(), list(pixels[1].shape))]
+
+    def greedy(tp: int) -> list[int]:
+        eng = engine(path, tp=tp)
+        try:
+            eng.add_request(ids, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True), images=images)
+            out = []
+            while eng.has_work:
+                out += [o.token for o in eng.step() if o.token is not None]
+            return out
+        finally:
+            eng.close()
+
+    assert greedy(2) == greedy(1)
