@@ -132,6 +132,11 @@ def main() -> None:
           f"{', '.join(f'{t:.1f}' for t in ttfts)})", flush=True)
     records.append(record(benchmark="bench_vlm_ttft_new_image", **common, batch=1, output_len=1,
                           ttft_ms=median(ttfts), ttft_runs_ms=ttfts))
+    plain = [run(engine, [(random_prompt(rng, args.input_len + rows, vocab), [])], one_token)["ttft_ms"]
+             for _ in range(args.ttft_runs)]
+    print(f"batch 1, text only of the same length: first token {median(plain):.1f} ms", flush=True)
+    records.append(record(benchmark="bench_vlm_ttft_text_only", **common, batch=1, output_len=1,
+                          ttft_ms=median(plain), ttft_runs_ms=plain))
     seen = request(rng, config, image_token, vocab, args.input_len, next(seeds))
     run(engine, [seen], one_token)
     cached = [run(engine, [seen], one_token)["ttft_ms"] for _ in range(args.ttft_runs)]
