@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .layer_norm import LayerNorm
 
@@ -103,11 +104,18 @@ class ClipEmbeddings(nn.Module):
         self.position_embedding = nn.Embedding(self.num_positions, hidden)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        patches = self.patch_embedding(pixels.to(self.patch_embedding.weight.dtype)).flatten(2).transpose(1, 2)
-        if patches.shape[1] + 1 != self.num_positions:
-            side = int(math.isqrt(self.num_positions - 1)) * self.patch_size
-            raise ValueError(f"an image of {tuple(pixels.shape[-2:])} pixels gives {patches.shape[1]} patches; this "
-                             f"encoder takes {side}x{side} images (its processor's crop)")
+        # The convolution's kernel is its stride: each patch's pixels times the kernel, one GEMM over
+        # all patches (cuDNN, asked for this convolution, picks a slow algorithm or tunes for a second).
+        b, c, h, w = pixels.shape
+        p = self.patch_size
+        if (h // p) * (w // p) + 1 != self.num_positions or h % p or w % p:
+            side = int(math.isqrt(self.num_positions - 1)) * p
+            raise ValueError(f"an image of {h}x{w} pixels does not fit this encoder: it takes {side}x{side} images "
+                             "(its processor's crop)")
+        weight = self.patch_embedding.weight
+        patches = (pixels.to(weight.dtype).view(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5)
+                   .reshape(b, (h // p) * (w // p), c * p * p))
+        patches = patches @ weight.view(weight.shape[0], -1).t()
         cls = self.class_embedding.expand(patches.shape[0], 1, -1)
         return torch.cat([cls, patches], dim=1) + self.position_embedding.weight
 
@@ -146,9 +154,15 @@ class ClipVisionModel(nn.Module):
 
     def hidden_states(self, pixels: torch.Tensor) -> list[torch.Tensor]:
         """[B, C, H, W] -> each feature layer's [B, 1 + patches, hidden]."""
-        x = self.vision_model.pre_layrnorm(self.vision_model.embeddings(pixels))
-        states = [x]
-        for layer in self.vision_model.encoder.layers:
-            x = layer(x)
-            states.append(x)
+        # Not cuDNN's attention, which torch may pick on Hopper: it builds a graph for each new
+        # shape (hundreds of ms), and a step's image count is a new shape most of the time.
+        with sdpa_kernel(_SDPA_BACKENDS):
+            x = self.vision_model.pre_layrnorm(self.vision_model.embeddings(pixels))
+            states = [x]
+            for layer in self.vision_model.encoder.layers:
+                x = layer(x)
+                states.append(x)
         return [states[i] for i in self.feature_layers]
+
+
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
