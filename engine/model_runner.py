@@ -36,6 +36,7 @@ tensor-parallel head split all read it.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
@@ -144,6 +145,10 @@ def init_dummy_weights(model: nn.Module, seed: int = DUMMY_WEIGHT_SEED) -> None:
             p.normal_(0.0, 0.02, generator=gen)
 
 
+# Images whose encoder rows a runner keeps (LLaVA-1.5-7B: 4.7 MB each in fp16).
+IMAGE_FEATURE_CACHE = 32
+
+
 def _pixels(image: ImageInput) -> torch.Tensor:
     """An image's pixel data as a host tensor of its shape and dtype."""
     return torch.frombuffer(bytearray(image.pixels), dtype=getattr(torch, image.dtype)).view(image.shape)
@@ -179,6 +184,10 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler()
         self.step_hooks: list[StepHook] = []
+        # The vision encoder's rows of the last images seen, by digest: a repeated image whose
+        # prefix-cache hit ends inside its span (a block boundary rarely falls on a span's end)
+        # needs only its later rows, which it takes from here instead of the tower.
+        self._image_features: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.activation_bytes = self._profile_activations() if device.type == "cuda" else 0
         self.num_blocks = self._num_cache_blocks()
         # The blocks the block manager keeps for sequences' first blocks (the layout's per-sequence
@@ -436,20 +445,27 @@ class ModelRunner:
         encoder's rows: each image the step covers is encoded once (images of one shape in one
         batch through the tower)."""
         embeds = self.model.embed_input_ids(ids)
-        features: list[torch.Tensor | None] = [None] * len(plan.images)
-        by_shape: dict[tuple, list[int]] = {}
-        for index, image in enumerate(plan.images):
-            by_shape.setdefault((tuple(image.shape), image.dtype, tuple(image.grid)), []).append(index)
-        for (_, _, grid), indices in by_shape.items():
-            pixels = torch.stack([_pixels(plan.images[i]) for i in indices]).to(self.device, self.dtype)
-            for i, rows in zip(indices, self.model.encode_images(pixels, [list(grid)] * len(indices))):
-                if rows.shape[0] != plan.images[i].length:
+        cache = self._image_features
+        found: dict[str, torch.Tensor] = {}
+        by_shape: dict[tuple, dict[str, ImageInput]] = {}
+        for image in plan.images:
+            if image.digest in cache:
+                cache.move_to_end(image.digest)
+                found[image.digest] = cache[image.digest]
+            else:  # one encoding per distinct image, however many sequences show it
+                by_shape.setdefault((tuple(image.shape), image.dtype, tuple(image.grid)), {})[image.digest] = image
+        for (_, _, grid), todo in by_shape.items():
+            pixels = torch.stack([_pixels(im) for im in todo.values()]).to(self.device, self.dtype)
+            for image, rows in zip(todo.values(), self.model.encode_images(pixels, [list(grid)] * len(todo))):
+                if rows.shape[0] != image.length:
                     raise RuntimeError(f"the vision encoder gave {rows.shape[0]} rows for an image whose span "
-                                       f"is {plan.images[i].length} tokens: the tokenizer stage and the model "
+                                       f"is {image.length} tokens: the tokenizer stage and the model "
                                        "disagree on this family's image size")
-                features[i] = rows
+                found[image.digest] = cache[image.digest] = rows
+                while len(cache) > IMAGE_FEATURE_CACHE:
+                    cache.popitem(last=False)
         for row, index, src, count in plan.image_rows:
-            embeds[row:row + count] = features[index][src:src + count].to(embeds.dtype)
+            embeds[row:row + count] = found[plan.images[index].digest][src:src + count].to(embeds.dtype)
         return embeds
 
     def _graph_batch(self, out: SchedulerOutput) -> list[Sequence] | None:

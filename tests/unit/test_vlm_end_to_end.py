@@ -202,3 +202,34 @@ def test_server_image_url_parts_equal_transformers(server, llava_dir, hf) -> Non
         assert re.search(words, err.value.message, re.I), err.value.message
     done = client.chat.completions.create(model=model, messages=CASES["one image"]()[1], max_tokens=2)
     assert done.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_repeated_image_is_not_encoded_again(pipe, hf) -> None:
+    """The encoder's rows are kept by digest: the same image after other text (no prefix-cache hit)
+    and the same image twice in one step go through the tower once."""
+    model = pipe.engine.runner.model
+    encoded = []
+    original = model.encode_images
+
+    def counting(pixels, grids=None):
+        encoded.append(pixels.shape[0])
+        return original(pixels, grids)
+
+    def after(text: str, image) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "text", "text": text},
+                                             {"type": "image_url", "image_url": {"url": _data_url(image)}},
+                                             {"type": "text", "text": "Describe it."}]}]
+
+    model.encode_images = counting
+    try:
+        gen = GenerationConfig(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+        image, other = _image(14), _image(15)
+        first = pipe(after("Look:", image), gen)
+        assert first.token_ids == _hf_greedy(hf, after("Look:", image), [image]) and encoded == [1]
+        prompts = [after("See this one:", image), after("And here:", image), after("Look:", other)]
+        got = pipe(prompts, gen)
+        for prompt, out, im in zip(prompts, got, (image, image, other)):
+            assert out.token_ids == _hf_greedy(hf, prompt, [im])
+        assert sum(encoded) == 2  # only the other image was new
+    finally:
+        model.encode_images = original
