@@ -69,6 +69,9 @@ class LlavaForConditionalGeneration(nn.Module):
         if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
             raise UnsupportedModelError(f"LLaVA with a {vision.get('model_type')!r} vision tower is not supported: "
                                         "conveyor runs LLaVA's CLIP towers (clip_vision_model)")
+        if config.quant is not None:
+            raise UnsupportedModelError("quantized LLaVA checkpoints (AWQ, W8A8) are not supported yet: serve the "
+                                        "16-bit checkpoint")
         text_class = model_class(config.text_architecture)
         if "inputs_embeds" not in inspect.signature(text_class.forward).parameters:
             raise UnsupportedModelError(f"{config.text_architecture} cannot take image embeddings yet, so it cannot "

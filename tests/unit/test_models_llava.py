@@ -224,3 +224,14 @@ def test_a_quantized_kv_cache_serves_images(tiny, quant_policy) -> None:
 
     dense, quantized = greedy(0), greedy(quant_policy)
     assert len(quantized) == 4 and quantized[0] == dense[0]
+
+
+def test_a_quantized_checkpoint_is_refused(tiny) -> None:
+    from dataclasses import replace
+
+    from conveyor.engine.models import build_model
+
+    _, _, path = tiny
+    config = replace(ModelConfig.from_pretrained(path), quant=object())
+    with pytest.raises(UnsupportedModelError, match="16-bit"):
+        build_model(config, dtype=torch.float32, device="meta")
