@@ -47,10 +47,11 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     # Vision-language models: a vision tower and projector before one of the language models above
     # (config.json's text_config names which; VISION_LANGUAGE below).
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
+    "LlavaNextForConditionalGeneration": ("llava", "LlavaNextForConditionalGeneration"),
 }
 
 # The vision-language architectures, and the text architecture each text_config model_type runs on.
-VISION_LANGUAGE = frozenset({"LlavaForConditionalGeneration"})
+VISION_LANGUAGE = frozenset({"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"})
 TEXT_ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "gemma": "GemmaForCausalLM", "phi3": "Phi3ForCausalLM", "internlm2": "InternLM2ForCausalLM",

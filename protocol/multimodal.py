@@ -3,7 +3,8 @@
 The tokenizer stage fetches, decodes and preprocesses an image (CPU work, scaled out) and expands
 its placeholder in the prompt to as many tokens as the vision encoder will give it; the engine
 runs the vision tower on ``pixels`` at prefill and writes the encoder's rows over the embeddings
-of those tokens. Pixels travel as raw bytes with their shape and dtype (no pickle).
+of those tokens. Pixels travel as raw bytes with their shape and dtype (no pickle). The geometry
+both sides must agree on (how many rows a family's encoder gives an image) is here too.
 """
 
 from __future__ import annotations
@@ -33,3 +34,30 @@ class ImageInput(msgspec.Struct, array_like=True, omit_defaults=True):
     shape: list[int]
     dtype: str = "float32"
     grid: list[int] = []
+
+
+def best_resolution(height: int, width: int, candidates: list) -> tuple[int, int]:
+    """LLaVA-NeXT's canvas for an image of ``height`` x ``width``: of the ``image_grid_pinpoints``
+    (``[h, w]`` pairs), the one that keeps the most of the image's pixels, then wastes the fewest."""
+    best, kept_best, waste_best = None, 0, float("inf")
+    for h, w in candidates:
+        scale = min(w / width, h / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        waste = w * h - kept
+        if kept > kept_best or (kept == kept_best and waste < waste_best):
+            best, kept_best, waste_best = (h, w), kept, waste
+    return best
+
+
+def llava_next_rows(height: int, width: int, pinpoints: list, tile: int, patch: int, keep_cls: bool) -> int:
+    """Encoder rows LLaVA-NeXT gives an image of ``height`` x ``width``: the whole image resized
+    to one ``tile`` (its patches, +1 with the CLS row kept), then the tiles of its canvas as one
+    grid of patches with the padding rows or columns cut off, plus one newline row per grid row."""
+    side = tile // patch
+    canvas_h, canvas_w = best_resolution(height, width, pinpoints)
+    rows, cols = side * (canvas_h // tile), side * (canvas_w // tile)
+    if width / height > cols / rows:  # wider than the grid: rows of padding above and below
+        rows -= 2 * ((rows - int(round(height * (cols / width), 7))) // 2)
+    else:
+        cols -= 2 * ((cols - int(round(width * (rows / height), 7))) // 2)
+    return side * side + (1 if keep_cls else 0) + rows * cols + rows

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ...protocol.errors import UnsupportedModelError
+from ...protocol.multimodal import best_resolution
 from ..layers.vision import ClipVisionModel, activation
 from ..model_config import ModelConfig
 from ..model_registry import model_class
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 # Checkpoint prefixes -> the part they belong to and the name inside it, newest layout first.
 _PREFIXES = (
+    ("model.image_newline", "own", "image_newline"),
+    ("image_newline", "own", "image_newline"),
     ("model.vision_tower.", "vision", ""),
     ("model.multi_modal_projector.", "projector", ""),
     ("model.language_model.", "text", "model."),
@@ -131,6 +134,8 @@ class LlavaForConditionalGeneration(nn.Module):
                 rest = rest if rest.startswith("vision_model.") else f"vision_model.{rest}"
                 if not f"vision_tower.{rest}".startswith(skip):
                     own[f"vision_tower.{rest}"] = (name, tensor)
+            elif part == "own":
+                own[renamed] = (name, tensor)
             else:
                 own[f"multi_modal_projector.{rest}"] = (name, tensor)
 
@@ -150,3 +155,52 @@ class LlavaForConditionalGeneration(nn.Module):
             param.data.copy_(materialize(tensor))
         if params:
             raise ValueError(f"the checkpoint lacks {len(params)} vision tensors: {', '.join(sorted(params)[:5])}")
+
+
+class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
+    """LLaVA-NeXT (1.6): each image arrives as its resized whole plus the tiles of the canvas among
+    ``image_grid_pinpoints`` that fits it best (``[tiles, 3, side, side]``, the original
+    ``[height, width]`` as the image's grid). Its features: the whole's patches, then the tiles'
+    patches as one grid with the canvas padding cut off, each grid row ended by the learned
+    ``image_newline``."""
+
+    def __init__(self, config: ModelConfig, rope_scaling_factor: float = 0.0, max_position: int | None = None) -> None:
+        super().__init__(config, rope_scaling_factor, max_position)
+        full = config.vision or {}
+        if self.keep_cls:
+            raise UnsupportedModelError("LLaVA-NeXT with vision_feature_select_strategy 'full' is not supported: "
+                                        "its tiles' grid holds patches only")
+        self.pinpoints = [list(p) for p in full.get("image_grid_pinpoints") or ()]
+        vision = full.get("vision_config") or {}
+        self.tile, self.patch = int(vision["image_size"]), int(vision["patch_size"])
+        self.image_newline = nn.Parameter(torch.empty(config.hidden_size))
+
+    def encode_images(self, pixel_values: torch.Tensor, grids: list[list[int]] | None = None) -> list[torch.Tensor]:
+        """[B, tiles, 3, side, side] pixels and each image's original [height, width] -> each
+        image's packed [rows, hidden] features (``protocol/multimodal.llava_next_rows``
+        rows)."""
+        b, tiles = pixel_values.shape[:2]
+        features = super().encode_images(pixel_values.flatten(0, 1))
+        side = self.tile // self.patch
+        out = []
+        for i in range(b):
+            image = torch.stack(features[i * tiles:(i + 1) * tiles])  # [tiles, side * side, hidden]
+            base, rest = image[0], image[1:]
+            newline = self.image_newline.to(image.dtype)
+            if not len(rest):
+                out.append(torch.cat([base, newline[None]]))
+                continue
+            height, width = grids[i]
+            canvas_h, canvas_w = best_resolution(height, width, self.pinpoints)
+            nh, nw = canvas_h // self.tile, canvas_w // self.tile
+            grid = rest.view(nh, nw, side, side, -1).permute(4, 0, 2, 1, 3).reshape(-1, nh * side, nw * side)
+            rows, cols = grid.shape[1:]
+            if width / height > cols / rows:  # padding rows above and below the image
+                pad = (rows - int(round(height * (cols / width), 7))) // 2
+                grid = grid[:, pad:rows - pad]
+            else:
+                pad = (cols - int(round(width * (rows / height), 7))) // 2
+                grid = grid[:, :, pad:cols - pad]
+            grid = torch.cat([grid, newline[:, None, None].expand(-1, grid.shape[1], 1)], dim=2)
+            out.append(torch.cat([base, grid.flatten(1, 2).t()]))
+        return out

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ...engine.hf_config import with_defaults
 from ...protocol.errors import InvalidRequestError
-from ...protocol.multimodal import ImageInput
+from ...protocol.multimodal import ImageInput, llava_next_rows
 from .images import ImageLimits, check_image_count, resolve_image
 
 IMAGE_PART_TYPES = ("image_url", "image")
@@ -163,8 +164,26 @@ class LlavaImages(ImagePrompt):
         return PreparedImage(pixels=pixels, grid=(), num_tokens=rows)
 
 
+class LlavaNextImages(LlavaImages):
+    """LLaVA-NeXT (1.6): each image as its resized whole plus the tiles of the canvas that fits it
+    best (``image_grid_pinpoints``), pixels ``[tiles, 3, side, side]``; ``grid`` is the original
+    ``[height, width]``, from which the model unpads its features."""
+
+    architectures = ("LlavaNextForConditionalGeneration",)
+
+    def _prepare(self, image: Any) -> PreparedImage:
+        out = self.processor(images=[image], return_tensors="np")
+        pixels, (height, width) = out["pixel_values"][0], (int(v) for v in out["image_sizes"][0])
+        vision = self.config.get("vision_config") or {}
+        pinpoints = self.config.get("image_grid_pinpoints") or self.processor.image_grid_pinpoints
+        rows = llava_next_rows(height, width, pinpoints, int(vision.get("image_size", 336)),
+                               int(vision.get("patch_size", 14)),
+                               self.config.get("vision_feature_select_strategy", "default") == "full")
+        return PreparedImage(pixels=pixels, grid=(height, width), num_tokens=rows)
+
+
 VISION_FAMILIES: dict[str, type[ImagePrompt]] = {
-    arch: cls for cls in (LlavaImages,) for arch in cls.architectures}
+    arch: cls for cls in (LlavaImages, LlavaNextImages) for arch in cls.architectures}
 
 
 def image_prompt_for(model_path: Path, tokenizer: Any) -> ImagePrompt | None:
@@ -174,8 +193,8 @@ def image_prompt_for(model_path: Path, tokenizer: Any) -> ImagePrompt | None:
         return None
     config = json.loads(config_file.read_text())
     for arch in config.get("architectures") or ():
-        if arch in VISION_FAMILIES:
-            return VISION_FAMILIES[arch](Path(model_path), config, tokenizer)
+        if arch in VISION_FAMILIES:  # the fields a published config leaves out, as the engine reads them
+            return VISION_FAMILIES[arch](Path(model_path), with_defaults(config), tokenizer)
     return None
 
 

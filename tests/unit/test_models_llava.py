@@ -235,3 +235,72 @@ def test_a_quantized_checkpoint_is_refused(tiny) -> None:
     config = replace(ModelConfig.from_pretrained(path), quant=object())
     with pytest.raises(UnsupportedModelError, match="16-bit"):
         build_model(config, dtype=torch.float32, device="meta")
+
+
+# ---- LLaVA-NeXT (1.6) ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_next(tmp_path_factory):
+    from tiny_vlm import save_tiny_llava_next
+
+    path = tmp_path_factory.mktemp("llava_next")
+    hf = save_tiny_llava_next(path, seed=4)
+    return hf, load_ours(path), path
+
+
+def _next_inputs(height: int, width: int, seed: int):
+    import numpy as np
+    from PIL import Image
+    from tiny_vlm import NEXT_PINPOINTS
+    from transformers import LlavaNextImageProcessor
+
+    processor = LlavaNextImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                                        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                                        image_grid_pinpoints=NEXT_PINPOINTS)
+    rng = np.random.default_rng(seed)
+    image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+    out = processor(images=[image], return_tensors="pt")
+    return out["pixel_values"], out["image_sizes"]
+
+
+@pytest.mark.parametrize("height, width", [(28, 28), (20, 50), (50, 20), (60, 61), (30, 90), (90, 31)])
+def test_next_features_match_and_count_as_the_tokenizer_says(tiny_next, height, width) -> None:
+    from tiny_vlm import NEXT_PINPOINTS
+
+    from conveyor.protocol.multimodal import llava_next_rows
+
+    hf, ours, _ = tiny_next
+    pixels, sizes = _next_inputs(height, width, seed=height * width)
+    with torch.no_grad():
+        ref = hf.model.get_image_features(pixel_values=pixels, image_sizes=sizes, vision_feature_layer=-2,
+                                          vision_feature_select_strategy="default")
+        ref = getattr(ref, "pooler_output", ref)
+        ref = ref[0] if isinstance(ref, (list, tuple)) else ref
+        got = ours.encode_images(pixels, [sizes[0].tolist()])[0]
+    assert_close(got, ref)
+    assert got.shape[0] == llava_next_rows(height, width, NEXT_PINPOINTS, IMAGE_SIZE, 14, keep_cls=False)
+
+
+def test_next_prefill_logits_match(tiny_next) -> None:
+    hf, ours, _ = tiny_next
+    _attach_cache(ours, blocks=64)
+    pixels, sizes = _next_inputs(30, 70, seed=5)
+    with torch.no_grad():
+        rows = ours.encode_images(pixels, [sizes[0].tolist()])[0]
+    token = ours.image_token_id
+    ids = [1, 5, 9] + [token] * rows.shape[0] + [17, 23]
+    n = len(ids)
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), block_tables=torch.arange((n + 3) // 4)[None].int(),
+                             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+                             seqlens_k=torch.tensor([n], dtype=torch.int32), max_seqlen_q=n, max_seqlen_k=n)
+    ids_t = torch.tensor(ids)
+    with torch.no_grad():
+        embeds = ours.embed_input_ids(ids_t)
+        embeds[ids_t == token] = rows
+        set_attention_metadata(meta)
+        try:
+            got = ours.compute_logits(ours(ids_t, torch.arange(n), inputs_embeds=embeds))
+        finally:
+            set_attention_metadata(None)
+        expected = hf(input_ids=torch.tensor([ids]), pixel_values=pixels, image_sizes=sizes).logits[0].float()
+    assert_close(got, expected)

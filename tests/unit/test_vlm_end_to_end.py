@@ -233,3 +233,31 @@ def test_a_repeated_image_is_not_encoded_again(pipe, hf) -> None:
         assert sum(encoded) == 2  # only the other image was new
     finally:
         model.encode_images = original
+
+
+# ---- LLaVA-NeXT (1.6): tiles of the canvas that fits each image --------------------------------
+
+@pytest.fixture(scope="module")
+def next_model(smollm2_dir, tmp_path_factory):
+    from transformers import AutoProcessor, LlavaNextForConditionalGeneration
+    from tiny_vlm import save_tiny_llava_next
+
+    from conveyor import pipeline
+
+    path = tmp_path_factory.mktemp("tiny-llava-next")
+    save_tiny_llava_next(path, smollm2_dir)
+    hf = LlavaNextForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    p = pipeline(path, backend_config=EngineConfig(device="cpu", dtype="float32", cache_max_entry_count=256,
+                                                   block_size=4, max_batch_size=8, max_prefill_token_num=64,
+                                                   enable_prefix_caching=True))
+    yield p, (hf, AutoProcessor.from_pretrained(path))
+    p.close()
+
+
+def test_next_pipeline_greedy_equals_transformers(next_model) -> None:
+    pipe, hf = next_model
+    gen = GenerationConfig(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+    wide, tall, square = _image(20, (90, 30)), _image(21, (31, 88)), _image(22, (61, 60))
+    for images in ([wide], [tall, square]):
+        messages = _chat(images)
+        assert pipe(messages, gen).token_ids == _hf_greedy(hf, messages, images)

@@ -76,3 +76,41 @@ def save_tiny_llava(path: Path, tokenizer_dir: Path | None = None, seed: int = 0
         tokenizer.chat_template = LLAVA_TEMPLATE
         tokenizer.save_pretrained(path)
     return model
+
+
+# A canvas list for 28-pixel tiles: one tile, two side by side, two stacked, a 2x2 square.
+NEXT_PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56]]
+
+
+def save_tiny_llava_next(path: Path, tokenizer_dir: Path | None = None, seed: int = 0) -> torch.nn.Module:
+    """``save_tiny_llava``'s model as LLaVA-NeXT (anyres tiles of 28 pixels, ``NEXT_PINPOINTS``),
+    with a ``LlavaNextProcessor`` when given a tokenizer directory."""
+    from transformers import (AutoTokenizer, LlavaNextConfig, LlavaNextForConditionalGeneration,
+                              LlavaNextImageProcessor, LlavaNextProcessor)
+
+    path = Path(path)
+    tokenizer = None
+    vocab, image_token = 128, 127
+    if tokenizer_dir is not None:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+        vocab, image_token = len(tokenizer), tokenizer.convert_tokens_to_ids("<image>")
+    base = llava_config(vocab, image_token)
+    config = LlavaNextConfig(text_config=base.text_config, vision_config=base.vision_config,
+                             image_token_id=image_token, image_grid_pinpoints=NEXT_PINPOINTS,
+                             vision_feature_select_strategy="default", vision_feature_layer=-2)
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(config).to(torch.float32).eval()
+    _randomize(model, seed)
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        image_processor = LlavaNextImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                                                  crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                                                  image_grid_pinpoints=NEXT_PINPOINTS)
+        processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH,
+                                       vision_feature_select_strategy="default", chat_template=LLAVA_TEMPLATE,
+                                       num_additional_image_tokens=1)
+        processor.save_pretrained(path)
+        tokenizer.chat_template = LLAVA_TEMPLATE
+        tokenizer.save_pretrained(path)
+    return model
