@@ -304,3 +304,54 @@ def test_next_prefill_logits_match(tiny_next) -> None:
             set_attention_metadata(None)
         expected = hf(input_ids=torch.tensor([ids]), pixel_values=pixels, image_sizes=sizes).logits[0].float()
     assert_close(got, expected)
+
+
+def test_preempted_requests_with_images_recompute_the_same_tokens(tiny) -> None:
+    """A cache of 12 blocks of 4 for four requests that each grow to 7 blocks: requests are preempted
+    and recomputed (their images encoded again or taken from the runner's rows), and every greedy
+    output equals the one the request gets alone in a roomy cache."""
+    from conveyor.protocol.multimodal import ImageInput
+    from conveyor.protocol.sampling import SamplingParams
+
+    _, ours, path = tiny
+    rows = ours.encode_images(_pixels(1, 0))[0].shape[0]
+    token = ours.image_token_id
+    pixels = _pixels(4, seed=41).numpy()
+    requests = []
+    for i in range(4):
+        ids = [1 + i, 5] + [token] * rows + [9, 17 + i]
+        requests.append((ids, [ImageInput(2, rows, f"p{i}", pixels[i].tobytes(), list(pixels[i].shape))]))
+    params = SamplingParams(max_new_tokens=28 - len(requests[0][0]), temperature=0.0, ignore_eos=True)
+
+    def run(cache_blocks: int, reqs) -> tuple[list[list[int]], int]:
+        from conveyor.engine.config import EngineConfig
+        from conveyor.engine.llm_engine import LLMEngine
+
+        eng = LLMEngine(path, EngineConfig(device="cpu", dtype="float32", cache_max_entry_count=cache_blocks,
+                                           block_size=4, max_batch_size=4, max_prefill_token_num=64))
+        preempted = 0
+        schedule = eng.scheduler.schedule
+
+        def counting():
+            nonlocal preempted
+            out = schedule()
+            preempted += len(out.preempted)
+            return out
+
+        eng.scheduler.schedule = counting
+        try:
+            rids = [eng.add_request(ids, params, images=images).request_id for ids, images in reqs]
+            out = {rid: [] for rid in rids}
+            while eng.has_work:
+                for o in eng.step():
+                    if o.token is not None:
+                        out[o.request_id].append(o.token)
+            assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+            return [out[rid] for rid in rids], preempted
+        finally:
+            eng.close()
+
+    alone = [run(64, [r])[0][0] for r in requests]
+    together, preempted = run(12, requests)
+    assert preempted > 0
+    assert together == alone
