@@ -155,7 +155,7 @@ def test_mixed_batch_split_matches_one_kernel() -> None:
         total = cached + new
         table = [free.pop() for _ in range(-(-total // block))]
         seqs.append((SimpleNamespace(num_computed_tokens=cached, token_ids=list(range(total)), block_table=table,
-                                     first_chunk_tokens=0), new))
+                                     first_chunk_tokens=0, images=[]), new))
     runner = SimpleNamespace(_to_device=lambda v, dt: torch.tensor(v, dtype=dt, device=device),
                              kv_layout=SimpleNamespace(centred=False))
     meta = ModelRunner._attention_metadata(runner, ModelRunner._flatten(seqs, block, None))
