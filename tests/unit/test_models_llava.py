@@ -61,7 +61,7 @@ def test_image_features_match(tiny, count) -> None:
         assert_close(a, b)
 
 
-def _prefill_logits(ours, ids: list[int], pixels: torch.Tensor) -> torch.Tensor:
+def _prefill_logits(ours, ids: list[int], pixels: torch.Tensor, grids: list[list[int]] | None = None) -> torch.Tensor:
     """Our logits of one prompt, in one chunk, with each image's rows over its placeholders."""
     n = len(ids)
     meta = AttentionMetadata(slot_mapping=torch.arange(n), block_tables=torch.arange((n + 3) // 4)[None].int(),
@@ -70,7 +70,7 @@ def _prefill_logits(ours, ids: list[int], pixels: torch.Tensor) -> torch.Tensor:
     ids_t = torch.tensor(ids)
     with torch.no_grad():
         embeds = ours.embed_input_ids(ids_t)
-        rows = torch.cat(ours.encode_images(pixels))
+        rows = torch.cat(ours.encode_images(pixels, grids))
         embeds[ids_t == ours.image_token_id] = rows
         set_attention_metadata(meta)
         try:
@@ -287,21 +287,9 @@ def test_next_prefill_logits_match(tiny_next) -> None:
     pixels, sizes = _next_inputs(30, 70, seed=5)
     with torch.no_grad():
         rows = ours.encode_images(pixels, [sizes[0].tolist()])[0]
-    token = ours.image_token_id
-    ids = [1, 5, 9] + [token] * rows.shape[0] + [17, 23]
-    n = len(ids)
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), block_tables=torch.arange((n + 3) // 4)[None].int(),
-                             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
-                             seqlens_k=torch.tensor([n], dtype=torch.int32), max_seqlen_q=n, max_seqlen_k=n)
-    ids_t = torch.tensor(ids)
+    ids = [1, 5, 9] + [ours.image_token_id] * rows.shape[0] + [17, 23]
+    got = _prefill_logits(ours, ids, pixels, [sizes[0].tolist()])
     with torch.no_grad():
-        embeds = ours.embed_input_ids(ids_t)
-        embeds[ids_t == token] = rows
-        set_attention_metadata(meta)
-        try:
-            got = ours.compute_logits(ours(ids_t, torch.arange(n), inputs_embeds=embeds))
-        finally:
-            set_attention_metadata(None)
         expected = hf(input_ids=torch.tensor([ids]), pixel_values=pixels, image_sizes=sizes).logits[0].float()
     assert_close(got, expected)
 

@@ -49,18 +49,25 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             param.copy_(1 + 0.1 * noise if is_norm and name.endswith("weight") else 0.1 * noise)
 
 
+def _tokenizer(tokenizer_dir: Path | None):
+    """(the tokenizer of ``tokenizer_dir`` with an ``<image>`` token added, its size, the token's id);
+    without a directory (None, 128, 127): a model whose prompts are token ids."""
+    if tokenizer_dir is None:
+        return None, 128, 127
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    return tokenizer, len(tokenizer), tokenizer.convert_tokens_to_ids("<image>")
+
+
 def save_tiny_llava(path: Path, tokenizer_dir: Path | None = None, seed: int = 0, **config_kwargs) -> torch.nn.Module:
     """Write a tiny LLaVA (and, with ``tokenizer_dir``, its tokenizer and processor) to ``path``;
     returns the transformers model."""
-    from transformers import AutoTokenizer, CLIPImageProcessor, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers import CLIPImageProcessor, LlavaForConditionalGeneration, LlavaProcessor
 
     path = Path(path)
-    tokenizer = None
-    vocab, image_token = 128, 127
-    if tokenizer_dir is not None:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-        vocab, image_token = len(tokenizer), tokenizer.convert_tokens_to_ids("<image>")
+    tokenizer, vocab, image_token = _tokenizer(tokenizer_dir)
     config = llava_config(vocab, image_token, **config_kwargs)
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).to(torch.float32).eval()
@@ -85,16 +92,11 @@ NEXT_PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56]]
 def save_tiny_llava_next(path: Path, tokenizer_dir: Path | None = None, seed: int = 0) -> torch.nn.Module:
     """``save_tiny_llava``'s model as LLaVA-NeXT (anyres tiles of 28 pixels, ``NEXT_PINPOINTS``),
     with a ``LlavaNextProcessor`` when given a tokenizer directory."""
-    from transformers import (AutoTokenizer, LlavaNextConfig, LlavaNextForConditionalGeneration,
-                              LlavaNextImageProcessor, LlavaNextProcessor)
+    from transformers import (LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextImageProcessor,
+                              LlavaNextProcessor)
 
     path = Path(path)
-    tokenizer = None
-    vocab, image_token = 128, 127
-    if tokenizer_dir is not None:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-        vocab, image_token = len(tokenizer), tokenizer.convert_tokens_to_ids("<image>")
+    tokenizer, vocab, image_token = _tokenizer(tokenizer_dir)
     base = llava_config(vocab, image_token)
     config = LlavaNextConfig(text_config=base.text_config, vision_config=base.vision_config,
                              image_token_id=image_token, image_grid_pinpoints=NEXT_PINPOINTS,
