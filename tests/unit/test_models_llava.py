@@ -36,6 +36,15 @@ def tiny(request, tmp_path_factory):
     return hf, load_ours(path), path
 
 
+@pytest.fixture(scope="module")
+def engine_tiny(tmp_path_factory):
+    """LLaVA 1.5's config alone, for the engine paths (tp, quantized cache, preemption, refusals):
+    they do not depend on which feature layers or strategy the tower uses."""
+    path = tmp_path_factory.mktemp("llava_engine")
+    hf = save_tiny_llava(path, seed=3)
+    return hf, load_ours(path), path
+
+
 def _pixels(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, 3, IMAGE_SIZE, IMAGE_SIZE, generator=torch.Generator().manual_seed(seed))
 
@@ -164,7 +173,7 @@ def test_refusals(tmp_path, change, words) -> None:
         build_model(ModelConfig.from_pretrained(Path(tmp_path)), dtype=torch.float32, device="meta")
 
 
-def test_tp2_matches_tp1(tiny) -> None:
+def test_tp2_matches_tp1(engine_tiny) -> None:
     """The tower replicated on each rank (its pixels travel in the step's plan), the language
     model split: tp=2 gives tp=1's greedy tokens for a prompt with two images."""
     from tiny_llama import engine
@@ -172,7 +181,7 @@ def test_tp2_matches_tp1(tiny) -> None:
     from conveyor.protocol.multimodal import ImageInput
     from conveyor.protocol.sampling import SamplingParams
 
-    _, ours, path = tiny
+    _, ours, path = engine_tiny
     rows = ours.encode_images(_pixels(1, 0))[0].shape[0]
     token = ours.image_token_id
     ids = [1, 5] + [token] * rows + [9] + [token] * rows + [17, 23]
@@ -195,7 +204,7 @@ def test_tp2_matches_tp1(tiny) -> None:
 
 
 @pytest.mark.parametrize("quant_policy", [8, 4])
-def test_a_quantized_kv_cache_serves_images(tiny, quant_policy) -> None:
+def test_a_quantized_kv_cache_serves_images(engine_tiny, quant_policy) -> None:
     """int8 / int4 KV with images in the prompt: the image rows' keys go through the quantized
     cache like any token's; the first greedy token matches the 16-bit cache's (the same argmax on
     these logits) and every block comes back."""
@@ -204,7 +213,7 @@ def test_a_quantized_kv_cache_serves_images(tiny, quant_policy) -> None:
     from conveyor.protocol.multimodal import ImageInput
     from conveyor.protocol.sampling import SamplingParams
 
-    _, ours, path = tiny
+    _, ours, path = engine_tiny
     rows = ours.encode_images(_pixels(1, 0))[0].shape[0]
     ids = [1, 5] + [ours.image_token_id] * rows + [9, 17, 23]
     pixels = _pixels(1, seed=31).numpy()[0]
@@ -226,12 +235,12 @@ def test_a_quantized_kv_cache_serves_images(tiny, quant_policy) -> None:
     assert len(quantized) == 4 and quantized[0] == dense[0]
 
 
-def test_a_quantized_checkpoint_is_refused(tiny) -> None:
+def test_a_quantized_checkpoint_is_refused(engine_tiny) -> None:
     from dataclasses import replace
 
     from conveyor.engine.models import build_model
 
-    _, _, path = tiny
+    _, _, path = engine_tiny
     config = replace(ModelConfig.from_pretrained(path), quant=object())
     with pytest.raises(UnsupportedModelError, match="16-bit"):
         build_model(config, dtype=torch.float32, device="meta")
@@ -294,14 +303,14 @@ def test_next_prefill_logits_match(tiny_next) -> None:
     assert_close(got, expected)
 
 
-def test_preempted_requests_with_images_recompute_the_same_tokens(tiny) -> None:
+def test_preempted_requests_with_images_recompute_the_same_tokens(engine_tiny) -> None:
     """A cache of 12 blocks of 4 for four requests that each grow to 7 blocks: requests are preempted
     and recomputed (their images encoded again or taken from the runner's rows), and every greedy
     output equals the one the request gets alone in a roomy cache."""
     from conveyor.protocol.multimodal import ImageInput
     from conveyor.protocol.sampling import SamplingParams
 
-    _, ours, path = tiny
+    _, ours, path = engine_tiny
     rows = ours.encode_images(_pixels(1, 0))[0].shape[0]
     token = ours.image_token_id
     pixels = _pixels(4, seed=41).numpy()
