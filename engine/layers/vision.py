@@ -105,7 +105,8 @@ class ClipEmbeddings(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         # The convolution's kernel is its stride: each patch's pixels times the kernel, one GEMM over
-        # all patches (cuDNN, asked for this convolution, picks a slow algorithm or tunes for a second).
+        # all patches (cuDNN, asked for this convolution, picks its algorithm on each new shape's
+        # first call: up to ~1 s for the first image, tens of ms per new image count).
         b, c, h, w = pixels.shape
         p = self.patch_size
         if (h // p) * (w // p) + 1 != self.num_positions or h % p or w % p:
@@ -154,8 +155,8 @@ class ClipVisionModel(nn.Module):
 
     def hidden_states(self, pixels: torch.Tensor) -> list[torch.Tensor]:
         """[B, C, H, W] -> each feature layer's [B, 1 + patches, hidden]."""
-        # Not cuDNN's attention, which torch may pick on Hopper: it builds a graph for each new
-        # shape (hundreds of ms), and a step's image count is a new shape most of the time.
+        # Not cuDNN's attention, which torch may pick on Hopper: it builds a graph on each new
+        # shape's first call, and a step's image count is often new. Warm, both run the same.
         with sdpa_kernel(_SDPA_BACKENDS):
             x = self.vision_model.pre_layrnorm(self.vision_model.embeddings(pixels))
             states = [x]
