@@ -17,15 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
 import uuid
 from pathlib import Path
 from statistics import mean
 
 import msgspec
-import torch
 
-from benchmarks.common import random_prompt, record, save
+from benchmarks.common import default_tokenizer, random_prompt, record, run_batch, save
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.dummy_model import served_model_dir
 from conveyor.engine.llm_engine import LLMEngine
@@ -36,27 +34,6 @@ from conveyor.protocol.sampling import SamplingParams
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "year": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}}},
           "required": ["title", "year", "tags"]}
-
-
-def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> dict:
-    """Submit every prompt at once and step until done: output tok/s, first-token latency and
-    each request's output length (``lengths``, in prompt order)."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    first: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    per_request = params if isinstance(params, list) else [params] * len(prompts)
-    rids = [engine.add_request(p, q).request_id for p, q in zip(prompts, per_request)]
-    while engine.has_work:
-        for o in engine.step():
-            if o.token is not None:
-                counts[o.request_id] = counts.get(o.request_id, 0) + 1
-                first.setdefault(o.request_id, time.perf_counter() - t0)
-    wall = time.perf_counter() - t0
-    n_out = sum(counts.values())
-    return {"out_tok_s": n_out / wall, "ttft_ms": mean(first.values()) * 1e3, "out_tokens": n_out, "wall_s": wall,
-            "lengths": [counts.get(r, 0) for r in rids]}
 
 
 def main() -> None:
@@ -70,11 +47,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="free/guided pairs, alternated")
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
-    if args.tokenizer is None:
-        from conveyor.default_model import local_path
-
-        args.tokenizer = local_path(None)
-    model_dir = served_model_dir(args.model, Path(args.tokenizer))
+    model_dir = served_model_dir(args.model, Path(default_tokenizer(args.tokenizer)))
     engine = LLMEngine(model_dir, EngineConfig(dtype=args.dtype, load_format="dummy"))
     vocab = engine.model_config.vocab_size
     rng = random.Random(0)
@@ -83,19 +56,19 @@ def main() -> None:
     free = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     guided = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, stop_token_ids=eos,
                             guide=Guide("json_schema", json.dumps(SCHEMA, sort_keys=True)))
-    run(engine, prompts[:4], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
-    run(engine, prompts[:4], SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=eos,
+    run_batch(engine, prompts[:4], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    run_batch(engine, prompts[:4], SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=eos,
                                             guide=guided.guide))
     common = dict(engine="conveyor", model=args.model, precision=args.dtype, batch=args.batch,
                   input_len=args.input_len, output_len=args.output_len)
     records = []
     # A request whose output completes the schema ends early: the free runs generate exactly the
     # lengths the first guided run did, request by request, so both decode the same tokens.
-    lengths = run(engine, prompts, guided)["lengths"]
+    lengths = run_batch(engine, prompts, guided)["lengths"]
     free = [msgspec.structs.replace(free, max_new_tokens=max(n, 1)) for n in lengths]
     order = [("free", free), ("guided", guided), ("guided", guided), ("free", free)] * ((args.rounds + 1) // 2)
     for label, params in order:
-        r = run(engine, prompts, params)
+        r = run_batch(engine, prompts, params)
         r.pop("lengths")
         print(f"{label:>7} batch {args.batch} {args.input_len}/{args.output_len}: {r['out_tok_s']:9.1f} tok/s "
               f"({r['out_tokens']} tokens, ttft {r['ttft_ms']:.1f} ms)", flush=True)
@@ -114,7 +87,7 @@ def main() -> None:
                                     guide=Guide("json_schema", json.dumps(fresh, sort_keys=True)))
         elif label == "no_schema":
             params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-        r = run(engine, one, params)
+        r = run_batch(engine, one, params)
         r.pop("lengths")
         print(f"first token, {label}: {r['ttft_ms']:.1f} ms", flush=True)
         records.append(record(benchmark=f"bench_guided_ttft_{label}", **{**common, "batch": 1, "output_len": 1}, **r))

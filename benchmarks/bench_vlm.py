@@ -21,12 +21,11 @@ import io
 import random
 import time
 from pathlib import Path
-from statistics import mean, median
+from statistics import median
 
 import numpy as np
-import torch
 
-from benchmarks.common import random_prompt, record, save
+from benchmarks.common import default_tokenizer, random_prompt, record, run_batch, save
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.dummy_model import served_model_dir, shape_config
 from conveyor.engine.llm_engine import LLMEngine
@@ -56,21 +55,10 @@ def request(rng: random.Random, config: dict, image_token: int, vocab: int, inpu
 
 
 def run(engine: LLMEngine, requests: list[tuple[list[int], list[ImageInput]]], params: SamplingParams) -> dict:
-    """Submit every request at once and step until done: output tok/s and first-token latency."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    first: dict[str, float] = {}
-    n_out = 0
-    for ids, images in requests:
-        engine.add_request(ids, params, images=images)
-    while engine.has_work:
-        for o in engine.step():
-            if o.token is not None:
-                n_out += 1
-                first.setdefault(o.request_id, time.perf_counter() - t0)
-    wall = time.perf_counter() - t0
-    return {"out_tok_s": n_out / wall, "ttft_ms": mean(first.values()) * 1e3, "out_tokens": n_out, "wall_s": wall}
+    """``run_batch`` of (token ids, images) requests, without the per-request lengths."""
+    r = run_batch(engine, [ids for ids, _ in requests], params, [images for _, images in requests])
+    r.pop("lengths")
+    return r
 
 
 def preprocess_ms(config: dict, size: tuple[int, int], runs: int) -> float:
@@ -108,12 +96,8 @@ def main() -> None:
     ap.add_argument("--image-size", default="640x480", help="the JPEG the tokenizer-side timing decodes")
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
-    if args.tokenizer is None:
-        from conveyor.default_model import local_path
-
-        args.tokenizer = local_path(None)
     config = shape_config(args.model)
-    engine = LLMEngine(served_model_dir(args.model, Path(args.tokenizer)),
+    engine = LLMEngine(served_model_dir(args.model, Path(default_tokenizer(args.tokenizer))),
                        EngineConfig(dtype=args.dtype, load_format="dummy", enable_prefix_caching=True))
     image_token = engine.runner.model.image_token_id
     vocab = min(engine.model_config.vocab_size, image_token)  # text ids below the image token

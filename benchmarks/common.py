@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -157,3 +158,35 @@ def drain(engine) -> None:
     """Step the engine until every request finished (untimed work: warm-ups, set-up)."""
     while engine.has_work:
         engine.step()
+
+
+def default_tokenizer(path: str | None) -> str:
+    """A ``--tokenizer`` argument, or the default model's directory (SmolLM2's) when it is not given."""
+    if path is not None:
+        return path
+    from conveyor.default_model import local_path
+
+    return str(local_path(None))
+
+
+def run_batch(engine, prompts: list[list[int]], params, images: list | None = None) -> dict[str, Any]:
+    """Submit every prompt at once (``params``: one SamplingParams or one per prompt; ``images``:
+    each prompt's ImageInputs) and step until done: output tok/s, mean first-token latency, tokens,
+    wall time, and each request's output length (``lengths``, in prompt order)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    first: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    per_request = params if isinstance(params, list) else [params] * len(prompts)
+    per_images = images or [None] * len(prompts)
+    rids = [engine.add_request(p, q, images=im).request_id for p, q, im in zip(prompts, per_request, per_images)]
+    while engine.has_work:
+        for o in engine.step():
+            if o.token is not None:
+                counts[o.request_id] = counts.get(o.request_id, 0) + 1
+                first.setdefault(o.request_id, time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    n_out = sum(counts.values())
+    return {"out_tok_s": n_out / wall, "ttft_ms": statistics.mean(first.values()) * 1e3, "out_tokens": n_out,
+            "wall_s": wall, "lengths": [counts.get(r, 0) for r in rids]}

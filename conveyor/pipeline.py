@@ -115,7 +115,7 @@ def _image_part(image: Any) -> dict[str, Any]:
         return {"type": "image_url", "image_url": {"url": "data:image;base64," + base64.b64encode(image).decode()}}
     if hasattr(image, "save") and hasattr(image, "size"):  # a PIL image (conveyor.vl.load_image's)
         buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
+        image.save(buffer, format="PNG", compress_level=1)  # lossless either way; level 1 is the fast one
         return {"type": "image_url",
                 "image_url": {"url": "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()}}
     raise InvalidRequestError(f"an image must be a PIL image, a path, a URL or bytes, got {type(image).__name__}",

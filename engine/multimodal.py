@@ -56,6 +56,8 @@ def shifted(images: Seq[ImageInput], by: int) -> list[ImageInput]:
 
 def block_images(images: Seq[ImageInput], start: int, end: int) -> tuple[str, ...]:
     """The digests of the images whose spans overlap tokens [start, end): a block's extra key."""
+    if not images:  # a text prompt's blocks, every time one fills: nothing to scan
+        return ()
     return tuple(im.digest for im in images if im.offset < end and start < im.offset + im.length)
 
 

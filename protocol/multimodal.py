@@ -49,15 +49,26 @@ def best_resolution(height: int, width: int, candidates: list) -> tuple[int, int
     return best
 
 
+def llava_next_layout(height: int, width: int, pinpoints: list, tile: int, patch: int) -> tuple[int, int, int, int]:
+    """How LLaVA-NeXT lays out an image of ``height`` x ``width``: (tiles down, tiles across) of
+    its canvas, and the patch rows cut from the top and from the bottom of the tiles' grid, or the
+    patch columns cut from each side: the canvas padding around the resized image."""
+    side = tile // patch
+    canvas_h, canvas_w = best_resolution(height, width, pinpoints)
+    rows, cols = side * (canvas_h // tile), side * (canvas_w // tile)
+    pad_rows = pad_cols = 0
+    if width / height > cols / rows:  # wider than the grid: rows of padding above and below
+        pad_rows = (rows - int(round(height * (cols / width), 7))) // 2
+    else:
+        pad_cols = (cols - int(round(width * (rows / height), 7))) // 2
+    return canvas_h // tile, canvas_w // tile, pad_rows, pad_cols
+
+
 def llava_next_rows(height: int, width: int, pinpoints: list, tile: int, patch: int, keep_cls: bool) -> int:
     """Encoder rows LLaVA-NeXT gives an image of ``height`` x ``width``: the whole image resized
     to one ``tile`` (its patches, +1 with the CLS row kept), then the tiles of its canvas as one
     grid of patches with the padding rows or columns cut off, plus one newline row per grid row."""
     side = tile // patch
-    canvas_h, canvas_w = best_resolution(height, width, pinpoints)
-    rows, cols = side * (canvas_h // tile), side * (canvas_w // tile)
-    if width / height > cols / rows:  # wider than the grid: rows of padding above and below
-        rows -= 2 * ((rows - int(round(height * (cols / width), 7))) // 2)
-    else:
-        cols -= 2 * ((cols - int(round(width * (rows / height), 7))) // 2)
+    down, across, pad_rows, pad_cols = llava_next_layout(height, width, pinpoints, tile, patch)
+    rows, cols = side * down - 2 * pad_rows, side * across - 2 * pad_cols
     return side * side + (1 if keep_cls else 0) + rows * cols + rows

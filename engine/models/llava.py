@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ...protocol.errors import UnsupportedModelError
-from ...protocol.multimodal import best_resolution
+from ...protocol.multimodal import llava_next_layout
 from ..layers.vision import ClipVisionModel, activation
 from ..model_config import ModelConfig
 from ..model_registry import model_class
@@ -98,11 +98,14 @@ class LlavaForConditionalGeneration(nn.Module):
     def encode_images(self, pixel_values: torch.Tensor, grids: list[list[int]] | None = None) -> list[torch.Tensor]:
         """[B, 3, H, W] pixels -> each image's [rows, hidden] features (rows: patches, +1 with the
         CLS row kept), through the tower once for the batch."""
+        return list(self._features(pixel_values))
+
+    def _features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[B, 3, H, W] pixels -> [B, rows, hidden]: the chosen layers' states, projected."""
         states = self.vision_tower.hidden_states(pixel_values)
         if not self.keep_cls:
             states = [s[:, 1:] for s in states]
-        features = self.multi_modal_projector(torch.cat(states, dim=-1))
-        return list(features)
+        return self.multi_modal_projector(torch.cat(states, dim=-1))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -180,27 +183,20 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         image's packed [rows, hidden] features (``protocol/multimodal.llava_next_rows``
         rows)."""
         b, tiles = pixel_values.shape[:2]
-        features = super().encode_images(pixel_values.flatten(0, 1))
+        features = self._features(pixel_values.flatten(0, 1))
+        features = features.view(b, tiles, *features.shape[1:])  # [B, tiles, side * side, hidden]
         side = self.tile // self.patch
+        newline = self.image_newline.to(features.dtype)
         out = []
-        for i in range(b):
-            image = torch.stack(features[i * tiles:(i + 1) * tiles])  # [tiles, side * side, hidden]
+        for image, (height, width) in zip(features, grids):
             base, rest = image[0], image[1:]
-            newline = self.image_newline.to(image.dtype)
             if not len(rest):
                 out.append(torch.cat([base, newline[None]]))
                 continue
-            height, width = grids[i]
-            canvas_h, canvas_w = best_resolution(height, width, self.pinpoints)
-            nh, nw = canvas_h // self.tile, canvas_w // self.tile
-            grid = rest.view(nh, nw, side, side, -1).permute(4, 0, 2, 1, 3).reshape(-1, nh * side, nw * side)
-            rows, cols = grid.shape[1:]
-            if width / height > cols / rows:  # padding rows above and below the image
-                pad = (rows - int(round(height * (cols / width), 7))) // 2
-                grid = grid[:, pad:rows - pad]
-            else:
-                pad = (cols - int(round(width * (rows / height), 7))) // 2
-                grid = grid[:, :, pad:cols - pad]
+            down, across, pad_rows, pad_cols = llava_next_layout(height, width, self.pinpoints, self.tile, self.patch)
+            rows, cols = down * side, across * side
+            grid = rest.view(down, across, side, side, -1).permute(4, 0, 2, 1, 3).reshape(-1, rows, cols)
+            grid = grid[:, pad_rows:rows - pad_rows, pad_cols:cols - pad_cols]
             grid = torch.cat([grid, newline[:, None, None].expand(-1, grid.shape[1], 1)], dim=2)
             out.append(torch.cat([base, grid.flatten(1, 2).t()]))
         return out

@@ -19,6 +19,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from ...engine.hf_config import with_defaults
@@ -29,37 +30,36 @@ from .images import ImageLimits, check_image_count, resolve_image
 IMAGE_PART_TYPES = ("image_url", "image")
 
 
+def _image_parts(messages: Any) -> Iterator[dict[str, Any]]:
+    """The image parts of an OpenAI message list, in order."""
+    if not isinstance(messages, list):
+        return
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            yield from (p for p in content if isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES)
+
+
 def image_sources(messages: Any) -> list[Any]:
     """The image parts' sources of an OpenAI message list, in order (an ``image_url`` part's URL;
     an ``image`` part's ``image``, which only ``pipeline()`` sends)."""
-    if not isinstance(messages, list):
-        return []
     sources = []
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
+    for part in _image_parts(messages):
+        if part["type"] == "image":
+            sources.append(part.get("image"))
             continue
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") not in IMAGE_PART_TYPES:
-                continue
-            if part["type"] == "image":
-                sources.append(part.get("image"))
-                continue
-            url = part.get("image_url")
-            url = url.get("url") if isinstance(url, dict) else url
-            if not isinstance(url, str) or not url:
-                raise InvalidRequestError('an image_url part needs {"url": "data:image/...;base64,..." or '
-                                          '"https://..."}', param="messages")
-            sources.append(url)
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str) or not url:
+            raise InvalidRequestError('an image_url part needs {"url": "data:image/...;base64,..." or '
+                                      '"https://..."}', param="messages")
+        sources.append(url)
     return sources
 
 
 def has_image_parts(messages: Any) -> bool:
     """Whether a message list holds any image part."""
-    return isinstance(messages, list) and any(
-        isinstance(m, dict) and isinstance(m.get("content"), list)
-        and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES for p in m["content"])
-        for m in messages)
+    return next(_image_parts(messages), None) is not None
 
 
 @dataclass(frozen=True)
