@@ -113,10 +113,12 @@ class DecodeGraphs:
             len(s.block_table) <= self.max_blocks and s.num_computed_tokens < self.max_seqlen_k for s in seqs
         )
 
-    def stage(self, tokens: Seq[int], positions: Seq[int], block_tables: Seq[Seq[int]]) -> int:
+    def stage(self, tokens: Seq[int], positions: Seq[int], block_tables: Seq[Seq[int]],
+              rope_shifts: Seq[int] = ()) -> int:
         """Write the host-side inputs of one decode step (row ``i``: ``tokens[i]`` at position
-        ``positions[i]`` of the sequence whose block table is ``block_tables[i]``); returns the
-        padded batch size. No device work happens here."""
+        ``positions[i]`` of the sequence whose block table is ``block_tables[i]``, rotated at
+        that position + ``rope_shifts[i]`` when given: a multimodal rotary's text after images);
+        returns the padded batch size. No device work happens here."""
         n = len(tokens)
         bs = self.padded_size(n)
         assert bs is not None, "stage() needs a batch that can_run() accepted"
@@ -126,7 +128,7 @@ class DecodeGraphs:
         tables, block = self._np_tables, self.block_size
         ids[:n] = tokens
         for i, (p, table) in enumerate(zip(positions, block_tables)):
-            pos[i] = p
+            pos[i] = p + rope_shifts[i] if rope_shifts else p
             slots[i] = table[p // block] * block + p % block
             lens[i] = p + 1
             tables[i, : len(table)] = table

@@ -261,7 +261,9 @@ class ModelConfig:
                 f"{arch}'s language model ({text.get('model_type')!r}) is not one conveyor runs inside a "
                 f"vision-language model: {', '.join(sorted(TEXT_ARCHITECTURES))}")
         text["architectures"] = [text_arch]
-        for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id"):
+        # what a published config keeps at top level (Qwen2-VL's are flat: transformers moves the
+        # language model's fields into text_config but leaves these)
+        for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id", "tie_word_embeddings"):
             if text.get(key) is None and full.get(key) is not None:
                 text[key] = full[key]
         return replace(cls.from_dict(text), architecture=arch, vision=full, text_architecture=text_arch)

@@ -48,13 +48,20 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     # (config.json's text_config names which; VISION_LANGUAGE below).
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": ("llava", "LlavaNextForConditionalGeneration"),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 
 # The vision-language architectures, and the text architecture each text_config model_type runs on.
-VISION_LANGUAGE = frozenset({"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"})
+VISION_LANGUAGE = frozenset({
+    "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+})
 TEXT_ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "gemma": "GemmaForCausalLM", "phi3": "Phi3ForCausalLM", "internlm2": "InternLM2ForCausalLM",
+    # Qwen2-VL's language model is Qwen2's, its rotary made multimodal (M-RoPE) by the VL model
+    "qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM",
 }
 
 # Architectures a tensor-parallel rank cannot run a slice of, and why (refused before any rank starts).

@@ -42,6 +42,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -51,7 +52,7 @@ from .cuda_graph import DecodeGraphs
 from .distributed import kv_head_range, tp_group
 from ..protocol.errors import EngineConfigError
 from .model_config import ModelConfig
-from .multimodal import image_rows
+from .multimodal import image_rows, mrope_delta, mrope_positions
 from .model_registry import model_class
 from .layers import RMSNorm
 from .layers.layer_norm import LayerNorm
@@ -188,6 +189,8 @@ class ModelRunner:
         # prefix-cache hit ends inside its span (a block boundary rarely falls on a span's end)
         # needs only its later rows, which it takes from here instead of the tower.
         self._image_features: OrderedDict[str, torch.Tensor] = OrderedDict()
+        # Qwen2-VL's multimodal rotary: the tower's spatial merge size (0: positions are indices).
+        self.mrope_merge: int = getattr(self.model, "mrope_merge", 0)
         self.activation_bytes = self._profile_activations() if device.type == "cuda" else 0
         self.num_blocks = self._num_cache_blocks()
         # The blocks the block manager keeps for sequences' first blocks (the layout's per-sequence
@@ -316,14 +319,22 @@ class ModelRunner:
 
     @staticmethod
     def _flatten(seqs: list[tuple[Sequence, int]], block_size: int, prev: LaunchedStep | None,
-                 kind: StepKind = StepKind.FORWARD) -> StepPlan:
-        """Lay (sequence, number of new tokens) pairs back to back as a plan's host lists."""
+                 kind: StepKind = StepKind.FORWARD, mrope_merge: int = 0) -> StepPlan:
+        """Lay (sequence, number of new tokens) pairs back to back as a plan's host lists.
+        ``mrope_merge``: a multimodal-rotary model's merge size (its positions are not indices)."""
         bs = block_size
         ids, positions, slots, cu_q, lens_k, pending = [], [], [], [0], [], []
         centre_rows, new_centres = [], []
         images, rows = [], []
+        spatial: list[tuple[int, np.ndarray]] = []  # (first row, [3, n] positions) of chunks with image tokens
         for seq, n in seqs:
             start = seq.num_computed_tokens
+            shift = 0
+            if mrope_merge and seq.images:
+                chunk_positions = mrope_positions(seq.images, start, n, mrope_merge)
+                if chunk_positions is not None:
+                    spatial.append((len(ids), chunk_positions))
+                shift = mrope_delta(seq.images, start, mrope_merge)
             if seq.images:
                 for row, index, src, count in image_rows(seq.images, start, n, len(ids)):
                     rows.append((row, len(images), src, count))
@@ -339,16 +350,23 @@ class ModelRunner:
                 pending.append((len(ids) + n - 1, prev.row_of(seq)))
                 chunk.append(0)
             ids.extend(chunk)
-            positions.extend(range(start, start + n))
+            positions.extend(range(start + shift, start + shift + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             cu_q.append(cu_q[-1] + n)
             lens_k.append(start + n)
         width = max(len(seq.block_table) for seq, _ in seqs)
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in seqs]
+        three_rows = []
+        if spatial:  # the step's text tokens have one position in all three rows
+            three = np.tile(np.asarray(positions, dtype=np.int64), (3, 1))
+            for first, chunk_positions in spatial:
+                three[:, first:first + chunk_positions.shape[1]] = chunk_positions
+            three_rows = three.tolist()
         return StepPlan(kind, input_ids=ids, positions=positions, block_tables=tables, slots=slots,
                         cu_seqlens_q=cu_q, seqlens_k=lens_k, num_new=[n for _, n in seqs], pending=pending,
-                        centre_rows=centre_rows, new_centres=new_centres, images=images, image_rows=rows)
+                        centre_rows=centre_rows, new_centres=new_centres, images=images, image_rows=rows,
+                        mrope_positions=three_rows)
 
     @staticmethod
     def _decode_tokens(seqs: list[Sequence], prev: LaunchedStep | None) -> tuple[list[int], list[tuple[int, int]]]:
@@ -405,7 +423,7 @@ class ModelRunner:
         meta = self._attention_metadata(plan)
         ids = self._to_device(plan.input_ids, torch.int64)
         self._gather_pending(ids, plan.pending, prev_ids)
-        return ids, self._to_device(plan.positions, torch.int64), meta
+        return ids, self._to_device(plan.mrope_positions or plan.positions, torch.int64), meta
 
     def _gather_pending(self, ids: torch.Tensor, pending: list[tuple[int, int]], prev_ids: torch.Tensor | None) -> None:
         """Write, on the device, each input still pending from the previous step's sampled ids
@@ -468,6 +486,13 @@ class ModelRunner:
             embeds[row:row + count] = found[plan.images[index].digest][src:src + count].to(embeds.dtype)
         return embeds
 
+    def _rope_shifts(self, seqs: list[Sequence]) -> list[int]:
+        """Each decoding sequence's rotary position minus its index (a multimodal-rotary model's
+        sequences after images); empty when all are 0."""
+        if not self.mrope_merge or not any(s.images for s in seqs):
+            return []
+        return [mrope_delta(s.images, s.num_computed_tokens, self.mrope_merge) if s.images else 0 for s in seqs]
+
     def _graph_batch(self, out: SchedulerOutput) -> list[Sequence] | None:
         """The step's sequences when it can replay a decode graph (each brings one token), else None."""
         graphs = self.decode_graphs
@@ -488,12 +513,14 @@ class ModelRunner:
             tokens, pending = self._decode_tokens(graph_seqs, prev)
             rows = [i for i, item in enumerate(out.scheduled) if item.samples]
             plan = StepPlan(StepKind.GRAPH, input_ids=tokens, positions=[s.num_computed_tokens for s in graph_seqs],
-                            block_tables=[s.block_table for s in graph_seqs], pending=pending, logit_rows=rows)
+                            block_tables=[s.block_table for s in graph_seqs], pending=pending, logit_rows=rows,
+                            rope_shifts=self._rope_shifts(graph_seqs))
             sampling = [out.scheduled[i].seq for i in rows]
         else:
             # Single-token sequences first, so that attention can split the batch (see _attention_metadata).
             items = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
-            plan = self._flatten([(s.seq, s.num_new_tokens) for s in items], self.block_size, prev)
+            plan = self._flatten([(s.seq, s.num_new_tokens) for s in items], self.block_size, prev,
+                                 mrope_merge=self.mrope_merge)
             end = 0
             sampling = []
             for item in items:
@@ -511,7 +538,7 @@ class ModelRunner:
         if plan.kind == StepKind.GRAPH:
             graphs = self.decode_graphs
             n = len(plan.input_ids)
-            bs = graphs.stage(plan.input_ids, plan.positions, plan.block_tables)
+            bs = graphs.stage(plan.input_ids, plan.positions, plan.block_tables, plan.rope_shifts)
             all_logits = graphs.run(bs, n, fill=lambda ids: self._gather_pending(ids, plan.pending, prev_ids))
             if not rows:
                 return None
@@ -589,7 +616,7 @@ class ModelRunner:
         negative log-likelihood of each next token inside the chunk and the one after it."""
         start = seq.num_computed_tokens
         targets = seq.token_ids[start + 1 : start + n + 1]
-        plan = self._flatten([(seq, n)], self.block_size, None, StepKind.SCORE)
+        plan = self._flatten([(seq, n)], self.block_size, None, StepKind.SCORE, self.mrope_merge)
         plan.logit_rows = list(range(len(targets)))
         self._send(plan)
         hidden = self._forward(plan)

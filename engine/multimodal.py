@@ -82,3 +82,50 @@ def image_rows(images: Seq[ImageInput], start: int, n: int, first_row: int) -> l
         if lo < hi:
             rows.append((first_row + lo - start, index, lo - im.offset, hi - lo))
     return rows
+
+
+# ---- Qwen2-VL's multimodal rotary positions (M-RoPE) ----------------------------------------
+# A text token has one position for all three sections; an image's tokens have (temporal, row,
+# column) positions starting at the position the image's first token would have had, and the text
+# after the image resumes at that start + max(rows, columns): an image of h x w merged rows takes
+# h * w tokens but advances the positions by max(h, w). Positions are a function of the token
+# index and the images before it, so a recompute, a prefix-cache hit or a session's next turn
+# gets the same ones.
+
+def _merged_grid(image: ImageInput, merge: int) -> tuple[int, int, int]:
+    t, h, w = image.grid
+    return t, h // merge, w // merge
+
+
+def mrope_delta(images: Seq[ImageInput], upto: int, merge: int) -> int:
+    """How far the rotary position of a text token at index ``upto`` (or later, with no image in
+    between) lies from its index: what the images ending at or before it saved."""
+    delta = 0
+    for im in images:
+        if im.offset + im.length <= upto:
+            t, h, w = _merged_grid(im, merge)
+            delta += max(h, w) - t * h * w
+    return delta
+
+
+def mrope_positions(images: Seq[ImageInput], start: int, n: int, merge: int) -> np.ndarray | None:
+    """The ``[3, n]`` positions of tokens [start, start + n) when an image token is among them;
+    None when none is (each then rotates at its index + ``mrope_delta(images, start, merge)``)."""
+    end = start + n
+    if not any(im.offset < end and start < im.offset + im.length for im in images):
+        return None
+    rows = np.tile(np.arange(start, end, dtype=np.int64), (3, 1))
+    delta = 0
+    for im in sorted(images, key=lambda im: im.offset):
+        if im.offset >= end:
+            break
+        t, h, w = _merged_grid(im, merge)
+        first = im.offset + delta
+        lo, hi = max(im.offset, start), min(im.offset + im.length, end)
+        if lo < hi:
+            j = np.arange(lo - im.offset, hi - im.offset)
+            rows[:, lo - start:hi - start] = first + np.stack([j // (h * w), j // w % h, j % w])
+        shift = max(h, w) - t * h * w
+        delta += shift
+        rows[:, max(im.offset + im.length, start) - start:] += shift
+    return rows

@@ -52,6 +52,11 @@ class StepPlan(msgspec.Struct, tag=1, **_TAG):
     # inputs' embeddings (``engine/multimodal.py``). FORWARD only.
     images: list[ImageInput] = []
     image_rows: list[tuple[int, int, int, int]] = []
+    # A multimodal-rotary model's (Qwen2-VL) positions: ``[3, T]`` rows (temporal, row, column)
+    # when the step computes image tokens, else ``positions`` alone (FORWARD / SCORE); a GRAPH
+    # step's rotary position of each row minus its index (``positions``), empty when all are 0.
+    mrope_positions: list[list[int]] = []
+    rope_shifts: list[int] = []
 
 
 class RankStatus(msgspec.Struct, tag=2, **_TAG):

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -192,6 +194,11 @@ class RotaryEmbedding(nn.Module):
       width and the pairing is the faster path for later (one pass over q and k, not three).
 
     The cache stays float32 whatever dtype the model is cast to: a cast recomputes it.
+
+    ``mrope_section`` makes it Qwen2-VL's multimodal rotary (M-RoPE): each token has three
+    positions (temporal, row, column; equal for text), and the rotated pairs are split into three
+    runs of ``mrope_section`` pairs, each rotated by one of them. A step whose tokens all have
+    equal positions rotates as plain RoPE; one with image tokens goes through ``at``.
     """
 
     def __init__(
@@ -203,6 +210,7 @@ class RotaryEmbedding(nn.Module):
         max_position: int | None = None,
         rotary_dim: int | None = None,
         interleaved: bool = False,
+        mrope_section: list[int] | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -215,6 +223,28 @@ class RotaryEmbedding(nn.Module):
         self.rope_scaling = dict(rope_scaling) if rope_scaling else None
         self.max_position = max_position or default_max_position(max_position_embeddings, self.rope_scaling)
         self.register_buffer("cos_sin_cache", self._compute(), persistent=False)
+        self.mrope_section = list(mrope_section) if mrope_section else None
+        if self.mrope_section and (sum(self.mrope_section) * 2 != self.rotary_dim or interleaved):
+            raise UnsupportedModelError(f"mrope_section {self.mrope_section} must split the {self.rotary_dim // 2} "
+                                        "rotated pairs of each head (halves paired)")
+
+    @contextmanager
+    def at(self, positions: torch.Tensor) -> Iterator[torch.Tensor]:
+        """M-RoPE for one forward: ``positions`` ``[3, T]`` (temporal, row, column). Inside, the
+        table is the step's own ``[T, R]`` rows (each pair's cos and sin taken at its section's
+        position) and the yielded ``[T]`` positions index them, so the attention layers and
+        kernels rotate as they always do."""
+        cache = self.cos_sin_cache
+        section = torch.repeat_interleave(torch.arange(3, device=cache.device),
+                                          torch.tensor(self.mrope_section, device=cache.device))
+        pick = torch.cat([section, section])  # the cos half, then the sin half
+        rows = cache[positions]  # [3, T, R]
+        table = rows.gather(0, pick.expand(1, rows.shape[1], -1)).squeeze(0)
+        self.cos_sin_cache = table
+        try:
+            yield torch.arange(positions.shape[1], device=positions.device)
+        finally:
+            self.cos_sin_cache = cache
 
     def _compute(self, device: torch.device | None = None) -> torch.Tensor:
         cache = compute_cos_sin_cache(
@@ -282,7 +312,7 @@ def partial_rotary_factor(config: Any, default: float = 1.0) -> float:
 
 def get_rope(
     config: Any, rope_scaling_factor: float = 0.0, max_position: int | None = None,
-    partial_rotary_factor: float = 1.0, interleaved: bool = False,
+    partial_rotary_factor: float = 1.0, interleaved: bool = False, mrope_section: list[int] | None = None,
 ) -> RotaryEmbedding:
     """Build the RotaryEmbedding a ``ModelConfig`` describes. The family says which share of each
     head rotates (``partial_rotary_factor``: transformers' ``int(head_dim * factor)`` dims) and
@@ -308,4 +338,5 @@ def get_rope(
     return RotaryEmbedding(
         config.head_dim, config.max_position_embeddings, config.rope_theta, scaling, max_position,
         rotary_dim=int(config.head_dim * partial_rotary_factor), interleaved=interleaved,
+        mrope_section=mrope_section,
     )

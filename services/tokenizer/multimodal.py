@@ -2,7 +2,8 @@
 
 For a vision-language model the stage finds the chat's ``image_url`` parts (in order), fetches and
 decodes each (``images.py``, with the server's limits), runs the family's image processor from
-transformers on them (its ``ImagePrompt``: ``image_prompt.py``, one module per family), lets the chat template write one placeholder per image (the family's
+transformers on them (its ``ImagePrompt``: ``image_prompt.py``, one module per family), lets the
+chat template write one placeholder per image (the family's
 ``<image>`` text: a Jinja template that loops over content parts gets ``{"type": "image"}``
 parts, as transformers' processors pass them; any other template gets the placeholders ahead of
 the message's text, as LMDeploy and vLLM put them), and expands each placeholder token into as
@@ -25,6 +26,7 @@ from ...protocol.errors import InvalidRequestError
 from .image_prompt import IMAGE_PART_TYPES, ImagePrompt
 from .images import ImageLimits, check_image_count, resolve_image
 from .llava_images import LlavaImages, LlavaNextImages
+from .qwen2_vl_images import Qwen2VLImages
 
 
 def _image_parts(messages: Any) -> Iterator[dict[str, Any]]:
@@ -61,7 +63,7 @@ def has_image_parts(messages: Any) -> bool:
 
 # Each vision-language family's ImagePrompt (its own module), by config.json's architectures.
 VISION_FAMILIES: dict[str, type[ImagePrompt]] = {
-    arch: cls for cls in (LlavaImages, LlavaNextImages) for arch in cls.architectures}
+    arch: cls for cls in (LlavaImages, LlavaNextImages, Qwen2VLImages) for arch in cls.architectures}
 
 
 def image_prompt_for(model_path: Path, tokenizer: Any) -> ImagePrompt | None:

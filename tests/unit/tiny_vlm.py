@@ -116,3 +116,89 @@ def save_tiny_llava_next(path: Path, tokenizer_dir: Path | None = None, seed: in
         tokenizer.chat_template = LLAVA_TEMPLATE
         tokenizer.save_pretrained(path)
     return model
+
+
+# Qwen2-VL's template, shortened: ChatML, the vision tokens for an image part.
+QWEN2_VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'text' %}{{ content['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+QWEN2_VL_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+# 56 x 56 .. 112 x 112 pixels: 4 to 16 patches of 14 a side, 1 to 4 image tokens (2 x 2 merged)
+QWEN2_VL_PIXELS = {"min_pixels": 56 * 56, "max_pixels": 112 * 112}
+
+
+def qwen2_vl_config(vocab_size: int, token_ids: list[int], windowed: bool = False):
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=512, rms_norm_eps=1e-6,
+                bos_token_id=1, eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                 "mrope_section": [2, 3, 3]})
+    start, pad, end, video = token_ids
+    ids = dict(vision_start_token_id=start, image_token_id=pad, vision_end_token_id=end, video_token_id=video)
+    if windowed:  # 56-pixel windows: 2 x 2 merged rows each; blocks 1 and 3 attend the whole image
+        vision = dict(depth=4, hidden_size=32, intermediate_size=48, out_hidden_size=64, num_heads=2,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                      fullatt_block_indexes=[1, 3])
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, mlp_ratio=2)
+    return Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
+
+
+def save_tiny_qwen2_vl(path: Path, tokenizer_dir: Path | None = None, seed: int = 0,
+                       windowed: bool = False) -> torch.nn.Module:
+    """A tiny Qwen2-VL (``windowed``: Qwen2.5-VL) and, with ``tokenizer_dir``, its tokenizer (the
+    vision tokens added, ``QWEN2_VL_TEMPLATE``) and image processor (``QWEN2_VL_PIXELS``); returns
+    the transformers model. (No ``Qwen2VLProcessor``: transformers builds it only with torchvision,
+    for its video processor; ``qwen2_vl_reference`` does what its ``__call__`` does for images.)"""
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor
+
+    path = Path(path)
+    if tokenizer_dir is None:
+        tokenizer, vocab, token_ids = None, 128, [124, 125, 126, 127]
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer.add_special_tokens({"additional_special_tokens": QWEN2_VL_TOKENS})
+        vocab, token_ids = len(tokenizer), tokenizer.convert_tokens_to_ids(QWEN2_VL_TOKENS)
+    config = qwen2_vl_config(vocab, token_ids, windowed)
+    torch.manual_seed(seed)
+    cls = Qwen2_5_VLForConditionalGeneration if windowed else Qwen2VLForConditionalGeneration
+    model = cls(config).to(torch.float32).eval()
+    _randomize(model, seed)
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2,
+                              size={"shortest_edge": QWEN2_VL_PIXELS["min_pixels"],
+                                    "longest_edge": QWEN2_VL_PIXELS["max_pixels"]}).save_pretrained(path)
+        tokenizer.chat_template = QWEN2_VL_TEMPLATE
+        tokenizer.save_pretrained(path)
+    return model
+
+
+def qwen2_vl_reference(path: Path, messages: list, images: list) -> dict:
+    """Qwen2VLProcessor's inputs for a chat, as its ``__call__`` builds them for images: the
+    template's text with each ``<|image_pad|>`` repeated (patches / merge²) times, tokenized; the
+    image processor's pixels and grids; ``mm_token_type_ids`` (1 at image tokens)."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    out: dict = {}
+    if images:
+        processed = AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt")
+        pieces = text.split("<|image_pad|>")
+        assert len(pieces) == len(images) + 1
+        counts = [int(g.prod()) // 4 for g in processed["image_grid_thw"]]
+        text = pieces[0] + "".join("<|image_pad|>" * n + rest for n, rest in zip(counts, pieces[1:]))
+        out.update(pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"])
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    out.update(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == image_token).int())
+    return out
