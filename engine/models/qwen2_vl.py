@@ -38,14 +38,14 @@ _PREFIXES = (
 
 def mrope_section(config: ModelConfig) -> list[int]:
     """The language model's M-RoPE sections (pairs rotated by the temporal, row and column
-    positions), from ``rope_parameters`` (transformers 5) or ``rope_scaling`` (published configs)."""
+    positions), from ``rope_parameters`` (transformers 5) or ``rope_scaling`` (published configs);
+    transformers' default when neither says."""
     raw = config.raw
     for key in ("rope_parameters", "rope_scaling"):
         section = (raw.get(key) or {}).get("mrope_section")
         if section:
             return [int(s) for s in section]
-    raise UnsupportedModelError("a Qwen2-VL config without rope_parameters.mrope_section: its multimodal "
-                                "rotary is not described")
+    return [16, 24, 24]
 
 
 class MRopeQwen2ForCausalLM(Qwen2ForCausalLM):

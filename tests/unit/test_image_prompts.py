@@ -150,3 +150,38 @@ def test_refusals(llava_dir, smollm2_dir) -> None:
     too_long = Preprocessor(llava_dir, 20)
     with pytest.raises(InvalidRequestError):
         too_long.prepare(_req(_chat([_png(30, 30, 0)] * 2)))
+
+
+# ---- Qwen2-VL: native resolution, the grid travels with the pixels --------------------------------
+
+@pytest.fixture(scope="module")
+def qwen2_vl_dir(smollm2_dir, tmp_path_factory) -> Path:
+    from tiny_vlm import save_tiny_qwen2_vl
+
+    path = tmp_path_factory.mktemp("qwen2-vl-prompts")
+    save_tiny_qwen2_vl(path, smollm2_dir)
+    return path
+
+
+@pytest.mark.parametrize("sizes, second_turn", [([(90, 37)], False), ([(61, 120), (200, 30)], False),
+                                                ([(70, 70)], True)],
+                         ids=["one image", "two images", "text turn after an image turn"])
+def test_qwen2_vl_ids_pixels_and_grids_match_the_processor(qwen2_vl_dir, sizes, second_turn) -> None:
+    from tiny_vlm import qwen2_vl_reference
+
+    pngs = [_png(w, h, seed=i) for i, (w, h) in enumerate(sizes)]
+    messages = _chat(pngs, second_turn=second_turn)
+    pre = Preprocessor(qwen2_vl_dir, 4096)
+    tokenized = pre.prepare(_req(messages))
+    template_chat = [{**m, "content": [{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]}
+                     if isinstance(m["content"], list) else m for m in messages]
+    ref = qwen2_vl_reference(qwen2_vl_dir, template_chat,
+                             [PIL.open(io.BytesIO(png)).convert("RGB") for png in pngs])
+    assert tokenized.token_ids == ref["input_ids"][0].tolist()
+    assert [im.grid for im in tokenized.images] == ref["image_grid_thw"].tolist()
+    got = np.concatenate([np.frombuffer(im.pixels, dtype=im.dtype).reshape(im.shape) for im in tokenized.images])
+    np.testing.assert_allclose(got, ref["pixel_values"].numpy(), atol=1e-6)
+    token = pre.image_prompt.image_token_id
+    for image in tokenized.images:
+        assert tokenized.token_ids[image.offset:image.offset + image.length] == [token] * image.length
+        assert image.length == np.prod(image.grid) // 4

@@ -261,3 +261,50 @@ def test_next_pipeline_greedy_equals_transformers(next_model) -> None:
     for images in ([wide], [tall, square]):
         messages = _chat(images)
         assert pipe(messages, gen).token_ids == _hf_greedy(hf, messages, images)
+
+
+# ---- Qwen2-VL / Qwen2.5-VL: native resolution, multimodal rotary positions ------------------------
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen_model(request, smollm2_dir, tmp_path_factory):
+    from tiny_vlm import save_tiny_qwen2_vl
+
+    from conveyor import pipeline
+
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny_qwen2_vl(path, smollm2_dir, windowed=request.param == "qwen2_5_vl")
+    # prefill chunks of 16: the prompts' text is split off from their images
+    p = pipeline(path, backend_config=EngineConfig(device="cpu", dtype="float32", cache_max_entry_count=256,
+                                                   block_size=4, max_batch_size=8, max_prefill_token_num=16,
+                                                   enable_prefix_caching=True))
+    yield p, hf, path
+    p.close()
+
+
+def _qwen_greedy(hf, path, messages, images) -> list[int]:
+    from tiny_vlm import qwen2_vl_reference
+
+    chat = [{**m, "content": [{"type": "image"} if p.get("type") == "image_url" else p for p in m["content"]]}
+            if isinstance(m["content"], list) else m for m in messages]
+    inputs = qwen2_vl_reference(path, chat, images)
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=NEW, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_qwen2_vl_pipeline_greedy_equals_transformers(qwen_model) -> None:
+    pipe, hf, path = qwen_model
+    gen = GenerationConfig(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+    wide, tall = _image(30, (90, 37)), _image(31, (50, 110))
+    cases = [[wide, tall], [tall]]
+    for images in cases:
+        messages = _chat(images, "Compare them.")
+        assert pipe(messages, gen).token_ids == _qwen_greedy(hf, path, messages, images)
+    # a text turn after an image turn: its positions follow the image's saving
+    messages = [*_chat([wide]), {"role": "assistant", "content": "A picture."},
+                {"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]}]
+    assert pipe(messages, gen).token_ids == _qwen_greedy(hf, path, messages, [wide])
+    # the same image again comes from the prefix cache and agrees
+    again = pipe(_chat([tall], "Compare them."), gen)
+    assert again.num_cached_tokens > 0
+    assert again.token_ids == _qwen_greedy(hf, path, _chat([tall], "Compare them."), [tall])
