@@ -1,4 +1,6 @@
-"""A vision-language model's speed: one image per request, on random weights of a published shape.
+"""A vision-language model's speed: one image per request, on random weights of a published shape
+(LLaVA's: a 336-pixel square; Qwen2-VL's and Qwen2.5-VL's: ``--image-side`` pixels square at
+native resolution, 448 by default: 1,024 patches, 256 tokens).
 
 Engine side (the GPU): time to first token at batch 1 (each request a new image, so the vision
 tower runs every time; the median of ``--ttft-runs``), the same with the image seen before (the
@@ -11,6 +13,7 @@ and run the family's transformers image processor on it, per image, one worker; 
 images per second at batch ``-b`` this says how many tokenizer workers keep the engine fed.
 
     python -m benchmarks.bench_vlm --model llava-1.5-7b -b 32 --input-len 64 --output-len 128
+    python -m benchmarks.bench_vlm --model qwen2.5-vl-7b -b 32 --input-len 64 --output-len 128
 """
 
 from __future__ import annotations
@@ -33,24 +36,34 @@ from conveyor.protocol.multimodal import ImageInput
 from conveyor.protocol.sampling import SamplingParams
 
 
-def image_geometry(config: dict) -> tuple[list[int], int]:
-    """(pixel shape, tokens) of one image for the shape's vision tower (LLaVA: a square of the
-    tower's image size, one token a patch, the CLS row dropped by the default strategy)."""
+def is_qwen_vl(config: dict) -> bool:
+    return (config.get("architectures") or [""])[0].startswith(("Qwen2VL", "Qwen2_5_VL"))
+
+
+def image_geometry(config: dict, side: int = 448) -> tuple[list[int], int, list[int]]:
+    """(pixel shape, tokens, grid) of one image for the shape's vision tower. LLaVA: a square of
+    the tower's image size, one token a patch (the CLS row dropped by the default strategy), no
+    grid. Qwen2-VL: a ``side``-pixel square's patch rows, one token per 2 x 2 patches, the grid
+    ``[1, side / 14, side / 14]``."""
     vision = config["vision_config"]
+    if is_qwen_vl(config):
+        patch, merge, temporal = int(vision["patch_size"]), int(vision["spatial_merge_size"]), 2
+        cells = side // patch
+        return [cells * cells, 3 * temporal * patch * patch], cells * cells // (merge * merge), [1, cells, cells]
     side, patch = int(vision["image_size"]), int(vision["patch_size"])
     rows = (side // patch) ** 2 + (1 if config.get("vision_feature_select_strategy") == "full" else 0)
-    return [3, side, side], rows
+    return [3, side, side], rows, []
 
 
 def request(rng: random.Random, config: dict, image_token: int, vocab: int, input_len: int,
-            seed: int) -> tuple[list[int], list[ImageInput]]:
+            seed: int, side: int = 448) -> tuple[list[int], list[ImageInput]]:
     """A prompt of ``input_len`` text tokens around one image's span, and the image (its pixels
     drawn from ``seed``: a new seed is an image the prefix cache has never seen)."""
-    shape, rows = image_geometry(config)
+    shape, rows, grid = image_geometry(config, side)
     pixels = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32).astype(np.float16)
     head = random_prompt(rng, input_len // 2, vocab)
     tail = random_prompt(rng, input_len - len(head), vocab)
-    image = ImageInput(len(head), rows, f"bench-{seed}", pixels.tobytes(), shape, "float16")
+    image = ImageInput(len(head), rows, f"bench-{seed}", pixels.tobytes(), shape, "float16", grid)
     return head + [image_token] * rows + tail, [image]
 
 
@@ -62,14 +75,21 @@ def run(engine: LLMEngine, requests: list[tuple[list[int], list[ImageInput]]], p
 
 
 def preprocess_ms(config: dict, size: tuple[int, int], runs: int) -> float:
-    """Median ms to decode a JPEG data URL of ``size`` and run the CLIP processor the shape uses."""
+    """Median ms to decode a JPEG data URL of ``size`` and run the image processor the shape uses
+    (CLIP's, or Qwen2-VL's at its published pixel limits)."""
     from PIL import Image
-    from transformers import CLIPImageProcessor
 
     from conveyor.services.tokenizer.images import ImageLimits, resolve_image
 
-    side = int(config["vision_config"]["image_size"])
-    processor = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    if is_qwen_vl(config):
+        from transformers import Qwen2VLImageProcessor
+
+        processor = Qwen2VLImageProcessor()
+    else:
+        from transformers import CLIPImageProcessor
+
+        side = int(config["vision_config"]["image_size"])
+        processor = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
     rng = np.random.default_rng(0)
     buffer = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buffer, format="JPEG")
@@ -94,6 +114,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--ttft-runs", type=int, default=5)
     ap.add_argument("--image-size", default="640x480", help="the JPEG the tokenizer-side timing decodes")
+    ap.add_argument("--image-side", type=int, default=448, help="Qwen2-VL: the square image's side in pixels")
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
     config = shape_config(args.model)
@@ -103,7 +124,7 @@ def main() -> None:
     vocab = min(engine.model_config.vocab_size, image_token)  # text ids below the image token
     rng = random.Random(0)
     seeds = iter(range(1, 1 << 30))
-    shape, rows = image_geometry(config)
+    shape, rows, _ = image_geometry(config, args.image_side)
     common = dict(engine="conveyor", model=args.model, precision=args.dtype, input_len=args.input_len + rows,
                   image_tokens=rows, pixel_shape=shape)
     records = []
@@ -111,7 +132,8 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
 
     def images(n: int) -> list:
-        return [request(rng, config, image_token, vocab, args.input_len, next(seeds)) for _ in range(n)]
+        return [request(rng, config, image_token, vocab, args.input_len, next(seeds), args.image_side)
+                for _ in range(n)]
 
     def texts(n: int) -> list:
         return [(random_prompt(rng, args.input_len + rows, vocab), []) for _ in range(n)]

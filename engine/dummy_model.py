@@ -154,6 +154,24 @@ SHAPES: dict[str, dict[str, Any]] = {
                                        "intermediate_size": 4096, "num_attention_heads": 16, "num_hidden_layers": 24,
                                        "image_size": 336, "patch_size": 14, "projection_dim": 768,
                                        "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5}},
+    # Qwen/Qwen2.5-VL-7B-Instruct as published (flat: the language model's fields at top level): a
+    # 32-block windowed tower of width 1280 (full attention in 4), 2 x 2 patches merged into one
+    # token, Qwen2-7B's language model with M-RoPE
+    "qwen2.5-vl-7b": {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+                      "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+                      "vision_start_token_id": 151652, "vision_end_token_id": 151653, "vision_token_id": 151654,
+                      "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu", "hidden_size": 3584,
+                      "intermediate_size": 18944, "max_position_embeddings": 128000, "max_window_layers": 28,
+                      "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+                      "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "sliding_window": 32768,
+                      "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_sliding_window": False,
+                      "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280,
+                                        "intermediate_size": 3420, "num_heads": 16, "in_chans": 3,
+                                        "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
+                                        "spatial_patch_size": 14, "window_size": 112,
+                                        "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+                                        "temporal_patch_size": 2},
+                      "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 152064},
     # A toy of the same family, for smoke-testing the benchmarks on a CPU.
     "tiny": {**_LLAMA2_COMMON, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000},

@@ -229,10 +229,14 @@ def test_refusals(tmp_path, change, words) -> None:
         build_model(ModelConfig.from_pretrained(Path(tmp_path)), dtype=torch.float32, device="meta")
 
 
-def test_a_chunked_session_equals_transformers_on_the_whole_conversation(tiny) -> None:
+@pytest.mark.parametrize("device, eager", [("cpu", True), pytest.param("cuda", False, marks=pytest.mark.gpu),
+                                           pytest.param("cuda", True, marks=pytest.mark.gpu)],
+                         ids=["cpu", "cuda-graphs", "cuda-eager"])
+def test_a_chunked_session_equals_transformers_on_the_whole_conversation(tiny, device, eager) -> None:
     """Turn 1 with one image, turn 2 with another, prefilled in chunks of 8 (the text around the
     images split off from them): turn 2's greedy tokens equal transformers' on the whole
-    conversation, whose positions after each image are shifted by what it saved."""
+    conversation, whose positions after each image are shifted by what it saved. On a GPU the
+    Triton kernels rotate with the step's M-RoPE table, and decode graphs take the shifts."""
     from conveyor.engine.config import EngineConfig
     from conveyor.engine.llm_engine import LLMEngine
     from conveyor.protocol.sampling import SamplingParams
@@ -251,8 +255,8 @@ def test_a_chunked_session_equals_transformers_on_the_whole_conversation(tiny) -
     first, image_a = turn([1, 2, 3, 4, 5], grids[0], [6, 7, 8, 9, 10, 11], 0)
     second, image_b = turn([12, 13], grids[1], [14, 15, 16, 17, 18, 19, 20, 21, 22], 1)
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
-    eng = LLMEngine(path, EngineConfig(device="cpu", dtype="float32", cache_max_entry_count=64, block_size=4,
-                                       max_batch_size=4, max_prefill_token_num=8))
+    eng = LLMEngine(path, EngineConfig(device=device, dtype="float32", cache_max_entry_count=64, block_size=4,
+                                       max_batch_size=4, max_prefill_token_num=8, eager_mode=eager))
     try:
         outputs = []
         for ids, image in ((first, image_a), (second, image_b)):
