@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -251,9 +252,10 @@ class ModelConfig:
 
     @classmethod
     def _vision_language(cls, arch: str, cfg: dict[str, Any]) -> "ModelConfig":
-        """A vision-language config: its language model's fields from ``text_config``."""
+        """A vision-language config: its language model's fields from ``text_config`` (InternVL's
+        remote-code layout: ``llm_config``)."""
         full = with_defaults(cfg)
-        text = dict(full.get("text_config") or {})
+        text = dict(full.get("text_config") or full.get("llm_config") or {})
         named = [a for a in text.get("architectures") or () if a in SUPPORTED_ARCHITECTURES]
         text_arch = named[0] if named else TEXT_ARCHITECTURES.get(text.get("model_type"))
         if text_arch is None or text_arch in VISION_LANGUAGE:
@@ -271,4 +273,22 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, model_path: str | Path) -> "ModelConfig":
         """Read ``model_path/config.json``, or the config a ``.gguf`` file's metadata gives."""
-        return cls.from_dict(read_config(model_path))
+        cfg = read_config(model_path)
+        if "llm_config" in cfg and cfg.get("image_token_id") is None:
+            # InternVL's remote-code layout names its image token only in the tokenizer
+            cfg = {**cfg, "image_token_id": _added_token_id(Path(model_path), "<IMG_CONTEXT>")}
+        return cls.from_dict(cfg)
+
+
+def _added_token_id(model_dir: Path, content: str) -> int | None:
+    """The id of an added token in a model directory's tokenizer files (plain JSON), or None."""
+    config, full = model_dir / "tokenizer_config.json", model_dir / "tokenizer.json"
+    if config.is_file():
+        for token_id, token in (json.loads(config.read_text()).get("added_tokens_decoder") or {}).items():
+            if token.get("content") == content:
+                return int(token_id)
+    if full.is_file():
+        for token in json.loads(full.read_text()).get("added_tokens") or ():
+            if token.get("content") == content:
+                return int(token["id"])
+    return None

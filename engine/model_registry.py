@@ -50,12 +50,15 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlavaNextForConditionalGeneration": ("llava", "LlavaNextForConditionalGeneration"),
     "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "InternVLForConditionalGeneration": ("internvl", "InternVLForConditionalGeneration"),
+    "InternVLChatModel": ("internvl", "InternVLChatModel"),
 }
 
 # The vision-language architectures, and the text architecture each text_config model_type runs on.
 VISION_LANGUAGE = frozenset({
     "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
     "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+    "InternVLForConditionalGeneration", "InternVLChatModel",
 })
 TEXT_ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
