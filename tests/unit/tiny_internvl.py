@@ -4,8 +4,9 @@
 3-layer InternViT on 28-pixel tiles of 7-pixel patches, pixel-shuffled 2x2 into 4 rows a tile,
 before a 2-layer Qwen2 or Llama of width 64) in float32 with ``save_pretrained``; given a
 tokenizer directory (the default model's), it adds InternVL's ``<img>`` / ``</img>`` /
-``<IMG_CONTEXT>`` tokens, sizes the vocabulary to them, and saves an ``InternVLProcessor``
-(GotOcr2's tiling image processor) beside the weights.
+``<IMG_CONTEXT>`` tokens, sizes the vocabulary to them, and saves the tokenizer and GotOcr2's
+tiling image processor beside the weights (``internvl_processor`` builds transformers'
+``InternVLProcessor`` over them).
 
 ``save_remote_internvl`` rewrites such a directory as OpenGVLab's remote-code layout
 (``InternVLChatModel``): its config.json written by hand with the published field names, the
@@ -94,7 +95,7 @@ def save_tiny_internvl(path: Path, tokenizer_dir: Path | None = None, seed: int 
                        feature_layer: int = -1, **vision_kwargs) -> torch.nn.Module:
     """Write a tiny -hf InternVL (and, with ``tokenizer_dir``, its tokenizer and processor) to
     ``path``; returns the transformers model."""
-    from transformers import InternVLForConditionalGeneration, InternVLProcessor
+    from transformers import InternVLForConditionalGeneration
 
     path = Path(path)
     tokenizer, vocab, image_token = _tokenizer(tokenizer_dir)
@@ -105,11 +106,24 @@ def save_tiny_internvl(path: Path, tokenizer_dir: Path | None = None, seed: int 
     model.save_pretrained(path)
     if tokenizer is not None:
         tokenizer.chat_template = INTERNVL_TEMPLATE
-        processor = InternVLProcessor(image_processor=image_processor(), tokenizer=tokenizer,
-                                      image_seq_length=ROWS_PER_TILE, chat_template=INTERNVL_TEMPLATE)
-        processor.save_pretrained(path)
         tokenizer.save_pretrained(path)
+        image_processor().save_pretrained(path)
     return model
+
+
+def internvl_processor(path: Path):
+    """transformers' ``InternVLProcessor`` over ``path``'s tokenizer and image processor. Built
+    without a video processor, which needs torchvision (absent here): the class check that
+    would import one is skipped, images do not need it."""
+    from unittest import mock
+
+    from transformers import AutoImageProcessor, AutoTokenizer, InternVLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: type(arg)):
+        return InternVLProcessor(image_processor=AutoImageProcessor.from_pretrained(path), tokenizer=tokenizer,
+                                 image_seq_length=ROWS_PER_TILE, chat_template=INTERNVL_TEMPLATE)
 
 
 # transformers' InternViT / projector names -> the remote code's (after the layout prefix).
