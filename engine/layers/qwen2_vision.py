@@ -24,31 +24,36 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
+from ...kernels.rotary import apply_rotary
 from .layer_norm import LayerNorm
 from .norm import RMSNorm
 from .vision import _SDPA_BACKENDS, activation
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+# GEMM widths are padded to a multiple of this: Qwen2.5-VL's MLP is 3420 wide, whose rows
+# (6,840 bytes in 16 bits) are not 16-byte aligned, which keeps cuBLAS off Hopper's TMA kernels
+# (an SM80 kernel at ~250 TFLOP/s instead); zero rows and columns leave the products unchanged.
+_GEMM_ALIGN = 64
 
 
 @dataclass
 class Segments:
     """Attention segments of a packed sequence (each attends only within itself), grouped by
     length so that segments of one length run as one batched SDPA call: ``groups`` holds, per
-    length, the ``[segments, length]`` row indices."""
+    length, the ``[segments, length]`` row indices; ``uniform`` the length when all segments
+    have it (then they are views of the sequence, no gather)."""
 
     groups: list[torch.Tensor]
+    uniform: int = 0
 
     @classmethod
     def from_lengths(cls, lengths: list[int], device: torch.device) -> "Segments":
+        lengths = [n for n in lengths if n]
+        if lengths and all(n == lengths[0] for n in lengths):
+            return cls([], lengths[0])
         by_length: dict[int, list[int]] = {}
         start = 0
         for n in lengths:
-            if n:
-                by_length.setdefault(n, []).append(start)
+            by_length.setdefault(n, []).append(start)
             start += n
         groups = [torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)
                   for n, starts in by_length.items()]
@@ -56,6 +61,11 @@ class Segments:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``[N, heads, D]`` q, k, v -> ``[N, heads, D]``, each row attending its own segment."""
+        if self.uniform:
+            def split(x: torch.Tensor) -> torch.Tensor:
+                return x.reshape(-1, self.uniform, *x.shape[1:]).transpose(1, 2)
+
+            return F.scaled_dot_product_attention(split(q), split(k), split(v)).transpose(1, 2).flatten(0, 1)
         out = torch.empty_like(q)
         for rows in self.groups:  # x[rows]: [segments, length, heads, D]
             attended = F.scaled_dot_product_attention(q[rows].transpose(1, 2), k[rows].transpose(1, 2),
@@ -88,12 +98,12 @@ class Qwen2VisionAttention(nn.Module):
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: torch.Tensor, segments: Segments) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.heads, self.head_dim).unbind(1)
-        # rotated in float32 as transformers does, then back to the activations' dtype
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
+        # rotated in float32 as transformers does (one kernel on the GPU): row i of ``rotary`` is
+        # patch i's cos and sin
+        q, k = apply_rotary(q, k, torch.arange(n, device=x.device), rotary)
         return self.proj(segments.attend(q, k, v).reshape(n, -1))
 
 
@@ -111,13 +121,18 @@ class VisionMLP(nn.Module):
 
 
 class VisionGatedMLP(nn.Module):
-    """Qwen2.5-VL's down(act(gate(x)) * up(x)), biased."""
+    """Qwen2.5-VL's down(act(gate(x)) * up(x)), biased; the intermediate width padded to
+    ``_GEMM_ALIGN`` with zeros (act(0) * 0 adds nothing)."""
 
     def __init__(self, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate)
-        self.up_proj = nn.Linear(hidden, intermediate)
-        self.down_proj = nn.Linear(intermediate, hidden)
+        padded = -(-intermediate // _GEMM_ALIGN) * _GEMM_ALIGN
+        self.gate_proj = nn.Linear(hidden, padded)
+        self.up_proj = nn.Linear(hidden, padded)
+        self.down_proj = nn.Linear(padded, hidden)
+        for param in (self.gate_proj.weight, self.gate_proj.bias, self.up_proj.weight, self.up_proj.bias,
+                      self.down_proj.weight):
+            param.zero_padded = True  # a checkpoint's smaller tensor fills its leading slice
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,8 +147,8 @@ class Qwen2VisionBlock(nn.Module):
         self.attn = Qwen2VisionAttention(hidden, heads)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, segments)
+    def forward(self, x: torch.Tensor, rotary: torch.Tensor, segments: Segments) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rotary, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -189,9 +204,10 @@ class Qwen2VisionTransformer(nn.Module):
         t, h, w = grid
         return t * h * w // (self.merge * self.merge)
 
-    def _rotary(self, grids: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each patch's cos and sin ``[N, 1, head_dim]`` from its (row, column), patches in the
-        processor's order (merge blocks consecutive)."""
+    def _rotary(self, grids: list[list[int]], device: torch.device) -> torch.Tensor:
+        """Each patch's float32 ``cat(cos, sin)`` of its ``head_dim / 2`` angles (the first half
+        its row's, the second its column's), patches in the processor's order (merge blocks
+        consecutive): ``[N, head_dim]``, the table ``apply_rotary`` reads."""
         m = self.merge
         coords = []
         for t, h, w in grids:
@@ -200,8 +216,7 @@ class Qwen2VisionTransformer(nn.Module):
             both = torch.stack([rows, cols], dim=-1).reshape(h // m, m, w // m, m, 2).transpose(1, 2)
             coords.append(both.reshape(-1, 2).repeat(t, 1))
         angles = (torch.cat(coords).float()[..., None] * self.inv_freq.float()).flatten(1)  # [N, head_dim / 2]
-        angles = torch.cat([angles, angles], dim=-1)[:, None]
-        return angles.cos(), angles.sin()
+        return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
     def _windows(self, grids: list[list[int]], device: torch.device) -> tuple[torch.Tensor, list[int]]:
         """Qwen2.5's window order: the merged rows' permutation that makes each window of
@@ -228,7 +243,7 @@ class Qwen2VisionTransformer(nn.Module):
         device = patches.device
         unit = self.merge * self.merge
         x = self.patch_embed(patches)
-        cos, sin = self._rotary(grids, device)
+        rotary = self._rotary(grids, device)
         per_image = Segments.from_lengths([h * w for t, h, w in grids for _ in range(t)], device)
         order = None
         if self.windowed:
@@ -238,11 +253,11 @@ class Qwen2VisionTransformer(nn.Module):
             def permuted(y: torch.Tensor) -> torch.Tensor:
                 return y.view(-1, unit, *y.shape[1:])[order].flatten(0, 1)
 
-            x, cos, sin = permuted(x), permuted(cos), permuted(sin)
+            x, rotary = permuted(x), permuted(rotary)
         with sdpa_kernel(_SDPA_BACKENDS):
             for i, block in enumerate(self.blocks):
                 segments = windows if self.windowed and i not in self.full_blocks else per_image
-                x = block(x, cos, sin, segments)
+                x = block(x, rotary, segments)
         merged = self.merger(x)
         if order is not None:
             merged = merged[torch.argsort(order)]

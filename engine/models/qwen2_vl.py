@@ -128,10 +128,15 @@ class Qwen2VLForConditionalGeneration(nn.Module):
             param = params.pop(name, None)
             if param is None:
                 raise ValueError(f"checkpoint tensor {ckpt_name} matches no parameter of the vision tower")
-            if param.shape != tensor.shape:
+            fits = param.shape == tensor.shape or (
+                getattr(param, "zero_padded", False) and param.dim() == len(tensor.shape)
+                and all(t <= p for t, p in zip(tensor.shape, param.shape)))
+            if not fits:
                 raise ValueError(f"checkpoint tensor {ckpt_name} has shape {tuple(tensor.shape)}, expected "
                                  f"{tuple(param.shape)}")
-            param.data.copy_(materialize(tensor))
+            if param.shape != tensor.shape:  # a padded GEMM width: the checkpoint's slice, zeros after
+                param.data.zero_()
+            param.data[tuple(slice(0, t) for t in tensor.shape)].copy_(materialize(tensor))
         if params:
             raise ValueError(f"the checkpoint lacks {len(params)} vision tensors: {', '.join(sorted(params)[:5])}")
 
