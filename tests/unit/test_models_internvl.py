@@ -117,6 +117,33 @@ def test_prefill_logits_match(tiny, tile_counts) -> None:
     assert (other - got).abs().max() > 1e-2
 
 
+def test_the_hub_layout_loads(tmp_path) -> None:
+    """The -hf repositories' names (``model.vision_tower.*``, ``model.language_model.*``,
+    ``lm_head.*``), which transformers 5 saves as 4.x's: the same model."""
+    from safetensors.torch import load_file, save_file
+
+    hf_dir, hub = tmp_path / "hf", tmp_path / "hub"
+    save_tiny_internvl(hf_dir, seed=8)
+    hub.mkdir()
+    renamed = {}
+    for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
+        for old, new in (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                         ("vision_tower.", "model.vision_tower."),
+                         ("multi_modal_projector.", "model.multi_modal_projector.")):
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        renamed[name] = tensor
+    assert any(n.startswith("model.vision_tower.") for n in renamed)
+    save_file(renamed, str(hub / "model.safetensors"))
+    (hub / "config.json").write_text((hf_dir / "config.json").read_text())
+    a, b = load_ours(hf_dir), load_ours(hub)
+    pixels = _pixels(1, 3, seed=9)
+    with torch.no_grad():
+        assert torch.equal(a.encode_images(pixels)[0], b.encode_images(pixels)[0])
+    assert torch.equal(a.language_model.lm_head.weight, b.language_model.lm_head.weight)
+
+
 def test_final_norm_when_not_mean_pooling(tmp_path) -> None:
     """use_mean_pooling false: transformers' last_hidden_state passes the tower's final LayerNorm."""
     hf = save_tiny_internvl(tmp_path, seed=5, use_mean_pooling=False)
