@@ -2,7 +2,8 @@
 transformers' ``InternVLProcessor`` (GotOcr2's tiles, each ``<IMG_CONTEXT>`` expanded between
 ``<img>`` and ``</img>``) for one image and several; for the remote-code layout the ids its
 ``chat()`` builds (``<img>`` + ``<IMG_CONTEXT>`` x 4 rows a tile + ``</img>`` per image, ahead of
-the text) and tiles equal to GotOcr2's (the same canvas rule, PIL's bicubic resizes).
+the text) and tiles equal to GotOcr2's (the same canvas rule, PIL's bicubic resizes); and both
+layouts through ``pipeline()`` (this stage, then the engine) giving transformers' greedy tokens.
 
 The model directories are ``tiny_internvl``'s on the default model's tokenizer with InternVL's
 tokens added.
@@ -24,7 +25,7 @@ from tiny_internvl import MAX_TILES, ROWS_PER_TILE, TILE, image_processor, save_
 from conveyor.services.tokenizer.internvl_images import best_canvas  # noqa: E402
 from conveyor.services.tokenizer.preprocess import Preprocessor  # noqa: E402
 
-# (width, height): 1 tile; 2x1 + thumbnail; 1x2 + thumbnail; 5x1 + thumbnail; 2x3 (6) with no room for more
+# (width, height): 1 tile; 2x1 + thumbnail; 1x2 + thumbnail; 5x1 + thumbnail; 2x3 + thumbnail (6 + 1)
 SIZES = [(30, 30), (60, 30), (40, 90), (100, 20), (61, 95)]
 
 
@@ -140,3 +141,47 @@ def test_a_template_that_writes_the_image_tags_gets_no_second_pair(remote_dir) -
     ids, images = prompt.expand([7, start, token, end, 8, token, 9], [image, image])
     assert ids == [7, start] + [token] * 4 + [end, 8, start] + [token] * 4 + [end, 9]
     assert [im.offset for im in images] == [2, 9]
+
+
+# ---- end to end: the tokenizer stage and the engine through pipeline() -------------------------
+
+@pytest.mark.parametrize("layout", ["hf", "remote"])
+def test_pipeline_greedy_equals_transformers(hf_dir, remote_dir, layout) -> None:
+    """Two images of 3 and 1 tiles, then one of 6, through ``pipeline()`` on either layout: the
+    greedy tokens of transformers' model on the processor's ids and pixels (the remote layout's
+    ids as its ``chat()`` builds them)."""
+    import torch
+    from tiny_internvl import internvl_processor
+    from transformers import InternVLForConditionalGeneration
+
+    from conveyor import pipeline
+    from conveyor.engine.config import EngineConfig
+    from conveyor.messages import GenerationConfig
+
+    hf = InternVLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    processor = internvl_processor(hf_dir)
+    gen = GenerationConfig(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    pipe = pipeline(hf_dir if layout == "hf" else remote_dir, backend_config=EngineConfig(
+        device="cpu", dtype="float32", cache_max_entry_count=256, block_size=4, max_batch_size=4,
+        max_prefill_token_num=64))
+    try:
+        for sizes in ([SIZES[1], SIZES[0]], [SIZES[4]]):
+            pngs = [_png(w, h, seed=20 + i) for i, (w, h) in enumerate(sizes)]
+            messages = _chat(pngs)
+            got = pipe(messages, gen).token_ids
+            pixels = processor.image_processor(images=_images(pngs), crop_to_patches=True,
+                                               return_tensors="pt")["pixel_values"]
+            if layout == "hf":
+                chat = [{**m, "content": [{"type": "image"} if p["type"] == "image_url" else p
+                                          for p in m["content"]]} for m in messages]
+                ids = processor(text=processor.apply_chat_template(chat, add_generation_prompt=True),
+                                images=_images(pngs), return_tensors="pt")["input_ids"][0].tolist()
+            else:
+                tiles = [3 if (w, h) == SIZES[1] else 1 if (w, h) == SIZES[0] else 7 for w, h in sizes]
+                ids = _remote_reference(remote_dir, messages, tiles)
+            with torch.no_grad():
+                out = hf.generate(input_ids=torch.tensor([ids]), pixel_values=pixels, max_new_tokens=6,
+                                  do_sample=False, min_new_tokens=6)
+            assert got == out[0, len(ids):].tolist()
+    finally:
+        pipe.close()
