@@ -194,12 +194,6 @@ def remote_names(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.T
     yield name, tensor
 
 
-def tile_rows(image_size: int, patch_size: int, downsample_ratio: float) -> int:
-    """Encoder rows a tile gives after the pixel shuffle: (side / patch)² · ratio²."""
-    side = image_size // patch_size
-    return int(round(side * side * downsample_ratio * downsample_ratio)) if side else 0
-
-
 def check_shuffle(image_size: int, patch_size: int, downsample_ratio: float) -> int:
     """The pixel shuffle's factor (1 / ``downsample_ratio``); ValueError unless it is an integer
     that divides a tile's side in patches."""

@@ -131,6 +131,31 @@ def test_the_canvas_rule() -> None:
     assert best_canvas(4000, 100, 448, 1, 6) == (6, 1)  # no canvas wider than max tiles
 
 
+def test_remote_config_fields_steer_the_tiles(remote_dir) -> None:
+    """dynamic_image_size off: one tile, the image resized; use_thumbnail off: no thumbnail;
+    max_dynamic_patch: the most canvas tiles."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from conveyor.services.tokenizer.internvl_images import InternVLImages
+
+    config = json.loads((remote_dir / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(remote_dir)
+    wide = _images([_png(100, 20, seed=3)])[0]
+
+    def tiles(**change) -> int:
+        prompt = InternVLImages(remote_dir, {**config, **change}, tokenizer)
+        prepared = prompt.prepare([wide])[0]
+        assert prepared.num_tokens == len(prepared.pixels) * ROWS_PER_TILE
+        return len(prepared.pixels)
+
+    assert tiles() == 6  # 5 x 1 + thumbnail
+    assert tiles(dynamic_image_size=False) == 1
+    assert tiles(use_thumbnail=False) == 5
+    assert tiles(max_dynamic_patch=2) == 3
+
+
 def test_a_template_that_writes_the_image_tags_gets_no_second_pair(remote_dir) -> None:
     from conveyor.services.tokenizer.image_prompt import PreparedImage
 
