@@ -27,7 +27,7 @@ from torch.nn.attention import sdpa_kernel
 from ...kernels.rotary import apply_rotary
 from .layer_norm import LayerNorm
 from .norm import RMSNorm
-from .vision import _SDPA_BACKENDS, activation
+from .vision import _SDPA_BACKENDS, VisionMLP, activation
 
 # GEMM widths are padded to a multiple of this: Qwen2.5-VL's MLP is 3420 wide, whose rows
 # (6,840 bytes in 16 bits) are not 16-byte aligned, which keeps cuBLAS off Hopper's TMA kernels
@@ -105,19 +105,6 @@ class Qwen2VisionAttention(nn.Module):
         # patch i's cos and sin
         q, k = apply_rotary(q, k, torch.arange(n, device=x.device), rotary)
         return self.proj(segments.attend(q, k, v).reshape(n, -1))
-
-
-class VisionMLP(nn.Module):
-    """Qwen2-VL's fc1 -> act -> fc2."""
-
-    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(hidden, intermediate)
-        self.fc2 = nn.Linear(intermediate, hidden)
-        self.act = activation(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
 
 
 class VisionGatedMLP(nn.Module):

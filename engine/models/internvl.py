@@ -25,7 +25,6 @@ Two checkpoint layouts, one computation:
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -36,8 +35,7 @@ from ...protocol.errors import UnsupportedModelError
 from ..layers.intern_vit import InternVisionModel, check_shuffle, remote_names
 from ..layers.vision import activation
 from ..model_config import ModelConfig
-from ..model_registry import model_class
-from ..weight_loader import materialize
+from .vision_language import VisionLanguageModel, build_language_model, refuse_quantized
 
 # transformers' layouts: checkpoint prefix -> (part, the name inside it), newest first.
 _HF_PREFIXES = (
@@ -84,7 +82,7 @@ def pixel_shuffle(x: torch.Tensor, factor: int, v1: bool = False) -> torch.Tenso
     return x if v1 else x.transpose(1, 2)
 
 
-class _InternVL(nn.Module):
+class _InternVL(VisionLanguageModel):
     """What both layouts share: the interface the model runner drives (``llava.py``'s)."""
 
     layout_prefixes: tuple[tuple[str, str, str], ...] = ()
@@ -94,17 +92,11 @@ class _InternVL(nn.Module):
                  downsample_ratio: float, ps_v1: bool, projector_act: str, image_token_id: int | None) -> None:
         super().__init__()
         self.config = config
-        if config.quant is not None:
-            raise UnsupportedModelError("quantized InternVL checkpoints (AWQ, W8A8) are not supported yet: serve "
-                                        "the 16-bit checkpoint")
+        refuse_quantized(config)
         if image_token_id is None:
             raise UnsupportedModelError("InternVL's image token is unknown: the model directory's tokenizer has no "
                                         "<IMG_CONTEXT> token and config.json no image_token_id; add one of them")
-        text_class = model_class(config.text_architecture)
-        if "inputs_embeds" not in inspect.signature(text_class.forward).parameters:
-            raise UnsupportedModelError(f"{config.text_architecture} cannot take image embeddings yet, so it cannot "
-                                        "be InternVL's language model here")
-        self.language_model = text_class(config.language_model, rope_scaling_factor, max_position)
+        self.language_model = build_language_model(config, rope_scaling_factor, max_position)
         self.final_norm = final_norm
         self.vision_tower = InternVisionModel(vision, feature_layer, qk_eps, final_norm)
         side = self.vision_tower.embeddings.image_size
@@ -114,11 +106,7 @@ class _InternVL(nn.Module):
         self.multi_modal_projector = InternVLProjector(width, config.hidden_size, projector_act)
         self.image_token_id: int = int(image_token_id)
 
-    # ---- the model runner's interface ------------------------------------------------------
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T] ids -> [T, hidden]: the language model's input embeddings."""
-        return self.language_model.model.embed_tokens(input_ids)
-
+    # ---- the model runner's interface (the rest: VisionLanguageModel) ------------------------
     def encode_images(self, pixel_values: torch.Tensor, grids: list[list[int]] | None = None) -> list[torch.Tensor]:
         """[B, tiles, 3, side, side] pixels (images of one tile count; [B, 3, side, side]: one tile
         each) -> each image's [tiles · rows_per_tile, hidden] features, every tile through the tower
@@ -137,16 +125,6 @@ class _InternVL(nn.Module):
         side = int(patches ** 0.5)
         shuffled = pixel_shuffle(states.reshape(n, side, side, c), self.shuffle, self.ps_v1)
         return self.multi_modal_projector(shuffled.reshape(n, -1, shuffled.shape[-1]))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model(input_ids, positions, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_rows)
-
-    def attention_layers(self) -> list:
-        return self.language_model.attention_layers()
 
     # ---- weight loading ---------------------------------------------------------------------
     def _own_names(self, part: str, rest: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -177,19 +155,7 @@ class _InternVL(nn.Module):
         """Load the checkpoint; raise if any parameter stays unloaded or a tensor fits none."""
         own: dict[str, tuple[str, torch.Tensor]] = {}
         self.language_model.load_weights(self._route(weights, own))
-        params = {name: p for name, p in self.named_parameters() if not name.startswith("language_model.")}
-        for name, (ckpt_name, tensor) in own.items():
-            param = params.pop(name, None)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {ckpt_name} matches no parameter of InternVL's tower or "
-                                 "projector")
-            tensor = materialize(tensor)
-            if param.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {ckpt_name} has shape {tuple(tensor.shape)}, expected "
-                                 f"{tuple(param.shape)}")
-            param.data.copy_(tensor)
-        if params:
-            raise ValueError(f"the checkpoint lacks {len(params)} vision tensors: {', '.join(sorted(params)[:5])}")
+        self.load_own(own)
 
 
 class InternVLForConditionalGeneration(_InternVL):

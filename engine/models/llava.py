@@ -16,7 +16,6 @@ Checkpoints load in transformers 5's layout (``model.vision_tower.*``,
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Iterable, Iterator
 
@@ -27,8 +26,7 @@ from ...protocol.errors import UnsupportedModelError
 from ...protocol.multimodal import llava_next_layout
 from ..layers.vision import ClipVisionModel, activation
 from ..model_config import ModelConfig
-from ..model_registry import model_class
-from ..weight_loader import materialize
+from .vision_language import VisionLanguageModel, build_language_model, refuse_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +58,7 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(VisionLanguageModel):
     """A CLIP tower's chosen hidden states (the CLS row dropped unless the strategy is ``full``),
     projected, in place of the image placeholders; the language model does the rest."""
 
@@ -72,14 +70,8 @@ class LlavaForConditionalGeneration(nn.Module):
         if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
             raise UnsupportedModelError(f"LLaVA with a {vision.get('model_type')!r} vision tower is not supported: "
                                         "conveyor runs LLaVA's CLIP towers (clip_vision_model)")
-        if config.quant is not None:
-            raise UnsupportedModelError("quantized LLaVA checkpoints (AWQ, W8A8) are not supported yet: serve the "
-                                        "16-bit checkpoint")
-        text_class = model_class(config.text_architecture)
-        if "inputs_embeds" not in inspect.signature(text_class.forward).parameters:
-            raise UnsupportedModelError(f"{config.text_architecture} cannot take image embeddings yet, so it cannot "
-                                        "be LLaVA's language model here")
-        self.language_model = text_class(config.language_model, rope_scaling_factor, max_position)
+        refuse_quantized(config)
+        self.language_model = build_language_model(config, rope_scaling_factor, max_position)
         layers = full.get("vision_feature_layer", -2)
         self.feature_layers = [layers] if isinstance(layers, int) else list(layers)
         self.keep_cls = full.get("vision_feature_select_strategy", "default") == "full"
@@ -90,11 +82,7 @@ class LlavaForConditionalGeneration(nn.Module):
         token = full.get("image_token_id", full.get("image_token_index"))
         self.image_token_id: int = int(token if token is not None else 32000)
 
-    # ---- the model runner's interface ------------------------------------------------------
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T] ids -> [T, hidden]: the language model's input embeddings."""
-        return self.language_model.model.embed_tokens(input_ids)
-
+    # ---- the model runner's interface (the rest: VisionLanguageModel) ------------------------
     def encode_images(self, pixel_values: torch.Tensor, grids: list[list[int]] | None = None) -> list[torch.Tensor]:
         """[B, 3, H, W] pixels -> each image's [rows, hidden] features (rows: patches, +1 with the
         CLS row kept), through the tower once for the batch."""
@@ -106,16 +94,6 @@ class LlavaForConditionalGeneration(nn.Module):
         if not self.keep_cls:
             states = [s[:, 1:] for s in states]
         return self.multi_modal_projector(torch.cat(states, dim=-1))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model(input_ids, positions, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_rows)
-
-    def attention_layers(self) -> list:
-        return self.language_model.attention_layers()
 
     # ---- weight loading ---------------------------------------------------------------------
     def _route(self, weights: Iterable[tuple[str, torch.Tensor]],
@@ -147,17 +125,7 @@ class LlavaForConditionalGeneration(nn.Module):
         """Load a LLaVA checkpoint; raise if any parameter stays unloaded or a tensor fits none."""
         own: dict[str, tuple[str, torch.Tensor]] = {}
         self.language_model.load_weights(self._route(weights, own))
-        params = {name: p for name, p in self.named_parameters() if not name.startswith("language_model.")}
-        for name, (ckpt_name, tensor) in own.items():
-            param = params.pop(name, None)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {ckpt_name} matches no parameter of LLaVA's tower or projector")
-            if param.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {ckpt_name} has shape {tuple(tensor.shape)}, expected "
-                                 f"{tuple(param.shape)}")
-            param.data.copy_(materialize(tensor))
-        if params:
-            raise ValueError(f"the checkpoint lacks {len(params)} vision tensors: {', '.join(sorted(params)[:5])}")
+        self.load_own(own)
 
 
 class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):

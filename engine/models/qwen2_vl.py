@@ -17,14 +17,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch import nn
 
 from ...protocol.errors import UnsupportedModelError
 from ..layers.qwen2_vision import Qwen2VisionTransformer
 from ..layers.rotary import RotaryEmbedding, get_rope
 from ..model_config import ModelConfig
-from ..weight_loader import materialize
 from .qwen2 import Qwen2ForCausalLM
+from .vision_language import VisionLanguageModel, refuse_quantized
 
 # Checkpoint prefixes -> the part they belong to and the name inside it; the first match wins.
 _PREFIXES = (
@@ -63,7 +62,7 @@ class MRopeQwen2ForCausalLM(Qwen2ForCausalLM):
             return super().forward(input_ids, rows, inputs_embeds)
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     """Qwen2-VL: each image's merged patch rows in place of its ``<|image_pad|>`` tokens."""
 
     windowed = False  # Qwen2.5-VL's tower attends within windows
@@ -72,9 +71,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         super().__init__()
         self.config = config
         full = config.vision or {}
-        if config.quant is not None:
-            raise UnsupportedModelError(f"quantized {config.architecture} checkpoints (AWQ, W8A8) are not supported "
-                                        "yet: serve the 16-bit checkpoint")
+        refuse_quantized(config)
         if config.text_architecture != "Qwen2ForCausalLM":
             raise UnsupportedModelError(f"{config.architecture} runs on Qwen2's language model, not "
                                         f"{config.text_architecture}")
@@ -83,25 +80,12 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         self.image_token_id: int = int(full.get("image_token_id", 151655))
         self.mrope_merge: int = self.visual.merge
 
-    # ---- the model runner's interface ------------------------------------------------------
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.model.embed_tokens(input_ids)
-
+    # ---- the model runner's interface (the rest: VisionLanguageModel) ------------------------
     def encode_images(self, pixel_values: torch.Tensor, grids: list[list[int]] | None = None) -> list[torch.Tensor]:
         """``[B, patches, C * T * P * P]`` (images of one size) and each one's patch grid
         ``[t, h, w]`` -> each image's ``[t * h * w / merge², hidden]`` rows, through the tower once."""
         rows = self.visual(pixel_values.flatten(0, 1), grids)
         return list(rows.split([self.visual.rows(g) for g in grids]))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model(input_ids, positions, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_rows)
-
-    def attention_layers(self) -> list:
-        return self.language_model.attention_layers()
 
     # ---- weight loading ---------------------------------------------------------------------
     def _route(self, weights: Iterable[tuple[str, torch.Tensor]],
@@ -123,22 +107,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         """Load a checkpoint; raise if any parameter stays unloaded or a tensor fits none."""
         own: dict[str, tuple[str, torch.Tensor]] = {}
         self.language_model.load_weights(self._route(weights, own))
-        params = dict(self.visual.named_parameters(prefix="visual"))
-        for name, (ckpt_name, tensor) in own.items():
-            param = params.pop(name, None)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {ckpt_name} matches no parameter of the vision tower")
-            fits = param.shape == tensor.shape or (
-                getattr(param, "zero_padded", False) and param.dim() == len(tensor.shape)
-                and all(t <= p for t, p in zip(tensor.shape, param.shape)))
-            if not fits:
-                raise ValueError(f"checkpoint tensor {ckpt_name} has shape {tuple(tensor.shape)}, expected "
-                                 f"{tuple(param.shape)}")
-            if param.shape != tensor.shape:  # a padded GEMM width: the checkpoint's slice, zeros after
-                param.data.zero_()
-            param.data[tuple(slice(0, t) for t in tensor.shape)].copy_(materialize(tensor))
-        if params:
-            raise ValueError(f"the checkpoint lacks {len(params)} vision tensors: {', '.join(sorted(params)[:5])}")
+        self.load_own(own)
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):

@@ -3,12 +3,12 @@
 For a vision-language model the stage finds the chat's ``image_url`` parts (in order), fetches and
 decodes each (``images.py``, with the server's limits), runs the family's image processor from
 transformers on them (its ``ImagePrompt``: ``image_prompt.py``, one module per family), lets the
-chat template write one placeholder per image (the family's
-``<image>`` text: a Jinja template that loops over content parts gets ``{"type": "image"}``
-parts, as transformers' processors pass them; any other template gets the placeholders ahead of
-the message's text, as LMDeploy and vLLM put them), and expands each placeholder token into as
-many tokens as the vision encoder gives that image. The engine writes the encoder's rows over
-those tokens' embeddings (``protocol/multimodal.py``).
+chat template write one placeholder per image (the family's ``<image>`` text: a Jinja template
+that loops over content parts gets ``{"type": "image"}`` parts, as transformers' processors pass
+them; any other template gets the placeholders ahead of the message's text, as LMDeploy and vLLM
+put them), and expands each placeholder token into as many tokens as the vision encoder gives
+that image. The engine writes the encoder's rows over those tokens' embeddings
+(``protocol/multimodal.py``).
 
 Preprocessing uses transformers' image processors, which import torch: the tokenizer stage of a
 vision-language model holds torch (about 250 MiB more); a text model's stage still does not.

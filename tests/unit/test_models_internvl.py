@@ -17,8 +17,8 @@ import pytest
 import torch
 from test_models import assert_close, load_ours
 from tiny_internvl import ROWS_PER_TILE, TILE, save_remote_internvl, save_tiny_internvl
+from tiny_vlm import attach_cache, engine_greedy, prefill_logits, write_renamed
 
-from conveyor.engine.attention_metadata import AttentionMetadata, set_attention_metadata
 from conveyor.engine.model_config import ModelConfig
 from conveyor.protocol.errors import UnsupportedModelError
 
@@ -71,29 +71,12 @@ def test_image_features_match(tiny, layout, images, tiles) -> None:
         assert_close(a, b)
 
 
-def _attach_cache(ours, blocks: int = 32, block_size: int = 4) -> None:
-    for attn in ours.attention_layers():
-        attn.k_cache = torch.zeros(blocks, block_size, attn.num_kv_heads, attn.head_dim)
-        attn.v_cache = torch.zeros(blocks, block_size, attn.num_kv_heads, attn.head_dim)
-
-
 def _prefill_logits(ours, ids: list[int], images: list[torch.Tensor]) -> torch.Tensor:
     """Our logits of one prompt, in one chunk, each image's rows over its placeholders (images of
     different tile counts encoded apart, as the runner batches them)."""
-    n = len(ids)
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), block_tables=torch.arange((n + 3) // 4)[None].int(),
-                             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
-                             seqlens_k=torch.tensor([n], dtype=torch.int32), max_seqlen_q=n, max_seqlen_k=n)
-    ids_t = torch.tensor(ids)
     with torch.no_grad():
-        embeds = ours.embed_input_ids(ids_t)
         rows = torch.cat([ours.encode_images(p[None], [[]])[0] for p in images])
-        embeds[ids_t == ours.image_token_id] = rows
-        set_attention_metadata(meta)
-        try:
-            return ours.compute_logits(ours(ids_t, torch.arange(n), inputs_embeds=embeds))
-        finally:
-            set_attention_metadata(None)
+    return prefill_logits(ours, ids, rows)
 
 
 @pytest.mark.parametrize("tile_counts", [[3], [2, 5]], ids=["one image of 3 tiles", "two images"])
@@ -109,7 +92,7 @@ def test_prefill_logits_match(tiny, tile_counts) -> None:
     with torch.no_grad():
         expected = hf(input_ids=torch.tensor([ids]), pixel_values=torch.cat(images)).logits[0].float()
     for ours in (ours_hf, ours_remote):
-        _attach_cache(ours, blocks=64)
+        attach_cache(ours)
         got = _prefill_logits(ours, ids, images)
         assert_close(got, expected)
     # the image rows matter: other pixels, other logits
@@ -120,22 +103,13 @@ def test_prefill_logits_match(tiny, tile_counts) -> None:
 def test_the_hub_layout_loads(tmp_path) -> None:
     """The -hf repositories' names (``model.vision_tower.*``, ``model.language_model.*``,
     ``lm_head.*``), which transformers 5 saves as 4.x's: the same model."""
-    from safetensors.torch import load_file, save_file
-
     hf_dir, hub = tmp_path / "hf", tmp_path / "hub"
     save_tiny_internvl(hf_dir, seed=8)
-    hub.mkdir()
-    renamed = {}
-    for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
-        for old, new in (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
-                         ("vision_tower.", "model.vision_tower."),
-                         ("multi_modal_projector.", "model.multi_modal_projector.")):
-            if name.startswith(old):
-                name = new + name[len(old):]
-                break
-        renamed[name] = tensor
+    renamed = write_renamed(hf_dir, hub, [("language_model.model.", "model.language_model."),
+                                          ("language_model.lm_head.", "lm_head."),
+                                          ("vision_tower.", "model.vision_tower."),
+                                          ("multi_modal_projector.", "model.multi_modal_projector.")])
     assert any(n.startswith("model.vision_tower.") for n in renamed)
-    save_file(renamed, str(hub / "model.safetensors"))
     (hub / "config.json").write_text((hf_dir / "config.json").read_text())
     a, b = load_ours(hf_dir), load_ours(hub)
     pixels = _pixels(1, 3, seed=9)
@@ -298,10 +272,8 @@ def test_strict_loading(tmp_path) -> None:
 def test_engine_greedy_tokens_match_transformers(tmp_path) -> None:
     """The remote layout (InternLM2 names) through LLMEngine at tp=1: two images of 3 and 1
     tiles, greedy tokens equal to transformers' generate on the -hf model."""
-    from tiny_llama import engine
 
     from conveyor.protocol.multimodal import ImageInput
-    from conveyor.protocol.sampling import SamplingParams
 
     hf_dir, path = tmp_path / "hf", tmp_path / "remote"
     hf = save_tiny_internvl(hf_dir, seed=6, text="llama")
@@ -311,14 +283,7 @@ def test_engine_greedy_tokens_match_transformers(tmp_path) -> None:
     ids = [1, 5, 125] + [token] * (3 * ROWS_PER_TILE) + [126, 9, 125] + [token] * ROWS_PER_TILE + [126, 17, 23]
     images = [ImageInput(3, 3 * ROWS_PER_TILE, "a", a.numpy().tobytes(), list(a.shape)),
               ImageInput(6 + 3 * ROWS_PER_TILE, ROWS_PER_TILE, "b", b.numpy().tobytes(), list(b.shape))]
-    eng = engine(path)
-    try:
-        eng.add_request(ids, SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True), images=images)
-        got = []
-        while eng.has_work:
-            got += [o.token for o in eng.step() if o.token is not None]
-    finally:
-        eng.close()
+    got = engine_greedy(path, ids, images, 5)
     with torch.no_grad():
         out = hf.generate(input_ids=torch.tensor([ids]), pixel_values=torch.cat([a, b]), max_new_tokens=5,
                           do_sample=False, min_new_tokens=5)

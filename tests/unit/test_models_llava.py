@@ -11,11 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from test_models import assert_close, load_ours
-from tiny_vlm import IMAGE_SIZE, save_tiny_llava
+from tiny_vlm import IMAGE_SIZE, attach_cache, engine_greedy, prefill_logits, save_tiny_llava, write_renamed
 
-from conveyor.engine.attention_metadata import AttentionMetadata, set_attention_metadata
 from conveyor.engine.model_config import ModelConfig
 from conveyor.protocol.errors import UnsupportedModelError
 
@@ -72,31 +70,14 @@ def test_image_features_match(tiny, count) -> None:
 
 def _prefill_logits(ours, ids: list[int], pixels: torch.Tensor, grids: list[list[int]] | None = None) -> torch.Tensor:
     """Our logits of one prompt, in one chunk, with each image's rows over its placeholders."""
-    n = len(ids)
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), block_tables=torch.arange((n + 3) // 4)[None].int(),
-                             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
-                             seqlens_k=torch.tensor([n], dtype=torch.int32), max_seqlen_q=n, max_seqlen_k=n)
-    ids_t = torch.tensor(ids)
     with torch.no_grad():
-        embeds = ours.embed_input_ids(ids_t)
         rows = torch.cat(ours.encode_images(pixels, grids))
-        embeds[ids_t == ours.image_token_id] = rows
-        set_attention_metadata(meta)
-        try:
-            return ours.compute_logits(ours(ids_t, torch.arange(n), inputs_embeds=embeds))
-        finally:
-            set_attention_metadata(None)
-
-
-def _attach_cache(ours, blocks: int = 32, block_size: int = 4) -> None:
-    for attn in ours.attention_layers():
-        attn.k_cache = torch.zeros(blocks, block_size, attn.num_kv_heads, attn.head_dim)
-        attn.v_cache = torch.zeros(blocks, block_size, attn.num_kv_heads, attn.head_dim)
+    return prefill_logits(ours, ids, rows)
 
 
 def test_prefill_logits_match(tiny) -> None:
     hf, ours, _ = tiny
-    _attach_cache(ours)
+    attach_cache(ours)
     rows = ours.encode_images(_pixels(1, 0))[0].shape[0]
     token = ours.image_token_id
     ids = [1, 5, 9] + [token] * rows + [17, 23] + [token] * rows + [30, 31, 40]
@@ -112,16 +93,10 @@ def test_prefill_logits_match(tiny) -> None:
 
 def test_transformers_5_layout_loads(tiny, tmp_path) -> None:
     hf, ours, path = tiny
-    renamed = {}
-    for name, tensor in load_file(str(path / "model.safetensors")).items():
-        for old, new in (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
-                         ("vision_tower.", "model.vision_tower.vision_model."),
-                         ("multi_modal_projector.", "model.multi_modal_projector.")):
-            if name.startswith(old):
-                name = new + name[len(old):]
-                break
-        renamed[name] = tensor
-    save_file(renamed, str(tmp_path / "model.safetensors"))
+    write_renamed(path, tmp_path, [("language_model.model.", "model.language_model."),
+                                   ("language_model.lm_head.", "lm_head."),
+                                   ("vision_tower.", "model.vision_tower.vision_model."),
+                                   ("multi_modal_projector.", "model.multi_modal_projector.")])
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     again = load_ours(tmp_path)
     pixels = _pixels(2, seed=11)
@@ -176,10 +151,8 @@ def test_refusals(tmp_path, change, words) -> None:
 def test_tp2_matches_tp1(engine_tiny) -> None:
     """The tower replicated on each rank (its pixels travel in the step's plan), the language
     model split: tp=2 gives tp=1's greedy tokens for a prompt with two images."""
-    from tiny_llama import engine
 
     from conveyor.protocol.multimodal import ImageInput
-    from conveyor.protocol.sampling import SamplingParams
 
     _, ours, path = engine_tiny
     rows = ours.encode_images(_pixels(1, 0))[0].shape[0]
@@ -189,18 +162,7 @@ def test_tp2_matches_tp1(engine_tiny) -> None:
     images = [ImageInput(2, rows, "a", pixels[0].tobytes(), list(pixels[0].shape)),
               ImageInput(3 + rows, rows, "b", pixels[1].tobytes(), list(pixels[1].shape))]
 
-    def greedy(tp: int) -> list[int]:
-        eng = engine(path, tp=tp)
-        try:
-            eng.add_request(ids, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True), images=images)
-            out = []
-            while eng.has_work:
-                out += [o.token for o in eng.step() if o.token is not None]
-            return out
-        finally:
-            eng.close()
-
-    assert greedy(2) == greedy(1)
+    assert engine_greedy(path, ids, images, 6, tp=2) == engine_greedy(path, ids, images, 6, tp=1)
 
 
 @pytest.mark.parametrize("quant_policy", [8, 4])
@@ -208,10 +170,8 @@ def test_a_quantized_kv_cache_serves_images(engine_tiny, quant_policy) -> None:
     """int8 / int4 KV with images in the prompt: the image rows' keys go through the quantized
     cache like any token's; the first greedy token matches the 16-bit cache's (the same argmax on
     these logits) and every block comes back."""
-    from tiny_llama import engine
 
     from conveyor.protocol.multimodal import ImageInput
-    from conveyor.protocol.sampling import SamplingParams
 
     _, ours, path = engine_tiny
     rows = ours.encode_images(_pixels(1, 0))[0].shape[0]
@@ -219,19 +179,8 @@ def test_a_quantized_kv_cache_serves_images(engine_tiny, quant_policy) -> None:
     pixels = _pixels(1, seed=31).numpy()[0]
     image = ImageInput(2, rows, "q", pixels.tobytes(), list(pixels.shape))
 
-    def greedy(policy: int) -> list[int]:
-        eng = engine(path, quant_policy=policy, enable_prefix_caching=True)
-        try:
-            eng.add_request(ids, SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True), images=[image])
-            out = []
-            while eng.has_work:
-                out += [o.token for o in eng.step() if o.token is not None]
-            assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
-            return out
-        finally:
-            eng.close()
-
-    dense, quantized = greedy(0), greedy(quant_policy)
+    dense, quantized = (engine_greedy(path, ids, [image], 4, check_blocks=True, quant_policy=policy,
+                                      enable_prefix_caching=True) for policy in (0, quant_policy))
     assert len(quantized) == 4 and quantized[0] == dense[0]
 
 
@@ -292,7 +241,7 @@ def test_next_features_match_and_count_as_the_tokenizer_says(tiny_next, height, 
 
 def test_next_prefill_logits_match(tiny_next) -> None:
     hf, ours, _ = tiny_next
-    _attach_cache(ours, blocks=64)
+    attach_cache(ours)
     pixels, sizes = _next_inputs(30, 70, seed=5)
     with torch.no_grad():
         rows = ours.encode_images(pixels, [sizes[0].tolist()])[0]

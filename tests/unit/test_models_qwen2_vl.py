@@ -12,11 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from test_models import assert_close, load_ours
-from tiny_vlm import save_tiny_qwen2_vl
+from tiny_vlm import attach_cache, engine_greedy, prefill_logits, save_tiny_qwen2_vl, write_renamed
 
-from conveyor.engine.attention_metadata import AttentionMetadata, set_attention_metadata
 from conveyor.engine.model_config import ModelConfig
 from conveyor.engine.multimodal import mrope_delta, mrope_positions
 from conveyor.protocol.errors import UnsupportedModelError
@@ -91,33 +89,17 @@ def test_positions_of_any_chunk_equal_transformers_rope_index(tiny, chunk) -> No
     assert len(ids) + mrope_delta(images, len(ids), 2) == expected.max() + 1 == len(ids) + int(deltas[0, 0])
 
 
-def _attach_cache(ours, blocks: int = 64, block_size: int = 4) -> None:
-    for attn in ours.attention_layers():
-        attn.k_cache = torch.zeros(blocks, block_size, attn.num_kv_heads, attn.head_dim)
-        attn.v_cache = torch.zeros(blocks, block_size, attn.num_kv_heads, attn.head_dim)
-
-
 def test_prefill_logits_match(tiny) -> None:
     hf, ours, _ = tiny
-    _attach_cache(ours)
+    attach_cache(ours)
     grids = [[1, 4, 6], [1, 2, 4]]
     ids, images = _layout(grids, [3, 2, 4], ours.image_token_id)
     patches = [_patches(g, seed=20 + i) for i, g in enumerate(grids)]
-    n = len(ids)
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), block_tables=torch.arange((n + 3) // 4)[None].int(),
-                             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
-                             seqlens_k=torch.tensor([n], dtype=torch.int32), max_seqlen_q=n, max_seqlen_k=n)
+    with torch.no_grad():
+        rows = torch.cat([ours.encode_images(p[None], [g])[0] for p, g in zip(patches, grids)])
+    got = prefill_logits(ours, ids, rows, torch.from_numpy(mrope_positions(images, 0, len(ids), 2)))
     ids_t = torch.tensor(ids)
     with torch.no_grad():
-        embeds = ours.embed_input_ids(ids_t)
-        embeds[ids_t == ours.image_token_id] = torch.cat(
-            [ours.encode_images(p[None], [g])[0] for p, g in zip(patches, grids)])
-        set_attention_metadata(meta)
-        try:
-            positions = torch.from_numpy(mrope_positions(images, 0, n, 2))
-            got = ours.compute_logits(ours(ids_t, positions, inputs_embeds=embeds))
-        finally:
-            set_attention_metadata(None)
         expected = hf(input_ids=ids_t[None], pixel_values=torch.cat(patches), image_grid_thw=torch.tensor(grids),
                       mm_token_type_ids=(ids_t[None] == ours.image_token_id).int()).logits[0].float()
     assert_close(got, expected)
@@ -126,14 +108,7 @@ def test_prefill_logits_match(tiny) -> None:
 def test_the_published_layout_loads(tiny, tmp_path) -> None:
     """Qwen's own files: ``visual.*``, the language model under ``model.*``, a flat config."""
     _, ours, path = tiny
-    renamed = {}
-    for name, tensor in load_file(str(path / "model.safetensors")).items():
-        for old, new in (("model.visual.", "visual."), ("model.language_model.", "model.")):
-            if name.startswith(old):
-                name = new + name[len(old):]
-                break
-        renamed[name] = tensor
-    save_file(renamed, str(tmp_path / "model.safetensors"))
+    write_renamed(path, tmp_path, [("model.visual.", "visual."), ("model.language_model.", "model.")])
     cfg = json.loads((path / "config.json").read_text())
     text = cfg.pop("text_config")
     rope = text.pop("rope_parameters")
@@ -178,9 +153,7 @@ def test_a_published_flat_config(tmp_path) -> None:
 def test_tp2_matches_tp1(tiny) -> None:
     """The tower on each rank, the [3, T] positions in the plan: tp=2 gives tp=1's greedy tokens
     for a prompt with two images (decoded after both: shifted positions)."""
-    from tiny_llama import engine
 
-    from conveyor.protocol.sampling import SamplingParams
 
     _, ours, path = tiny
     grids = [[1, 4, 6], [1, 2, 2]]
@@ -191,18 +164,7 @@ def test_tp2_matches_tp1(tiny) -> None:
         images.append(ImageInput(span.offset, span.length, f"p{i}", pixels.tobytes(), list(pixels.shape),
                                  grid=grid))
 
-    def greedy(tp: int) -> list[int]:
-        eng = engine(path, tp=tp)
-        try:
-            eng.add_request(ids, SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True), images=images)
-            out = []
-            while eng.has_work:
-                out += [o.token for o in eng.step() if o.token is not None]
-            return out
-        finally:
-            eng.close()
-
-    assert greedy(2) == greedy(1)
+    assert engine_greedy(path, ids, images, 5, tp=2) == engine_greedy(path, ids, images, 5, tp=1)
 
 
 @pytest.mark.parametrize("change, words", [

@@ -202,3 +202,72 @@ def qwen2_vl_reference(path: Path, messages: list, images: list) -> dict:
     image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     out.update(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == image_token).int())
     return out
+
+
+# ---- driving a vision-language model in tests ---------------------------------------------------
+
+def attach_cache(model: torch.nn.Module, blocks: int = 64, block_size: int = 4) -> None:
+    """A float32 paged KV cache on every attention layer (for ``prefill_logits``)."""
+    for attn in model.attention_layers():
+        attn.k_cache = torch.zeros(blocks, block_size, attn.num_kv_heads, attn.head_dim)
+        attn.v_cache = torch.zeros(blocks, block_size, attn.num_kv_heads, attn.head_dim)
+
+
+def prefill_logits(model: torch.nn.Module, ids: list[int], rows: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's logits of one prompt in one chunk (blocks of 4, ``attach_cache``), the encoder
+    ``rows`` (all images', in order) written over the image tokens' embeddings; ``positions``
+    the rotary positions (default: the indices)."""
+    from conveyor.engine.attention_metadata import AttentionMetadata, set_attention_metadata
+
+    n = len(ids)
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), block_tables=torch.arange((n + 3) // 4)[None].int(),
+                             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+                             seqlens_k=torch.tensor([n], dtype=torch.int32), max_seqlen_q=n, max_seqlen_k=n)
+    ids_t = torch.tensor(ids)
+    with torch.no_grad():
+        embeds = model.embed_input_ids(ids_t)
+        embeds[ids_t == model.image_token_id] = rows
+        set_attention_metadata(meta)
+        try:
+            return model.compute_logits(model(ids_t, torch.arange(n) if positions is None else positions,
+                                              inputs_embeds=embeds))
+        finally:
+            set_attention_metadata(None)
+
+
+def engine_greedy(path: Path, ids: list[int], images: list, n: int, check_blocks: bool = False,
+                  **engine_kw) -> list[int]:
+    """``n`` greedy tokens (eos ignored) of one prompt with ``images`` through a tiny CPU engine
+    (``tiny_llama.engine``); ``check_blocks``: every KV block back at the end."""
+    from tiny_llama import engine
+
+    from conveyor.protocol.sampling import SamplingParams
+
+    eng = engine(path, **engine_kw)
+    try:
+        eng.add_request(ids, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True), images=images)
+        out = []
+        while eng.has_work:
+            out += [o.token for o in eng.step() if o.token is not None]
+        if check_blocks:
+            assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+        return out
+    finally:
+        eng.close()
+
+
+def write_renamed(src: Path, dest: Path, renames: list[tuple[str, str]]) -> dict:
+    """``src``'s model.safetensors with each name's first matching prefix renamed, saved as
+    ``dest``/model.safetensors; returns the renamed tensors."""
+    from safetensors.torch import load_file, save_file
+
+    renamed = {}
+    for name, tensor in load_file(str(Path(src) / "model.safetensors")).items():
+        old = next((o for o, _ in renames if name.startswith(o)), None)
+        if old is not None:
+            name = dict(renames)[old] + name[len(old):]
+        renamed[name] = tensor
+    Path(dest).mkdir(parents=True, exist_ok=True)
+    save_file(renamed, str(Path(dest) / "model.safetensors"))
+    return renamed
