@@ -230,7 +230,7 @@ def _image_limits(args: argparse.Namespace):
 
     given = {"max_images": args.max_images_per_request, "max_pixels": args.max_image_pixels,
              "max_bytes": args.max_image_bytes, "fetch_timeout_s": args.image_fetch_timeout}
-    return ImageLimits(allow_remote=not args.disable_image_fetch,
+    return ImageLimits(allow_remote=not args.disable_image_fetch, allowed_hosts=tuple(args.allowed_media_domains),
                        **{name: value for name, value in given.items() if value is not None})
 
 
@@ -558,6 +558,9 @@ def _server_options(s: argparse.ArgumentParser) -> None:
                      help="refuse http(s) image URLs: images come as data: URLs only")
     img.add_argument("--image-fetch-timeout", type=float, default=None,
                      help="seconds one image download may take, in all (default: 10)")
+    img.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                     help="fetch image URLs (and redirects) only from these hosts and their subdomains, "
+                          "e.g. to keep requests off internal addresses (default: any host)")
     # No flag: users serve LLMEngine. Tests and benchmarks put a fake engine behind the real stages
     # with conveyor.testing.serve, which adds --engine-factory to this parser.
     s.set_defaults(engine_factory=None)

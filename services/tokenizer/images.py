@@ -59,6 +59,9 @@ class ImageLimits:
     not the DNS lookup, which the resolver's own timeout bounds).
     ``allow_local_files``: paths, ``file://`` URLs, bytes and PIL images as sources, for
     ``pipeline()`` only; a server keeps it off.
+    ``allowed_hosts``: when given, the only hosts an image URL (and every redirect) may name,
+    each with its subdomains (``example.com`` takes ``cdn.example.com``); empty: any host. This
+    is how a server keeps requests off its internal addresses (vLLM's ``--allowed-media-domains``).
     """
 
     max_images: int = 8
@@ -67,6 +70,7 @@ class ImageLimits:
     allow_remote: bool = True
     fetch_timeout_s: float = 10.0
     allow_local_files: bool = False
+    allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # EngineConfigError is a ValueError the CLI reports before any stage starts.
@@ -79,6 +83,18 @@ class ImageLimits:
         if not isinstance(self.fetch_timeout_s, int | float) or not self.fetch_timeout_s > 0:
             raise EngineConfigError(f"ImageLimits.fetch_timeout_s={self.fetch_timeout_s!r}: must be > 0 seconds "
                                     "(--image-fetch-timeout)")
+        hosts = tuple(h.strip().lower().strip(".[]") for h in self.allowed_hosts)
+        if not all(h and "/" not in h for h in hosts):
+            raise EngineConfigError(f"ImageLimits.allowed_hosts={self.allowed_hosts!r}: give host names or IP "
+                                    "addresses, without scheme or path (--allowed-media-domains)")
+        object.__setattr__(self, "allowed_hosts", hosts)
+
+    def host_allowed(self, url: str) -> bool:
+        """Whether ``url``'s host is one of ``allowed_hosts`` or under one (always, when none is set)."""
+        if not self.allowed_hosts:
+            return True
+        host = (urlsplit(url).hostname or "").lower().rstrip(".")
+        return any(host == h or host.endswith("." + h) for h in self.allowed_hosts)
 
 
 # The caller's own images (pipeline(), conveyor.vl.load_image): its files may be read, the count is
@@ -263,6 +279,7 @@ def _fetch(url: str, limits: ImageLimits) -> bytes:
     timed_out = InvalidRequestError(
         f"fetching the image {_show(url)} timed out after {timeout:g} s: send a data: URL, use a faster host, "
         "or raise the server's --image-fetch-timeout", param=_PARAM)
+    _check_host(url, limits)
     # No connection reuse: each hop's socket is the one the deadline closes.
     client = httpx.Client(follow_redirects=False, limits=httpx.Limits(max_keepalive_connections=0),
                           headers={"User-Agent": _USER_AGENT, "Accept": "image/*"})
@@ -278,6 +295,7 @@ def _fetch(url: str, limits: ImageLimits) -> bytes:
                             raise InvalidRequestError(
                                 f"the image URL {_show(url)} redirects to {_show(location)}: only http(s) "
                                 "redirects are followed; give the image's final http(s) URL", param=_PARAM)
+                        _check_host(target, limits)
                         url = target
                         continue
                     if response.status_code >= 400:
@@ -306,6 +324,14 @@ def _fetch(url: str, limits: ImageLimits) -> bytes:
                 raise timed_out from None
             raise InvalidRequestError(f"fetching the image {_show(url)} failed: {type(exc).__name__}: {exc}: "
                                       "try again, or send the image as a data: URL", param=_PARAM) from None
+
+
+def _check_host(url: str, limits: ImageLimits) -> None:
+    """A 400 when ``url`` names a host off ``limits.allowed_hosts``."""
+    if not limits.host_allowed(url):
+        raise InvalidRequestError(
+            f"the image URL {_show(url)} is on a host this server does not fetch from (allowed: "
+            f"{', '.join(limits.allowed_hosts)}): send the image as a data:image/...;base64 URL", param=_PARAM)
 
 
 def _read_body(response: Any, url: str, limits: ImageLimits, deadline: _Deadline,

@@ -265,3 +265,15 @@ def test_the_execution_flags_reach_the_engine_config() -> None:
     assert (cfg.eager_mode, cfg.kernels, cfg.tp_all_reduce, cfg.tp_hang_timeout) == (True, "ref", "one_shot", 5.0)
     with pytest.raises(SystemExit):
         _parse("chat", "m", "--kernels", "cuda")
+
+
+def test_the_image_flags_reach_the_tokenizer_stage_limits() -> None:
+    from conveyor.cli import _image_limits
+
+    args = _parse("serve", "api_server", "m", "--max-images-per-request", "3", "--max-image-bytes", "1000",
+                 "--image-fetch-timeout", "2.5", "--allowed-media-domains", "images.example.com", "cdn.example.org")
+    limits = _image_limits(args)
+    assert (limits.max_images, limits.max_bytes, limits.fetch_timeout_s) == (3, 1000, 2.5)
+    assert limits.allowed_hosts == ("images.example.com", "cdn.example.org") and limits.allow_remote
+    assert _image_limits(_parse("serve", "api_server", "m", "--disable-image-fetch")).allow_remote is False
+    assert _image_limits(_parse("serve", "api_server", "m")).allowed_hosts == ()

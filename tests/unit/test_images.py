@@ -276,6 +276,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(302, b"", {"Location": "/loop"})
         elif path == "/redirect":
             self._send(301, b"", {"Location": "/good.png"})
+        elif path == "/to-localhost":  # the same server under another host name
+            self._send(302, b"", {"Location": f"http://localhost:{self.server.server_address[1]}/good.png"})
         elif path == "/text":
             self._send(200, b"<html>not an image</html>", {"Content-Type": "text/html"})
         else:
@@ -346,6 +348,21 @@ def test_http_refusals(server):
     refused(f"{server}/loop", SERVER, f"more than {images.MAX_REDIRECTS} times")
     refused(f"{server}/text", SERVER, "not a file of a format")
     refused(f"{server}/good.png", ImageLimits(allow_remote=False), "--disable-image-fetch", "data:image")
+
+
+def test_allowed_hosts_bound_the_url_and_every_redirect(server):
+    allowed = ImageLimits(allowed_hosts=("127.0.0.1",))
+    assert resolve_image(f"{server}/good.png", allowed).size == (33, 17)
+    assert resolve_image(f"{server}/redirect", allowed).size == (33, 17)
+    refused(f"{server}/to-localhost", allowed, "http://localhost:", "does not fetch from", "127.0.0.1", "data:image")
+    refused(f"{server}/good.png", ImageLimits(allowed_hosts=("example.com",)), "does not fetch from")
+    # a subdomain of an allowed host is allowed, a look-alike is not
+    sub = ImageLimits(allowed_hosts=("Example.com.",))
+    assert sub.host_allowed("https://cdn.example.com/a.png") and sub.host_allowed("http://EXAMPLE.com:8080/a")
+    assert not sub.host_allowed("https://badexample.com/a.png") and not sub.host_allowed("https://example.com.evil.io/")
+    assert ImageLimits().host_allowed("http://10.0.0.1/a.png")
+    with pytest.raises(EngineConfigError, match="allowed-media-domains"):
+        ImageLimits(allowed_hosts=("https://example.com",))
 
 
 def test_http_byte_cap(server):
