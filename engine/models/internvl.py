@@ -117,6 +117,15 @@ class _InternVL(VisionLanguageModel):
         features = self.tile_features(pixel_values.flatten(0, 1))
         return list(features.reshape(b, tiles * features.shape[1], features.shape[2]))
 
+    def warmup_images(self, tokens: int) -> tuple[list[int], list[list[int]]]:
+        """Images of 13 tiles (the published max_dynamic_patch 12 and a thumbnail), fewer when
+        ``tokens`` holds less."""
+        side = self.vision_tower.embeddings.image_size
+        per_tile = (side // self.vision_tower.embeddings.patch_size // self.shuffle) ** 2
+        tiles = max(1, min(13, tokens // per_tile))
+        n = max(1, tokens // (tiles * per_tile))
+        return [n, tiles, 3, side, side], [[]] * n
+
     def tile_features(self, tiles: torch.Tensor) -> torch.Tensor:
         """[N, 3, side, side] tiles -> [N, rows_per_tile, hidden]: the chosen layer's patch states
         (CLS dropped), shuffled, projected."""

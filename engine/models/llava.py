@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ...protocol.errors import UnsupportedModelError
-from ...protocol.multimodal import llava_next_layout
+from ...protocol.multimodal import llava_next_layout, llava_next_rows
 from ..layers.vision import ClipVisionModel, activation
 from ..model_config import ModelConfig
 from .vision_language import VisionLanguageModel, build_language_model, refuse_quantized
@@ -76,6 +76,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         self.feature_layers = [layers] if isinstance(layers, int) else list(layers)
         self.keep_cls = full.get("vision_feature_select_strategy", "default") == "full"
         self.vision_tower = ClipVisionModel(vision, self.feature_layers)
+        self.tile, self.patch = int(vision["image_size"]), int(vision["patch_size"])
         self.multi_modal_projector = LlavaProjector(
             int(vision["hidden_size"]) * len(self.feature_layers), config.hidden_size,
             full.get("projector_hidden_act", "gelu"), bool(full.get("multimodal_projector_bias", True)))
@@ -87,6 +88,11 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         """[B, 3, H, W] pixels -> each image's [rows, hidden] features (rows: patches, +1 with the
         CLS row kept), through the tower once for the batch."""
         return list(self._features(pixel_values))
+
+    def warmup_images(self, tokens: int) -> tuple[list[int], list[list[int]]]:
+        rows = (self.tile // self.patch) ** 2 + (1 if self.keep_cls else 0)
+        n = max(1, tokens // rows)
+        return [n, 3, self.tile, self.tile], [[]] * n
 
     def _features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] pixels -> [B, rows, hidden]: the chosen layers' states, projected."""
@@ -142,9 +148,15 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
             raise UnsupportedModelError("LLaVA-NeXT with vision_feature_select_strategy 'full' is not supported: "
                                         "its tiles' grid holds patches only")
         self.pinpoints = [list(p) for p in full.get("image_grid_pinpoints") or ()]
-        vision = full.get("vision_config") or {}
-        self.tile, self.patch = int(vision["image_size"]), int(vision["patch_size"])
         self.image_newline = nn.Parameter(torch.empty(config.hidden_size))
+
+    def warmup_images(self, tokens: int) -> tuple[list[int], list[list[int]]]:
+        """Images of the largest canvas: the whole plus its tiles."""
+        height, width = max(self.pinpoints, key=lambda p: p[0] * p[1]) if self.pinpoints else (self.tile, self.tile)
+        tiles = 1 + (height // self.tile) * (width // self.tile)
+        rows = llava_next_rows(height, width, self.pinpoints, self.tile, self.patch, False) if self.pinpoints else 1
+        n = max(1, tokens // rows)
+        return [n, tiles, 3, self.tile, self.tile], [[height, width]] * n
 
     def encode_images(self, pixel_values: torch.Tensor, grids: list[list[int]] | None = None) -> list[torch.Tensor]:
         """[B, tiles, 3, side, side] pixels and each image's original [height, width] -> each

@@ -81,6 +81,13 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         self.mrope_merge: int = self.visual.merge
 
     # ---- the model runner's interface (the rest: VisionLanguageModel) ------------------------
+    def warmup_images(self, tokens: int) -> tuple[list[int], list[list[int]]]:
+        """448-pixel squares (32 x 32 patches, 256 tokens): the common size; a larger image's
+        patches cost the same per patch but for its full-attention blocks."""
+        cells = 32
+        n = max(1, tokens // self.visual.rows([1, cells, cells]))
+        return [n, cells * cells, self.visual.patch_embed.proj.weight[0].numel()], [[1, cells, cells]] * n
+
     def encode_images(self, pixel_values: torch.Tensor, grids: list[list[int]] | None = None) -> list[torch.Tensor]:
         """``[B, patches, C * T * P * P]`` (images of one size) and each one's patch grid
         ``[t, h, w]`` -> each image's ``[t * h * w / merge², hidden]`` rows, through the tower once."""

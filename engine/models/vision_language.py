@@ -42,6 +42,14 @@ class VisionLanguageModel(nn.Module):
 
     language_model: nn.Module
 
+    def warmup_images(self, tokens: int) -> tuple[list[int], list[list[int]]] | None:
+        """The pixel shape ``[B, ...]`` and grids of a batch of the family's largest images that
+        fill about ``tokens`` placeholder tokens (at least one image): what the runner encodes
+        once at start-up, so that the tower's activations count in the memory profile and its
+        first-call costs (kernel choice, compiles) are paid before the first request. None: no
+        warm-up for this family."""
+        return None
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] ids -> [T, hidden]: the language model's input embeddings."""
         return self.language_model.model.embed_tokens(input_ids)

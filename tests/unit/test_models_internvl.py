@@ -288,3 +288,15 @@ def test_engine_greedy_tokens_match_transformers(tmp_path) -> None:
         out = hf.generate(input_ids=torch.tensor([ids]), pixel_values=torch.cat([a, b]), max_new_tokens=5,
                           do_sample=False, min_new_tokens=5)
     assert got == out[0, len(ids):].tolist()
+
+
+def test_the_warm_up_batch_is_what_the_tower_takes(tiny) -> None:
+    """The runner encodes ``warmup_images`` once at start-up (GPU): images of up to 13 tiles."""
+    _, ours, _ = tiny
+    for tokens in (1, 13 * ROWS_PER_TILE * 2 + 5):
+        shape, grids = ours.warmup_images(tokens)
+        with torch.no_grad():
+            rows = ours.encode_images(torch.zeros(shape), grids)
+        assert len(rows) == shape[0] >= 1 and shape[1] <= 13
+        assert all(r.shape[0] == shape[1] * ROWS_PER_TILE for r in rows)
+    assert shape[:2] == [2, 13]

@@ -301,3 +301,14 @@ def test_preempted_requests_with_images_recompute_the_same_tokens(engine_tiny) -
     together, preempted = run(12, requests)
     assert preempted > 0
     assert together == alone
+
+
+def test_the_warm_up_batches_are_what_the_towers_take(engine_tiny, tiny_next) -> None:
+    """The runner encodes ``warmup_images`` once at start-up (GPU): LLaVA's squares, NeXT's
+    largest canvas."""
+    for ours, tokens in ((engine_tiny[1], 10), (tiny_next[1], 1)):
+        shape, grids = ours.warmup_images(tokens)
+        with torch.no_grad():
+            rows = ours.encode_images(torch.zeros(shape), grids)
+        assert len(rows) == shape[0] >= 1
+        assert shape[0] == 1 or sum(r.shape[0] for r in rows) <= tokens

@@ -235,3 +235,13 @@ def test_a_chunked_session_equals_transformers_on_the_whole_conversation(tiny, d
                                pixel_values=torch.cat(patches), image_grid_thw=torch.tensor(grids),
                                mm_token_type_ids=(whole == token).int(), max_new_tokens=4, do_sample=False)
     assert outputs[1] == expected[0, whole.shape[1]:].tolist()
+
+
+def test_the_warm_up_batch_is_what_the_tower_takes(tiny) -> None:
+    """The runner encodes ``warmup_images`` once at start-up (GPU): a batch of 448-pixel squares."""
+    _, ours, _ = tiny
+    shape, grids = ours.warmup_images(600)
+    assert shape[0] == len(grids) == 600 // 256 and grids[0] == [1, 32, 32]
+    with torch.no_grad():
+        rows = ours.encode_images(torch.zeros(shape), grids)
+    assert [r.shape[0] for r in rows] == [256] * shape[0]
