@@ -52,6 +52,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
     "InternVLForConditionalGeneration": ("internvl", "InternVLForConditionalGeneration"),
     "InternVLChatModel": ("internvl", "InternVLChatModel"),
+    # the original LLaVA repository's layout (liuhaotian/llava-v1.5 / v1.6, Yi-VL): no text_config
+    "LlavaLlamaForCausalLM": ("llava_original", "LlavaLlamaForCausalLM"),
+    "LlavaMistralForCausalLM": ("llava_original", "LlavaMistralForCausalLM"),
 }
 
 # The vision-language architectures, and the text architecture each text_config model_type runs on.
@@ -59,6 +62,7 @@ VISION_LANGUAGE = frozenset({
     "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
     "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
     "InternVLForConditionalGeneration", "InternVLChatModel",
+    "LlavaLlamaForCausalLM", "LlavaMistralForCausalLM",
 })
 TEXT_ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",

@@ -27,6 +27,7 @@ from .image_prompt import IMAGE_PART_TYPES, ImagePrompt
 from .images import ImageLimits, check_image_count, resolve_image
 from .internvl_images import InternVLImages
 from .llava_images import LlavaImages, LlavaNextImages
+from .llava_original_images import OriginalLlavaImages
 from .qwen2_vl_images import Qwen2VLImages
 
 
@@ -64,7 +65,8 @@ def has_image_parts(messages: Any) -> bool:
 
 # Each vision-language family's ImagePrompt (its own module), by config.json's architectures.
 VISION_FAMILIES: dict[str, type[ImagePrompt]] = {
-    arch: cls for cls in (LlavaImages, LlavaNextImages, Qwen2VLImages, InternVLImages) for arch in cls.architectures}
+    arch: cls for cls in (LlavaImages, LlavaNextImages, Qwen2VLImages, InternVLImages, OriginalLlavaImages)
+    for arch in cls.architectures}
 
 
 def image_prompt_for(model_path: Path, tokenizer: Any) -> ImagePrompt | None:
