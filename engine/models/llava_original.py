@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Iterator
+from itertools import chain
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -233,10 +234,20 @@ class _OriginalLayout:
         for name, tensor in weights:
             seen = seen or name.startswith(_TOWER)
             yield name, tensor
-        if not seen:
-            for name, tensor in iter_checkpoint(tower_directory(self.original), lazy=True):
-                if name.startswith("vision_model."):
-                    yield _TOWER + name, tensor
+        if seen:
+            return
+        directory = tower_directory(self.original)
+        tensors = iter_checkpoint(directory, lazy=True)
+        try:
+            first = next(tensors, None)
+        except UnsupportedModelError as exc:
+            raise UnsupportedModelError(
+                f"the checkpoint has no CLIP tower ({_TOWER}*) and mm_vision_tower's directory {directory} has no "
+                "weights: put the tower's weights there (for a hub download, fetch the folder's files too, e.g. "
+                "huggingface-cli download <repo> --include 'vit/*')") from exc
+        for name, tensor in chain([first] if first is not None else [], tensors):
+            if name.startswith("vision_model."):
+                yield _TOWER + name, tensor
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._with_tower(weights))

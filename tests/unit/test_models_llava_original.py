@@ -31,12 +31,21 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 HF_IMAGE = 127  # the transformers models' image token (vocabulary 128); ours fill spans with 0
 
 
-@pytest.fixture(scope="module", params=["1.5", "1.6", "yi"])
-def tiny(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp("original") / request.param.replace(".", "_")
-    out = save_original_llava(path, request.param, seed=5)
-    hf, projector = out if request.param == "yi" else (out, None)
-    return request.param, hf, projector, load_ours(path), path
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict:
+    """kind -> (kind, transformers model, Yi-VL's projector tensors or None, ours, path)."""
+    out = {}
+    for kind in ("1.5", "1.6", "yi"):
+        path = tmp_path_factory.mktemp("original") / kind.replace(".", "_")
+        saved = save_original_llava(path, kind, seed=5)
+        hf, projector = saved if kind == "yi" else (saved, None)
+        out[kind] = (kind, hf, projector, load_ours(path), path)
+    return out
+
+
+@pytest.fixture(params=["1.5", "1.6", "yi"])
+def tiny(request, built):
+    return built[request.param]
 
 
 def _pixels(n: int, seed: int) -> torch.Tensor:
@@ -355,3 +364,42 @@ def test_refusals(tmp_path, change, words) -> None:
         change = {"mm_vision_tower": "./siglip"}
     with pytest.raises(UnsupportedModelError, match=words):
         _build(_write(tmp_path, "llava-v1.5-7b", **change))
+
+
+def test_a_hub_tower_is_known_at_build_and_fetched_at_load(built, tmp_path, monkeypatch) -> None:
+    """``mm_vision_tower`` as a hub id (1.5 repos name openai/clip-vit-large-patch14-336): the
+    tower's shape from ``KNOWN_TOWERS`` with nothing fetched, its weights from
+    ``resolve_model_path`` of the id when the model is loaded."""
+    from conveyor.engine import weight_loader
+    from conveyor.engine.models import llava_original
+
+    _, _, _, ours, path = built["1.5"]  # the layout with the tower outside the checkpoint
+    config = json.loads((path / "config.json").read_text())
+    local = Path(config["mm_vision_tower"])
+    monkeypatch.setitem(llava_original.KNOWN_TOWERS, "org/tiny-clip",
+                        json.loads((local / "config.json").read_text()))
+    fetched = []
+    monkeypatch.setattr(weight_loader, "resolve_model_path", lambda name, *a, **k: fetched.append(name) or local)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "mm_vision_tower": "org/tiny-clip"}))
+    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
+    _build(tmp_path)  # on meta: nothing fetched
+    assert fetched == []
+    again = load_ours(tmp_path)
+    assert fetched == ["org/tiny-clip"]
+    pixels = _pixels(2, seed=4)
+    with torch.no_grad():
+        assert torch.equal(torch.cat(again.encode_images(pixels)), torch.cat(ours.encode_images(pixels)))
+
+
+def test_no_tower_anywhere_is_named(built, tmp_path) -> None:
+    """1.6's checkpoint without its tower, whose folder holds only its config: refused, named."""
+    from safetensors.torch import load_file, save_file
+
+    path = built["1.6"][-1]
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    (tmp_path / "clip").mkdir()
+    (tmp_path / "clip" / "config.json").write_text((path / "clip" / "config.json").read_text())
+    weights = load_file(str(path / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if "vision_tower" not in k}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match="no CLIP tower"):
+        load_ours(tmp_path)
