@@ -13,6 +13,7 @@ import base64
 import io
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -110,14 +111,14 @@ def test_image_features_match(tiny) -> None:
         assert_close(a, b)
 
 
-def _hf_logits(kind, hf, projector, ids: list[int], pixels, sizes) -> torch.Tensor:
-    """transformers' logits of ``ids`` (placeholders as ``HF_IMAGE``); for Yi-VL its language
+def _hf_logits(kind, hf, projector, ids: list[int], pixels, sizes, image_token: int = HF_IMAGE) -> torch.Tensor:
+    """transformers' logits of ``ids`` (placeholders as ``image_token``); for Yi-VL its language
     model on embeddings with ``_yi_features`` written over the placeholders."""
     ids_t = torch.tensor([ids])
     with torch.no_grad():
         if kind == "yi":
             embeds = hf.get_input_embeddings()(ids_t)
-            embeds[ids_t == HF_IMAGE] = _yi_features(hf, projector, pixels).flatten(0, 1)
+            embeds[ids_t == image_token] = _yi_features(hf, projector, pixels).flatten(0, 1)
             hidden = hf.model.language_model(inputs_embeds=embeds).last_hidden_state
             return hf.lm_head(hidden)[0].float()
         kwargs = {"image_sizes": sizes} if kind == "1.6" else {}
@@ -194,12 +195,14 @@ def _prepare(path: Path, png: bytes, text: str = "What is in the picture?"):
 
 @pytest.fixture(scope="module")
 def tokenized_dirs(smollm2_dir, tmp_path_factory):
-    """1.5 and 1.6 checkpoints on the default model's tokenizer (no image token in it)."""
+    """1.5, 1.6 and Yi-VL checkpoints on the default model's tokenizer (no image token in it);
+    ``.root`` holds them, ``.models``: kind -> (transformers model, Yi-VL's projector or None)."""
     root = tmp_path_factory.mktemp("original_tok")
-    save_original_llava(root / "v15", "1.5", seed=1, tokenizer_dir=smollm2_dir)
-    save_original_llava(root / "v16", "1.6", seed=1, tokenizer_dir=smollm2_dir)
-    save_original_llava(root / "yi", "yi", seed=1, tokenizer_dir=smollm2_dir)
-    return root
+    models = {}
+    for kind, name in (("1.5", "v15"), ("1.6", "v16"), ("yi", "yi")):
+        saved = save_original_llava(root / name, kind, seed=1, tokenizer_dir=smollm2_dir)
+        models[kind] = saved if kind == "yi" else (saved, None)
+    return SimpleNamespace(root=root, models=models)
 
 
 @pytest.mark.parametrize("width, height", [(40, 30), (30, 52), (28, 28)])
@@ -207,7 +210,7 @@ def test_pad_images_match_pil_expand_and_clip(tokenized_dirs, width, height) -> 
     from PIL import Image
     from transformers import AutoTokenizer, CLIPImageProcessor
 
-    path = tokenized_dirs / "v15"
+    path = tokenized_dirs.root / "v15"
     png = _png(width, height, seed=width)
     pre, messages, tokenized = _prepare(path, png)
     # the reference: the image centred on a square of the mean colour, then CLIP's processor
@@ -232,7 +235,7 @@ def test_pad_images_match_pil_expand_and_clip(tokenized_dirs, width, height) -> 
 
 
 def test_yi_vl_writes_its_placeholder(tokenized_dirs) -> None:
-    pre, messages, tokenized = _prepare(tokenized_dirs / "yi", _png(40, 30, seed=3))
+    pre, messages, tokenized = _prepare(tokenized_dirs.root / "yi", _png(40, 30, seed=3))
     assert pre.image_prompt.placeholder == "<image_placeholder>"
     assert "<image_placeholder>\n" in pre.render(messages)
     (im,) = tokenized.images
@@ -242,7 +245,7 @@ def test_yi_vl_writes_its_placeholder(tokenized_dirs) -> None:
 @pytest.mark.parametrize("width, height", [(30, 70), (70, 30), (50, 50)])
 def test_anyres_rows_are_the_models(tokenized_dirs, width, height) -> None:
     """1.6: the tokenizer stage's tiles and span length are what the model's features take."""
-    path = tokenized_dirs / "v16"
+    path = tokenized_dirs.root / "v16"
     _, _, tokenized = _prepare(path, _png(width, height, seed=height))
     (im,) = tokenized.images
     model = _tokenized_model(path)
@@ -403,3 +406,46 @@ def test_no_tower_anywhere_is_named(built, tmp_path) -> None:
     save_file({k: v for k, v in weights.items() if "vision_tower" not in k}, str(tmp_path / "model.safetensors"))
     with pytest.raises(UnsupportedModelError, match="no CLIP tower"):
         load_ours(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["1.5", "yi"])
+def test_an_lmdeploy_script_runs_on_the_original_layout(tokenized_dirs, kind) -> None:
+    """LMDeploy's ``pipeline(path, chat_template_config=ChatTemplateConfig('vicuna'))`` with a
+    (prompt, image) tuple: transformers' greedy tokens on the same weights, the prompt the template
+    writes with the placeholder's rows and the ``pad`` image (the reference built here by hand)."""
+    from PIL import Image
+    from transformers import AutoTokenizer, CLIPImageProcessor
+
+    from conveyor import ChatTemplateConfig, pipeline
+    from conveyor.engine.config import EngineConfig
+    from conveyor.messages import GenerationConfig
+
+    path = tokenized_dirs.root / ("v15" if kind == "1.5" else "yi")
+    hf, projector = tokenized_dirs.models[kind]
+    rng = np.random.default_rng(12)
+    image = Image.fromarray(rng.integers(0, 256, (30, 50, 3), dtype=np.uint8))
+    pipe = pipeline(str(path), chat_template_config=ChatTemplateConfig("vicuna"),
+                    backend_config=EngineConfig(device="cpu", dtype="float32", cache_max_entry_count=64,
+                                                block_size=4, max_batch_size=4, max_prefill_token_num=64))
+    try:
+        got = pipe(("Describe the picture.", image),
+                   GenerationConfig(max_new_tokens=5, temperature=0.0, ignore_eos=True)).token_ids
+    finally:
+        pipe.close()
+    placeholder = "<image_placeholder>" if kind == "yi" else "<image>"
+    text = ChatTemplateConfig("vicuna").to_template().messages2prompt(
+        [{"role": "user", "content": f"{placeholder}\nDescribe the picture."}])
+    before, after = text.split(placeholder)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    hf_token = hf.config.image_token_id
+    ids = tokenizer.encode(before) + [hf_token] * 4 + tokenizer.encode(after, add_special_tokens=False)
+    tower = path / json.loads((path / "config.json").read_text())["mm_vision_tower"]
+    clip = CLIPImageProcessor.from_pretrained(tower)
+    square = Image.new("RGB", (50, 50), tuple(int(c * 255) for c in clip.image_mean))
+    square.paste(image, (0, 10))
+    pixels = clip(images=[square], return_tensors="pt")["pixel_values"]
+    expected = []
+    for _ in range(5):
+        expected.append(int(_hf_logits(kind, hf, projector, ids, pixels, None, hf_token)[-1].argmax()))
+        ids.append(expected[-1])
+    assert got == expected
