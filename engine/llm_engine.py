@@ -192,8 +192,9 @@ class LLMEngine:
         if first_turn_ids is not None and (seq is None or not seq.token_ids):
             images = shifted(images, len(first_turn_ids) - len(token_ids))
             token_ids = first_turn_ids
-        check_images(images, len(token_ids), getattr(self.runner.model, "image_token_id", None), token_ids,
-                     self.scheduler.max_num_tokens)
+        model = self.runner.model
+        check_images(images, len(token_ids), getattr(model, "image_token_id", None), token_ids,
+                     self.scheduler.max_num_tokens, getattr(model, "image_rows_for", None))
         if not token_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
         total = len(token_ids) + (seq.num_tokens if seq is not None else 0)

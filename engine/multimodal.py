@@ -11,6 +11,7 @@ step's map from input rows to encoder rows.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -20,11 +21,13 @@ from ..protocol.multimodal import PIXEL_DTYPES, ImageInput
 
 
 def check_images(images: Seq[ImageInput], num_tokens: int, image_token_id: int | None, token_ids: list[int],
-                 max_span: int) -> None:
+                 max_span: int, rows_for: Callable[[list[int], list[int]], int | None] | None = None) -> None:
     """InvalidRequestError unless each image's span lies within the ``num_tokens`` prompt tokens,
     holds only the model's image token, overlaps no other, takes at most ``max_span`` tokens (one
-    step's budget: a span is computed in one step), and its pixels are the bytes their shape and
-    dtype say. A peer stage may send any value the wire types allow."""
+    step's budget: a span is computed in one step), its pixels are the bytes their shape and dtype
+    say, and (with ``rows_for``, the model's ``image_rows_for``) its shape and grid are an image
+    the tower takes, giving as many rows as the span has tokens. A peer stage may send any value
+    the wire types allow; what passes here cannot fail inside a step."""
     if not images:
         return
     if image_token_id is None:
@@ -44,6 +47,15 @@ def check_images(images: Seq[ImageInput], num_tokens: int, image_token_id: int |
                 or len(image.pixels) != math.prod(image.shape) * np.dtype(image.dtype).itemsize:
             raise InvalidRequestError(f"an image's pixels ({len(image.pixels)} bytes) are not a {image.dtype} array "
                                       f"of shape {image.shape}", param="messages")
+        if rows_for is not None:
+            try:
+                rows = rows_for(list(image.shape), list(image.grid))
+            except ValueError as exc:
+                raise InvalidRequestError(f"an image of shape {image.shape} and grid {image.grid} does not fit this "
+                                          f"model's vision tower: {exc}", param="messages") from None
+            if rows is not None and rows != image.length:
+                raise InvalidRequestError(f"an image of shape {image.shape} and grid {image.grid} gives {rows} "
+                                          f"encoder rows but its span is {image.length} tokens", param="messages")
         end = image.offset + image.length
 
 

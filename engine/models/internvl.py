@@ -117,6 +117,14 @@ class _InternVL(VisionLanguageModel):
         features = self.tile_features(pixel_values.flatten(0, 1))
         return list(features.reshape(b, tiles * features.shape[1], features.shape[2]))
 
+    def image_rows_for(self, shape: list[int], grid: list[int]) -> int:
+        side = self.vision_tower.embeddings.image_size
+        if len(shape) == 3:  # one tile, [3, side, side]
+            shape = [1, *shape]
+        if len(shape) != 4 or shape[0] < 1 or shape[1:] != [3, side, side]:
+            raise ValueError(f"InternVL takes [tiles, 3, {side}, {side}] pixels")
+        return shape[0] * (side // self.vision_tower.embeddings.patch_size // self.shuffle) ** 2
+
     def warmup_images(self, tokens: int) -> tuple[list[int], list[list[int]]]:
         """Images of 13 tiles (the published max_dynamic_patch 12 and a thumbnail), fewer when
         ``tokens`` holds less."""

@@ -89,6 +89,11 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         CLS row kept), through the tower once for the batch."""
         return list(self._features(pixel_values))
 
+    def image_rows_for(self, shape: list[int], grid: list[int]) -> int:
+        if shape != [3, self.tile, self.tile]:
+            raise ValueError(f"LLaVA's tower takes [3, {self.tile}, {self.tile}] pixels")
+        return (self.tile // self.patch) ** 2 + (1 if self.keep_cls else 0)
+
     def warmup_images(self, tokens: int) -> tuple[list[int], list[list[int]]]:
         rows = (self.tile // self.patch) ** 2 + (1 if self.keep_cls else 0)
         n = max(1, tokens // rows)
@@ -149,6 +154,16 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
                                         "its tiles' grid holds patches only")
         self.pinpoints = [list(p) for p in full.get("image_grid_pinpoints") or ()]
         self.image_newline = nn.Parameter(torch.empty(config.hidden_size))
+
+    def image_rows_for(self, shape: list[int], grid: list[int]) -> int:
+        if len(grid) != 2 or min(grid) < 1 or len(shape) != 4 or shape[1:] != [3, self.tile, self.tile]:
+            raise ValueError(f"LLaVA-NeXT takes [tiles, 3, {self.tile}, {self.tile}] pixels and the original "
+                             "[height, width] as the grid")
+        height, width = grid
+        down, across, _, _ = llava_next_layout(height, width, self.pinpoints, self.tile, self.patch)
+        if shape[0] != 1 + down * across:
+            raise ValueError(f"an image of {height}x{width} is {1 + down * across} tiles (the whole and its canvas)")
+        return llava_next_rows(height, width, self.pinpoints, self.tile, self.patch, False)
 
     def warmup_images(self, tokens: int) -> tuple[list[int], list[list[int]]]:
         """Images of the largest canvas: the whole plus its tiles."""

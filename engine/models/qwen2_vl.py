@@ -81,6 +81,14 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         self.mrope_merge: int = self.visual.merge
 
     # ---- the model runner's interface (the rest: VisionLanguageModel) ------------------------
+    def image_rows_for(self, shape: list[int], grid: list[int]) -> int:
+        m, width = self.visual.merge, self.visual.patch_embed.proj.weight[0].numel()
+        if len(grid) != 3 or min(grid) < 1 or grid[1] % m or grid[2] % m or grid[0] * grid[1] * grid[2] != shape[0] \
+                or shape[1:] != [width]:
+            raise ValueError(f"Qwen2-VL takes [t * h * w, {width}] patch rows with the patch grid [t, h, w], "
+                             f"h and w multiples of {m}")
+        return self.visual.rows(grid)
+
     def warmup_images(self, tokens: int) -> tuple[list[int], list[list[int]]]:
         """448-pixel squares (32 x 32 patches, 256 tokens): the common size; a larger image's
         patches cost the same per patch but for its full-attention blocks."""

@@ -42,6 +42,12 @@ class VisionLanguageModel(nn.Module):
 
     language_model: nn.Module
 
+    def image_rows_for(self, shape: list[int], grid: list[int]) -> int | None:
+        """The encoder rows an image of pixel ``shape`` (one image's, no batch dimension) and
+        ``grid`` gives; ValueError naming what does not fit the tower. The engine checks each
+        request's images with it before they reach a step. None: the family does not say."""
+        return None
+
     def warmup_images(self, tokens: int) -> tuple[list[int], list[list[int]]] | None:
         """The pixel shape ``[B, ...]`` and grids of a batch of the family's largest images that
         fill about ``tokens`` placeholder tokens (at least one image): what the runner encodes

@@ -111,3 +111,22 @@ def test_the_scheduler_keeps_each_span_in_one_chunk() -> None:
     for end in ends:
         assert not any(o < end < o + n for o, n in ((6, 8), (20, 6))), (sizes, ends)
     assert ends[-1] == 30
+
+
+def test_an_image_the_tower_cannot_take_is_refused_before_any_step() -> None:
+    """A peer stage's image whose shape or grid does not fit the model's tower, or gives another
+    row count than its span, is a 400 at admission (the model's ``image_rows_for``)."""
+    def rows_for(shape: list[int], grid: list[int]) -> int:
+        if shape != [4]:
+            raise ValueError("takes [4] pixels")
+        return grid[0]
+
+    ids = [1, 2] + [IMG] * 5 + [3]
+    good = ImageInput(2, 5, "a", np.zeros(4, dtype=np.float32).tobytes(), [4], grid=[5])
+    check_images([good], len(ids), IMG, ids, max_span=8, rows_for=rows_for)
+    wrong_shape = ImageInput(2, 5, "a", np.zeros(2, dtype=np.float32).tobytes(), [2], grid=[5])
+    with pytest.raises(InvalidRequestError, match=r"does not fit this model's vision tower: takes \[4\] pixels"):
+        check_images([wrong_shape], len(ids), IMG, ids, max_span=8, rows_for=rows_for)
+    wrong_rows = ImageInput(2, 5, "a", np.zeros(4, dtype=np.float32).tobytes(), [4], grid=[3])
+    with pytest.raises(InvalidRequestError, match="gives 3 encoder rows but its span is 5 tokens"):
+        check_images([wrong_rows], len(ids), IMG, ids, max_span=8, rows_for=rows_for)

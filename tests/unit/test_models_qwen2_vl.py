@@ -245,3 +245,28 @@ def test_the_warm_up_batch_is_what_the_tower_takes(tiny) -> None:
     with torch.no_grad():
         rows = ours.encode_images(torch.zeros(shape), grids)
     assert [r.shape[0] for r in rows] == [256] * shape[0]
+
+
+@pytest.mark.parametrize("shape, grid, words", [
+    ([24, PATCH_VALUES], [1, 4, 5], "multiples of 2"),        # an odd grid the merger cannot take
+    ([24, PATCH_VALUES], [1, 4, 4], "does not fit"),          # a grid that is not the patches'
+    ([24, 100], [1, 4, 6], "patch rows"),                     # rows of another patch size
+    ([32, PATCH_VALUES], [1, 4, 8], "gives 8 encoder rows"),  # the span shorter than the image
+])
+def test_an_image_the_tower_cannot_take_is_a_400_at_admission(tiny, shape, grid, words) -> None:
+    from tiny_llama import engine
+
+    from conveyor.protocol import InvalidRequestError
+    from conveyor.protocol.sampling import SamplingParams
+
+    _, ours, path = tiny
+    ids = [1, 2] + [ours.image_token_id] * 6 + [3]
+    pixels = np.zeros(shape, dtype=np.float32)
+    eng = engine(path)
+    try:
+        with pytest.raises(InvalidRequestError, match=words):
+            eng.add_request(ids, SamplingParams(max_new_tokens=2), images=[
+                ImageInput(2, 6, "x", pixels.tobytes(), shape, grid=grid)])
+        assert not eng.has_work and eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.close()
