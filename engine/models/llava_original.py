@@ -38,8 +38,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Iterator
-from itertools import chain
 from dataclasses import replace
+from itertools import chain
 from pathlib import Path
 from typing import Any
 

@@ -449,3 +449,29 @@ def test_an_lmdeploy_script_runs_on_the_original_layout(tokenized_dirs, kind) ->
         expected.append(int(_hf_logits(kind, hf, projector, ids, pixels, None, hf_token)[-1].argmax()))
         ids.append(expected[-1])
     assert got == expected
+
+
+def _original_canvas(width: int, height: int, pinpoints: list) -> tuple[int, int]:
+    """The original repository's choice of canvas, its pairs read as (width, height) in list
+    order: the most of the image's pixels kept, then the least area wasted; returns (w, h)."""
+    best, kept_best, waste_best = None, 0, float("inf")
+    for w, h in pinpoints:
+        scale = min(w / width, h / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        if kept > kept_best or (kept == kept_best and w * h - kept < waste_best):
+            best, kept_best, waste_best = (w, h), kept, w * h - kept
+    return best
+
+
+@pytest.mark.parametrize("width, height", [(100, 100), (336, 336), (500, 300), (300, 500), (1000, 200), (20, 900)])
+def test_the_canvas_is_the_originals_ties_included(width, height) -> None:
+    """A small square keeps all its pixels on both 2-tile canvases (a tie): the original takes the
+    first pair as [width, height] (a tall canvas), transformers' reading of the same list a wide one."""
+    from conveyor.engine.models.llava_original import hf_pinpoints
+    from conveyor.protocol.multimodal import best_resolution
+
+    pinpoints = PUBLISHED["llava-v1.6-vicuna-7b"]["image_grid_pinpoints"]
+    w, h = _original_canvas(width, height, pinpoints)
+    assert best_resolution(height, width, hf_pinpoints({"image_grid_pinpoints": pinpoints})) == (h, w)
+    if (width, height) == (100, 100):
+        assert (w, h) == (336, 672) and best_resolution(height, width, pinpoints) == (336, 672)  # wide, not tall
