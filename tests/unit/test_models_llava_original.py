@@ -475,3 +475,15 @@ def test_the_canvas_is_the_originals_ties_included(width, height) -> None:
     assert best_resolution(height, width, hf_pinpoints({"image_grid_pinpoints": pinpoints})) == (h, w)
     if (width, height) == (100, 100):
         assert (w, h) == (336, 672) and best_resolution(height, width, pinpoints) == (336, 672)  # wide, not tall
+
+
+@pytest.mark.parametrize("projector, shapes", [
+    ("linear", {"weight": (4096, 1024), "bias": (4096,)}),
+    ("mlp3x_gelu", {"0.weight": (4096, 1024), "0.bias": (4096,), "2.weight": (4096, 4096), "2.bias": (4096,),
+                    "4.weight": (4096, 4096), "4.bias": (4096,)}),
+])
+def test_other_projector_depths_take_the_originals_names(tmp_path, projector, shapes) -> None:
+    """``linear`` is a bare Linear (``model.mm_projector.weight``); ``mlp<N>x_gelu`` a Sequential
+    with a GELU between Linears (``model.mm_projector.{0,2,4}``)."""
+    model = _build(_write(tmp_path, "llava-v1.5-7b", mm_projector_type=projector))
+    assert {k: tuple(v.shape) for k, v in model.multi_modal_projector.state_dict().items()} == shapes
