@@ -11,7 +11,14 @@ import torch
 
 from ..protocol.errors import UnsupportedModelError
 from .hf_config import read_config, token_ids, with_defaults
-from .model_registry import SUPPORTED_ARCHITECTURES, TEXT_ARCHITECTURES, VISION_LANGUAGE, pick_architecture
+from .model_registry import (
+    SAME_NAME_VISION,
+    SUPPORTED_ARCHITECTURES,
+    TEXT_ARCHITECTURES,
+    VISION_LANGUAGE,
+    pick_architecture,
+    vision_variant,
+)
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -205,6 +212,10 @@ class ModelConfig:
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """Read a config.json dict; unknown architectures raise UnsupportedModelError."""
         arch = pick_architecture(cfg.get("architectures") or [], cfg.get("model_type"))
+        if vision_variant(arch, cfg) != arch:  # Qwen-VL: the language model's config plus a "visual" dict
+            text = {k: v for k, v in cfg.items() if k != SAME_NAME_VISION[arch][0]}
+            return replace(cls.from_dict(text), architecture=vision_variant(arch, cfg), vision=dict(cfg),
+                           text_architecture=arch)
         if arch in VISION_LANGUAGE:
             return cls._vision_language(arch, cfg)
         raw = cfg

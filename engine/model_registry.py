@@ -55,6 +55,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     # the original LLaVA repository's layout (liuhaotian/llava-v1.5 / v1.6, Yi-VL): no text_config
     "LlavaLlamaForCausalLM": ("llava_original", "LlavaLlamaForCausalLM"),
     "LlavaMistralForCausalLM": ("llava_original", "LlavaMistralForCausalLM"),
+    # Qwen-VL: published as QWenLMHeadModel with a "visual" dict (SAME_NAME_VISION below)
+    "QWenVLLMHeadModel": ("qwen_vl", "QWenVLLMHeadModel"),
 }
 
 # The vision-language architectures, and the text architecture each text_config model_type runs on.
@@ -63,7 +65,11 @@ VISION_LANGUAGE = frozenset({
     "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
     "InternVLForConditionalGeneration", "InternVLChatModel",
     "LlavaLlamaForCausalLM", "LlavaMistralForCausalLM",
+    "QWenVLLMHeadModel",
 })
+# Remote-code vision-language models published under their language model's architecture name,
+# told apart by a config.json key: that name -> (the key, the registry's name for the VL model).
+SAME_NAME_VISION = {"QWenLMHeadModel": ("visual", "QWenVLLMHeadModel")}
 TEXT_ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "gemma": "GemmaForCausalLM", "phi3": "Phi3ForCausalLM", "internlm2": "InternLM2ForCausalLM",
@@ -97,6 +103,13 @@ def pick_architecture(names: Sequence[str], model_type: str | None = None) -> st
     if arch is None:
         raise unsupported(list(names) or model_type)
     return arch
+
+
+def vision_variant(arch: str, cfg: dict) -> str:
+    """``arch``, or the registry's name of the vision-language model published under it that
+    ``cfg`` (its config.json) describes (Qwen-VL's ``QWenLMHeadModel`` with a ``visual`` dict)."""
+    key, name = SAME_NAME_VISION.get(arch, (None, arch))
+    return name if key is not None and cfg.get(key) else arch
 
 
 def model_class(arch: str) -> type:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ...engine.hf_config import with_defaults
+from ...engine.model_registry import vision_variant
 from ...protocol.errors import InvalidRequestError
 from .image_prompt import IMAGE_PART_TYPES, ImagePrompt
 from .images import ImageLimits, check_image_count, resolve_image
@@ -29,6 +30,7 @@ from .internvl_images import InternVLImages
 from .llava_images import LlavaImages, LlavaNextImages
 from .llava_original_images import OriginalLlavaImages
 from .qwen2_vl_images import Qwen2VLImages
+from .qwen_vl_images import QwenVLImages
 
 
 def _image_parts(messages: Any) -> Iterator[dict[str, Any]]:
@@ -65,7 +67,8 @@ def has_image_parts(messages: Any) -> bool:
 
 # Each vision-language family's ImagePrompt (its own module), by config.json's architectures.
 VISION_FAMILIES: dict[str, type[ImagePrompt]] = {
-    arch: cls for cls in (LlavaImages, LlavaNextImages, Qwen2VLImages, InternVLImages, OriginalLlavaImages)
+    arch: cls for cls in (LlavaImages, LlavaNextImages, Qwen2VLImages, InternVLImages, OriginalLlavaImages,
+                          QwenVLImages)
     for arch in cls.architectures}
 
 
@@ -76,6 +79,7 @@ def image_prompt_for(model_path: Path, tokenizer: Any) -> ImagePrompt | None:
         return None
     config = json.loads(config_file.read_text())
     for arch in config.get("architectures") or ():
+        arch = vision_variant(arch, config)  # Qwen-VL is published as its language model's QWenLMHeadModel
         if arch in VISION_FAMILIES:  # the fields a published config leaves out, as the engine reads them
             return VISION_FAMILIES[arch](Path(model_path), with_defaults(config), tokenizer)
     return None
