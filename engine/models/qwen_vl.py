@@ -51,6 +51,17 @@ class QWenVLLMHeadModel(VisionLanguageModel):
         """[B, 3, side, side] pixels -> each image's [n_queries, hidden] rows, one tower call."""
         return list(self.visual(pixel_values))
 
+    def image_rows_for(self, shape: list[int], grid: list[int]) -> int:
+        side = self.visual.image_size
+        if shape != [3, side, side]:
+            raise ValueError(f"Qwen-VL's tower takes [3, {side}, {side}] pixels")
+        return self.visual.attn_pool.query.shape[0]
+
+    def warmup_images(self, tokens: int) -> tuple[list[int], list[list[int]]]:
+        side, rows = self.visual.image_size, self.visual.attn_pool.query.shape[0]
+        n = max(1, tokens // rows)
+        return [n, 3, side, side], [[]] * n
+
     # ---- weight loading ---------------------------------------------------------------------
     def _route(self, weights: Iterable[tuple[str, torch.Tensor]],
                own: dict[str, tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -201,6 +201,43 @@ def test_engine_greedy_tokens_equal_the_reference(tiny) -> None:
     assert got == reference_greedy(hf, visual, ids, pixels, 6)
 
 
+def test_tp2_equals_tp1(tiny) -> None:
+    """The tower on each rank, the language model split: tp=2 gives tp=1's greedy tokens."""
+    _, _, path, _ = tiny
+    ids, pixels = _prompt(2), _pixels(2, seed=22)
+    assert engine_greedy(path, ids, _inputs(ids, pixels), 4, tp=2) == engine_greedy(path, ids, _inputs(ids, pixels), 4)
+
+
+def test_the_warm_up_batch_is_what_the_tower_takes(tiny) -> None:
+    ours = tiny[3]
+    shape, grids = ours.warmup_images(10)
+    assert shape == [10 // TOKENS, 3, SIDE, SIDE] and len(grids) == shape[0]
+    with torch.no_grad():
+        assert [r.shape[0] for r in ours.encode_images(torch.zeros(shape), grids)] == [TOKENS] * shape[0]
+
+
+@pytest.mark.parametrize("shape, length, words", [
+    ([3, 28, 28], TOKENS, "takes \\[3, 56, 56\\]"),   # pixels of another size
+    ([3, SIDE, SIDE], TOKENS - 1, "encoder rows"),       # a span shorter than the image's rows
+])
+def test_an_image_the_tower_cannot_take_is_a_400_at_admission(tiny, shape, length, words) -> None:
+    from tiny_llama import engine
+
+    from conveyor.protocol.sampling import SamplingParams
+
+    path = tiny[2]
+    ids = [1, START] + [PAD] * length + [END, 3]
+    pixels = np.zeros(shape, dtype=np.float32)
+    eng = engine(path)
+    try:
+        with pytest.raises(InvalidRequestError, match=words):
+            eng.add_request(ids, SamplingParams(max_new_tokens=2), images=[
+                ImageInput(2, length, "x", pixels.tobytes(), shape)])
+        assert not eng.has_work and eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.close()
+
+
 # Qwen/Qwen-VL-Chat's config.json as published.
 PUBLISHED = {
     "architectures": ["QWenLMHeadModel"], "attn_dropout_prob": 0.0,
