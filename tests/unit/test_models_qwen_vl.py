@@ -112,22 +112,25 @@ class VisualReference:
         return self.ln(x, "ln_post") @ self.t["proj"]
 
 
-def reference_logits(hf, visual: VisualReference, ids: list[int], pixels: torch.Tensor) -> torch.Tensor:
-    """QWenModel.forward's splice: the embeddings, each image's rows over [<img> + 1, </img>)."""
+def reference_logits(hf, visual: VisualReference, ids: list[int], pixels: torch.Tensor,
+                     start: int = START) -> torch.Tensor:
+    """QWenModel.forward's splice: the embeddings, each image's rows over [<img> + 1, </img>)
+    (``start``: image_start_id, the id of <img>; </img> the next)."""
     ids_t = torch.tensor(ids)
     with torch.no_grad():
         embeds = hf.model.embed_tokens(ids_t).clone()
         images = visual(pixels) if len(pixels) else []
-        starts, ends = (ids_t == START).nonzero()[:, 0], (ids_t == END).nonzero()[:, 0]
+        starts, ends = (ids_t == start).nonzero()[:, 0], (ids_t == start + 1).nonzero()[:, 0]
         for image, a, b in zip(images, starts.tolist(), ends.tolist()):
             embeds[a + 1:b] = image
         return hf(inputs_embeds=embeds[None]).logits[0].float()
 
 
-def reference_greedy(hf, visual: VisualReference, ids: list[int], pixels: torch.Tensor, n: int) -> list[int]:
+def reference_greedy(hf, visual: VisualReference, ids: list[int], pixels: torch.Tensor, n: int,
+                     start: int = START) -> list[int]:
     out: list[int] = []
     for _ in range(n):
-        out.append(int(reference_logits(hf, visual, ids + out, pixels)[-1].argmax()))
+        out.append(int(reference_logits(hf, visual, ids + out, pixels, start)[-1].argmax()))
     return out
 
 
@@ -421,3 +424,54 @@ def test_a_text_qwen_has_no_image_prompt(tmp_path, prompt_dir) -> None:
     del config["visual"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert image_prompt_for(tmp_path, None) is None
+
+
+# ---- end to end: pipeline() with image_url parts ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory):
+    """pipeline() on a tiny Qwen-VL with a byte-level tokenizer of Qwen's special tokens (ids
+    256..261: <img> 259), named so that the built-in Qwen template serves it; the reference
+    language model and tower; the tokenizer."""
+    from tiny_qwen_vl import save_byte_tokenizer
+
+    from conveyor import pipeline
+    from conveyor.engine.config import EngineConfig
+
+    path = tmp_path_factory.mktemp("qwen_vl_chat_e2e")
+    # no auto_map: transformers would ask whether to run the (absent) remote code for the tokenizer
+    hf, tower = save_tiny_qwen_vl(path, seed=5, vocab_size=262, image_start_id=259, auto_map=None)
+    tokenizer = save_byte_tokenizer(path)
+    pipe = pipeline(path, backend_config=EngineConfig(device="cpu", dtype="float32", cache_max_entry_count=64,
+                                                      block_size=4, max_batch_size=4, max_prefill_token_num=64,
+                                                      enable_prefix_caching=True))
+    yield pipe, hf, VisualReference(tower, VISUAL), tokenizer
+    pipe.close()
+
+
+def test_pipeline_greedy_equals_the_reference(e2e) -> None:
+    """Two images between text, a text turn after an image turn, the same chat again (from the
+    prefix cache): the reference's greedy tokens on Qwen-VL-Chat's prompt, written out by hand."""
+    from conveyor.messages import GenerationConfig
+
+    pipe, hf, visual, tokenizer = e2e
+    gen = GenerationConfig(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    pngs = [_png(70, 40, seed=11), _png(30, 90, seed=12)]
+    pixels = torch.from_numpy(np.stack([_transform(png) for png in pngs]))
+    pads = "<imgpad>" * TOKENS
+    system = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    two = [{"role": "user", "content": [_part(pngs[0]), {"type": "text", "text": "Compare it with"},
+                                        _part(pngs[1])]}]
+    text = (f"{system}<|im_start|>user\nPicture 1: <img>{pads}</img>\nCompare it withPicture 2: <img>{pads}</img>\n"
+            "<|im_end|>\n<|im_start|>assistant\n")
+    expected = reference_greedy(hf, visual, tokenizer.encode(text, add_special_tokens=False), pixels, 6, start=259)
+    assert pipe(two, gen).token_ids == expected
+    again = pipe(two, gen)
+    assert again.num_cached_tokens > 0 and again.token_ids == expected
+    after = [{"role": "user", "content": [_part(pngs[1]), {"type": "text", "text": "What is it?"}]},
+             {"role": "assistant", "content": "A cat."}, {"role": "user", "content": "Its colour?"}]
+    text = (f"{system}<|im_start|>user\nPicture 1: <img>{pads}</img>\nWhat is it?<|im_end|>\n<|im_start|>assistant\n"
+            "A cat.<|im_end|>\n<|im_start|>user\nIts colour?<|im_end|>\n<|im_start|>assistant\n")
+    expected = reference_greedy(hf, visual, tokenizer.encode(text, add_special_tokens=False), pixels[1:], 6,
+                                start=259)
+    assert pipe(after, gen).token_ids == expected

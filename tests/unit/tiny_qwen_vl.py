@@ -73,9 +73,11 @@ def qwen_vl_config(visual: dict = VISUAL, **change) -> dict:
             "visual": dict(visual), "vocab_size": TEXT["vocab_size"], **change}
 
 
-def save_tiny_qwen_vl(path: Path, seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """Write the tiny Qwen-VL to ``path``; returns (the transformers Qwen2 that is its language
-    model, the tower's tensors by their names under ``transformer.visual.``)."""
+def save_tiny_qwen_vl(path: Path, seed: int = 0, vocab_size: int = TEXT["vocab_size"], image_start_id: int = START,
+                      **config_change) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """Write the tiny Qwen-VL to ``path`` (``config_change``: config.json fields replaced); returns
+    (the transformers Qwen2 that is its language model, the tower's tensors by their names under
+    ``transformer.visual.``)."""
     from safetensors.torch import save_file
     from test_models_remote_code_families import qwen_tensors
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -84,7 +86,8 @@ def save_tiny_qwen_vl(path: Path, seed: int = 0) -> tuple[torch.nn.Module, dict[
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    hf = Qwen2ForCausalLM(Qwen2Config(**TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+    text = {**TEXT, "vocab_size": vocab_size}
+    hf = Qwen2ForCausalLM(Qwen2Config(**text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
     hf = hf.to(torch.float32).eval()
     with torch.no_grad():
         for name, param in hf.named_parameters():
@@ -93,6 +96,27 @@ def save_tiny_qwen_vl(path: Path, seed: int = 0) -> tuple[torch.nn.Module, dict[
              for name, shape in visual_shapes(VISUAL).items()}
     tensors = {**qwen_tensors(hf.state_dict()), **{f"transformer.visual.{k}": v for k, v in tower.items()}}
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(qwen_vl_config()))
+    config = qwen_vl_config({**VISUAL, "image_start_id": image_start_id}, vocab_size=vocab_size, **config_change)
+    (path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
     return hf, tower
+
+
+QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<imgpad>"]
+
+
+def save_byte_tokenizer(path: Path):
+    """A byte-level BPE tokenizer without merges (256 byte tokens, any text encodes) and Qwen's
+    special tokens after them (<|endoftext|> 256 ... <img> 259, </img> 260, <imgpad> 261), saved
+    to ``path`` with no chat template: a real tokenizer small enough for a tiny model's vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                        additional_special_tokens=QWEN_SPECIAL[1:])
+    tokenizer.save_pretrained(path)
+    return tokenizer
