@@ -112,7 +112,9 @@ class _PoolAttention(nn.Module):
         def heads(x: torch.Tensor) -> torch.Tensor:
             return x.view(x.shape[0], -1, self.heads, self.head_dim).transpose(1, 2)
 
-        q = heads(F.linear(query, wq, bq)[None]).expand(b, -1, -1, -1)
+        # the queries are the same for every image: projected once, copied per image (an expanded
+        # view's zero batch stride is not a layout every SDPA backend takes)
+        q = heads(F.linear(query, wq, bq)[None]).expand(b, -1, -1, -1).contiguous()
         out = F.scaled_dot_product_attention(q, heads(F.linear(key, wk, bk)), heads(F.linear(value, wv, bv)))
         return self.out_proj(out.transpose(1, 2).reshape(b, -1, self.heads * self.head_dim))
 
