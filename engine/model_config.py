@@ -273,6 +273,12 @@ class ModelConfig:
             return replace(cls.from_dict(text), architecture=arch, vision=dict(cfg), text_architecture=text_arch)
         full = with_defaults(cfg)
         text = dict(full.get("text_config") or full.get("llm_config") or {})
+        if not text and isinstance(full.get("language_config"), dict):
+            # DeepSeek-VL: a Llama config that writes only what differs from LlamaConfig's defaults
+            # (not its token ids, 1 and 2, which are not DeepSeek's tokenizer's)
+            given = full["language_config"]
+            text = {k: v for k, v in with_defaults({"model_type": "llama", **given}).items()
+                    if k in given or k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
         named = [a for a in text.get("architectures") or () if a in SUPPORTED_ARCHITECTURES]
         text_arch = named[0] if named else TEXT_ARCHITECTURES.get(text.get("model_type"))
         if text_arch is None or text_arch in VISION_LANGUAGE:
@@ -298,6 +304,9 @@ class ModelConfig:
         if "llm_config" in cfg and cfg.get("image_token_id") is None:
             # InternVL's remote-code layout names its image token only in the tokenizer
             cfg = {**cfg, "image_token_id": _added_token_id(Path(model_path), "<IMG_CONTEXT>")}
+        if "language_config" in cfg and cfg.get("image_token_id") is None:
+            # DeepSeek-VL's image token, <image_placeholder>, is also the tokenizer's alone
+            cfg = {**cfg, "image_token_id": _added_token_id(Path(model_path), "<image_placeholder>")}
         return cls.from_dict(cfg)
 
 

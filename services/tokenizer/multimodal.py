@@ -24,6 +24,7 @@ from typing import Any
 from ...engine.hf_config import with_defaults
 from ...engine.model_registry import vision_variant
 from ...protocol.errors import InvalidRequestError
+from .deepseek_vl_images import DeepseekVLImages
 from .image_prompt import IMAGE_PART_TYPES, ImagePrompt
 from .images import ImageLimits, check_image_count, resolve_image
 from .internvl_images import InternVLImages
@@ -68,7 +69,7 @@ def has_image_parts(messages: Any) -> bool:
 # Each vision-language family's ImagePrompt (its own module), by config.json's architectures.
 VISION_FAMILIES: dict[str, type[ImagePrompt]] = {
     arch: cls for cls in (LlavaImages, LlavaNextImages, Qwen2VLImages, InternVLImages, OriginalLlavaImages,
-                          QwenVLImages)
+                          QwenVLImages, DeepseekVLImages)
     for arch in cls.architectures}
 
 
