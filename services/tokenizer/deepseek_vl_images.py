@@ -10,7 +10,9 @@
 - The placeholder: ``<image_placeholder>``, one token in the published tokenizers (id 100015);
   ``VLChatProcessor`` replaces each by ``num_image_tokens`` copies of itself (576: the low-res
   grid), which ``expand`` does. A chat template that writes strings gets the placeholders right
-  before the message's text, as DeepSeek-VL's own examples write ``<image_placeholder>Describe...``.
+  before the message's text, as DeepSeek-VL's own examples write them: ``<image_placeholder>Describe
+  ...`` for one image, ``<image_placeholder> is Figure 1.\n<image_placeholder> is Figure 2.\n...``
+  for several.
 """
 
 from __future__ import annotations
@@ -72,6 +74,15 @@ def square_pixels(image: Any, side: int, settings: dict[str, Any]) -> np.ndarray
     return np.ascontiguousarray(pixels, dtype=np.float32)
 
 
+def placeholders(n: int) -> str:
+    """The text before a message's own for its ``n`` images: the placeholder alone for one image;
+    for several, each named as a figure, as DeepSeek-VL's README prompts several images
+    (LMDeploy writes the same lines, numbered from 0)."""
+    if n == 1:
+        return PLACEHOLDER
+    return "".join(f"{PLACEHOLDER} is Figure {i}.\n" for i in range(1, n + 1))
+
+
 class DeepseekVLImages(ImagePrompt):
     architectures = ("MultiModalityCausalLM",)
     placeholder = PLACEHOLDER
@@ -105,6 +116,6 @@ class DeepseekVLImages(ImagePrompt):
                                                  for p in content):
                 n = sum(1 for p in content if p.get("type") in IMAGE_PART_TYPES)
                 text = "\n".join(p.get("text", "") for p in content if p.get("type", "text") == "text")
-                m = {**m, "content": PLACEHOLDER * n + text}
+                m = {**m, "content": placeholders(n) + text}
             out.append(m)
         return out

@@ -1,8 +1,9 @@
 """DeepSeek-VL's images in the tokenizer stage: the ids ``VLChatProcessor`` builds (each
-``<image_placeholder>`` right before the text, then repeated to the image's rows: 9 in the tiny
-model, 576 at the published sizes) and the pixels of its ``VLMImageProcessor`` (longer side
-resized bicubic, centred on a square of the mean colour, /255, normalized), against a reference
-written here; the settings of a ``preprocessor_config.json``; the published configs' sizes.
+``<image_placeholder>`` right before the text, several as the README's figure lines, then
+repeated to the image's rows: 9 in the tiny model, 576 at the published sizes) and the pixels of
+its ``VLMImageProcessor`` (longer side resized bicubic, centred on a square of the mean colour,
+/255, normalized), against a reference written here; the settings of a
+``preprocessor_config.json``; the published configs' sizes.
 
 The model directory is ``tiny_deepseek_vl``'s hybrid model (96-pixel images) on the default
 model's tokenizer with ``<image_placeholder>`` added.
@@ -55,7 +56,8 @@ def model_dir(smollm2_dir, tmp_path_factory) -> Path:
 
 
 def _reference_ids(path: Path, messages) -> list[int]:
-    """VLChatProcessor's: the placeholders before each message's text, the chat template over
+    """VLChatProcessor's: the placeholders before each message's text (several images as the README's
+    "<image_placeholder> is Figure 1." lines), the chat template over
     strings, each placeholder token then repeated to the image's rows."""
     from transformers import AutoTokenizer
 
@@ -65,7 +67,8 @@ def _reference_ids(path: Path, messages) -> list[int]:
         content = m["content"]
         if isinstance(content, list):
             n = sum(p["type"] == "image_url" for p in content)
-            content = PLACEHOLDER * n + "".join(p.get("text", "") for p in content if p["type"] == "text")
+            figures = "".join(f"{PLACEHOLDER} is Figure {i + 1}.\n" for i in range(n)) if n > 1 else PLACEHOLDER
+            content = figures + "".join(p.get("text", "") for p in content if p["type"] == "text")
         chat.append({"role": m["role"], "content": content})
     text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     token = tokenizer.convert_tokens_to_ids(PLACEHOLDER)
