@@ -34,25 +34,33 @@ CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.261302
 SIZES = [(60, 30), (40, 90), (50, 50), (200, 9)]
 
 
-def _model_dir(root: Path, smollm2_dir: Path, preprocessor: dict | None = None) -> Path:
+def _model_dir(root: Path, smollm2_dir: Path, preprocessor: dict | None = None):
+    """(the directory, the model's reference): the model's vocabulary the tokenizer's, its image
+    token named by the tokenizer alone, as published."""
     from transformers import AutoTokenizer
 
     path = root / "model"
-    save_tiny_deepseek_vl(path, hybrid=True, seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": [PLACEHOLDER]})
+    ref = save_tiny_deepseek_vl(path, hybrid=True, seed=0, vocab_size=len(tokenizer),
+                                image_token=tokenizer.convert_tokens_to_ids(PLACEHOLDER))
     cfg = json.loads((path / "config.json").read_text())
     del cfg["image_token_id"]  # as published: the tokenizer names it
     (path / "config.json").write_text(json.dumps(cfg))
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": [PLACEHOLDER]})
     tokenizer.save_pretrained(path)
     if preprocessor is not None:
         (path / "preprocessor_config.json").write_text(json.dumps(preprocessor))
-    return path
+    return path, ref
 
 
 @pytest.fixture(scope="module")
-def model_dir(smollm2_dir, tmp_path_factory) -> Path:
+def tiny(smollm2_dir, tmp_path_factory):
     return _model_dir(tmp_path_factory.mktemp("deepseek-vl"), smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny) -> Path:
+    return tiny[0]
 
 
 def _reference_ids(path: Path, messages) -> list[int]:
@@ -133,7 +141,7 @@ def test_pixels_of_every_shape(model_dir) -> None:
 
 def test_preprocessor_config_settings(smollm2_dir, tmp_path) -> None:
     """No normalization and no mean: the pixels in [0, 1], padded with grey 127."""
-    path = _model_dir(tmp_path, smollm2_dir, {"image_processor_type": "VLMImageProcessor", "image_size": HIGH,
+    path, _ = _model_dir(tmp_path, smollm2_dir, {"image_processor_type": "VLMImageProcessor", "image_size": HIGH,
                                               "do_normalize": False, "image_mean": None, "min_size": 14})
     png = _png(80, 20, seed=3)
     tokenized = Preprocessor(path, 8192).prepare(_req(_chat([png])))
@@ -146,3 +154,27 @@ def test_published_sizes() -> None:
     """576 rows an image at the published sizes, the hybrid taking 1024-pixel images, SigLIP 384."""
     assert tower_sizes(PUBLISHED_7B) == (1024, 576)
     assert tower_sizes(PUBLISHED_1_3B) == (384, 576)
+
+
+def test_pipeline_greedy_equals_the_reference(tiny) -> None:
+    """One image, then three, through ``pipeline()`` (this stage, then the engine): the reference's
+    greedy tokens on VLChatProcessor's ids and VLMImageProcessor's pixels."""
+    import torch
+
+    from conveyor import pipeline
+    from conveyor.engine.config import EngineConfig
+    from conveyor.messages import GenerationConfig
+
+    path, ref = tiny
+    gen = GenerationConfig(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    pipe = pipeline(path, backend_config=EngineConfig(device="cpu", dtype="float32", cache_max_entry_count=256,
+                                                      block_size=4, max_batch_size=4, max_prefill_token_num=128))
+    try:
+        for count in (1, 3):
+            pngs = [_png(*SIZES[i], seed=30 + i) for i in range(count)]
+            messages = _chat(pngs)
+            got = pipe(messages, gen).token_ids
+            pixels = torch.from_numpy(np.stack([_reference_pixels(png, HIGH) for png in pngs])).float()
+            assert got == ref.greedy(_reference_ids(path, messages), pixels, 5)
+    finally:
+        pipe.close()

@@ -46,13 +46,14 @@ def _sam_params() -> dict:
             "out_chans": 16, "downsample_channels": [24, 32]}
 
 
-def deepseek_vl_config(hybrid: bool) -> dict:
+def deepseek_vl_config(hybrid: bool, vocab_size: int = 128, image_token: int | None = IMAGE_TOKEN) -> dict:
     """config.json in the remote code's fields (hybrid: the 7B's towers; else the 1.3B's SigLIP
-    alone, read one layer before the last of 3)."""
+    alone, read one layer before the last of 3); ``image_token`` None: none named (as published:
+    the tokenizer names it)."""
     from transformers import LlamaConfig
 
     text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-6,
+                       num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=512, rms_norm_eps=1e-6,
                        bos_token_id=1, eos_token_id=2).to_dict()
     language = {k: text[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                                      "num_key_value_heads", "vocab_size", "max_position_embeddings", "rms_norm_eps",
@@ -66,10 +67,12 @@ def deepseek_vl_config(hybrid: bool) -> dict:
     else:
         vision = {"cls": "CLIPVisionTower", "model_type": "vision", "params": _siglip_params(-2, 3)}
         aligner = {"depth": 2, "input_dim": 32, "n_embed": 64, "projector_type": "mlp_gelu"}
-    return {"architectures": ["MultiModalityCausalLM"], "model_type": "multi_modality", "torch_dtype": "float32",
-            "image_token_id": IMAGE_TOKEN,  # the published ones name it in the tokenizer only
-            "language_config": language, "vision_config": vision,
-            "aligner_config": {"cls": "MlpProjector", "model_type": "aligner", "params": aligner}}
+    cfg = {"architectures": ["MultiModalityCausalLM"], "model_type": "multi_modality", "torch_dtype": "float32",
+           "language_config": language, "vision_config": vision,
+           "aligner_config": {"cls": "MlpProjector", "model_type": "aligner", "params": aligner}}
+    if image_token is not None:
+        cfg["image_token_id"] = image_token
+    return cfg
 
 
 def _siglip(params: dict):
@@ -112,13 +115,13 @@ def _neck_remote(sd: dict, prefix: str) -> dict[str, torch.Tensor]:
 class Reference(nn.Module):
     """The remote DeepSeek-VL computation from transformers' parts and plain torch."""
 
-    def __init__(self, hybrid: bool, seed: int) -> None:
+    def __init__(self, hybrid: bool, seed: int, vocab_size: int = 128, image_token: int | None = IMAGE_TOKEN) -> None:
         super().__init__()
         from transformers import LlamaForCausalLM, SamVisionConfig
         from transformers.models.sam.modeling_sam import SamVisionEncoder, SamVisionNeck
 
-        cfg = deepseek_vl_config(hybrid)
-        self.config, self.hybrid = cfg, hybrid
+        cfg = deepseek_vl_config(hybrid, vocab_size, image_token)
+        self.config, self.hybrid, self.image_token = cfg, hybrid, image_token
         params = cfg["vision_config"]["params"]
         self.siglip = _siglip(params["low_res_cfg"] if hybrid else params)
         if hybrid:
@@ -176,9 +179,9 @@ class Reference(nn.Module):
     def embeds(self, ids: list[int], pixels: torch.Tensor | None) -> torch.Tensor:
         t = torch.tensor(ids)
         with torch.no_grad():
-            e = self.llama.get_input_embeddings()(t.clamp(max=IMAGE_TOKEN - 1))
+            e = self.llama.get_input_embeddings()(t)
             if pixels is not None:
-                e[t == IMAGE_TOKEN] = self.image_rows(pixels).flatten(0, 1)
+                e[t == self.image_token] = self.image_rows(pixels).flatten(0, 1)
         return e
 
     def logits(self, ids: list[int], pixels: torch.Tensor | None) -> torch.Tensor:
@@ -226,11 +229,13 @@ class Reference(nn.Module):
         return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
-def save_tiny_deepseek_vl(path: Path, hybrid: bool = True, seed: int = 0) -> Reference:
-    """Write a tiny DeepSeek-VL (config.json, model.safetensors) to ``path``; return its reference."""
+def save_tiny_deepseek_vl(path: Path, hybrid: bool = True, seed: int = 0, vocab_size: int = 128,
+                          image_token: int | None = IMAGE_TOKEN) -> Reference:
+    """Write a tiny DeepSeek-VL (config.json, model.safetensors) to ``path``; return its reference
+    (``image_token``: the id its rows replace, written to config.json unless None)."""
     from safetensors.torch import save_file
 
-    ref = Reference(hybrid, seed)
+    ref = Reference(hybrid, seed, vocab_size, image_token)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(ref.config))
