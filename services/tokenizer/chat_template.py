@@ -572,6 +572,55 @@ class Vicuna(BaseChatTemplate):
     eoa: str = "</s>"
     stop_words: list[str] = field(default_factory=lambda: ["</s>"])
     match_patterns: ClassVar[tuple[str, ...]] = ("vicuna",)
+    exclude_patterns: ClassVar[tuple[str, ...]] = ("llava",)  # llava-v1.6-vicuna: llava-v1 below
+
+
+@register_chat_template("llava-v1")
+@dataclass
+class LlavaV1(Vicuna):
+    """LLaVA 1.5 / 1.6-vicuna (the original repository's ``conv_vicuna_v1``, LMDeploy's
+    ``llava-v1``): Vicuna's format with "human" in the system prompt."""
+
+    meta_instruction: str | None = (
+        "A chat between a curious human and an artificial intelligence assistant. "
+        "The assistant gives helpful, detailed, and polite answers to the human's questions.")
+    match_patterns: ClassVar[tuple[str, ...]] = ("llava-v1", "llava-1.5")
+    exclude_patterns: ClassVar[tuple[str, ...]] = ("v1.6-34b", "mistral", "-hf")
+
+
+@register_chat_template("llava-chatml")
+@dataclass
+class LlavaChatml(BaseChatTemplate):
+    """liuhaotian/llava-v1.6-34b (the original repository's ``conv_chatml_direct``)."""
+
+    system: str = "<|im_start|>system\n"
+    meta_instruction: str | None = "Answer the questions."
+    eosys: str = "<|im_end|>"
+    user: str = "<|im_start|>user\n"
+    eoh: str = "<|im_end|>"
+    assistant: str = "<|im_start|>assistant\n"
+    eoa: str = "<|im_end|>"
+    stop_words: list[str] = field(default_factory=lambda: ["<|im_end|>"])
+    match_patterns: ClassVar[tuple[str, ...]] = ("llava-v1.6-34b",)
+
+
+@register_chat_template("yi-vl")
+@dataclass
+class YiVL(BaseChatTemplate):
+    """Yi-VL (01-ai/Yi-VL-6B / 34B): its repository's ``mm_default`` conversation, as LMDeploy's
+    ``yi-vl``."""
+
+    meta_instruction: str | None = (
+        "This is a chat between an inquisitive human and an AI assistant. Assume the role of the AI assistant. "
+        "Read all the images carefully, and respond to the human's questions with informative, helpful, detailed "
+        "and polite answers. 这是一个好奇的人类和一个人工智能助手之间的对话。假设你扮演这个AI助手的角色。"
+        "仔细阅读所有的图像，并对人类的问题做出信息丰富、有帮助、详细的和礼貌的回答。\n\n")
+    user: str = "### Human: "
+    eoh: str = "\n"
+    assistant: str = "### Assistant:"
+    eoa: str = "\n"
+    stop_words: list[str] = field(default_factory=lambda: ["###"])
+    match_patterns: ClassVar[tuple[str, ...]] = ("yi-vl",)
 
 
 @register_chat_template("internlm")

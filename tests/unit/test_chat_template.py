@@ -41,6 +41,11 @@ EXPECTED = {
     "mistral": "[INST] S\n\nU1 [/INST]A1</s>[INST] U2 [/INST]",
     "mixtral": "[INST] S\n\nU1 [/INST]A1</s>[INST] U2 [/INST]",
     "vicuna": "S USER: U1 ASSISTANT: A1</s>USER: U2 ASSISTANT: ",
+    # Issue 33's: the original LLaVA repository's conversations and Yi-VL's, as LMDeploy's.
+    "llava-v1": "S USER: U1 ASSISTANT: A1</s>USER: U2 ASSISTANT: ",
+    "llava-chatml": ("<|im_start|>system\nS<|im_end|><|im_start|>user\nU1<|im_end|><|im_start|>assistant\nA1"
+                     "<|im_end|><|im_start|>user\nU2<|im_end|><|im_start|>assistant\n"),
+    "yi-vl": "S### Human: U1\n### Assistant:A1\n### Human: U2\n### Assistant:",
     # Issue 30's families; each is checked against its published template in
     # test_chat_templates_families.py.
     "internlm3": CHATML,
@@ -182,6 +187,8 @@ def test_json_roundtrip(tmp_path: Path) -> None:
     ("Qwen/Qwen2-7B-Instruct", "qwen"),
     ("internlm/internlm2-chat-7b", "internlm2"),
     ("lmsys/vicuna-7b-v1.5", "vicuna"),
+    ("liuhaotian/llava-v1.5-7b", "llava-v1"), ("liuhaotian/llava-v1.6-vicuna-7b", "llava-v1"),
+    ("liuhaotian/llava-v1.6-34b", "llava-chatml"), ("01-ai/Yi-VL-6B", "yi-vl"),
     ("mistralai/Mistral-7B-Instruct-v0.2", "mistral"),
     ("/hub/models--Qwen--Qwen2-7B/snapshots/0123abc", "qwen"),  # falls back to the full path
     ("/data/qwen-models/llama-2-7b-chat", "llama2"),  # the last component wins over parent folders

@@ -160,14 +160,14 @@ def test_api_server_refuses_an_unsupported_architecture_before_starting_stages(t
 
     import conveyor.services.launcher as launcher
 
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlavaLlamaForCausalLM"],
-                                                      "model_type": "llava"}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"],
+                                                      "model_type": "gpt2"}))
     monkeypatch.setattr(launcher, "serve", lambda *a, **k: pytest.fail("started the stages"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     assert main(["serve", "api_server", str(tmp_path), "--server-name", "127.0.0.1", "--server-port", str(port)]) == 2
-    assert "['LlavaLlamaForCausalLM'] is not supported" in capsys.readouterr().err
+    assert "['GPT2LMHeadModel'] is not supported" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["api_server", "gradio"])
