@@ -278,14 +278,14 @@ class _Tower(nn.Module):
         super().__init__()
         self.vision_tower = vit
         mean, std = params.get("pixel_mean"), params.get("pixel_std")
-        self.normalize = mean is not None and std is not None
-        if self.normalize:
-            self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1), persistent=False)
-            self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1), persistent=False)
+        # plain floats, not buffers: the model's cast to bfloat16 would round them
+        self.stats = None if mean is None or std is None else ([float(m) for m in mean], [float(s) for s in std])
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        if self.normalize:
-            pixels = (pixels.float() - self.mean) / self.std
+        if self.stats is not None:
+            mean, std = (torch.tensor(v, dtype=torch.float32, device=pixels.device).view(1, -1, 1, 1)
+                         for v in self.stats)
+            pixels = (pixels.float() - mean) / std
         return self.vision_tower(pixels)
 
 
