@@ -32,6 +32,10 @@ VARIABLES: dict[str, tuple[str | None, str]] = {
         "", "accepted API keys, comma-separated, added to --api-keys and --api-keys-file (not visible in ps)"),
     "CONVEYOR_PROXY_ADMIN_KEYS": (
         "", "the proxy's admin keys, comma-separated; an api_server with --proxy-url presents the first"),
+    # ---- what a model's files may run ----
+    "CONVEYOR_TRUST_REMOTE_CODE": (
+        "1", "0 refuses a tokenizer whose model directory ships it as Python (tokenizer_config.json's auto_map: "
+             "Qwen-7B's tiktoken, InternLM2's, ...); 1, the default, runs it, as LMDeploy always does"),
     # ---- the default model and the tests ----
     "CONVEYOR_TEST_MODEL": (
         None, "directory of the cached default model (SmolLM2-135M-Instruct); unset: "

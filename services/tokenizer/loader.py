@@ -7,6 +7,10 @@ is installed), and the stateless stages would carry ~300 MiB for it. A directory
 needs only the ``tokenizers`` package: the class AutoTokenizer would pick for it too, for the
 model types listed below. Anything else (GGUF files, model-specific or remote-code tokenizer
 classes, other model types) goes through AutoTokenizer as before.
+
+A tokenizer the model directory ships as Python (``auto_map``: Qwen-7B's tiktoken, InternLM2's
+sentencepiece wrapper) runs that code, as LMDeploy always does (transformers would otherwise ask
+on stdin, which a server stage cannot answer); ``CONVEYOR_TRUST_REMOTE_CODE=0`` refuses it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from ... import envs
+from ...protocol.errors import EngineConfigError
 
 # What transformers writes for a plain fast tokenizer (v5; v4 wrote PreTrainedTokenizerFast).
 _GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
@@ -50,4 +57,8 @@ def load_tokenizer(model_path: str | Path):
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    trust = envs.flag("CONVEYOR_TRUST_REMOTE_CODE")
+    if not trust and "auto_map" in _json(path / "tokenizer_config.json"):
+        raise EngineConfigError(f"the tokenizer of {path} is Python code shipped with the model (tokenizer_config.json "
+                                "auto_map) and CONVEYOR_TRUST_REMOTE_CODE=0 refuses it: unset it to run that code")
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust)

@@ -40,3 +40,28 @@ def _model_dir(tmp_path: Path, tokenizer_config: dict, model_type: str = "llama"
 def test_only_plain_fast_tokenizers_skip_autotokenizer(tmp_path, tokenizer_config, model_type, tokenizer_json,
                                                        expected) -> None:
     assert loads_without_torch(_model_dir(tmp_path, tokenizer_config, model_type, tokenizer_json)) is expected
+
+
+def test_a_remote_code_tokenizer_runs_unless_the_deployment_refuses_it(tmp_path, monkeypatch) -> None:
+    """A tokenizer shipped as Python (auto_map) loads with trust_remote_code, as LMDeploy loads it,
+    and CONVEYOR_TRUST_REMOTE_CODE=0 refuses it by name instead of transformers asking on stdin."""
+    import json
+
+    import transformers
+
+    from conveyor.protocol.errors import EngineConfigError
+    from conveyor.services.tokenizer import loader
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"auto_map": {"AutoTokenizer": ["tokenization_x.XTokenizer", None]}}))
+    seen = {}
+
+    def fake(path, **kwargs):
+        seen.update(kwargs)
+        return "tokenizer"
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(fake))
+    assert loader.load_tokenizer(tmp_path) == "tokenizer" and seen == {"trust_remote_code": True}
+    monkeypatch.setenv("CONVEYOR_TRUST_REMOTE_CODE", "0")
+    with pytest.raises(EngineConfigError, match="CONVEYOR_TRUST_REMOTE_CODE=0"):
+        loader.load_tokenizer(tmp_path)
