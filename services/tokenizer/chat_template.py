@@ -951,6 +951,19 @@ class Deepseek(BaseChatTemplate):
         return super().match(model_path) and "chat" in model_path.lower()
 
 
+@register_chat_template("deepseek-vl")
+@dataclass
+class DeepseekVL(Deepseek):
+    """DeepSeek-VL chat (deepseek-vl-7b-chat, -1.3b-chat): DeepSeek's format with the system prompt
+    its VLChatProcessor writes (sft_format "deepseek"), as LMDeploy's ``deepseek-vl``."""
+
+    meta_instruction: str | None = (
+        "You are a helpful language and vision assistant. You are able to understand the visual content "
+        "that the user provides, and assist the user with a variety of tasks using natural language.")
+    match_patterns: ClassVar[tuple[str, ...]] = ("deepseek-vl",)
+    exclude_patterns: ClassVar[tuple[str, ...]] = ("deepseek-vl2",)
+
+
 # The built-in templates that render tools (the names to suggest when one cannot).
 TOOL_TEMPLATES = tuple(name for name, cls in CHAT_TEMPLATES.items() if cls.tool_format)
 

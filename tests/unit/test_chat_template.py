@@ -46,6 +46,7 @@ EXPECTED = {
     "llava-chatml": ("<|im_start|>system\nS<|im_end|><|im_start|>user\nU1<|im_end|><|im_start|>assistant\nA1"
                      "<|im_end|><|im_start|>user\nU2<|im_end|><|im_start|>assistant\n"),
     "yi-vl": "S### Human: U1\n### Assistant:A1\n### Human: U2\n### Assistant:",
+    "deepseek-vl": "S\n\nUser: U1\n\nAssistant: A1<\uff5cend\u2581of\u2581sentence\uff5c>User: U2\n\nAssistant:",
     # Issue 30's families; each is checked against its published template in
     # test_chat_templates_families.py.
     "internlm3": CHATML,
@@ -189,6 +190,7 @@ def test_json_roundtrip(tmp_path: Path) -> None:
     ("lmsys/vicuna-7b-v1.5", "vicuna"),
     ("liuhaotian/llava-v1.5-7b", "llava-v1"), ("liuhaotian/llava-v1.6-vicuna-7b", "llava-v1"),
     ("liuhaotian/llava-v1.6-34b", "llava-chatml"), ("01-ai/Yi-VL-6B", "yi-vl"),
+    ("deepseek-ai/deepseek-vl-7b-chat", "deepseek-vl"), ("deepseek-ai/deepseek-llm-7b-chat", "deepseek"),
     ("mistralai/Mistral-7B-Instruct-v0.2", "mistral"),
     ("/hub/models--Qwen--Qwen2-7B/snapshots/0123abc", "qwen"),  # falls back to the full path
     ("/data/qwen-models/llama-2-7b-chat", "llama2"),  # the last component wins over parent folders
