@@ -268,7 +268,8 @@ class ModelConfig:
         (``LlavaLlamaForCausalLM``: no ``text_config``, an ``mm_vision_tower``), from the top level,
         which is its Llama / Mistral config (``engine/models/llava_original.py`` reads the rest)."""
         if "mm_vision_tower" in cfg and not cfg.get("text_config"):
-            text_arch = arch.removeprefix("Llava")  # LlavaLlamaForCausalLM -> LlamaForCausalLM
+            # LlavaLlamaForCausalLM / MGMLlamaForCausalLM / MiniGeminiLlamaForCausalLM -> LlamaForCausalLM
+            text_arch = next((arch.removeprefix(p) for p in ("Llava", "MiniGemini", "MGM") if arch.startswith(p)), arch)
             text = {**cfg, "architectures": [text_arch], "model_type": text_arch.removesuffix("ForCausalLM").lower()}
             return replace(cls.from_dict(text), architecture=arch, vision=dict(cfg), text_architecture=text_arch)
         full = with_defaults(cfg)
@@ -297,10 +298,11 @@ class ModelConfig:
     def from_pretrained(cls, model_path: str | Path) -> "ModelConfig":
         """Read ``model_path/config.json``, or the config a ``.gguf`` file's metadata gives."""
         cfg = read_config(model_path)
-        tower = cfg.get("mm_vision_tower")
-        if isinstance(tower, str) and (Path(model_path) / tower).is_dir():
-            # the original LLaVA layout may name a folder of the model's as its tower (Yi-VL's ./vit/...)
-            cfg = {**cfg, "mm_vision_tower": str(Path(model_path) / tower)}
+        for key in ("mm_vision_tower", "mm_vision_tower_aux"):  # (the aux: Mini-Gemini's ConvNeXt)
+            tower = cfg.get(key)
+            if isinstance(tower, str) and (Path(model_path) / tower).is_dir():
+                # the original LLaVA layout may name a folder of the model's as its tower (Yi-VL's ./vit/...)
+                cfg = {**cfg, key: str(Path(model_path) / tower)}
         if "llm_config" in cfg and cfg.get("image_token_id") is None:
             # InternVL's remote-code layout names its image token only in the tokenizer
             cfg = {**cfg, "image_token_id": _added_token_id(Path(model_path), "<IMG_CONTEXT>")}

@@ -55,6 +55,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     # the original LLaVA repository's layout (liuhaotian/llava-v1.5 / v1.6, Yi-VL): no text_config
     "LlavaLlamaForCausalLM": ("llava_original", "LlavaLlamaForCausalLM"),
     "LlavaMistralForCausalLM": ("llava_original", "LlavaMistralForCausalLM"),
+    # Mini-Gemini (dvlab-research/MGM): the original layout plus a ConvNeXt tower and patch mining
+    "MGMLlamaForCausalLM": ("mini_gemini", "MGMLlamaForCausalLM"),
+    "MiniGeminiLlamaForCausalLM": ("mini_gemini", "MiniGeminiLlamaForCausalLM"),
     # DeepSeek-VL (remote code): language_config (a Llama), vision_config, aligner_config
     "MultiModalityCausalLM": ("deepseek_vl", "MultiModalityCausalLM"),
     # Qwen-VL: published as QWenLMHeadModel with a "visual" dict (SAME_NAME_VISION below)
@@ -67,6 +70,7 @@ VISION_LANGUAGE = frozenset({
     "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
     "InternVLForConditionalGeneration", "InternVLChatModel",
     "LlavaLlamaForCausalLM", "LlavaMistralForCausalLM",
+    "MGMLlamaForCausalLM", "MiniGeminiLlamaForCausalLM",
     "MultiModalityCausalLM",
     "QWenVLLMHeadModel",
 })
