@@ -272,6 +272,10 @@ class ModelConfig:
             text_arch = next((arch.removeprefix(p) for p in ("Llava", "MiniGemini", "MGM") if arch.startswith(p)), arch)
             text = {**cfg, "architectures": [text_arch], "model_type": text_arch.removesuffix("ForCausalLM").lower()}
             return replace(cls.from_dict(text), architecture=arch, vision=dict(cfg), text_architecture=text_arch)
+        if arch == "InternLMXComposer2ForCausalLM":  # flat: InternLM2's fields at top level, img_size beside
+            text = {**cfg, "architectures": ["InternLM2ForCausalLM"], "model_type": "internlm2"}
+            return replace(cls.from_dict(text), architecture=arch, vision=dict(cfg),
+                           text_architecture="InternLM2ForCausalLM")
         full = with_defaults(cfg)
         text = dict(full.get("text_config") or full.get("llm_config") or {})
         if not text and isinstance(full.get("language_config"), dict):

@@ -62,6 +62,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MultiModalityCausalLM": ("deepseek_vl", "MultiModalityCausalLM"),
     # Qwen-VL: published as QWenLMHeadModel with a "visual" dict (SAME_NAME_VISION below)
     "QWenVLLMHeadModel": ("qwen_vl", "QWenVLLMHeadModel"),
+    # InternLM-XComposer2 (remote code): a flat InternLM2 config plus img_size; Partial LoRA
+    "InternLMXComposer2ForCausalLM": ("xcomposer2", "InternLMXComposer2ForCausalLM"),
 }
 
 # The vision-language architectures, and the text architecture each text_config model_type runs on.
@@ -73,6 +75,7 @@ VISION_LANGUAGE = frozenset({
     "MGMLlamaForCausalLM", "MiniGeminiLlamaForCausalLM",
     "MultiModalityCausalLM",
     "QWenVLLMHeadModel",
+    "InternLMXComposer2ForCausalLM",
 })
 # Remote-code vision-language models published under their language model's architecture name,
 # told apart by a config.json key: that name -> (the key, the registry's name for the VL model).
@@ -87,6 +90,7 @@ TEXT_ARCHITECTURES = {
 # Architectures a tensor-parallel rank cannot run a slice of, and why (refused before any rank starts).
 SINGLE_RANK_ONLY: dict[str, str] = {
     "Olmo2ForCausalLM": "its q/k RMSNorm takes one mean over all heads, which no rank holds",
+    "InternLMXComposer2ForCausalLM": "its Partial LoRA adapters are not split over ranks",
 }
 
 
