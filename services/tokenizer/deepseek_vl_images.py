@@ -84,7 +84,6 @@ def placeholders(n: int) -> str:
 
 
 class DeepseekVLImages(ImagePrompt):
-    architectures = ("MultiModalityCausalLM",)
     placeholder = PLACEHOLDER
 
     def __init__(self, model_path: Path, config: dict[str, Any], tokenizer: Any) -> None:

@@ -1,7 +1,7 @@
 """A vision-language family's way of putting images into a prompt (``ImagePrompt``): its image
 processor from transformers, the placeholder text its chat template writes for an image, and the
 expansion of each placeholder into the encoder's row count. Each family's subclass lives in its
-own module (``llava_images.py``, ...); ``multimodal.py`` picks one by ``architectures``.
+own module (``llava_images.py``, ...); ``multimodal.VISION_FAMILIES`` names it by architecture.
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ class PreparedImage:
 
 
 class ImagePrompt:
-    """A family's way of putting images into a prompt. Subclasses set ``architectures`` and
-    implement ``_prepare``; ``placeholder`` is the text one image takes in the rendered chat."""
+    """A family's way of putting images into a prompt. Subclasses implement ``_prepare``;
+    ``placeholder`` is the text one image takes in the rendered chat."""
 
-    architectures: ClassVar[tuple[str, ...]] = ()
     placeholder: ClassVar[str] = "<image>"
 
     def __init__(self, model_path: Path, config: dict[str, Any], tokenizer: Any) -> None:

@@ -77,7 +77,6 @@ def normalized(tiles: list[Any]) -> np.ndarray:
 
 
 class InternVLImages(ImagePrompt):
-    architectures = ("InternVLForConditionalGeneration", "InternVLChatModel")
     placeholder = "<IMG_CONTEXT>"
 
     def __init__(self, model_path, config: dict[str, Any], tokenizer: Any) -> None:

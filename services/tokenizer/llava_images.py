@@ -13,7 +13,6 @@ class LlavaImages(ImagePrompt):
     """LLaVA 1.5 (llava-hf layout): one ``<image>`` per image, the CLIP processor's resized and
     centre-cropped square, (side / patch)² encoder rows (+1 with the CLS row kept, ``full``)."""
 
-    architectures = ("LlavaForConditionalGeneration",)
 
     def _prepare(self, image: Any) -> PreparedImage:
         pixels = self.processor(images=[image], return_tensors="np")["pixel_values"][0]
@@ -31,7 +30,6 @@ class LlavaNextImages(LlavaImages):
     best (``image_grid_pinpoints``), pixels ``[tiles, 3, side, side]``; ``grid`` is the original
     ``[height, width]``, from which the model unpads its features."""
 
-    architectures = ("LlavaNextForConditionalGeneration",)
 
     def _prepare(self, image: Any) -> PreparedImage:
         out = self.processor(images=[image], return_tensors="np")

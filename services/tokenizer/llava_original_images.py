@@ -47,7 +47,6 @@ class OriginalLlavaImages(ImagePrompt):
     """One placeholder per image; ``pad`` / square images give (side / patch)² rows (+1 with
     ``cls_patch``), ``anyres`` images NeXT's rows (``llava_next_rows``)."""
 
-    architectures = ("LlavaLlamaForCausalLM", "LlavaMistralForCausalLM")
 
     def __init__(self, model_path: Path, config: dict[str, Any], tokenizer: Any) -> None:
         # config.json as written: the defaults multimodal.py fills are transformers' LlavaConfig's

@@ -16,6 +16,7 @@ vision-language model holds torch (about 250 MiB more); a text model's stage sti
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,14 +25,8 @@ from typing import Any
 from ...engine.hf_config import with_defaults
 from ...engine.model_registry import vision_variant
 from ...protocol.errors import InvalidRequestError
-from .deepseek_vl_images import DeepseekVLImages
 from .image_prompt import IMAGE_PART_TYPES, ImagePrompt
 from .images import ImageLimits, check_image_count, resolve_image
-from .internvl_images import InternVLImages
-from .llava_images import LlavaImages, LlavaNextImages
-from .llava_original_images import OriginalLlavaImages
-from .qwen2_vl_images import Qwen2VLImages
-from .qwen_vl_images import QwenVLImages
 
 
 def _image_parts(messages: Any) -> Iterator[dict[str, Any]]:
@@ -66,11 +61,28 @@ def has_image_parts(messages: Any) -> bool:
     return next(_image_parts(messages), None) is not None
 
 
-# Each vision-language family's ImagePrompt (its own module), by config.json's architectures.
-VISION_FAMILIES: dict[str, type[ImagePrompt]] = {
-    arch: cls for cls in (LlavaImages, LlavaNextImages, Qwen2VLImages, InternVLImages, OriginalLlavaImages,
-                          QwenVLImages, DeepseekVLImages)
-    for arch in cls.architectures}
+# Each vision-language family's ImagePrompt, by config.json's architecture: (its module in this
+# package, its class). Named as strings and imported only for a vision model (the engine's model
+# registry does the same): some families' modules reach the engine's layers, which import torch,
+# and a text model's tokenizer stage must start without it.
+VISION_FAMILIES: dict[str, tuple[str, str]] = {
+    "LlavaForConditionalGeneration": ("llava_images", "LlavaImages"),
+    "LlavaNextForConditionalGeneration": ("llava_images", "LlavaNextImages"),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl_images", "Qwen2VLImages"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl_images", "Qwen2VLImages"),
+    "InternVLForConditionalGeneration": ("internvl_images", "InternVLImages"),
+    "InternVLChatModel": ("internvl_images", "InternVLImages"),
+    "LlavaLlamaForCausalLM": ("llava_original_images", "OriginalLlavaImages"),
+    "LlavaMistralForCausalLM": ("llava_original_images", "OriginalLlavaImages"),
+    "QWenVLLMHeadModel": ("qwen_vl_images", "QwenVLImages"),
+    "MultiModalityCausalLM": ("deepseek_vl_images", "DeepseekVLImages"),
+}
+
+
+def image_prompt_class(arch: str) -> type[ImagePrompt]:
+    """The ImagePrompt class of a vision-language architecture, its module imported now."""
+    module, name = VISION_FAMILIES[arch]
+    return getattr(importlib.import_module(f".{module}", __package__), name)
 
 
 def image_prompt_for(model_path: Path, tokenizer: Any) -> ImagePrompt | None:
@@ -82,7 +94,7 @@ def image_prompt_for(model_path: Path, tokenizer: Any) -> ImagePrompt | None:
     for arch in config.get("architectures") or ():
         arch = vision_variant(arch, config)  # Qwen-VL is published as its language model's QWenLMHeadModel
         if arch in VISION_FAMILIES:  # the fields a published config leaves out, as the engine reads them
-            return VISION_FAMILIES[arch](Path(model_path), with_defaults(config), tokenizer)
+            return image_prompt_class(arch)(Path(model_path), with_defaults(config), tokenizer)
     return None
 
 

@@ -18,7 +18,6 @@ from .image_prompt import ImagePrompt, PreparedImage
 
 
 class Qwen2VLImages(ImagePrompt):
-    architectures = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
     placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
 
     def _prepare(self, image: Any) -> PreparedImage:

@@ -38,7 +38,6 @@ def qwen_vl_pixels(image: Any, side: int) -> np.ndarray:
 
 
 class QwenVLImages(ImagePrompt):
-    architectures = ("QWenVLLMHeadModel",)
     placeholder = "<img></img>"
 
     def __init__(self, model_path, config: dict[str, Any], tokenizer: Any) -> None:

@@ -185,3 +185,13 @@ def test_qwen2_vl_ids_pixels_and_grids_match_the_processor(qwen2_vl_dir, sizes, 
     for image in tokenized.images:
         assert tokenized.token_ids[image.offset:image.offset + image.length] == [token] * image.length
         assert image.length == np.prod(image.grid) // 4
+
+
+def test_every_vision_family_names_an_image_prompt_class() -> None:
+    """VISION_FAMILIES names modules as strings (a text model's stage never imports them, nor the
+    torch some of them reach); each name is a real ImagePrompt class."""
+    from conveyor.services.tokenizer.image_prompt import ImagePrompt
+    from conveyor.services.tokenizer.multimodal import VISION_FAMILIES, image_prompt_class
+
+    for arch in VISION_FAMILIES:
+        assert issubclass(image_prompt_class(arch), ImagePrompt), arch

@@ -177,6 +177,9 @@ def _build(tmp_path: Path, **change):
 def test_a_published_config_parses_and_builds(tmp_path, arch) -> None:
     model = _build(tmp_path, architectures=[arch])
     assert model.config.text_architecture == "LlamaForCausalLM"
+    # model_zoo/OpenAI/clip-vit-large-patch14-336 (absent) read as the OpenAI tower: layer -2 of 24
+    assert model.original["mm_vision_tower"] == "openai/clip-vit-large-patch14-336"
+    assert len(model.vision_tower.vision_model.encoder.layers) == 23
     assert model.image_rows_for([3, 768, 768], []) == 576
     assert model.warmup_images(1200) == ([2, 3, 768, 768], [[], []])
     assert [s.blocks.__len__() for s in model.vision_tower_aux.stages] == [3, 3, 27, 3]
