@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -284,3 +285,40 @@ def test_a_wrong_image_size_fails_loading(tmp_path) -> None:
     save_tiny_xcomposer2(tmp_path, img_size=2 * SIDE)
     with pytest.raises(ValueError, match="position_embedding"):
         load_ours(tmp_path)
+
+
+# ---- the tokenizer stage ------------------------------------------------------------------------
+
+class _Tokenizer:
+    """Enough of a tokenizer for XComposer2Images: one id per word, added tokens after 100."""
+
+    def __init__(self) -> None:
+        self.added: dict[str, int] = {}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [self.convert_tokens_to_ids(w) for w in text.split()]
+
+    def add_tokens(self, tokens: list[str], special_tokens: bool = False) -> None:
+        self.added.update({t: 100 + len(self.added) for t in tokens})
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        return self.added.get(token, 7)
+
+
+def test_images_in_a_prompt(tmp_path) -> None:
+    from PIL import Image
+
+    from conveyor.services.tokenizer.xcomposer2_images import CLIP_MEAN, CLIP_STD, XComposer2Images
+
+    prompt = XComposer2Images(tmp_path, xcomposer2_config(), _Tokenizer())
+    image = Image.fromarray(np.arange(40 * 30 * 3, dtype=np.uint8).reshape(30, 40, 3))
+    (prepared,) = prompt.prepare([image])
+    want = np.asarray(image.resize((SIDE, SIDE), Image.BICUBIC), dtype=np.float32) / 255
+    assert prepared.pixels.shape == (3, SIDE, SIDE) and prepared.num_tokens == ROWS
+    np.testing.assert_allclose(prepared.pixels, ((want - CLIP_MEAN) / CLIP_STD).transpose(2, 0, 1), atol=1e-6)
+    token = prompt.image_token_id
+    ids, images = prompt.expand([1, 5, token, 6], [prepared])
+    assert ids == [1, 5, *[IMAGE_TOKEN] * ROWS, 6] and (images[0].offset, images[0].length) == (2, ROWS)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}},
+                                             {"type": "text", "text": "what is it?"}]}]
+    assert prompt.messages_for_template(messages, reads_parts=False)[0]["content"] == "<ImageHere>what is it?"
