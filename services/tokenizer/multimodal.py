@@ -76,6 +76,7 @@ VISION_FAMILIES: dict[str, tuple[str, str]] = {
     "LlavaMistralForCausalLM": ("llava_original_images", "OriginalLlavaImages"),
     "QWenVLLMHeadModel": ("qwen_vl_images", "QwenVLImages"),
     "MultiModalityCausalLM": ("deepseek_vl_images", "DeepseekVLImages"),
+    "InternLMXComposer2ForCausalLM": ("xcomposer2_images", "XComposer2Images"),
 }
 
 

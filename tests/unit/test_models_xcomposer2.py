@@ -322,3 +322,12 @@ def test_images_in_a_prompt(tmp_path) -> None:
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}},
                                              {"type": "text", "text": "what is it?"}]}]
     assert prompt.messages_for_template(messages, reads_parts=False)[0]["content"] == "<ImageHere>what is it?"
+
+
+def test_the_tokenizer_stage_picks_it(tmp_path) -> None:
+    from conveyor.services.tokenizer.multimodal import image_prompt_for
+    from conveyor.services.tokenizer.xcomposer2_images import XComposer2Images
+
+    (tmp_path / "config.json").write_text(json.dumps(PUBLISHED))
+    prompt = image_prompt_for(tmp_path, _Tokenizer())
+    assert isinstance(prompt, XComposer2Images) and prompt.side == 490 and prompt.fill_id == 0
