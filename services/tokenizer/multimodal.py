@@ -77,6 +77,8 @@ VISION_FAMILIES: dict[str, tuple[str, str]] = {
     "QWenVLLMHeadModel": ("qwen_vl_images", "QwenVLImages"),
     "MultiModalityCausalLM": ("deepseek_vl_images", "DeepseekVLImages"),
     "InternLMXComposer2ForCausalLM": ("xcomposer2_images", "XComposer2Images"),
+    "MGMLlamaForCausalLM": ("mini_gemini_images", "MiniGeminiImages"),
+    "MiniGeminiLlamaForCausalLM": ("mini_gemini_images", "MiniGeminiImages"),
 }
 
 
