@@ -331,3 +331,46 @@ def test_the_tokenizer_stage_picks_it(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(PUBLISHED))
     prompt = image_prompt_for(tmp_path, _Tokenizer())
     assert isinstance(prompt, XComposer2Images) and prompt.side == 490 and prompt.fill_id == 0
+
+
+def runner_image_mask(n: int, image_rows: list[tuple[int, int, int, int]]) -> torch.Tensor:
+    """What the runner passes as ``image_mask`` for a step of ``n`` input rows (the diff in the
+    helper's report: True on each (row, image, encoder row, count) span of ``plan.image_rows``)."""
+    mask = torch.zeros(n, dtype=torch.bool)
+    for row, _, _, count in image_rows:
+        mask[row:row + count] = True
+    return mask
+
+
+def test_a_chunked_prefill_split_inside_an_image(tiny) -> None:
+    """Two chunks, the split in the image's span: each chunk's rows and mask from engine/multimodal's
+    image_rows (as the runner builds them), the second chunk's logits equal the reference's."""
+    from conveyor.engine.multimodal import image_rows
+    from conveyor.protocol.multimodal import ImageInput
+
+    tensors, ours = tiny
+    pixels, ids = _pixels(1, seed=21), _ids(1, seed=21)
+    first = ids.index(IMAGE_TOKEN)
+    images = [ImageInput(offset=first, length=ROWS, digest="x", pixels=b"", shape=[3, SIDE, SIDE], dtype="float32")]
+    with torch.no_grad():
+        rows = ours.encode_images(pixels)[0]
+    n, split = len(ids), first + ROWS // 2
+    for start, end in ((0, split), (split, n)):
+        spans = image_rows(images, start, end - start, 0)
+        meta = AttentionMetadata(slot_mapping=torch.arange(start, end),
+                                 block_tables=torch.arange((n + 3) // 4)[None].int(),
+                                 cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32),
+                                 seqlens_k=torch.tensor([end], dtype=torch.int32),
+                                 max_seqlen_q=end - start, max_seqlen_k=end)
+        ids_t = torch.tensor(ids[start:end])
+        with torch.no_grad():
+            embeds = ours.embed_input_ids(ids_t)
+            for row, _, src, count in spans:
+                embeds[row:row + count] = rows[src:src + count]
+            set_attention_metadata(meta)
+            try:
+                logits = ours.compute_logits(ours(ids_t, torch.arange(start, end), inputs_embeds=embeds,
+                                                  image_mask=runner_image_mask(end - start, spans)))
+            finally:
+                set_attention_metadata(None)
+    assert_close(logits, ref_prefill(tensors, ids, pixels)[split:])
