@@ -124,11 +124,12 @@ def ref_logits(t: dict, inputs_embeds: torch.Tensor, im_mask: torch.Tensor) -> t
     return _rms(t, "model.norm", x) @ t["output.weight"].t()
 
 
-def ref_prefill(t: dict, ids: list[int], pixels: torch.Tensor) -> torch.Tensor:
-    """interleav_wrap_chat's splice: each image's rows where its placeholder stands, im_mask there."""
+def ref_prefill(t: dict, ids: list[int], pixels: torch.Tensor, im_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """interleav_wrap_chat's splice: each image's rows where its placeholder stands, im_mask there
+    (default: at every placeholder id)."""
     ids_t = torch.tensor(ids)
     embeds = t["model.tok_embeddings.weight"][ids_t].clone()
-    im_mask = ids_t == IMAGE_TOKEN
+    im_mask = ids_t == IMAGE_TOKEN if im_mask is None else im_mask
     if len(pixels):
         embeds[im_mask] = ref_img2emb(t, pixels).reshape(-1, embeds.shape[1])
     return ref_logits(t, embeds, im_mask)
@@ -374,3 +375,52 @@ def test_a_chunked_prefill_split_inside_an_image(tiny) -> None:
             finally:
                 set_attention_metadata(None)
     assert_close(logits, ref_prefill(tensors, ids, pixels)[split:])
+
+
+def _forward_with_image_mask(self, plan, prev_ids=None):
+    """ModelRunner._forward with the runner diff of this family's report applied (the step's
+    image rows as forward's image_mask), for as long as the runner lacks it."""
+    ids, pos, meta = self._inputs(plan, prev_ids)
+    embeds = self._image_embeddings(ids, plan) if plan.image_rows else None
+    set_attention_metadata(meta)
+    try:
+        if embeds is None:
+            return self.model(ids, pos)
+        return self.model(ids, pos, inputs_embeds=embeds,
+                          image_mask=runner_image_mask(ids.shape[0], plan.image_rows))
+    finally:
+        set_attention_metadata(None)
+
+
+@pytest.mark.parametrize("chunk", [64, 6])
+def test_engine_greedy_tokens_match_the_reference(tmp_path, monkeypatch, chunk) -> None:
+    """Two images through LLMEngine (prefill in one chunk, and in chunks of 6 that split both
+    images' spans): greedy tokens equal the reference's argmax, decode rows without adapters."""
+    from conveyor.engine.config import EngineConfig
+    from conveyor.engine.llm_engine import LLMEngine
+    from conveyor.engine.model_runner import ModelRunner
+    from conveyor.protocol.sampling import SamplingParams
+    from conveyor.protocol.multimodal import ImageInput
+
+    if not hasattr(ModelRunner, "_image_mask"):  # the runner diff not applied yet: this test's copy of it
+        monkeypatch.setattr(ModelRunner, "_forward", _forward_with_image_mask)
+    tensors = save_tiny_xcomposer2(tmp_path, seed=9)
+    pixels, ids = _pixels(2, seed=31), _ids(2, seed=31)
+    spans = [i for i in range(len(ids)) if ids[i] == IMAGE_TOKEN and (i == 0 or ids[i - 1] != IMAGE_TOKEN)]
+    images = [ImageInput(at, ROWS, f"im{k}", pixels[k].numpy().tobytes(), [3, SIDE, SIDE])
+              for k, at in enumerate(spans)]
+    eng = LLMEngine(tmp_path, EngineConfig(device="cpu", dtype="float32", cache_max_entry_count=32, block_size=4,
+                                           max_batch_size=4, max_prefill_token_num=chunk))
+    try:
+        eng.add_request(ids, SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True), images=images)
+        got = []
+        while eng.has_work:
+            got += [o.token for o in eng.step() if o.token is not None]
+    finally:
+        eng.close()
+    prompt_mask = torch.tensor(ids) == IMAGE_TOKEN
+    want: list[int] = []
+    for _ in range(5):
+        mask = torch.cat([prompt_mask, torch.zeros(len(want), dtype=torch.bool)])
+        want.append(int(ref_prefill(tensors, ids + want, pixels, mask)[-1].argmax()))
+    assert got == want
