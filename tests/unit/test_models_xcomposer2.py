@@ -4,8 +4,10 @@ reference written op by op after the remote ``build_mlp.py`` (CLIPVisionTower, P
 ``vision_proj``) and ``modeling_internlm2.py`` (packed ``wqkv`` rearranged per kv group, rotary,
 ``w2(silu(w1 x) * w3 x)``), with ``im_mask`` at the image rows. Float32 tower rows and prefill
 logits within 1e-4 for one and two images; text rows are unaffected by the adapters and image
-rows are; a published-style config.json parses and builds on ``meta``; the refusals; strict
-loading.
+rows are; a chunked prefill split inside an image; greedy tokens through LLMEngine (with the
+runner's ``image_mask``: this module's copy of the runner diff until the runner has it); a
+published-style config.json parses and builds on ``meta``; the refusals; strict loading; the
+tokenizer stage's pixels, expansion and placeholder text.
 """
 
 from __future__ import annotations
