@@ -35,6 +35,7 @@ tensor-parallel head split all read it.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -194,6 +195,8 @@ class ModelRunner:
         self._image_feature_rows = 0
         # Qwen2-VL's multimodal rotary: the tower's spatial merge size (0: positions are indices).
         self.mrope_merge: int = getattr(self.model, "mrope_merge", 0)
+        # a model whose layers treat image rows apart (XComposer2's Partial LoRA) names them in forward
+        self.takes_image_mask: bool = "image_mask" in inspect.signature(type(self.model).forward).parameters
         self.activation_bytes = self._profile_activations() if device.type == "cuda" else 0
         self.num_blocks = self._num_cache_blocks()
         # The blocks the block manager keeps for sequences' first blocks (the layout's per-sequence
@@ -470,9 +473,21 @@ class ModelRunner:
         embeds = self._image_embeddings(ids, plan) if plan.image_rows else None
         set_attention_metadata(meta)
         try:
-            return self.model(ids, pos) if embeds is None else self.model(ids, pos, inputs_embeds=embeds)
+            if embeds is None:
+                return self.model(ids, pos)
+            if self.takes_image_mask:
+                return self.model(ids, pos, inputs_embeds=embeds, image_mask=self._image_mask(ids, plan))
+            return self.model(ids, pos, inputs_embeds=embeds)
         finally:
             set_attention_metadata(None)
+
+    @staticmethod
+    def _image_mask(ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """[T] bool: True on the step's image rows (``plan.image_rows``' spans)."""
+        mask = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        for row, _, _, count in plan.image_rows:
+            mask[row:row + count] = True
+        return mask
 
     def _image_embeddings(self, ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """The step's input embeddings with the rows of image spans replaced by the vision

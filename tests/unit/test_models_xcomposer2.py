@@ -379,33 +379,15 @@ def test_a_chunked_prefill_split_inside_an_image(tiny) -> None:
     assert_close(logits, ref_prefill(tensors, ids, pixels)[split:])
 
 
-def _forward_with_image_mask(self, plan, prev_ids=None):
-    """ModelRunner._forward with the runner diff of this family's report applied (the step's
-    image rows as forward's image_mask), for as long as the runner lacks it."""
-    ids, pos, meta = self._inputs(plan, prev_ids)
-    embeds = self._image_embeddings(ids, plan) if plan.image_rows else None
-    set_attention_metadata(meta)
-    try:
-        if embeds is None:
-            return self.model(ids, pos)
-        return self.model(ids, pos, inputs_embeds=embeds,
-                          image_mask=runner_image_mask(ids.shape[0], plan.image_rows))
-    finally:
-        set_attention_metadata(None)
-
-
 @pytest.mark.parametrize("chunk", [64, 6])
-def test_engine_greedy_tokens_match_the_reference(tmp_path, monkeypatch, chunk) -> None:
+def test_engine_greedy_tokens_match_the_reference(tmp_path, chunk) -> None:
     """Two images through LLMEngine (prefill in one chunk, and in chunks of 6 that split both
     images' spans): greedy tokens equal the reference's argmax, decode rows without adapters."""
     from conveyor.engine.config import EngineConfig
     from conveyor.engine.llm_engine import LLMEngine
-    from conveyor.engine.model_runner import ModelRunner
     from conveyor.protocol.sampling import SamplingParams
     from conveyor.protocol.multimodal import ImageInput
 
-    if not hasattr(ModelRunner, "_image_mask"):  # the runner diff not applied yet: this test's copy of it
-        monkeypatch.setattr(ModelRunner, "_forward", _forward_with_image_mask)
     tensors = save_tiny_xcomposer2(tmp_path, seed=9)
     pixels, ids = _pixels(2, seed=31), _ids(2, seed=31)
     spans = [i for i in range(len(ids)) if ids[i] == IMAGE_TOKEN and (i == 0 or ids[i - 1] != IMAGE_TOKEN)]
