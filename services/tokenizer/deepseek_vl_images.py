@@ -25,7 +25,7 @@ import numpy as np
 
 from ...engine.layers.deepseek_vl_vision import SIGLIP_MODELS, tower_geometry
 from ...protocol.errors import UnsupportedModelError
-from .image_prompt import IMAGE_PART_TYPES, ImagePrompt, PreparedImage
+from .image_prompt import ImagePrompt, PreparedImage, image_parts_of
 
 PLACEHOLDER = "<image_placeholder>"
 # VLMImageProcessor's defaults (CLIP's mean and std)
@@ -111,9 +111,8 @@ class DeepseekVLImages(ImagePrompt):
         out = []
         for m in messages:
             content = m.get("content")
-            if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES
-                                                 for p in content):
-                n = sum(1 for p in content if p.get("type") in IMAGE_PART_TYPES)
+            if image_parts_of(m):
+                n = len(image_parts_of(m))
                 text = "\n".join(p.get("text", "") for p in content if p.get("type", "text") == "text")
                 m = {**m, "content": placeholders(n) + text}
             out.append(m)

@@ -17,6 +17,14 @@ from ...protocol.multimodal import ImageInput
 IMAGE_PART_TYPES = ("image_url", "image")
 
 
+def image_parts_of(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat message's image parts, in order (none for string content)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return []
+    return [p for p in content if isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES]
+
+
 @dataclass(frozen=True)
 class PreparedImage:
     """One image after its family's processor: pixels, what else the encoder needs, and how many
@@ -64,8 +72,7 @@ class ImagePrompt:
         out = []
         for m in messages:
             content = m.get("content")
-            if not isinstance(content, list) or not any(
-                    isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES for p in content):
+            if not image_parts_of(m):
                 out.append(m)
                 continue
             if reads_parts:

@@ -23,7 +23,7 @@ import numpy as np
 
 from ...protocol.errors import InvalidRequestError
 from ...protocol.multimodal import ImageInput
-from .image_prompt import IMAGE_PART_TYPES, ImagePrompt, PreparedImage
+from .image_prompt import IMAGE_PART_TYPES, ImagePrompt, PreparedImage, image_parts_of
 
 CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
 CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)
@@ -58,8 +58,7 @@ class QwenVLImages(ImagePrompt):
         out = []
         for m in messages:
             content = m.get("content")
-            if not isinstance(content, list) or not any(
-                    isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES for p in content):
+            if not image_parts_of(m):
                 out.append(m)
                 continue
             text, pictures = "", 0

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_models import assert_close, load_ours
-from tiny_vlm import attach_cache
+from tiny_vlm import attach_cache, prefill_logits
 from tiny_xcomposer2 import IMAGE_TOKEN, PATCH, ROWS, SIDE, TEXT, VISION, save_tiny_xcomposer2, xcomposer2_config
 
 from conveyor.engine.attention_metadata import AttentionMetadata, set_attention_metadata
@@ -153,21 +153,9 @@ def _ids(images: int, seed: int) -> list[int]:
 
 
 def our_prefill(model, ids: list[int], rows: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
-    """Our logits of one prompt in one chunk: the rows written over the image tokens' embeddings,
-    ``image_mask`` to forward (what the runner passes from the step's image rows)."""
-    n = len(ids)
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), block_tables=torch.arange((n + 3) // 4)[None].int(),
-                             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
-                             seqlens_k=torch.tensor([n], dtype=torch.int32), max_seqlen_q=n, max_seqlen_k=n)
-    ids_t = torch.tensor(ids)
-    with torch.no_grad():
-        embeds = model.embed_input_ids(ids_t)
-        embeds[ids_t == model.image_token_id] = rows
-        set_attention_metadata(meta)
-        try:
-            return model.compute_logits(model(ids_t, torch.arange(n), inputs_embeds=embeds, image_mask=image_mask))
-        finally:
-            set_attention_metadata(None)
+    """Our logits of one prompt in one chunk, ``image_mask`` to forward (what the runner passes
+    from the step's image rows)."""
+    return prefill_logits(model, ids, rows, image_mask=image_mask)
 
 
 @pytest.mark.parametrize("images", [1, 3])

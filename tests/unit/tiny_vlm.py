@@ -214,10 +214,11 @@ def attach_cache(model: torch.nn.Module, blocks: int = 64, block_size: int = 4) 
 
 
 def prefill_logits(model: torch.nn.Module, ids: list[int], rows: torch.Tensor,
-                   positions: torch.Tensor | None = None) -> torch.Tensor:
+                   positions: torch.Tensor | None = None, **forward_kwargs) -> torch.Tensor:
     """The model's logits of one prompt in one chunk (blocks of 4, ``attach_cache``), the encoder
     ``rows`` (all images', in order) written over the image tokens' embeddings; ``positions``
-    the rotary positions (default: the indices)."""
+    the rotary positions (default: the indices); ``forward_kwargs`` more of forward's inputs
+    (XComposer2's ``image_mask``)."""
     from conveyor.engine.attention_metadata import AttentionMetadata, set_attention_metadata
 
     n = len(ids)
@@ -231,7 +232,7 @@ def prefill_logits(model: torch.nn.Module, ids: list[int], rows: torch.Tensor,
         set_attention_metadata(meta)
         try:
             return model.compute_logits(model(ids_t, torch.arange(n) if positions is None else positions,
-                                              inputs_embeds=embeds))
+                                              inputs_embeds=embeds, **forward_kwargs))
         finally:
             set_attention_metadata(None)
 
