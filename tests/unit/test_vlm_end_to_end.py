@@ -308,3 +308,35 @@ def test_qwen2_vl_pipeline_greedy_equals_transformers(qwen_model) -> None:
     again = pipe(_chat([tall], "Compare them."), gen)
     assert again.num_cached_tokens > 0
     assert again.token_ids == _qwen_greedy(hf, path, _chat([tall], "Compare them."), [tall])
+
+
+def test_qwen2_vl_server_image_url_parts_equal_transformers(smollm2_dir, tmp_path_factory) -> None:
+    """A real server on Qwen2-VL (M-RoPE positions through the ingress, tokenizer and engine
+    processes): image_url parts of two sizes, and a text turn after an image turn, answer with
+    transformers' greedy tokens."""
+    openai = pytest.importorskip("openai")
+    from tiny_vlm import save_tiny_qwen2_vl
+    from transformers import AutoTokenizer
+
+    from conveyor.testing.server_process import ServerProcess
+
+    path = tmp_path_factory.mktemp("qwen2-vl-server")
+    hf = save_tiny_qwen2_vl(path, smollm2_dir)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    srv = ServerProcess(path, "--device", "cpu", "--dtype", "float32", "--cache-max-entry-count", "256",
+                        "--cache-block-seq-len", "4", "--session-len", "512", "--disable-image-fetch",
+                        log_dir=tmp_path_factory.mktemp("qwen2-vl-server-log"))
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        wide, tall = _image(40, (90, 37)), _image(41, (50, 110))
+        cases = [([wide, tall], _chat([wide, tall], "Compare them.")),
+                 ([tall], [*_chat([tall]), {"role": "assistant", "content": "A picture."},
+                           {"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]}])]
+        for images, messages in cases:
+            done = client.chat.completions.create(model=model, messages=messages, max_tokens=NEW, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+            expected = _qwen_greedy(hf, path, messages, images)
+            assert done.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+    finally:
+        assert srv.terminate() == 0, srv.log()
