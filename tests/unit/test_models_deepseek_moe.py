@@ -327,7 +327,7 @@ def test_chat_template_equals_published_jinja(with_system: bool) -> None:
     ("deepseek-llm-7b-chat", "deepseek"),
     ("/m/DeepSeek-V2-Lite-Chat", "deepseek"),
     ("/m/deepseek-moe-16b-base", "base"),  # base models take plain text (LMDeploy's rule)
-    ("/m/deepseek-vl-7b-chat", "base"),
+    ("/m/deepseek-vl-7b-chat", "deepseek-vl"),  # its own template (issue 33)
 ])
 def test_chat_template_matched_from_path(path: str, name: str) -> None:
     """A DeepSeek chat model's path picks ``deepseek`` when its tokenizer ships no template."""
