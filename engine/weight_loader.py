@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -129,6 +130,18 @@ class LazyTensor:
 def materialize(x: torch.Tensor | LazyTensor) -> torch.Tensor:
     """``x`` as a tensor (a LazyTensor is read whole)."""
     return x.materialize() if isinstance(x, LazyTensor) else x
+
+
+def or_else(weights: Iterable[tuple[str, Any]], prefix: str,
+            fallback: Callable[[], Iterable[tuple[str, Any]]]) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors, then, when none was under ``prefix``, the ones ``fallback()`` gives
+    (a part some checkpoints leave to another directory: a vision tower)."""
+    seen = False
+    for name, tensor in weights:
+        seen = seen or name.startswith(prefix)
+        yield name, tensor
+    if not seen:
+        yield from fallback()
 
 
 def narrow(x: torch.Tensor | LazyTensor, dim: int, start: int, length: int) -> torch.Tensor:

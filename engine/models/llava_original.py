@@ -49,7 +49,7 @@ from torch import nn
 from ...protocol.errors import UnsupportedModelError
 from ..hf_config import with_defaults
 from ..model_config import ModelConfig
-from ..weight_loader import iter_checkpoint
+from ..weight_loader import iter_checkpoint, or_else
 from .llava import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
 
 # The towers the published configs name, as CLIPVisionConfig fields (their config.json's
@@ -227,15 +227,9 @@ class _OriginalLayout:
             else:
                 yield name, tensor
 
-    def _with_tower(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint's tensors, then, when it held none of the tower's, the tower directory's
-        ``vision_model.*`` under the checkpoint's tower prefix (a whole CLIPModel's text half left out)."""
-        seen = False
-        for name, tensor in weights:
-            seen = seen or name.startswith(_TOWER)
-            yield name, tensor
-        if seen:
-            return
+    def _tower_from_directory(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tower directory's ``vision_model.*`` under the checkpoint's tower prefix (a whole
+        CLIPModel's text half left out): for a checkpoint that holds none of the tower."""
         directory = tower_directory(self.original)
         tensors = iter_checkpoint(directory, lazy=True)
         try:
@@ -250,7 +244,7 @@ class _OriginalLayout:
                 yield _TOWER + name, tensor
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(self._with_tower(weights))
+        super().load_weights(or_else(weights, _TOWER, self._tower_from_directory))
 
 
 class LlavaOriginal(_OriginalLayout, LlavaForConditionalGeneration):

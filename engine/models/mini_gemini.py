@@ -44,7 +44,7 @@ from torch import nn
 from ...protocol.errors import UnsupportedModelError
 from ..layers.convnext import ConvNextTrunk
 from ..model_config import ModelConfig
-from ..weight_loader import iter_checkpoint
+from ..weight_loader import iter_checkpoint, or_else
 from .llava import LlavaForConditionalGeneration
 from .llava_original import KNOWN_TOWERS, _OriginalLayout
 
@@ -202,15 +202,9 @@ class MiniGemini(_OriginalLayout, LlavaForConditionalGeneration):
 
         yield from super()._route(rest(), own)
 
-    def _with_aux(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint's tensors, then, when it held none of the aux tower's, its directory's
-        open_clip trunk (``visual.trunk.stem`` / ``stages``) under the checkpoint's names."""
-        seen = False
-        for name, tensor in weights:
-            seen = seen or name.startswith(_AUX)
-            yield name, tensor
-        if seen:
-            return
+    def _aux_from_directory(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The aux tower directory's open_clip trunk (``visual.trunk.stem`` / ``stages``) under the
+        checkpoint's names: for a checkpoint that holds none of the aux tower."""
         directory = aux_tower_path(self.original)
         if directory is None:
             raise UnsupportedModelError(
@@ -224,7 +218,7 @@ class MiniGemini(_OriginalLayout, LlavaForConditionalGeneration):
                 yield match[1] + name[len(match[0]):], tensor
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(self._with_aux(weights))
+        super().load_weights(or_else(weights, _AUX, self._aux_from_directory))
 
 
 class MGMLlamaForCausalLM(MiniGemini):

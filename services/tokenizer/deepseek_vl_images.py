@@ -25,7 +25,7 @@ import numpy as np
 
 from ...engine.layers.deepseek_vl_vision import SIGLIP_MODELS, tower_geometry
 from ...protocol.errors import UnsupportedModelError
-from .image_prompt import ImagePrompt, PreparedImage, image_parts_of
+from .image_prompt import ImagePrompt, PreparedImage
 
 PLACEHOLDER = "<image_placeholder>"
 # VLMImageProcessor's defaults (CLIP's mean and std)
@@ -104,16 +104,6 @@ class DeepseekVLImages(ImagePrompt):
     def _prepare(self, image: Any) -> PreparedImage:
         return PreparedImage(pixels=square_pixels(image, self.side, self.settings), grid=(), num_tokens=self.rows)
 
-    def messages_for_template(self, messages: list[dict[str, Any]], reads_parts: bool) -> list[dict[str, Any]]:
-        """As the base class, but a string template gets the placeholders right before the text."""
-        if reads_parts:
-            return super().messages_for_template(messages, reads_parts)
-        out = []
-        for m in messages:
-            content = m.get("content")
-            if image_parts_of(m):
-                n = len(image_parts_of(m))
-                text = "\n".join(p.get("text", "") for p in content if p.get("type", "text") == "text")
-                m = {**m, "content": placeholders(n) + text}
-            out.append(m)
-        return out
+    def _string_content(self, images: int, text: str) -> str:
+        """A string template gets the placeholders right before the text."""
+        return placeholders(images) + text

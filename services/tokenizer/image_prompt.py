@@ -69,20 +69,20 @@ class ImagePrompt:
     def messages_for_template(self, messages: list[dict[str, Any]], reads_parts: bool) -> list[dict[str, Any]]:
         """The chat with each image part as the template can write it: a ``{"type": "image"}`` part
         for a template that loops over parts, else the placeholders ahead of the text."""
-        out = []
-        for m in messages:
-            content = m.get("content")
-            if not image_parts_of(m):
-                out.append(m)
-                continue
-            if reads_parts:
-                parts = [{"type": "image"} if p.get("type") in IMAGE_PART_TYPES else p for p in content]
-                out.append({**m, "content": parts})
-                continue
-            n = sum(1 for p in content if p.get("type") in IMAGE_PART_TYPES)
-            text = "\n".join(p.get("text", "") for p in content if p.get("type", "text") == "text")
-            out.append({**m, "content": f"{self.placeholder}\n" * n + text})
-        return out
+        return [{**m, "content": self._template_content(m["content"], reads_parts)} if image_parts_of(m) else m
+                for m in messages]
+
+    def _template_content(self, content: list[dict[str, Any]], reads_parts: bool) -> Any:
+        """A message's content parts, images among them, as the template takes them."""
+        if reads_parts:
+            return [{"type": "image"} if p.get("type") in IMAGE_PART_TYPES else p for p in content]
+        n = sum(1 for p in content if p.get("type") in IMAGE_PART_TYPES)
+        text = "\n".join(p.get("text", "") for p in content if p.get("type", "text") == "text")
+        return self._string_content(n, text)
+
+    def _string_content(self, images: int, text: str) -> str:
+        """A message's text with its ``images`` placeholders, for a template that writes strings."""
+        return f"{self.placeholder}\n" * images + text
 
     def expand(self, ids: list[int], prepared: list[PreparedImage]) -> tuple[list[int], list[ImageInput]]:
         """``ids`` with each image's placeholder token repeated ``num_tokens`` times, and the images

@@ -23,7 +23,7 @@ import numpy as np
 
 from ...protocol.errors import InvalidRequestError
 from ...protocol.multimodal import ImageInput
-from .image_prompt import IMAGE_PART_TYPES, ImagePrompt, PreparedImage, image_parts_of
+from .image_prompt import IMAGE_PART_TYPES, ImagePrompt, PreparedImage
 
 CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
 CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)
@@ -52,24 +52,17 @@ class QwenVLImages(ImagePrompt):
     def _prepare(self, image: Any) -> PreparedImage:
         return PreparedImage(pixels=qwen_vl_pixels(image, self.side), grid=(), num_tokens=self.num_tokens)
 
-    def messages_for_template(self, messages: list[dict[str, Any]], reads_parts: bool) -> list[dict[str, Any]]:
-        """Each message with image parts as ``from_list_format``'s string (whatever the template:
-        the picture numbering is the model's prompt format, not the template's)."""
-        out = []
-        for m in messages:
-            content = m.get("content")
-            if not image_parts_of(m):
-                out.append(m)
-                continue
-            text, pictures = "", 0
-            for part in content:
-                if part.get("type") in IMAGE_PART_TYPES:
-                    pictures += 1
-                    text += f"Picture {pictures}: {self.placeholder}\n"
-                elif part.get("type", "text") == "text":
-                    text += part.get("text", "")
-            out.append({**m, "content": text})
-        return out
+    def _template_content(self, content: list[dict[str, Any]], reads_parts: bool) -> str:
+        """A message with image parts as ``from_list_format``'s string (whatever the template: the
+        picture numbering is the model's prompt format, not the template's)."""
+        text, pictures = "", 0
+        for part in content:
+            if part.get("type") in IMAGE_PART_TYPES:
+                pictures += 1
+                text += f"Picture {pictures}: {self.placeholder}\n"
+            elif part.get("type", "text") == "text":
+                text += part.get("text", "")
+        return text
 
     def expand(self, ids: list[int], prepared: list[PreparedImage]) -> tuple[list[int], list[ImageInput]]:
         """The span between each ``<img>`` and the ``</img>`` after it as ``num_tokens`` ``<imgpad>``

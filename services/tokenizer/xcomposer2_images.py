@@ -52,15 +52,10 @@ class XComposer2Images(ImagePrompt):
         pixels = np.ascontiguousarray(((pixels - CLIP_MEAN) / CLIP_STD).transpose(2, 0, 1))
         return PreparedImage(pixels=pixels, grid=(), num_tokens=(self.side // PATCH) ** 2)
 
-    def messages_for_template(self, messages: list[dict[str, Any]], reads_parts: bool) -> list[dict[str, Any]]:
-        """As the base class's, but a string template gets ``<ImageHere>`` straight before the text
-        (the remote ``chat()``'s query), not followed by a newline."""
-        out = super().messages_for_template(messages, reads_parts)
-        if reads_parts:
-            return out
-        joined = f"{self.placeholder}\n"
-        return [{**m, "content": m["content"].replace(joined, self.placeholder)}
-                if m is not orig and isinstance(m.get("content"), str) else m for m, orig in zip(out, messages)]
+    def _string_content(self, images: int, text: str) -> str:
+        """A string template gets ``<ImageHere>`` straight before the text (the remote ``chat()``'s
+        query), not followed by a newline."""
+        return self.placeholder * images + text
 
     def expand(self, ids: list[int], prepared: list[PreparedImage]) -> tuple[list[int], list[ImageInput]]:
         """The base class's expansion at ``<ImageHere>``, each span then written with ``fill_id``
