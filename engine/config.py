@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..protocol.errors import EngineConfigError
 
@@ -32,7 +33,7 @@ class EngineConfig:
 
     Every other LMDeploy field keeps its name and default, and no value is silently ignored:
     one that asks for something not implemented (``eviction_type='copy'``, ``num_cpu_blocks``,
-    ``adapters``, ``use_logn_attn``, ``shared_cache``, quantized or Meta-layout
+    ``use_logn_attn``, ``shared_cache``, quantized or Meta-layout
     ``model_format``) raises ``EngineConfigError`` naming what to use instead; one that only
     tunes something done differently here (``model_name``, ``max_prefill_iters``,
     ``prefill_interval``, ``thread_safe``, ``model_format='gguf'``) logs one warning saying so.
@@ -99,7 +100,15 @@ class EngineConfig:
     eviction_type: str = "recompute"  # only "recompute"
     prefill_interval: int = 16  # no effect: prompts are admitted every step
     num_cpu_blocks: int = 0  # no CPU swap space
-    adapters: dict | None = None  # no LoRA
+    # LoRA adapters (engine/lora/): {name: PEFT checkpoint directory} loaded at start. A request
+    # picks one by name (SamplingParams.adapter_name). Their weights are paged into a pool of
+    # ``max_loras`` slots of rank ``max_lora_rank`` on the device, least recently used out first;
+    # a step mixes at most ``max_loras`` adapters. None: sized from the adapters given (one slot
+    # each, at most 8; rank the largest of theirs, at least 16). LoRA is on when ``adapters`` is
+    # given or ``max_loras`` is set (adapters may then be loaded at run time).
+    adapters: dict[str, str] | None = None
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
     thread_safe: bool = False  # no effect: the pipeline is always thread-safe
     shared_cache: bool = False  # not implemented
 
@@ -149,6 +158,7 @@ class EngineConfig:
             raise EngineConfigError(f"dtype={self.dtype!r}: use auto, float32, float16 or bfloat16")
         self.cache_bytes_or_blocks()  # validates cache_max_entry_count
         self._check_hub_options()
+        self._check_adapters()
         self._check_unimplemented()
         self._warn_no_effect()  # last: a config that is refused warns about nothing
 
@@ -205,6 +215,26 @@ class EngineConfig:
         if self.download_dir == "":
             raise EngineConfigError("download_dir='': name a directory, or use None for Hugging Face's cache")
 
+    def _check_adapters(self) -> None:
+        adapters = self.adapters
+        if adapters is not None:
+            if not isinstance(adapters, dict) or not all(
+                    isinstance(k, str) and k and isinstance(v, str | Path) and str(v) for k, v in adapters.items()):
+                raise EngineConfigError(
+                    f"adapters={adapters!r}: give a dict of adapter name -> PEFT checkpoint directory, "
+                    "e.g. {'sql': '/models/sql-lora'}")
+            self.adapters = {k: str(v) for k, v in adapters.items()}
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise EngineConfigError(f"{name}={value!r}: give a whole number >= 1, or None to size it "
+                                        "from the adapters given")
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine keeps a LoRA adapter pool (adapters given, or a pool size set)."""
+        return bool(self.adapters) or self.max_loras is not None
+
     def _check_unimplemented(self) -> None:
         """LMDeploy options for features this engine lacks: refused unless left at their default."""
         if self.use_logn_attn:
@@ -223,10 +253,6 @@ class EngineConfig:
             raise EngineConfigError(
                 f"num_cpu_blocks={self.num_cpu_blocks}: there is no CPU swap space (preempted sequences "
                 "are recomputed); use num_cpu_blocks=0 and size the GPU cache with cache_max_entry_count")
-        if self.adapters:
-            raise EngineConfigError(
-                f"adapters={self.adapters!r}: LoRA adapters are not supported; merge the adapter into "
-                "the base weights (peft's merge_and_unload) and pass that checkpoint with adapters=None")
         if self.shared_cache:
             raise EngineConfigError(
                 "shared_cache=True: sharing one KV cache between engines is not implemented; use "

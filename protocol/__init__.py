@@ -6,11 +6,13 @@ Depends on msgspec and pyzmq only.
 from .addresses import Addresses, Endpoint
 from .codec import Codec
 from .errors import (
+    AdapterError,
     ConveyorError,
     EngineConfigError,
     InvalidRequestError,
     PromptTooLongError,
     SessionBusyError,
+    UnknownAdapterError,
     UnsupportedModelError,
     error_code,
     rebuild_error,
@@ -45,10 +47,10 @@ from .sampling import DetokenizeParams, SamplingParams, validate
 from .security import CurveKeys, SecurityError
 
 __all__ = [
-    "FINISH_REASONS", "Abort", "Addresses", "Admitted", "CancelSession", "Codec", "ConveyorError", "CurveKeys",
-    "DetokenizeParams", "DetokenizerIn", "EngineConfigError", "EngineIn", "EngineStats", "Endpoint", "ErrorOut",
-    "Finish", "GenerateReq", "IngressGone", "IngressIn", "InvalidRequestError", "LauncherIn", "LoadReport", "Ping",
-    "PromptTooLongError", "Ready", "SamplingParams", "SecurityError", "SessionBusyError", "SessionEnd", "Stage",
-    "StageStatus", "StopReq", "TextBatch", "TokenBatch", "TokenizedReq", "TokenizerIn", "UnsupportedModelError",
-    "error_code", "rebuild_error", "validate",
+    "FINISH_REASONS", "Abort", "AdapterError", "Addresses", "Admitted", "CancelSession", "Codec", "ConveyorError",
+    "CurveKeys", "DetokenizeParams", "DetokenizerIn", "EngineConfigError", "EngineIn", "EngineStats", "Endpoint",
+    "ErrorOut", "Finish", "GenerateReq", "IngressGone", "IngressIn", "InvalidRequestError", "LauncherIn",
+    "LoadReport", "Ping", "PromptTooLongError", "Ready", "SamplingParams", "SecurityError", "SessionBusyError",
+    "SessionEnd", "Stage", "StageStatus", "StopReq", "TextBatch", "TokenBatch", "TokenizedReq", "TokenizerIn",
+    "UnknownAdapterError", "UnsupportedModelError", "error_code", "rebuild_error", "validate",
 ]

@@ -42,6 +42,23 @@ class SessionBusyError(InvalidRequestError):
                          param="session_id")
 
 
+class UnknownAdapterError(InvalidRequestError):
+    """A request named a LoRA adapter (or a served model) that is not loaded."""
+
+    code = "model_not_found"  # OpenAI's code for a model name it does not serve
+
+    def __init__(self, name: str, loaded: list[str] | tuple[str, ...] = (), param: str = "adapter_name"):
+        listed = ", ".join(repr(n) for n in loaded) if loaded else "none"
+        super().__init__(f"no LoRA adapter named {name!r} is loaded (loaded: {listed}): load it first "
+                         "(adapters={name: path}, --adapters name=path, or POST /v1/load_lora_adapter)",
+                         param=param)
+
+
+class AdapterError(ConveyorError, ValueError):
+    """A LoRA adapter cannot be loaded: a missing or malformed PEFT checkpoint, a module or shape
+    the base model does not have, a rank over the pool's limit."""
+
+
 class UnsupportedModelError(ConveyorError, ValueError):
     """The checkpoint's architecture or format is not one conveyor can run."""
 
@@ -61,6 +78,10 @@ def rebuild_error(message: str, param: str | None, code: str | None) -> InvalidR
         exc = PromptTooLongError.__new__(PromptTooLongError)
         InvalidRequestError.__init__(exc, message, param)
         exc.num_tokens = exc.limit = None
+        return exc
+    if code == UnknownAdapterError.code:
+        exc = UnknownAdapterError.__new__(UnknownAdapterError)
+        InvalidRequestError.__init__(exc, message, param)
         return exc
     if code == SessionBusyError.code:
         exc = SessionBusyError.__new__(SessionBusyError)

@@ -34,6 +34,7 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-8, 1e6
 # means no limit, so int32 (the ingress's bound on ids and counts) loses nothing.
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1  # counts the wire carries must also fit the engine's int64 tensors
+MAX_ADAPTER_NAME = 256  # characters of a LoRA adapter's name
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what msgpack carries; the engine reduces a seed mod 2**63
 
 
@@ -65,6 +66,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # What the output must match (a JSON schema, a regex, ...): the engine masks every token that
     # would leave it (``protocol/guided.py``).
     guide: Guide | None = None
+    # The LoRA adapter (by its registered name) the model runs this request with; None: the base
+    # model alone (``engine/lora/``). LMDeploy's ``adapter_name``.
+    adapter_name: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -121,6 +125,9 @@ _RULES = (
     ("bad_sequences", lambda p: all(t >= 0 for s in p.bad_sequences for t in s), "token ids must be >= 0"),
     ("random_seed", lambda p: p.random_seed is None or SEED_RANGE[0] <= p.random_seed <= SEED_RANGE[1],
      f"must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (64 bits)"),
+    ("adapter_name", lambda p: p.adapter_name is None or (isinstance(p.adapter_name, str)
+                                                         and 0 < len(p.adapter_name) <= MAX_ADAPTER_NAME),
+     f"must be null (the base model) or the name of a loaded LoRA adapter (1 to {MAX_ADAPTER_NAME} characters)"),
     # A finished grammar allows only the end tokens: without them it could never end.
     ("ignore_eos", lambda p: not (p.ignore_eos and p.guide is not None),
      "cannot be combined with a response format (a completed output ends on the end token)"),
