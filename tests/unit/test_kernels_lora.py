@@ -1,0 +1,122 @@
+"""The segmented LoRA kernels (``kernels/lora.py``) against their torch references, and the
+references against a per-row loop, on fresh random inputs: segments of unequal lengths, empty
+ones and padding (slot -1), rows in no segment (left alone), fused parts of unequal sizes, split K.
+Interpreter cases on the CPU (small sizes); GPU cases at Llama-2-7B sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_harness import assert_close, compiled_gpu, gpu, interp, run_interpreter_cases_in_child
+
+from conveyor.kernels.lora import (
+    LoRASegments,
+    lora_expand_ref,
+    lora_expand_triton,
+    lora_shrink_ref,
+    lora_shrink_triton,
+)
+
+
+def segments(row_slots: list[int], device, padding: int = 0) -> LoRASegments:
+    """Rows grouped by slot (slot -1: in no segment), plus ``padding`` empty segments of slot -1."""
+    by_slot: dict[int, list[int]] = {}
+    for row, slot in enumerate(row_slots):
+        if slot >= 0:
+            by_slot.setdefault(slot, []).append(row)
+    order, starts = [], [0]
+    for rows in by_slot.values():
+        order += rows
+        starts.append(len(order))
+    slots = list(by_slot) + [-1] * padding
+    starts += [starts[-1]] * padding
+    longest = max((b - a for a, b in zip(starts, starts[1:])), default=0)
+    t = lambda v: torch.tensor(v or [0], dtype=torch.int32, device=device)
+    return LoRASegments(t(order), t(starts), torch.tensor(slots, dtype=torch.int32, device=device), max(longest, 1))
+
+
+def per_row(x, a, b, y, row_slots, part_sizes):
+    """The naive result: each row with a slot, on its own."""
+    out = y.float().clone()
+    rank = b.shape[2]
+    for t, slot in enumerate(row_slots):
+        if slot < 0:
+            continue
+        low = x[t].float() @ a[slot].float().t()
+        col = 0
+        for p, size in enumerate(part_sizes):
+            out[t, col:col + size] += low[p * rank:(p + 1) * rank] @ b[slot, col:col + size].float().t()
+            col += size
+    return out.to(y.dtype)
+
+
+def case(t, k, part_sizes, rank, slots, dtype, device, gen, none_every=4):
+    parts = len(part_sizes)
+    x = torch.randn(t, k, generator=gen).to(device, dtype)
+    a = (torch.randn(slots, parts * rank, k, generator=gen) / k ** 0.5).to(device, dtype)
+    b = torch.randn(slots, sum(part_sizes), rank, generator=gen).to(device, dtype)
+    y = torch.randn(t, sum(part_sizes), generator=gen).to(device, dtype)
+    row_slots = [-1 if i % none_every == none_every - 1 else int(torch.randint(0, slots, (1,), generator=gen))
+                 for i in range(t)]
+    return x, a, b, y, row_slots
+
+
+def test_the_references_equal_a_per_row_loop() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for part_sizes in ((48,), (32, 64), (64, 32, 32)):
+        x, a, b, y, row_slots = case(11, 40, part_sizes, 16, 3, torch.float32, "cpu", gen)
+        seg = segments(row_slots, "cpu", padding=2)
+        out = y.clone()
+        lora_expand_ref(out, lora_shrink_ref(x, a, seg), b, seg, part_sizes)
+        assert_close(out, per_row(x, a, b, y, row_slots, part_sizes), 1e-6)
+        untouched = [i for i, s in enumerate(row_slots) if s < 0]
+        assert torch.equal(out[untouched], y[untouched])
+
+
+def _check(t, k, part_sizes, rank, slots, dtype, device, split_k=None, tol=None):
+    gen = torch.Generator().manual_seed(t * 131 + k + rank)
+    x, a, b, y, row_slots = case(t, k, part_sizes, rank, slots, dtype, device, gen)
+    seg = segments(row_slots, device, padding=1)
+    partial = lora_shrink_triton(x, a, seg, split_k)
+    ref_partial = lora_shrink_ref(x, a, seg)
+    rows = torch.tensor([i for i, s in enumerate(row_slots) if s >= 0], device=device)
+    assert_close(partial.sum(0)[rows], ref_partial.sum(0)[rows], 1e-5 if dtype == torch.float32 else 2e-3)
+    out = y.clone()
+    lora_expand_triton(out, partial, b, seg, part_sizes)
+    ref = y.clone()
+    lora_expand_ref(ref, ref_partial, b, seg, part_sizes)
+    assert_close(out, ref, tol or (1e-5 if dtype == torch.float32 else 1e-2))
+    untouched = [i for i, s in enumerate(row_slots) if s < 0]
+    assert torch.equal(out[untouched], y[untouched])  # rows in no segment are never written
+
+
+@interp
+@pytest.mark.parametrize("part_sizes", [(32,), (32, 16), (32, 16, 16)])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_triton_matches_the_reference_interpreted(part_sizes, split_k) -> None:
+    _check(9, 128, part_sizes, 16, 3, torch.float32, "cpu", split_k=split_k)
+
+
+@interp
+def test_triton_rank_32_half_precision_interpreted() -> None:
+    _check(20, 64, (16, 48), 32, 2, torch.float16, "cpu")
+
+
+@compiled_gpu
+def test_interpreter_cases_in_child() -> None:
+    run_interpreter_cases_in_child(__file__)
+
+
+@gpu
+@pytest.mark.parametrize("t", [1, 8, 64, 300])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4096, (4096, 1024, 1024)), (4096, (11008, 11008)), (11008, (4096,))])
+def test_triton_matches_the_reference_on_the_gpu(t, dtype, shape) -> None:
+    k, part_sizes = shape
+    _check(t, k, part_sizes, 16, 8, dtype, "cuda")
+
+
+@gpu
+def test_float32_keeps_ieee_products_on_the_gpu() -> None:
+    _check(33, 256, (64, 64), 16, 3, torch.float32, "cuda", tol=1e-5)
