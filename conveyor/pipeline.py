@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.preflight import preflight
@@ -87,15 +88,20 @@ def _call_options(method: str, gen_config: GenerationConfig | None, kwargs: dict
         if field in fields:
             raise TypeError(f"{method}() got {field} twice (request_output_len is max_new_tokens): give one")
         fields[field] = value
-    if options.get("adapter_name") is not None:
-        raise InvalidRequestError(f"adapter_name={options['adapter_name']!r}: LoRA adapters are not supported; "
-                                  "serve a merged model", param="adapter_name")
     if not fields:
-        return gen_config or GenerationConfig(), options
-    if gen_config is not None:
+        gen = gen_config or GenerationConfig()
+    elif gen_config is not None:
         raise TypeError(f"{method}() got gen_config and {', '.join(kwargs)}: set "
                         f"{', '.join(fields)} in the GenerationConfig instead")
-    return GenerationConfig(**fields), options
+    else:
+        gen = GenerationConfig(**fields)
+    adapter = options.pop("adapter_name", None)
+    if adapter is not None and adapter != gen.adapter_name:
+        if gen.adapter_name is not None:
+            raise InvalidRequestError(f"adapter_name={adapter!r} but gen_config.adapter_name="
+                                      f"{gen.adapter_name!r}: name the LoRA adapter once", param="adapter_name")
+        gen = msgspec.structs.replace(gen, adapter_name=adapter)
+    return gen, options
 
 
 def _is_single(prompts: Any) -> bool:
@@ -216,7 +222,8 @@ class Pipeline:
 
         With ``n > 1`` each prompt gives ``n`` responses, in prompt order. Keyword arguments:
         ``chat_template_kwargs`` (the chat template's extra variables, e.g. ``enable_thinking=False``
-        for Qwen3), ``use_tqdm`` (a progress bar), ``adapter_name`` (None only), and LMDeploy's older
+        for Qwen3), ``use_tqdm`` (a progress bar), ``adapter_name`` (the LoRA adapter to run with, one of
+        ``backend_config.adapters``' names; None: the base model), and LMDeploy's older
         sampling arguments (``request_output_len``, ``top_k``, ...) instead of ``gen_config``.
         """
         gen, options = _call_options("__call__", gen_config, kwargs, _CALL_OPTIONS)

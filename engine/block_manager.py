@@ -49,9 +49,15 @@ class PrefixMatch:
 
 
 def chain_hash(parent: int | None, tokens: list[int], images: tuple[str, ...] = ()) -> int:
-    """Hash of a full block given its parent block's hash (None for the first block) and the
-    digests of the images its tokens show (``engine/multimodal.block_images``)."""
+    """Hash of a full block given its parent block's hash (``chain_root`` for the first block)
+    and the digests of the images its tokens show (``engine/multimodal.block_images``)."""
     return hash((parent, tuple(tokens), images)) if images else hash((parent, tuple(tokens)))
+
+
+def chain_root(adapter_id: int) -> int | None:
+    """The parent a first block chains from: None for the base model; for a LoRA adapter a key of
+    its own, since its KV differs from the base model's for the same tokens."""
+    return hash(("lora", adapter_id)) if adapter_id else None
 
 
 class BlockManager:
@@ -100,8 +106,10 @@ class BlockManager:
         """Blocks that hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
 
-    def find_prefix(self, token_ids: list[int], count: bool = True, images: Seq[ImageInput] = ()) -> PrefixMatch:
-        """The longest run of cached full blocks matching the start of ``token_ids``.
+    def find_prefix(self, token_ids: list[int], count: bool = True, images: Seq[ImageInput] = (),
+                    adapter_id: int = 0) -> PrefixMatch:
+        """The longest run of cached full blocks matching the start of ``token_ids`` (computed
+        with LoRA adapter ``adapter_id``, 0: none).
 
         At least one token is always left uncomputed: the last prompt token must run through
         the model to give the logits of the first generated token. ``count=False`` leaves the
@@ -109,7 +117,7 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return PrefixMatch()
-        bs, parent, found = self.block_size, None, []
+        bs, parent, found = self.block_size, chain_root(adapter_id), []
         for i in range((len(token_ids) - 1) // bs):
             parent = chain_hash(parent, token_ids[i * bs : (i + 1) * bs], block_images(images, i * bs, (i + 1) * bs))
             block_id = self._cached.get(parent)
@@ -228,6 +236,14 @@ class BlockManager:
         seq.block_table = table[:lo] + [table[end]] * (end - lo) + table[end:]
         seq.num_released_blocks = end - lo
 
+    def switch_adapter(self, seq: Sequence, adapter_id: int) -> None:
+        """A session's next turn runs with another LoRA adapter: its blocks from here on chain
+        from a key that names the switch, so that no request of either adapter alone finds them."""
+        if seq.seq_id in self._num_hashed:
+            start, parent = self._num_hashed[seq.seq_id]
+            self._num_hashed[seq.seq_id] = (start, hash((parent, "lora switch", adapter_id)))
+        seq.adapter_id = adapter_id
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish the hashes of blocks that became full of computed tokens."""
         if not self.enable_prefix_caching:
@@ -235,7 +251,7 @@ class BlockManager:
         bs = self.block_size
         # The parent hash is carried along, not read off the previous block: a block whose content
         # was already cached stays unhashed, and its successors must still chain its true hash.
-        start, parent = self._num_hashed.get(seq.seq_id, (0, None))
+        start, parent = self._num_hashed.get(seq.seq_id, (0, chain_root(seq.adapter_id)))
         # Only blocks whose token ids are all on the host: a token still on the device cannot be
         # hashed yet; its block is published when the token is read back.
         end = min(min(seq.num_computed_tokens, len(seq.token_ids)) // bs, len(seq.block_table))

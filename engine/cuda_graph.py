@@ -17,6 +17,11 @@ Inputs are written on the host into pinned buffers and copied with ``non_blockin
 recorded after the copies guards the pinned buffers against being rewritten before the copy
 has read them.
 
+With a LoRA pool (``lora_slots`` > 0) every size is captured twice: once without adapters (the
+graph a step with no adapter token replays: it costs nothing more than without LoRA), and once
+with the adapter kernels reading static segment buffers (``kernels/lora.LoRASegments``: each
+row's slot, grouped; a padding segment has slot -1 and is skipped), which ``stage`` fills.
+
 The same class runs without graphs (``capture=False``): the model is then called eagerly on the
 padded static buffers, which lets the CPU tests exercise the padding logic.
 """
@@ -30,7 +35,10 @@ from collections.abc import Sequence as Seq
 import torch
 from torch import nn
 
+from ..kernels.lora import LoRASegments
 from .attention_metadata import AttentionMetadata, set_attention_metadata
+from .layers.lora import set_lora_segments
+from .lora.segments import group_rows
 from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -63,6 +71,7 @@ class DecodeGraphs:
         block_size: int,
         device: torch.device,
         capture: bool,
+        lora_slots: int = 0,
     ) -> None:
         self.model = model
         self.device = device
@@ -92,9 +101,14 @@ class DecodeGraphs:
         self.seqlens_k = self._h_lens.to(device)
         self.block_tables = self._h_tables.to(device)
         self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=device)
+        # LoRA: [row order (top) | segment starts (slots + 1) | segment slots (slots)], one copy.
+        self.lora_slots = lora_slots
+        self._h_lora = host((top + 2 * lora_slots + 1,), torch.int32, -1) if lora_slots else None
+        self._lora = self._h_lora.to(device) if lora_slots else None
+        self._lora_staged = False
         self._copied = torch.cuda.Event() if pin else None
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
         if capture:
             self.capture()
 
@@ -114,11 +128,12 @@ class DecodeGraphs:
         )
 
     def stage(self, tokens: Seq[int], positions: Seq[int], block_tables: Seq[Seq[int]],
-              rope_shifts: Seq[int] = ()) -> int:
+              rope_shifts: Seq[int] = (), lora_slots: Seq[int] = ()) -> int:
         """Write the host-side inputs of one decode step (row ``i``: ``tokens[i]`` at position
         ``positions[i]`` of the sequence whose block table is ``block_tables[i]``, rotated at
-        that position + ``rope_shifts[i]`` when given: a multimodal rotary's text after images);
-        returns the padded batch size. No device work happens here."""
+        that position + ``rope_shifts[i]`` when given: a multimodal rotary's text after images;
+        with the LoRA adapter in pool slot ``lora_slots[i]`` when given, -1: none); returns the
+        padded batch size. No device work happens here."""
         n = len(tokens)
         bs = self.padded_size(n)
         assert bs is not None, "stage() needs a batch that can_run() accepted"
@@ -138,7 +153,25 @@ class DecodeGraphs:
         slots[n:bs] = -1
         lens[n:bs] = 1
         tables[n:bs, 0] = 0
+        self._lora_staged = bool(lora_slots)
+        if lora_slots:
+            self._stage_lora(lora_slots)
         return bs
+
+    def _stage_lora(self, row_slots: Seq[int]) -> None:
+        """The rows grouped by adapter slot into the LoRA buffer; unused segments are padding."""
+        order, starts, slots = group_rows([(row, 1, slot) for row, slot in enumerate(row_slots)])
+        buf, top, s = self._h_lora.numpy(), self.sizes[-1], self.lora_slots
+        buf[:len(order)] = order
+        buf[top:top + len(starts)] = starts
+        buf[top + len(starts):top + s + 1] = starts[-1]  # empty padding segments
+        buf[top + s + 1:top + s + 1 + len(slots)] = slots
+        buf[top + s + 1 + len(slots):] = -1
+
+    def lora_segments(self, bs: int) -> LoRASegments:
+        """The static LoRA segments of a ``bs``-row step (device views)."""
+        top, s = self.sizes[-1], self.lora_slots
+        return LoRASegments(self._lora[:top], self._lora[top:top + s + 1], self._lora[top + s + 1:], bs)
 
     def _copy_inputs(self, bs: int) -> None:
         nb = self.device.type == "cuda"
@@ -147,6 +180,8 @@ class DecodeGraphs:
         self.slot_mapping[:bs].copy_(self._h_slots[:bs], non_blocking=nb)
         self.seqlens_k[:bs].copy_(self._h_lens[:bs], non_blocking=nb)
         self.block_tables[:bs].copy_(self._h_tables[:bs], non_blocking=nb)
+        if self._lora_staged:
+            self._lora.copy_(self._h_lora, non_blocking=nb)
         if self._copied is not None:
             self._copied.record()
 
@@ -171,22 +206,26 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     def run(self, bs: int, num_rows: int, fill=None) -> torch.Tensor:
-        """Copy the staged inputs and replay (or, uncaptured, run) size ``bs``; returns the
-        ``[num_rows, vocab]`` float32 logits. They live in a static buffer: consume them before
-        the next call. ``fill(input_ids)``, when given, edits the device input ids after the
-        copy (the runner writes pending tokens there from the previous step's ids)."""
+        """Copy the staged inputs and replay (or, uncaptured, run) size ``bs``, with the LoRA
+        kernels when the step staged adapter slots; returns the ``[num_rows, vocab]`` float32
+        logits. They live in a static buffer: consume them before the next call.
+        ``fill(input_ids)``, when given, edits the device input ids after the copy (the runner
+        writes pending tokens there from the previous step's ids)."""
         self._copy_inputs(bs)
         if fill is not None:
             fill(self.input_ids)
-        graph = self._graphs.get(bs)
+        key = (bs, self._lora_staged)
+        graph = self._graphs.get(key)
         if graph is not None:
             graph.replay()
-            return self._outputs[bs][:num_rows]
+            return self._outputs[key][:num_rows]
         set_attention_metadata(self.metadata(bs))
+        set_lora_segments(self.lora_segments(bs) if self._lora_staged else None)
         try:
             return self._forward(bs)[:num_rows]
         finally:
             set_attention_metadata(None)
+            set_lora_segments(None)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -194,22 +233,26 @@ class DecodeGraphs:
         if self.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
         pool = torch.cuda.graph_pool_handle()
-        # Every row is padding while capturing: nothing is written to the cache.
+        # Every row is padding while capturing: nothing is written to the cache, and every LoRA
+        # segment is empty.
         self._reset_padding()
         for bs in reversed(self.sizes):
-            set_attention_metadata(self.metadata(bs))
-            try:
-                # An eager run first: Triton compiles and loads its kernels for these shapes here,
-                # outside the capture (module loading cannot be captured).
-                self._forward(bs)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self._forward(bs)
-            finally:
-                set_attention_metadata(None)
-            self._graphs[bs] = graph
-            self._outputs[bs] = out
+            for lora in (False, True) if self.lora_slots else (False,):
+                set_attention_metadata(self.metadata(bs))
+                set_lora_segments(self.lora_segments(bs) if lora else None)
+                try:
+                    # An eager run first: Triton compiles and loads its kernels for these shapes
+                    # here, outside the capture (module loading cannot be captured).
+                    self._forward(bs)
+                    torch.cuda.synchronize(self.device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = self._forward(bs)
+                finally:
+                    set_attention_metadata(None)
+                    set_lora_segments(None)
+                self._graphs[(bs, lora)] = graph
+                self._outputs[(bs, lora)] = out
         torch.cuda.synchronize(self.device)
         self.captured = True
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
@@ -220,6 +263,11 @@ class DecodeGraphs:
         ids, pos, slots, lens = self._np
         ids[:top], pos[:top], slots[:top], lens[:top] = 0, 0, -1, 1
         self._np_tables[:top] = 0
+        if self._h_lora is not None:  # no rows in any segment: [order | starts 0 | slots -1]
+            self._h_lora.fill_(-1)
+            self._h_lora[top:top + self.lora_slots + 1] = 0
+            self._lora_staged = True
         self._copy_inputs(top)
+        self._lora_staged = False
         if self._copied is not None:
             self._copied.synchronize()

@@ -29,7 +29,13 @@ from pathlib import Path
 from ..kernels import set_kernel_mode
 from ..protocol.addresses import free_port
 from ..protocol.checks import check_int64, check_token_ids
-from ..protocol.errors import InvalidRequestError, PromptTooLongError, SessionBusyError
+from ..protocol.errors import (
+    EngineConfigError,
+    InvalidRequestError,
+    PromptTooLongError,
+    SessionBusyError,
+    UnknownAdapterError,
+)
 from ..protocol.messages import EngineStats, Finish
 from ..protocol.multimodal import ImageInput
 from ..protocol.sampling import SamplingParams, validate
@@ -109,7 +115,8 @@ class LLMEngine:
                                           num_head_blocks=self.runner.num_head_blocks, window=window)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size,
                                    config.max_prefill_token_num, self.session_len,
-                                   min_first_chunk_tokens=self.runner.kv_layout.min_first_chunk_tokens)
+                                   min_first_chunk_tokens=self.runner.kv_layout.min_first_chunk_tokens,
+                                   max_adapters=self.runner.lora.num_slots if self.runner.lora else 0)
         self._seqs: dict[str, Sequence] = {}  # unfinished turns, by request id
         self._sessions: dict[int, Sequence] = {}
         self._pending: list[StepOutput] = []  # finishes decided outside step(), reported by it
@@ -182,6 +189,7 @@ class LLMEngine:
             check_token_ids(first_turn_ids, vocab, "first_turn_ids")
         check_int64(session_id, "session_id")
         check_int64(priority, "priority")
+        adapter_id = self._adapter_id(params.adapter_name)
         request_id = f"req-{next(self._request_ids)}" if request_id is None else request_id
         if request_id in self._seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
@@ -206,11 +214,14 @@ class LLMEngine:
                 f"has {self.block_manager.num_blocks}: raise cache_max_entry_count", param="messages")
         if seq is None:
             seq = Sequence(token_ids, params, request_id=request_id, session_id=session_id)
+            seq.adapter_id = adapter_id
             if session_id is not None:
                 self._sessions[session_id] = seq
         else:
             images = shifted(images, len(seq.token_ids))
             seq.start_turn(token_ids, params, request_id)
+            if adapter_id != seq.adapter_id:
+                self.block_manager.switch_adapter(seq, adapter_id)
         seq.images.extend(images)
         # The sampler's noise is a function of (seed, tokens generated): see engine/sampler.py.
         seed = params.random_seed
@@ -223,6 +234,51 @@ class LLMEngine:
         seq.priority = priority
         self.scheduler.add(seq)
         return seq
+
+    def _adapter_id(self, name: str | None) -> int:
+        """The id of the LoRA adapter a request names (0: none); UnknownAdapterError if none has it."""
+        if name is None:
+            return 0
+        lora = self.runner.lora
+        adapter_id = lora.by_name.get(name) if lora is not None else None
+        if adapter_id is None:
+            raise UnknownAdapterError(name, self.adapter_names())
+        return adapter_id
+
+    def adapter_names(self) -> list[str]:
+        """Registered LoRA adapters, in load order."""
+        return self.runner.lora.names if self.runner.lora is not None else []
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Read a PEFT LoRA checkpoint and register it under ``name`` (on every rank). Raises
+        EngineConfigError when the engine has no LoRA pool, AdapterError when the name is taken or
+        the checkpoint does not fit the base model or the pool."""
+        lora = self.runner.lora
+        if lora is None:
+            raise EngineConfigError(
+                f"cannot load LoRA adapter {name!r}: this engine was started without a LoRA pool; start it "
+                "with adapters={...} or max_loras=N (--adapters / --max-loras) to load adapters at run time")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError(f"adapter name {name!r}: give a non-empty string", param="lora_name")
+        self._collect_adapters()
+        self.runner.register_adapter(lora.new_id(), name, str(path))
+        logger.info("loaded LoRA adapter %r from %s", name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget adapter ``name``: new requests can no longer name it; running ones finish with
+        it (its weights go when the last ends). UnknownAdapterError when no adapter has that name."""
+        lora = self.runner.lora
+        if lora is None or lora.unregister(name) is None:
+            raise UnknownAdapterError(name, self.adapter_names(), param="lora_name")
+        self._collect_adapters()
+        logger.info("unloaded LoRA adapter %r", name)
+
+    def _collect_adapters(self) -> None:
+        """Drop the weights of unloaded adapters no unfinished turn runs with (on every rank)."""
+        lora = self.runner.lora
+        in_use = {seq.adapter_id for seq in self._seqs.values()}
+        gone = [i for i, a in lora.adapters.items() if not a.live and i not in in_use]
+        self.runner.forget_adapters(gone)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (client gone); it is reported finished with reason ABORT."""
@@ -389,4 +445,5 @@ class LLMEngine:
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), kv_usage=bm.usage,
             num_blocks=bm.num_blocks, free_blocks=bm.num_free_blocks, prefix_hit_tokens=bm.prefix_hit_tokens,
-            prefix_query_tokens=bm.prefix_query_tokens, generated_tokens=self.generated_tokens)
+            prefix_query_tokens=bm.prefix_query_tokens, generated_tokens=self.generated_tokens,
+            adapters=self.adapter_names())

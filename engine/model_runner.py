@@ -58,6 +58,10 @@ from .model_registry import model_class
 from .layers import RMSNorm
 from .layers.layer_norm import LayerNorm
 from .layers.attention import MixedBatchMetadata
+from .layers.lora import set_lora_segments
+from .lora.manager import LoRAManager, pool_shape
+from .lora.checkpoint import read_peft_lora
+from .lora.segments import step_segments
 from .models import build_model
 from .sampler import DeviceSamples, Sampler
 from ..kernels.kv_layout import KVCacheSpec
@@ -186,6 +190,8 @@ class ModelRunner:
         else:
             load_model(self.model, model_path)
         self.model.eval()
+        # LoRA adapters' device pool, before the memory profile (it counts as weights).
+        self.lora: LoRAManager | None = self._lora_pool() if config.lora_enabled else None
         self.sampler = Sampler()
         self.step_hooks: list[StepHook] = []
         # The vision encoder's rows of the last images seen, by digest: a repeated image whose
@@ -234,6 +240,44 @@ class ModelRunner:
                 logger.warning("decode CUDA graph capture failed (%s); decoding eagerly", exc)
                 self.use_cuda_graphs = False
 
+    def _lora_pool(self) -> LoRAManager:
+        """The slot pool, sized from the config and its start-up adapters, which it registers
+        (ids 1, 2, ... in the config's order, the same on every rank)."""
+        start = {name: read_peft_lora(path) for name, path in (self.config.adapters or {}).items()}
+        slots, rank = pool_shape(self.config, [lora.rank for lora in start.values()])
+        manager = LoRAManager(self.model, self.model_config.num_layers, slots, rank, self.dtype, self.device)
+        for adapter_id, (name, lora) in enumerate(start.items(), start=1):
+            manager.register(adapter_id, name, str(lora.path), lora)
+        return manager
+
+    def register_adapter(self, adapter_id: int, name: str, path: str) -> None:
+        """Register a LoRA adapter on this rank and (tensor parallel rank 0) on the others; raises
+        AdapterError (nothing is sent) when it does not fit."""
+        self.lora.register(adapter_id, name, path)
+        self._send(StepPlan(StepKind.ADAPTER, adapter_ops=[(adapter_id, name, path)]))
+
+    def forget_adapters(self, adapter_ids: list[int]) -> None:
+        """Drop unloaded adapters' weights here and on the other ranks."""
+        for adapter_id in adapter_ids:
+            self.lora.forget(adapter_id)
+        if adapter_ids:
+            self._send(StepPlan(StepKind.ADAPTER, adapter_ops=[(i, "", "") for i in adapter_ids]))
+
+    def _adapter_ops(self, ops: list[tuple[int, str, str]]) -> None:
+        """A follower rank's side of ``register_adapter`` / ``forget_adapters``."""
+        for adapter_id, name, path in ops:
+            if path:
+                self.lora.register(adapter_id, name, path)
+            else:
+                self.lora.forget(adapter_id)
+
+    def _attach_lora(self, plan: StepPlan, seqs: list[Sequence]) -> None:
+        """Give ``plan`` its sequences' adapter slots (``seqs`` in the plan's order), paging in
+        adapters that are not resident; nothing when none of them runs an adapter."""
+        if self.lora is None or not any(s.adapter_id for s in seqs):
+            return
+        plan.lora_slots, plan.lora_loads = self.lora.slots_for([s.adapter_id for s in seqs])
+
     def _decode_graphs(self, capture: bool) -> DecodeGraphs:
         """Static decode buffers (and, with ``capture``, their CUDA graphs) for this runner."""
         return DecodeGraphs(
@@ -244,6 +288,7 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
             capture=capture,
+            lora_slots=self.lora.num_slots if self.lora is not None else 0,
         )
 
     @torch.inference_mode()
@@ -472,6 +517,10 @@ class ModelRunner:
         ids, pos, meta = self._inputs(plan, prev_ids)
         embeds = self._image_embeddings(ids, plan) if plan.image_rows else None
         set_attention_metadata(meta)
+        if plan.lora_slots:
+            cu = plan.cu_seqlens_q
+            set_lora_segments(step_segments([(cu[i], n, slot) for i, (n, slot) in
+                                             enumerate(zip(plan.num_new, plan.lora_slots))], self.device))
         try:
             if embeds is None:
                 return self.model(ids, pos)
@@ -480,6 +529,7 @@ class ModelRunner:
             return self.model(ids, pos, inputs_embeds=embeds)
         finally:
             set_attention_metadata(None)
+            set_lora_segments(None)
 
     @staticmethod
     def _image_mask(ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
@@ -547,12 +597,14 @@ class ModelRunner:
             plan = StepPlan(StepKind.GRAPH, input_ids=tokens, positions=[s.num_computed_tokens for s in graph_seqs],
                             block_tables=[s.block_table for s in graph_seqs], pending=pending, logit_rows=rows,
                             rope_shifts=self._rope_shifts(graph_seqs))
+            self._attach_lora(plan, graph_seqs)
             sampling = [out.scheduled[i].seq for i in rows]
         else:
             # Single-token sequences first, so that attention can split the batch (see _attention_metadata).
             items = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
             plan = self._flatten([(s.seq, s.num_new_tokens) for s in items], self.block_size, prev,
                                  mrope_merge=self.mrope_merge)
+            self._attach_lora(plan, [item.seq for item in items])
             end = 0
             sampling = []
             for item in items:
@@ -567,10 +619,12 @@ class ModelRunner:
         """Run a FORWARD or GRAPH plan on this rank; the logits of its ``logit_rows`` (None when
         it has none)."""
         rows = plan.logit_rows
+        if plan.lora_loads:
+            self.lora.apply_loads(plan.lora_loads)
         if plan.kind == StepKind.GRAPH:
             graphs = self.decode_graphs
             n = len(plan.input_ids)
-            bs = graphs.stage(plan.input_ids, plan.positions, plan.block_tables, plan.rope_shifts)
+            bs = graphs.stage(plan.input_ids, plan.positions, plan.block_tables, plan.rope_shifts, plan.lora_slots)
             all_logits = graphs.run(bs, n, fill=lambda ids: self._gather_pending(ids, plan.pending, prev_ids))
             if not rows:
                 return None
@@ -628,7 +682,12 @@ class ModelRunner:
     def follow(self, plan: StepPlan, prev_ids: torch.Tensor | None) -> torch.Tensor | None:
         """Run rank 0's plan on this rank (tensor-parallel ranks 1..tp-1); returns the ids the
         step sampled (broadcast by rank 0), which the next plan's pending inputs read."""
+        if plan.kind == StepKind.ADAPTER:
+            self._adapter_ops(plan.adapter_ops)
+            return prev_ids
         if plan.kind == StepKind.SCORE:
+            if plan.lora_loads:
+                self.lora.apply_loads(plan.lora_loads)
             for _ in self._chunk_logits(self._forward(plan), len(plan.logit_rows)):
                 pass  # the LM head's all-gather needs every rank; only rank 0 scores
             return prev_ids
@@ -650,7 +709,10 @@ class ModelRunner:
         targets = seq.token_ids[start + 1 : start + n + 1]
         plan = self._flatten([(seq, n)], self.block_size, None, StepKind.SCORE, self.mrope_merge)
         plan.logit_rows = list(range(len(targets)))
+        self._attach_lora(plan, [seq])
         self._send(plan)
+        if plan.lora_loads:
+            self.lora.apply_loads(plan.lora_loads)
         hidden = self._forward(plan)
         total = torch.zeros((), dtype=torch.float64)
         for lo, logits in self._chunk_logits(hidden, len(targets)):

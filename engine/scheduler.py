@@ -71,7 +71,8 @@ class Scheduler:
     """Owns the queues; asks the block manager for room; applies each step's sampled tokens."""
 
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int, session_len: int,
-                 clock: Callable[[], float] = time.monotonic, min_first_chunk_tokens: int = 0):
+                 clock: Callable[[], float] = time.monotonic, min_first_chunk_tokens: int = 0,
+                 max_adapters: int = 0):
         self.block_manager = block_manager
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
@@ -80,6 +81,9 @@ class Scheduler:
         # (``Sequence.first_chunk_tokens``). 0: no such rule.
         self.min_first_chunk_tokens = min_first_chunk_tokens
         self.session_len = session_len
+        # LoRA: the most distinct adapters the running batch may hold (the device pool's slots);
+        # 0: no limit (no adapters). A waiting sequence of another adapter waits while it is full.
+        self.max_adapters = max_adapters
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.parked: OrderedDict[int, Sequence] = OrderedDict()  # session id -> seq, LRU first
@@ -148,10 +152,12 @@ class Scheduler:
         if out.preempted:
             return out  # the cache is short: admit nothing new this step
         j = 0  # the first waiting sequence not passed over (one whose grammar still compiles is)
+        adapters = {s.adapter_id for s in self.running if s.adapter_id} if self.max_adapters else set()
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[j]
-            if not seq.admissible:
-                j += 1
+            if not seq.admissible or (seq.adapter_id and seq.adapter_id not in adapters
+                                      and len(adapters) >= self.max_adapters > 0):
+                j += 1  # its grammar compiles, or its adapter would not fit the pool beside the running ones
                 continue
             if self._never_fits(seq):
                 del self.waiting[j]
@@ -161,7 +167,8 @@ class Scheduler:
             fresh = seq.num_computed_tokens == 0 and not seq.block_table
             if fresh:
                 # Counted on admission: a sequence that does not fit is looked up again next step.
-                prefix = self.block_manager.find_prefix(seq.token_ids, count=False, images=seq.images)
+                prefix = self.block_manager.find_prefix(seq.token_ids, count=False, images=seq.images,
+                                                        adapter_id=seq.adapter_id)
             start = seq.num_computed_tokens + prefix.num_tokens
             n = self._chunk(seq, start, min(seq.num_uncomputed_tokens - prefix.num_tokens, budget), budget)
             if not n:  # an image's span does not fit what is left of this step: it waits for the next
@@ -182,6 +189,8 @@ class Scheduler:
                     self.block_manager.count_prefix(seq.num_tokens, prefix)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
+                if seq.adapter_id:
+                    adapters.add(seq.adapter_id)
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
                 continue

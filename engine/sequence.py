@@ -81,6 +81,9 @@ class Sequence:
         # Images of every turn, their spans in ``token_ids`` (``engine/multimodal.py``): kept with
         # the history, since a recompute after preemption runs the encoder again.
         self.images: list[ImageInput] = []
+        # The LoRA adapter the current turn runs with (``engine/lora/``; an id, never reused), 0 for
+        # the base model alone. Its KV is computed with it, so its prefix-cache keys include it.
+        self.adapter_id = 0
 
     def __repr__(self) -> str:
         return (

@@ -152,6 +152,7 @@ class EngineStats(msgspec.Struct, **_WIRE):
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
     generated_tokens: int = 0  # since the engine started
+    adapters: list[str] = []  # the LoRA adapters loaded, by name (every ingress learns them from here)
 
 
 class LoadReport(msgspec.Struct, tag=8, **_TAG):

@@ -24,6 +24,7 @@ class StepKind(IntEnum):
     GRAPH = 1  # a decode step replayed from the captured CUDA graph of its padded size
     SCORE = 2  # a forward, then the logits of every row in chunks (get_ppl)
     STOP = 3  # leave the loop and exit
+    ADAPTER = 4  # register or forget LoRA adapters (``adapter_ops``); no forward
 
 
 class StepPlan(msgspec.Struct, tag=1, **_TAG):
@@ -57,6 +58,13 @@ class StepPlan(msgspec.Struct, tag=1, **_TAG):
     # step's rotary position of each row minus its index (``positions``), empty when all are 0.
     mrope_positions: list[list[int]] = []
     rope_shifts: list[int] = []
+    # LoRA (``engine/lora/``): each sequence's (FORWARD / SCORE, in ``num_new`` order) or row's
+    # (GRAPH) adapter slot, -1 for none, empty when no sequence runs an adapter; the (adapter id,
+    # slot) pages to copy in before the step; an ADAPTER plan's (adapter id, name, path) to
+    # register, or with path "" to forget.
+    lora_slots: list[int] = []
+    lora_loads: list[tuple[int, int]] = []
+    adapter_ops: list[tuple[int, str, str]] = []
 
 
 class RankStatus(msgspec.Struct, tag=2, **_TAG):

@@ -77,6 +77,8 @@ class LinearBase(nn.Module):
         self.output_size = output_size
         self.method = method or UnquantizedLinearMethod()
         self.method.create_weights(self, input_size, output_size, bias)
+        # LoRA adapters' slots beside this linear (``layers/lora.LoRASlots``), when the engine runs them.
+        self.lora = None
         for param in self.parameters(recurse=False):
             param.weight_loader = self.weight_loader
 
@@ -88,8 +90,9 @@ class LinearBase(nn.Module):
         _copy_checked(param.data, loaded, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., in] -> [..., out]."""
-        return self.method.apply(self, x)
+        """[..., in] -> [..., out] (plus the step's adapter deltas, when LoRA slots are attached)."""
+        out = self.method.apply(self, x)
+        return out if self.lora is None else self.lora(x, out)
 
 
 class RowParallelLinear(LinearBase):
@@ -137,6 +140,8 @@ class RowParallelLinear(LinearBase):
         """[..., in / tp] -> [..., out], summed over the ranks (this rank's part without
         ``reduce_output``)."""
         out = self.method.apply(self, x)
+        if self.lora is not None:  # x_r A_r^T B^T: the all-reduce sums the ranks' parts, as the base's
+            out = self.lora(x, out)
         return tp_group().all_reduce(out) if self.reduce_output else out
 
 

@@ -64,8 +64,10 @@ def test_defaults_are_silent(warnings_, kwargs):
 @pytest.mark.parametrize(("kwargs", "fix"), [
     (dict(eviction_type="copy"), "eviction_type='recompute'"),
     (dict(eviction_type="swap"), "'recompute'"),
-    (dict(adapters={"a": "org/lora"}), "LoRA adapters are not supported"),
-    (dict(adapters={"a": "org/lora"}), "merge_and_unload"),
+    (dict(adapters=["org/lora"]), "dict of adapter name -> PEFT checkpoint directory"),
+    (dict(adapters={"": "org/lora"}), "dict of adapter name"),
+    (dict(max_loras=0), "max_loras=0: give a whole number >= 1"),
+    (dict(max_lora_rank=True), "max_lora_rank=True"),
     (dict(use_logn_attn=True), "use_logn_attn=False"),
     (dict(num_cpu_blocks=128), "num_cpu_blocks=0"),
     (dict(num_cpu_blocks=128), "recomputed"),

@@ -262,6 +262,9 @@ def test_pipeline_old_call_arguments_act(pipe) -> None:
     pipe.chat("x", top_k=2)
     got = [(r.params.max_new_tokens, r.params.top_k) for r in pipe._stack.requests[1:]]
     assert got == [(4, 1), (4, 1), (5, 1), (6, 1), (512, 2)]
+    pipe("x", adapter_name="sql")  # LMDeploy's call argument reaches the request's parameters
+    pipe.chat("x", adapter_name="sql", top_k=2)
+    assert [r.params.adapter_name for r in pipe._stack.requests[6:]] == ["sql", "sql"]
 
 
 @pytest.mark.parametrize("call, error, hint", [
@@ -269,7 +272,8 @@ def test_pipeline_old_call_arguments_act(pipe) -> None:
     (lambda p: p("x", top_k=2, gen_config=GenerationConfig()), TypeError, "in the GenerationConfig"),
     (lambda p: p("x", request_output_len=2, max_new_tokens=3), TypeError, "twice"),
     (lambda p: p("x", bad_sequences=[[1]]), TypeError, "gen_config=GenerationConfig"),
-    (lambda p: p("x", adapter_name="lora"), ValueError, "merged model"),
+    (lambda p: p("x", adapter_name="a", gen_config=GenerationConfig(adapter_name="b")), ValueError,
+     "name the LoRA adapter once"),
     (lambda p: p.stream_infer("x", stream_response=False), TypeError, "whole responses"),
     (lambda p: p.stream_infer("x", use_tqdm=True), TypeError, "'use_tqdm'"),
     (lambda p: p.chat("x", sessions=[1]), TypeError, "'sessions'"),

@@ -1,0 +1,109 @@
+"""LoRA beside a linear layer: each token's adapter delta ``(x A^T) B^T``, from a pool of slots.
+
+Many adapters share one base model (S-LoRA): every adapter the engine may run sits in one of
+``num_slots`` slots of each target linear's ``LoRASlots`` (``a`` [slots, parts * R, in],
+``b`` [slots, out, R]; the adapter's scaling is folded into ``b``, a smaller rank is zero-padded
+to the pool's ``R``, which adds nothing). The linear computes its base output, then its
+``LoRASlots`` adds the step's deltas in place: the tokens are grouped into segments by slot
+(``kernels/lora.LoRASegments``, set for the forward by the model runner, like the attention
+metadata), one shrink ``x A^T`` and one expand ``+= low B^T`` per linear, each segment with its own
+slot's weights. Steps (or graph replays) without adapter tokens set no segments: the layers return
+at once and cost nothing.
+
+A fused linear (q|k|v, gate|up) holds one adapter block per part: part ``p``'s ``A`` is rows
+``p*R:(p+1)*R`` of ``a`` (all read the same input), its ``B`` the part's output rows of ``b``.
+
+Tensor parallel splits the adapters as their linears are split (``engine/distributed.py``): a
+column-parallel linear (outputs split) keeps ``A`` whole and its part of ``B``'s rows; a
+row-parallel one (inputs split: o_proj, down_proj) its columns of ``A`` and all of ``B``, and adds
+``x_r A_r^T B^T`` to its partial output before the all-reduce, which sums the ranks' parts into
+``x A^T B^T`` as it sums the base's.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from ...kernels.lora import LoRASegments, lora_expand, lora_shrink
+from .linear import LinearBase, MergedLinear, RowParallelLinear
+
+# Thread-local, as the attention metadata: several engines may step in one process.
+_local = threading.local()
+
+
+def set_lora_segments(segments: LoRASegments | None) -> None:
+    """Install the adapter segments of the forward about to run (None: no adapter tokens)."""
+    _local.segments = segments
+
+
+def get_lora_segments() -> LoRASegments | None:
+    """The running forward's adapter segments, or None."""
+    return getattr(_local, "segments", None)
+
+
+class LoRASlots(nn.Module):
+    """The adapter slots of one linear layer (this rank's share of them)."""
+
+    def __init__(self, linear: LinearBase, num_slots: int, rank: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.rank = rank
+        if isinstance(linear, MergedLinear):
+            # Outputs split over ranks: this rank's part of each projection; inputs whole.
+            self.part_sizes = tuple(linear.output_sizes)
+            self.part_rows = [start for start, _ in linear.parts]  # where they start in the full projection
+            self.full_part_sizes = tuple(linear.full_output_sizes)
+            self.in_start, self.in_size, self.full_in = 0, linear.input_size, linear.input_size
+        elif isinstance(linear, RowParallelLinear):
+            # Inputs split over ranks: this rank's columns of A; every output.
+            self.part_sizes = self.full_part_sizes = (linear.output_size,)
+            self.part_rows = [0]
+            self.in_start, self.in_size, self.full_in = linear.input_start, linear.input_size, linear.full_input_size
+        else:
+            self.part_sizes = self.full_part_sizes = (linear.output_size,)
+            self.part_rows = [0]
+            self.in_start, self.in_size, self.full_in = 0, linear.input_size, linear.input_size
+        parts = len(self.part_sizes)
+        self.register_buffer("a", torch.zeros(num_slots, parts * rank, self.in_size, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("b", torch.zeros(num_slots, sum(self.part_sizes), rank, dtype=dtype, device=device),
+                             persistent=False)
+
+    def local_weights(self, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One adapter's slot contents on this rank, from its whole-model ``{part: (A [r, in],
+        B [out_part, r] scaled)}``: ``a`` [parts * R, in / tp-or-in] and ``b`` [out, R] in the
+        pool's dtype; parts it does not target stay zero."""
+        a = torch.zeros(self.a.shape[1:], dtype=self.a.dtype)
+        b = torch.zeros(self.b.shape[1:], dtype=self.b.dtype)
+        out = 0
+        for p, size in enumerate(self.part_sizes):
+            if p in parts:
+                pa, pb = parts[p]
+                r = pa.shape[0]
+                a[p * self.rank: p * self.rank + r] = pa[:, self.in_start: self.in_start + self.in_size]
+                b[out: out + size, :r] = pb[self.part_rows[p]: self.part_rows[p] + size]
+            out += size
+        return a, b
+
+    def load(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Copy one adapter's weights (``local_weights``, pinned on CUDA) into ``slot``; queued
+        on the current stream, so a step still running reads the slot's old weights first."""
+        nb = self.a.device.type == "cuda"
+        self.a[slot].copy_(a, non_blocking=nb)
+        self.b[slot].copy_(b, non_blocking=nb)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (the linear's output for input ``x``) plus each segment's adapter delta, in place."""
+        segments = get_lora_segments()
+        if segments is None:
+            return y
+        if not isinstance(x, torch.Tensor):  # W8A8's int8 rows (Int8Rows): the adapter reads them dequantized
+            x = (x.q.to(torch.float32) * x.scale).to(x.dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        y2 = y.view(-1, y.shape[-1])
+        partial = lora_shrink(x2, self.a, segments)
+        lora_expand(y2, partial, self.b, segments, self.part_sizes)
+        return y

@@ -1,0 +1,96 @@
+"""LoRA adapters on the real SmolLM2-135M-Instruct (CPU, float32): three PEFT adapters of several
+ranks made on it, served beside the base model by one pipeline. Every request's greedy tokens
+equal transformers' on the adapter merged into the base (``merge_and_unload``), in one batch that
+mixes the three adapters and the base model; ``adapter_name`` picks the adapter as in LMDeploy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor import EngineConfig, GenerationConfig, PytorchEngineConfig, pipeline
+from conveyor.protocol.errors import UnknownAdapterError
+
+from unit.tiny_lora import hf_greedy, load_base, make_adapter, merged
+
+pytestmark = pytest.mark.slow
+
+N = 16
+PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List three prime numbers.",
+           "Who wrote Hamlet?"]
+ADAPTERS = {  # name -> (rank, alpha, targets, rslora)
+    "all16": (16, 32, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), False),
+    "qv8": (8, 8, ("q_proj", "v_proj"), True),
+    "mlp4": (4, 16, ("gate_proj", "up_proj", "down_proj"), False),
+}
+
+
+@pytest.fixture(scope="module")
+def setup(smollm2_dir, tmp_path_factory):
+    """({name: adapter dir}, {name or None: [transformers' greedy tokens per prompt]}, prompt ids)."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("smol-lora")
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+           for p in PROMPTS]
+    ids = [list(i["input_ids"]) if isinstance(i, dict) or hasattr(i, "keys") else list(i) for i in ids]
+    base = load_base(smollm2_dir)
+    torch.manual_seed(0)
+    paths, expected = {}, {None: [hf_greedy(base, i, N) for i in ids]}
+    for seed, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTERS.items(), start=1):
+        paths[name] = make_adapter(base, root / name, r=r, alpha=alpha, targets=targets, use_rslora=rslora,
+                                   seed=seed, scale=0.5)
+        expected[name] = [hf_greedy(merged(base, paths[name]), i, N) for i in ids]
+        assert expected[name] != expected[None], name  # the adapter changes the answers
+    return paths, expected, ids
+
+
+@pytest.fixture(scope="module")
+def pipe(smollm2_dir, setup):
+    paths, _, _ = setup
+    cfg = PytorchEngineConfig(adapters={k: str(v) for k, v in paths.items()}, cache_max_entry_count=256,
+                              block_size=16, device="cpu", dtype="float32")
+    with pipeline(str(smollm2_dir), cfg) as p:
+        yield p
+
+
+def test_one_batch_mixing_three_adapters_and_the_base_equals_merged(pipe, setup) -> None:
+    _, expected, ids = setup
+    names = [None, *ADAPTERS]
+    requests = [(i, names[(k + j) % 4]) for k, i in enumerate(ids) for j in range(4)]
+
+    def call(engine):
+        from conveyor.protocol.sampling import SamplingParams
+
+        rids = [engine.add_request(i, SamplingParams(max_new_tokens=N, temperature=0.0, ignore_eos=True,
+                                                     adapter_name=a)).request_id for i, a in requests]
+        out = {r: [] for r in rids}
+        while engine.has_work:
+            for o in engine.step():
+                if o.token is not None:
+                    out[o.request_id].append(o.token)
+        return [out[r] for r in rids]
+
+    got = pipe._stack.call(call)  # on the engine's thread: all 16 requests in the same steps
+    for (prompt, name), tokens in zip(requests, got):
+        assert tokens == expected[name][ids.index(prompt)], name
+
+
+def test_adapter_name_picks_the_adapter_as_in_lmdeploy(pipe, setup) -> None:
+    _, expected, _ = setup
+    gen = GenerationConfig(max_new_tokens=N, top_k=1, ignore_eos=True)
+    for name in ADAPTERS:
+        got = pipe(PROMPTS, gen_config=gen, adapter_name=name)
+        assert [r.token_ids for r in got] == expected[name], name
+    assert [r.token_ids for r in pipe(PROMPTS, gen_config=gen)] == expected[None]
+    got = pipe(PROMPTS[:1], gen_config=GenerationConfig(max_new_tokens=N, top_k=1, ignore_eos=True,
+                                                        adapter_name="qv8"))
+    assert got[0].token_ids == expected["qv8"][0]
+    with pytest.raises(UnknownAdapterError, match="'nope'"):
+        pipe(PROMPTS[:1], gen_config=gen, adapter_name="nope")
+    assert pipe(PROMPTS[:1], gen_config=gen, adapter_name="mlp4")[0].token_ids == expected["mlp4"][0]
+
+
+def test_engine_config_is_pytorch_engine_config() -> None:
+    assert EngineConfig is PytorchEngineConfig
