@@ -18,6 +18,13 @@ Both are safe inside a CUDA graph: no host sync, a launch grid that depends only
 (rows, ``max_len``, segments), early exits for a segment shorter than the grid or marked -1 (the
 decode graphs' padding). Rows in no segment are never read or written.
 
+The Triton kernels take float16, bfloat16 or float32 ``x`` / ``y`` with ``a`` / ``b`` of the same
+dtype, unit stride along the last dimension of each (a pool slice such as ``a[layer]`` is fine),
+a rank R that is a multiple of 16 (tl.dot's least; the pool pads ranks), one to three parts whose
+sizes are multiples of 16, and contiguous int32 segment tensors; the products accumulate in
+float32. How the programs are laid out (rows per program, K splits, warps) is one function,
+:func:`launch_plan`. Other inputs go to the references (``ref`` / ``auto``) or raise (``triton``).
+
 The torch references (``*_ref``) loop over segments and read the segment table on the host: they
 are for the CPU and the tests, not for graphs.
 """
@@ -35,7 +42,7 @@ from ._triton import FLOAT_DTYPES, TRITON_INTERPRETED, cdiv, jit, next_pow2, sm_
 class LoRASegments(NamedTuple):
     """Which rows of x / y use which pool slot."""
 
-    token_order: torch.Tensor  # int32 [L]: row indices of x / y, grouped by segment
+    token_order: torch.Tensor  # int32 [L]: row indices of x / y, grouped by segment (L >= their total)
     seg_start: torch.Tensor  # int32 [S + 1]: segment s is token_order[seg_start[s]:seg_start[s + 1]]
     seg_slot: torch.Tensor  # int32 [S]: the pool slot of segment s; -1: skip the segment (padding)
     max_len: int  # host int: no segment is longer (sizes the launch grid)
