@@ -8,7 +8,7 @@ Cases, each ``--runs`` times alternating base / adapters so that drift hits both
 The ratio of medians is the number the issue sets targets for (>= 0.8 at batch 64 with 8
 adapters of rank 16, >= 0.85 at batch 1).
 
-    python -m benchmarks.bench_lora --model llama-2-7b --adapters 8 --rank 16 -b 64
+    python -m benchmarks.bench_lora --model llama2-7b --adapters 8 --rank 16 -b 64
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def write_adapter(path: Path, config: dict, rank: int, seed: int) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama-2-7b")
+    ap.add_argument("--model", default="llama2-7b")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
