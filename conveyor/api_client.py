@@ -53,7 +53,9 @@ def new_session_id() -> int:
 
 
 class APIClient:
-    """Talks to ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``, ``/v1/chat/interactive``."""
+    """Talks to ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``, ``/v1/chat/interactive``,
+    and loads LoRA adapters (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``). A request runs
+    with an adapter when its ``model`` is the adapter's name (``adapter_name`` on the interactive calls)."""
 
     def __init__(self, api_server_url: str, api_key: str | None = None, timeout: float = 600.0):
         self.base = normalize_url(api_server_url)
@@ -71,6 +73,21 @@ class APIClient:
             r = self._http.get("/v1/models")
         self._check(r)
         return [m["id"] for m in r.json()["data"]]
+
+    def load_lora_adapter(self, name: str, path: str) -> str:
+        """Have the server load the PEFT LoRA checkpoint at ``path`` (on the server's host) as
+        ``name``; returns the server's message. APIError if it refuses (a bad checkpoint: 400)."""
+        return self._post_text("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    def unload_lora_adapter(self, name: str) -> str:
+        """Have the server forget the LoRA adapter ``name`` (APIError 404 for one not loaded)."""
+        return self._post_text("/v1/unload_lora_adapter", {"lora_name": name})
+
+    def _post_text(self, path: str, payload: dict[str, Any]) -> str:
+        with self._connection():
+            r = self._http.post(path, json=payload)
+        self._check(r)
+        return r.text
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[None]:
@@ -151,24 +168,26 @@ class APIClient:
                             request_output_len: int = INTERACTIVE_OUTPUT_LEN, top_p: float = _INTERACTIVE.top_p,
                             top_k: int = _INTERACTIVE.top_k, temperature: float = _INTERACTIVE.temperature,
                             repetition_penalty: float = _INTERACTIVE.repetition_penalty, ignore_eos: bool = False,
-                            skip_special_tokens: bool = True, **kwargs: Any) -> Iterator[dict]:
+                            skip_special_tokens: bool = True, adapter_name: str | None = None,
+                            **kwargs: Any) -> Iterator[dict]:
         """LMDeploy's stateful endpoint: with interactive_mode the server keeps the history as KV.
         ``request_output_len`` is sent always (512, LMDeploy's documented default), so a server
-        whose own default is unbounded does not generate for minutes."""
+        whose own default is unbounded does not generate for minutes. ``adapter_name``: the LoRA
+        adapter the turn runs with (None: the base model)."""
         payload = dict(prompt=prompt, session_id=session_id, interactive_mode=interactive_mode, stream=stream,
                        stop=stop, request_output_len=request_output_len, top_p=top_p, top_k=top_k,
                        temperature=temperature, repetition_penalty=repetition_penalty, ignore_eos=ignore_eos,
-                       skip_special_tokens=skip_special_tokens, **kwargs)
+                       skip_special_tokens=skip_special_tokens, adapter_name=adapter_name, **kwargs)
         yield from self._post("/v1/chat/interactive", payload, stream, sse=False)
 
     def chat(self, prompt: str | list[dict], session_id: int, request_output_len: int = INTERACTIVE_OUTPUT_LEN,
              stream: bool = False, top_p: float = _INTERACTIVE.top_p, top_k: int = _INTERACTIVE.top_k,
              temperature: float = _INTERACTIVE.temperature, repetition_penalty: float = _INTERACTIVE.repetition_penalty,
-             ignore_eos: bool = False) -> Iterator[tuple[str, int, str | None]]:
+             ignore_eos: bool = False, adapter_name: str | None = None) -> Iterator[tuple[str, int, str | None]]:
         """One turn of session ``session_id`` (LMDeploy's ``APIClient.chat``): yields (text, tokens,
         finish_reason), the text in pieces when ``stream``; the server keeps the history. A turn
         sent while the session's previous one is still ending (a stop string, a cancel) waits for
-        it, up to ``SESSION_BUSY_WAIT_S``."""
+        it, up to ``SESSION_BUSY_WAIT_S``. ``adapter_name``: the LoRA adapter the turn runs with."""
         if session_id == -1:
             raise ValueError("chat() needs a session id of your own (not -1): it keeps the history under it")
         deadline = time.monotonic() + SESSION_BUSY_WAIT_S
@@ -176,7 +195,7 @@ class APIClient:
             outs = self.chat_interactive_v1(prompt, session_id=session_id, interactive_mode=True, stream=stream,
                                             request_output_len=request_output_len, top_p=top_p, top_k=top_k,
                                             temperature=temperature, repetition_penalty=repetition_penalty,
-                                            ignore_eos=ignore_eos)
+                                            ignore_eos=ignore_eos, adapter_name=adapter_name)
             try:
                 first = next(outs, None)  # the request is sent here; a busy session is refused before any text
             except APIError as exc:

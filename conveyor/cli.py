@@ -72,10 +72,10 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from conveyor.errors import ConveyorError
 
     model = local_path(args.model, _say)
-    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, top_k=args.top_k, top_p=args.top_p,
-                           temperature=args.temperature)
     interactive = sys.stdin.isatty()
     try:  # pipeline() checks --model-name, the model and tp (engine/preflight.py) before it loads anything
+        gen = GenerationConfig(max_new_tokens=args.max_new_tokens, top_k=args.top_k, top_p=args.top_p,
+                               temperature=args.temperature, adapter_name=chat_adapter(args))
         config = _engine_config(args)
         config.enable_prefix_caching = True  # a session's turns reuse its cached history
         pipe = pipeline(model, config, chat_template_config=template_config(args.chat_template),
@@ -106,6 +106,21 @@ def _cmd_chat(args: argparse.Namespace) -> int:
                 stream.close()
                 print(" [stopped]")
     return 0
+
+
+def chat_adapter(args: argparse.Namespace) -> str | None:
+    """The LoRA adapter ``chat`` talks through: --adapter-name, else the first of --adapters (as
+    LMDeploy's chat does), else None (the base model)."""
+    from conveyor.errors import EngineConfigError
+
+    adapters = args.adapters or {}
+    if args.adapter_name is None:
+        return next(iter(adapters), None)
+    if args.adapter_name not in adapters:
+        given = ", ".join(adapters) or "none"
+        raise EngineConfigError(f"--adapter-name {args.adapter_name}: not one of --adapters ({given}); give "
+                                "--adapters NAME=PATH for it")
+    return args.adapter_name
 
 
 def _say(line: str) -> None:
@@ -295,7 +310,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                         session_idle_timeout=args.session_idle_timeout or None,
                         eager_mode=args.eager_mode, kernels=args.kernels, tp_all_reduce=args.tp_all_reduce,
                         tp_hang_timeout=args.tp_hang_timeout,
-                        load_format="dummy" if getattr(args, "dummy_weights", None) else "auto")
+                        load_format="dummy" if getattr(args, "dummy_weights", None) else "auto",
+                        adapters=args.adapters, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
 
 
 def _cmd_stage(args: argparse.Namespace) -> int:
@@ -335,7 +351,8 @@ def _cmd_stage(args: argparse.Namespace) -> int:
         run_ingress_process("ingress", addresses, model, name, session_len, args.server_name, args.server_port,
                             _api_keys(args), None, args.log_level, args.drain_timeout, _limits(args), qos,
                             args.proxy_url, _proxy_admin_key(args), chat_template=args.chat_template,
-                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                            adapter_paths=args.adapters)
     return 0
 
 
@@ -477,6 +494,56 @@ def _engine_options(s: argparse.ArgumentParser, cache_default: float = 0.8) -> N
     e.add_argument("--tp-hang-timeout", type=float, default=EngineConfig.tp_hang_timeout,
                    help="tensor parallel: seconds a rank may stay silent before it is taken for frozen and "
                         "every rank is stopped")
+    lora = s.add_argument_group("LoRA adapters")
+    lora.add_argument("--adapters", nargs="+", action=_AdaptersAction, default=None, metavar="NAME=PATH",
+                      help="LoRA adapters (PEFT checkpoint directories) loaded at start: name=path pairs, or one "
+                           "path, named 'default'; a request runs with one by naming it as its model")
+    lora.add_argument("--max-loras", type=_positive_int, default=None, metavar="N",
+                      help="adapters the device holds at once (and a step mixes); setting it turns LoRA on, so "
+                           "adapters can be loaded at run time (POST /v1/load_lora_adapter) (default: one per "
+                           "adapter given, at most 8)")
+    lora.add_argument("--max-lora-rank", type=_positive_int, default=None, metavar="R",
+                      help="the largest adapter rank the device slots hold (default: the largest given, at least 16)")
+
+
+def parse_adapters(values: Sequence[str]) -> dict[str, str]:
+    """``--adapters`` values as {name: path}: ``name=path`` pairs, or one bare path, which LMDeploy
+    names ``default``. ValueError, saying the fix, for anything else."""
+    if len(values) == 1 and "=" not in values[0]:
+        path = values[0].strip()
+        if not path:
+            raise ValueError("give name=path pairs, or one adapter's path")
+        return {"default": path}
+    adapters: dict[str, str] = {}
+    for value in values:
+        name, eq, path = value.strip().partition("=")
+        if not eq or not name or not path:
+            raise ValueError(f"{value!r}: give each of several adapters as name=path")
+        if name in adapters:
+            raise ValueError(f"the adapter name {name!r} is given twice: give each adapter its own name")
+        adapters[name] = path
+    return adapters
+
+
+class _AdaptersAction(argparse.Action):
+    """Parses ``--adapters`` into a dict at parse time, so a bad value is an argparse error."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        try:
+            setattr(namespace, self.dest, parse_adapters(values))
+        except ValueError as exc:
+            parser.error(f"argument {option_string}: {exc}")
+
+
+def _positive_int(value: str) -> int:
+    """An integer of at least 1 (argparse reports anything else against the flag)."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{number} is not a positive integer")
+    return number
 
 
 def _http_url(value: str) -> str:
@@ -666,6 +733,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_chat.add_argument("--top-p", type=float, default=d.top_p,
                         help="sample from the likeliest tokens up to this probability")
     _engine_options(p_chat, cache_default=0.2)
+    p_chat.add_argument("--adapter-name", default=None, metavar="NAME",
+                        help="the LoRA adapter (one of --adapters) the conversation runs with (default: the first "
+                             "one given; none given: the base model)")
     p_chat.set_defaults(func=_cmd_chat)
     _add_serve(sub)
     add_lite_parser(sub)

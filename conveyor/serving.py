@@ -28,7 +28,8 @@ _ENGINE_FLAGS = {"tp": "--tp", "session_len": "--session-len", "max_batch_size":
                  "cache_max_entry_count": "--cache-max-entry-count", "block_size": "--cache-block-seq-len",
                  "enable_prefix_caching": "--enable-prefix-caching", "max_prefill_token_num": "--max-prefill-token-num",
                  "quant_policy": "--quant-policy", "model_format": "--model-format", "dtype": "--dtype",
-                 "device": "--device", "session_idle_timeout": "--session-idle-timeout"}
+                 "device": "--device", "session_idle_timeout": "--session-idle-timeout",
+                 "adapters": "--adapters", "max_loras": "--max-loras", "max_lora_rank": "--max-lora-rank"}
 
 
 class ServedClient(APIClient):
@@ -84,6 +85,8 @@ def _engine_flags(config: EngineConfig) -> list[str]:
             continue
         if isinstance(value, bool):
             flags += [flag] if value else []
+        elif isinstance(value, dict):  # LoRA adapters: name=path each
+            flags += [flag, *(f"{name}={path}" for name, path in value.items())]
         else:
             flags += [flag, str(0 if value is None else value)]
     return flags

@@ -41,8 +41,9 @@ class Engine(Protocol):
     def add_request(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     session_id: int | None = None, first_turn_ids: list[int] | None = None, priority: int = 0,
                     images: list[ImageInput] | None = None) -> AdmittedRequest:
-        """Queue a request or a session's next turn; raises a ConveyorError on bad input. Waiting
-        requests of a lower ``priority`` start first."""
+        """Queue a request or a session's next turn; raises a ConveyorError on bad input
+        (UnknownAdapterError for a ``params.adapter_name`` not loaded). Waiting requests of a lower
+        ``priority`` start first."""
 
     def abort(self, request_id: str) -> None:
         """End a request now (reported with Finish.ABORT by the next step)."""
@@ -64,4 +65,16 @@ class Engine(Protocol):
         """Run one step; every request that got a token or ended appears once."""
 
     def stats(self) -> EngineStats:
-        """Queues, cache usage and counters."""
+        """Queues, cache usage and counters (and the LoRA adapters loaded)."""
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Read a PEFT LoRA checkpoint and register it under ``name``. Raises EngineConfigError when
+        the engine has no LoRA pool (started without adapters or max_loras), InvalidRequestError
+        when the name is taken, AdapterError for a bad checkpoint (missing file, wrong base shape,
+        rank over max_lora_rank)."""
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget an adapter (requests already running with it finish with it). Raises UnknownAdapterError."""
+
+    def adapter_names(self) -> list[str]:
+        """Registered adapters, in load order."""

@@ -20,6 +20,7 @@ from .errors import (
 from .messages import (
     FINISH_REASONS,
     Abort,
+    AdapterDone,
     Admitted,
     CancelSession,
     DetokenizerIn,
@@ -31,6 +32,7 @@ from .messages import (
     IngressGone,
     IngressIn,
     LauncherIn,
+    LoadAdapter,
     LoadReport,
     Ping,
     Ready,
@@ -42,15 +44,17 @@ from .messages import (
     TokenBatch,
     TokenizedReq,
     TokenizerIn,
+    UnloadAdapter,
 )
 from .sampling import DetokenizeParams, SamplingParams, validate
 from .security import CurveKeys, SecurityError
 
 __all__ = [
-    "FINISH_REASONS", "Abort", "AdapterError", "Addresses", "Admitted", "CancelSession", "Codec", "ConveyorError",
-    "CurveKeys", "DetokenizeParams", "DetokenizerIn", "EngineConfigError", "EngineIn", "EngineStats", "Endpoint",
-    "ErrorOut", "Finish", "GenerateReq", "IngressGone", "IngressIn", "InvalidRequestError", "LauncherIn",
-    "LoadReport", "Ping", "PromptTooLongError", "Ready", "SamplingParams", "SecurityError", "SessionBusyError",
-    "SessionEnd", "Stage", "StageStatus", "StopReq", "TextBatch", "TokenBatch", "TokenizedReq", "TokenizerIn",
-    "UnknownAdapterError", "UnsupportedModelError", "error_code", "rebuild_error", "validate",
+    "FINISH_REASONS", "Abort", "AdapterDone", "AdapterError", "Addresses", "Admitted", "CancelSession", "Codec",
+    "ConveyorError", "CurveKeys", "DetokenizeParams", "DetokenizerIn", "EngineConfigError", "EngineIn", "EngineStats",
+    "Endpoint", "ErrorOut", "Finish", "GenerateReq", "IngressGone", "IngressIn", "InvalidRequestError", "LauncherIn",
+    "LoadAdapter", "LoadReport", "Ping", "PromptTooLongError", "Ready", "SamplingParams", "SecurityError",
+    "SessionBusyError", "SessionEnd", "Stage", "StageStatus", "StopReq", "TextBatch", "TokenBatch", "TokenizedReq",
+    "TokenizerIn", "UnknownAdapterError", "UnloadAdapter", "UnsupportedModelError", "error_code", "rebuild_error",
+    "validate",
 ]

@@ -3,11 +3,12 @@
 Sockets and what they carry (see addresses.py for where each is bound):
   ingress      -> tokenizer    GenerateReq, Ping
   tokenizer    -> engine       TokenizedReq, Ping
-  ingress      -> engine       Abort, SessionEnd, CancelSession, Ping (heartbeat)
+  ingress      -> engine       Abort, SessionEnd, CancelSession, Ping (heartbeat),
+                               LoadAdapter, UnloadAdapter (LoRA adapters at run time)
   launcher     -> engine       IngressGone
   detokenizer  -> engine       StopReq
-  engine       -> detokenizer  Admitted, TokenBatch, ErrorOut (refusals), LoadReport
-  detokenizer  -> ingress      Admitted, TextBatch, ErrorOut, LoadReport
+  engine       -> detokenizer  Admitted, TokenBatch, ErrorOut (refusals), LoadReport, AdapterDone
+  detokenizer  -> ingress      Admitted, TextBatch, ErrorOut, LoadReport, AdapterDone
   tokenizer    -> ingress      ErrorOut
   any stage    -> launcher     Ready
   launcher     -> ingress      StageStatus
@@ -254,9 +255,40 @@ class IngressGone(msgspec.Struct, tag=15, **_TAG):
     token: str = ""  # the launcher token: the engine ignores a notice without it
 
 
+class LoadAdapter(msgspec.Struct, tag=16, **_TAG):
+    """Load the PEFT LoRA checkpoint at ``path`` (a directory the engine's host reads) as ``name``.
+
+    The engine answers ``reply_to`` (through the detokenizer, as every answer) with AdapterDone,
+    or ErrorOut: 400 for a bad checkpoint, a name taken or an engine without LoRA.
+    """
+
+    rid: str
+    reply_to: str
+    name: str
+    path: str
+
+
+class UnloadAdapter(msgspec.Struct, tag=17, **_TAG):
+    """Forget the LoRA adapter ``name`` (its running requests finish with it); answered as LoadAdapter
+    is (ErrorOut 404 model_not_found for a name not loaded)."""
+
+    rid: str
+    reply_to: str
+    name: str
+
+
+class AdapterDone(msgspec.Struct, tag=18, **_TAG):
+    """A LoadAdapter / UnloadAdapter was applied; ``adapters``: every adapter loaded now, in load order."""
+
+    rid: str
+    reply_to: str
+    adapters: list[str] = []
+
+
 # One union per receiving socket.
 TokenizerIn = Union[GenerateReq, Ping]
-EngineIn = Union[TokenizedReq, Abort, SessionEnd, CancelSession, StopReq, Ping, IngressGone]
-DetokenizerIn = Union[Admitted, TokenBatch, ErrorOut, LoadReport]
-IngressIn = Union[Admitted, TextBatch, ErrorOut, LoadReport, StageStatus]
+EngineIn = Union[TokenizedReq, Abort, SessionEnd, CancelSession, StopReq, Ping, IngressGone, LoadAdapter,
+                 UnloadAdapter]
+DetokenizerIn = Union[Admitted, TokenBatch, ErrorOut, LoadReport, AdapterDone]
+IngressIn = Union[Admitted, TextBatch, ErrorOut, LoadReport, StageStatus, AdapterDone]
 LauncherIn = Ready

@@ -25,6 +25,10 @@ result addressed to it, dispatched on the message type:
   stops hearing from) and keeps the client healthy while no tokenizer worker is up, which fails
   new requests only. When no report comes back for ``dead_after`` seconds the client is
   unhealthy and every waiting request fails with 503.
+* ``AdapterDone``: a LoRA adapter this client asked for was loaded or unloaded
+  (``load_adapter`` / ``unload_adapter``); it brings the engine's whole adapter list. The list
+  also comes with every ``LoadReport`` (``EngineStats.adapters``), so an ingress learns of the
+  adapters another ingress of the same engine loaded within a Ping.
 * ``StageStatus``: the launcher saw a stage die or come back (a notice without the launcher's
   token is ignored). While the engine or the detokenizer is down the client is unhealthy at
   once, and the requests in flight fail (their state died with the stage); a tokenizer worker's
@@ -42,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -52,6 +57,7 @@ import zmq.asyncio
 
 from ..protocol import (
     Abort,
+    AdapterDone,
     Addresses,
     Admitted,
     CancelSession,
@@ -62,12 +68,14 @@ from ..protocol import (
     Finish,
     GenerateReq,
     IngressIn,
+    LoadAdapter,
     LoadReport,
     Ping,
     SessionEnd,
     StageStatus,
     TextBatch,
     TokenizerIn,
+    UnloadAdapter,
 )
 from ..protocol.checks import check_text_batch
 from .stage import open_socket
@@ -107,6 +115,7 @@ class RequestError(Exception):
 _TIMED_OUT = object()  # put in a request's queue when it has run past the request timeout
 RETRY_AFTER_S = 5  # what a 503 asks the client to wait
 _RECENT_ABORTS = 4096  # unknown request ids already aborted, so a running one is not aborted every step
+ADAPTER_TIMEOUT_S = 120.0  # a LoRA load reads a checkpoint between two steps: seconds, not minutes
 
 
 def _needed_by_all(stage: str) -> bool:
@@ -140,7 +149,7 @@ class EngineClient:
     def __init__(self, addresses: Addresses, model_name: str, session_len: int, reply: Endpoint | None = None,
                  ping_interval: float = 0.5, dead_after: float = 10.0, admit_timeout: float = 3.0,
                  max_resends: int = 2, forget_after: float = 30.0, context: zmq.asyncio.Context | None = None,
-                 request_timeout: float | None = None):
+                 request_timeout: float | None = None, adapter_paths: dict[str, str] | None = None):
         self.addresses = addresses
         self.model_name = model_name
         self.session_len = session_len
@@ -161,6 +170,13 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
         self._aborted_unknown: OrderedDict[str, None] = OrderedDict()
         self.refused_notices = 0  # StageStatus frames without the launcher's token
+        # LoRA adapters: their paths where this client knows them (given at start, or loaded
+        # through it), the engine's list (name -> path or None), and the loads / unloads waiting
+        # for the engine's answer, by request id.
+        self._adapter_paths: dict[str, str] = dict(adapter_paths or {})
+        self.adapters: dict[str, str | None] = {name: path for name, path in self._adapter_paths.items()}
+        self._adapter_ops: dict[str, asyncio.Future] = {}
+        self.adapter_timeout = ADAPTER_TIMEOUT_S
 
     # ---- lifetime ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -266,6 +282,38 @@ class EngineClient:
         """Abort a session's running turn; the session stays."""
         self._send_to_engine(CancelSession(session_id))
 
+    async def load_adapter(self, name: str, path: str) -> list[str]:
+        """Have the engine load the PEFT LoRA checkpoint at ``path`` as ``name``; returns every
+        adapter loaded after it. RequestError as the engine refused it (400; 503 while it is down)."""
+        self._adapter_paths[name] = path
+        return await self._adapter_op(LoadAdapter(self._adapter_rid(), self.reply_to, name, path))
+
+    async def unload_adapter(self, name: str) -> list[str]:
+        """Have the engine forget the LoRA adapter ``name``; returns the adapters left (404 for one not loaded)."""
+        return await self._adapter_op(UnloadAdapter(self._adapter_rid(), self.reply_to, name))
+
+    @staticmethod
+    def _adapter_rid() -> str:
+        return f"lora-{uuid.uuid4().hex}"
+
+    async def _adapter_op(self, msg: LoadAdapter | UnloadAdapter) -> list[str]:
+        if not self.healthy:
+            raise _unavailable("the engine is not available (starting, stopped or unreachable); retry later")
+        done = self._adapter_ops[msg.rid] = asyncio.get_running_loop().create_future()
+        try:
+            self._send_to_engine(msg)
+            return await asyncio.wait_for(done, self.adapter_timeout)
+        except TimeoutError:
+            raise RequestError(504, f"the engine did not answer within {self.adapter_timeout:g}s; GET /v1/models "
+                               "shows whether the change happened", type="timeout", code="request_timeout") from None
+        finally:
+            self._adapter_ops.pop(msg.rid, None)
+
+    def _set_adapters(self, names: list[str]) -> None:
+        """The engine's adapter list, with the paths this client knows."""
+        if list(self.adapters) != names:
+            self.adapters = {name: self._adapter_paths.get(name) for name in names}
+
     async def _send_to_tokenizer(self, msg) -> bool:
         """Hand ``msg`` to a tokenizer worker without waiting; False when none can take it (no
         worker connected, or every worker's queue full): a send must never hang the caller."""
@@ -313,9 +361,20 @@ class EngineClient:
         elif isinstance(msg, Admitted):
             self._admitted(msg)
         elif isinstance(msg, ErrorOut):
+            op = self._adapter_ops.get(msg.rid)
+            if op is not None:
+                if not op.done():
+                    op.set_exception(RequestError.from_wire(msg))
+                return
             self._end(msg.rid, RequestError.from_wire(msg))
+        elif isinstance(msg, AdapterDone):
+            self._set_adapters(msg.adapters)
+            op = self._adapter_ops.get(msg.rid)
+            if op is not None and not op.done():
+                op.set_result(list(msg.adapters))
         elif isinstance(msg, LoadReport):
             self._last_ring = time.monotonic()
+            self._set_adapters(msg.engine.adapters)
             if self.load is not None:  # a direct report lacks the tokenizer's counters: keep the last ones
                 msg.stage_stats = {**self.load.stage_stats, **msg.stage_stats}
             self.load = msg

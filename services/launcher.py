@@ -207,7 +207,7 @@ class Deployment:
         self._spawn("ingress", run_ingress_process, a, args.model_path, name, session_len, args.server_name,
                     args.server_port, args.api_keys, launcher, args.log_level, args.drain_timeout, args.limits,
                     args.qos, args.proxy_url, args.proxy_admin_key, args.chat_template, args.tool_call_parser,
-                    args.reasoning_parser)
+                    args.reasoning_parser, args.engine.adapters)
         self._wait_ready({Stage.INGRESS: 1})
         logger.info("serving %s on http://%s:%d", name, args.server_name, args.server_port)
 

@@ -2,8 +2,9 @@
 
 Admitted starts a request's state and is forwarded to its ingress; a TokenBatch becomes text
 for each ingress (and StopReq to the engine for stop strings); an ErrorOut (a refusal) is
-forwarded; a LoadReport gets this stage's counters and goes on to the ingress that pinged. A
-message that fails its checks (``protocol/checks.py``) is dropped whole and counted.
+forwarded, as is an AdapterDone (a LoRA adapter loaded or unloaded); a LoadReport gets this
+stage's counters and goes on to the ingress that pinged. A message that fails its checks
+(``protocol/checks.py``) is dropped whole and counted.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 import zmq
 
 from ...protocol import (
+    AdapterDone,
     Addresses,
     Admitted,
     Codec,
@@ -61,6 +63,8 @@ def serve_detokenizer(ctx: zmq.Context, addresses: Addresses, detok: Detokenizer
             fail(errors)
         elif isinstance(msg, ErrorOut):
             check_error_out(msg)
+            replies.send(msg.reply_to, msg)
+        elif isinstance(msg, AdapterDone):
             replies.send(msg.reply_to, msg)
         elif isinstance(msg, LoadReport):
             msg.stage_stats.update(detokenizer_busy_s=busy, detokenizer_tokens=tokens,

@@ -7,6 +7,10 @@ encodes and sends. The engine loop only moves messages through queues, dispatchi
 type, and blocks when it has nothing to do. Requests are idempotent by id: a TokenizedReq the
 ingress resent (its first copy was slow, not lost) is admitted once.
 
+LoRA adapters load and unload on the engine thread between two steps (LoadAdapter reads a
+checkpoint: a step may wait a second for it); the answer, AdapterDone or ErrorOut, goes to the
+ingress at ``reply_to`` through the detokenizer, as Admitted does.
+
 No request outlives the ingress waiting for it: an ingress Pings the engine every half second
 (its heartbeat); the requests of an ingress not heard from for ``orphan_after_s`` are aborted,
 and at once when the launcher says that ingress died (IngressGone).
@@ -28,6 +32,7 @@ import zmq
 from ...engine.interface import Engine, Output
 from ...protocol import (
     Abort,
+    AdapterDone,
     Addresses,
     Admitted,
     CancelSession,
@@ -38,6 +43,7 @@ from ...protocol import (
     EngineStats,
     ErrorOut,
     IngressGone,
+    LoadAdapter,
     LoadReport,
     Ping,
     SessionEnd,
@@ -45,6 +51,8 @@ from ...protocol import (
     StopReq,
     TokenBatch,
     TokenizedReq,
+    UnknownAdapterError,
+    UnloadAdapter,
     error_code,
 )
 from ..stage import announce_ready, internal_error, open_socket
@@ -217,6 +225,8 @@ class EngineService:
                 self._heard.pop(msg.reply_to, None)
             else:
                 logger.warning("ignored an IngressGone without the launcher's token")
+        elif isinstance(msg, LoadAdapter | UnloadAdapter):
+            self._adapter_op(msg)
         elif isinstance(msg, EngineCall):
             try:
                 msg.future.set_result(msg.fn(self.engine))
@@ -257,8 +267,7 @@ class EngineService:
             req = self.engine.add_request(msg.token_ids, msg.params, msg.rid, msg.session_id, msg.first_turn_ids,
                                           priority=msg.priority, images=msg.images)
         except ConveyorError as exc:
-            self._outbox.put(ErrorOut(msg.rid, 400, str(exc), param=getattr(exc, "param", None),
-                                      code=error_code(exc), reply_to=msg.reply_to))
+            self._outbox.put(refusal(msg.rid, msg.reply_to, exc))
             return
         except Exception:  # one bad request must not stop the engine; details stay in the log
             logger.exception("adding request %s failed", msg.rid)
@@ -270,6 +279,35 @@ class EngineService:
         ids = req.turn_token_ids
         self._outbox.put(Admitted(msg.rid, msg.reply_to, len(ids), msg.params.detokenize_params(),
                                   ids[-PROMPT_TAIL:], req.num_history_tokens))
+
+
+    def _adapter_op(self, msg: LoadAdapter | UnloadAdapter) -> None:
+        """Load or unload a LoRA adapter; answer AdapterDone (the whole list after the change) or ErrorOut."""
+        try:
+            if isinstance(msg, LoadAdapter):
+                self.engine.load_adapter(msg.name, msg.path)
+            else:
+                self.engine.unload_adapter(msg.name)
+        except ConveyorError as exc:
+            self._outbox.put(refusal(msg.rid, msg.reply_to, exc))
+            return
+        except Exception:  # a checkpoint that breaks the loader must not stop the engine
+            logger.exception("%s of LoRA adapter %r failed", type(msg).__name__, msg.name)
+            err = internal_error(msg.rid, "engine")
+            err.reply_to = msg.reply_to
+            self._outbox.put(err)
+            return
+        # Pings answered from now on list the change (an ingress told by AdapterDone must not be
+        # told otherwise by a later LoadReport).
+        self._snapshot = self.engine.stats()
+        self._outbox.put(AdapterDone(msg.rid, msg.reply_to, self.engine.adapter_names()))
+        logger.info("LoRA adapter %r %s", msg.name, "loaded" if isinstance(msg, LoadAdapter) else "unloaded")
+
+
+def refusal(rid: str, reply_to: str, exc: ConveyorError) -> ErrorOut:
+    """The ErrorOut of a refused message: 404 for a LoRA adapter not loaded (OpenAI's model_not_found), else 400."""
+    status = 404 if isinstance(exc, UnknownAdapterError) else 400
+    return ErrorOut(rid, status, str(exc), param=getattr(exc, "param", None), code=error_code(exc), reply_to=reply_to)
 
 
 def to_token_batch(outputs: list[Output]) -> TokenBatch:

@@ -2,7 +2,8 @@
 
 Routes (``routes/``): GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics
 (``status.py``); POST /v1/completions, POST /v1/chat/completions (``completions.py``); POST
-/v1/chat/interactive, LMDeploy's stateful chat (``interactive.py``); /openapi.json, and /docs
+/v1/chat/interactive, LMDeploy's stateful chat (``interactive.py``); POST /v1/load_lora_adapter
+and POST /v1/unload_lora_adapter, vLLM's LoRA adapter routes (``adapters.py``); /openapi.json, and /docs
 and /redoc served with their scripts from the package (``docs.py``: no CDN). Every request is
 counted in /metrics and logged on ``conveyor.access`` (``metrics.RequestCounter``). The request
 flow the generation routes share is ``flow.py``.
@@ -32,7 +33,7 @@ from .flow import EngineClientLike, Ingress
 from .limits import IngressLimits
 from .metrics import RequestCounter
 from .qos import QosConfig, QosGate
-from .routes import install_completions, install_interactive, install_status
+from .routes import install_adapters, install_completions, install_interactive, install_status
 from .tool_calling import ChatParsing
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ def build_app(client: EngineClientLike, *, api_keys: list[str] | None = None,
     install_status(app, ing)
     install_completions(app, ing)
     install_interactive(app, ing)
+    install_adapters(app, ing)
     return app
 
 

@@ -1,6 +1,6 @@
 """The ingress's per-app state and the request flow every generation route shares: admit a
-request (model, draining, engine health), check its prompt size, reserve queue places (and a QoS
-quota), run its engine requests and answer, streamed or whole.
+request (its model, the served one or a LoRA adapter; draining; engine health), check its prompt
+size, reserve queue places (and a QoS quota), run its engine requests and answer, streamed or whole.
 
 A request whose HTTP client goes away is aborted in the engine: a stream when its response ends
 (``ClosingStreamingResponse``), a non-streamed request through a watcher on the connection.
@@ -19,7 +19,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from ...protocol import GenerateReq, LoadReport
+from ...protocol import GenerateReq, LoadReport, SamplingParams
 from ..engine_client import RETRY_AFTER_S, RequestError, RequestOutput
 from ..http import ClosingStreamingResponse, ErrorResponse, until_disconnected
 from .limits import IngressLimits
@@ -53,11 +53,21 @@ class EngineClientLike(Protocol):
     def down(self) -> list[str]: ...
     @property
     def serving_blocked_by(self) -> list[str]: ...
+    # LoRA adapters (``EngineClient``): the engine's, name -> checkpoint path where known; a
+    # client without them (a test's stand-in) serves the base model only.
+    adapters: dict[str, str | None]
+    async def load_adapter(self, name: str, path: str) -> list[str]: ...
+    async def unload_adapter(self, name: str) -> list[str]: ...
 
 
 def json_response(obj: Any) -> Response:
     """``obj`` as a JSON response."""
     return Response(_encode(obj), media_type="application/json")
+
+
+def with_adapter(params: SamplingParams, adapter: str | None) -> SamplingParams:
+    """``params`` running with the LoRA adapter ``adapter`` (None: unchanged, the base model)."""
+    return params if adapter is None else msgspec.structs.replace(params, adapter_name=adapter)
 
 
 def request_id(prefix: str) -> str:
@@ -78,17 +88,48 @@ class Ingress:
         self.metrics = IngressMetrics(client, lambda: self.inflight)
         self.renderer = LogprobRenderer(tokenizer)
 
-    def admit(self, model: str | None) -> None:
-        """Raise unless a new generation request can be taken."""
-        if model is not None and model != self.model_name:
-            raise RequestError(404, f"the model `{model}` does not exist: this server serves "
-                               f"`{self.model_name}` (see GET /v1/models)", param="model", code="model_not_found")
+    @property
+    def adapters(self) -> dict[str, str | None]:
+        """The engine's LoRA adapters as the client last heard (name -> checkpoint path, or None)."""
+        return getattr(self.client, "adapters", None) or {}
+
+    def admit(self, model: str | None, adapter_name: str | None = None) -> str | None:
+        """Raise unless a new generation request can be taken; returns the LoRA adapter it runs
+        with (None: the base model)."""
+        adapter = self.resolve_adapter(model, adapter_name)
         if self.app.state.draining:
             raise RequestError(503, "the server is shutting down: retry on another replica",
                                type="service_unavailable", code="draining", retry_after=RETRY_AFTER_S)
         if not self.client.healthy:
             raise RequestError(503, "the engine is not answering: retry later",
                                type="service_unavailable", code="engine_unavailable", retry_after=RETRY_AFTER_S)
+        return adapter
+
+    def resolve_adapter(self, model: str | None, adapter_name: str | None) -> str | None:
+        """The LoRA adapter a request names: ``model`` when it is an adapter's name (vLLM's way),
+        or LMDeploy's ``adapter_name``; None for the served model. 404 for a name not served, 400
+        when the two name different adapters."""
+        adapters = self.adapters
+        by_model = None
+        if model is not None and model != self.model_name:
+            if model not in adapters:
+                raise self.unknown_model(model, "model")
+            by_model = model
+        if adapter_name is None:
+            return by_model
+        if adapter_name not in adapters:
+            raise self.unknown_model(adapter_name, "adapter_name")
+        if by_model is not None and by_model != adapter_name:
+            raise RequestError(400, f"model `{model}` and adapter_name `{adapter_name}` name two different LoRA "
+                               "adapters: name the adapter once (model alone is enough)", param="adapter_name")
+        return adapter_name
+
+    def unknown_model(self, name: str, param: str = "model") -> RequestError:
+        """The 404 for a model name this server does not serve, listing those it does."""
+        names = ", ".join(f"`{n}`" for n in self.adapters)
+        also = f" and the LoRA adapter(s) {names}" if names else ""
+        return RequestError(404, f"the model `{name}` does not exist: this server serves `{self.model_name}`{also} "
+                            "(see GET /v1/models)", param=param, code="model_not_found")
 
     def check_message_chars(self, messages: list[dict[str, Any]], extra: int = 0) -> None:
         """``check_prompt_chars`` of a chat: its text (images are held to their own limits, in

@@ -16,7 +16,9 @@ naming the alternative, unless they hold their no-op value: ``presence_penalty``
 ``frequency_penalty`` other than 0 (the engine implements ``repetition_penalty``),
 ``logit_bias``, OpenAI's older ``functions`` / ``function_call`` (send ``tools`` /
 ``tool_choice``), beam search, ``best_of`` above ``n``, prompt logprobs, ``priority`` (QoS sets
-it), per-request chat templates, multimodal and disaggregation fields (``_REFUSED``). Unknown
+it), per-request chat templates, multimodal and disaggregation fields (``_REFUSED``; SGLang's
+per-request ``lora_path`` too: an adapter is loaded once, then named in ``model`` as vLLM does,
+or in LMDeploy's ``adapter_name``, which every generation body takes). Unknown
 fields are ignored (OpenAI clients send some conveyor has no use for, e.g. ``store``,
 ``metadata``) and logged once per name. LMDeploy's bodies are taken as they are written:
 ``"stop": false`` means no stop strings, ``session_id: -1`` a request of no session, ``top_k: -1``
@@ -279,7 +281,8 @@ _REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "kv_transfer_params": ((None,), "no disaggregated prefill/decode; leave it out"),
     "vllm_xargs": (_EMPTY, "no custom extensions; leave it out"),
     "mm_processor_kwargs": (_EMPTY, "no multimodal inputs; leave it out"),
-    "lora_path": ((None,), "LoRA adapters are not supported; serve a merged model"),
+    "lora_path": ((None,), "a LoRA adapter is not loaded per request; load it once (POST /v1/load_lora_adapter "
+                           "or --adapters name=path) and name it in `model` (or serve a merged model)"),
     "return_hidden_states": ((None, False), "hidden states are not returned; leave it out"),
     "structural_tag": ((None,), "structural tags are not supported; use response_format json_schema, "
                                 "guided_regex or guided_grammar"),
@@ -291,7 +294,10 @@ class _SamplingBody(_Body):
 
     _refused: ClassVar[frozenset[str]] = frozenset(_REFUSED)
 
-    model: str | None = Field(None, description="The served model's name (GET /v1/models); omitted: that one.")
+    model: str | None = Field(None, description="The served model's name, or a LoRA adapter's (GET /v1/models); "
+                              "omitted: the served model.")
+    adapter_name: str | None = Field(None, description="LMDeploy's: the LoRA adapter to run with (as `model` naming "
+                                     "it); null: the one `model` names, else the base model.")
     temperature: float | None = Field(None, le=2, description="OpenAI's range [0, 2]. "
                                       f"Default {OPENAI_DEFAULTS.temperature}; 0 is greedy.")
     top_p: float | None = Field(None, description=f"In (0, 1]. Default {OPENAI_DEFAULTS.top_p}.")
@@ -660,7 +666,8 @@ class InteractiveRequest(_Body):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     cancel: bool = Field(False, description="Abort the session's running turn.")
-    adapter_name: str | None = Field(None, description="LoRA adapter: not supported, so only null is accepted.")
+    adapter_name: str | None = Field(None, description="The LoRA adapter to run with (GET /v1/models lists them); "
+                                     "null: the base model.")
     seed: int_in(0, MAX_SEED) | None = None
     end: bool = Field(False, description="Extension: end the session and free its cache.")
     user_id: str | None = Field(None, description="The QoS user (LMDeploy's name): its group and quota when the "
@@ -668,9 +675,6 @@ class InteractiveRequest(_Body):
 
     def sampling_params(self) -> SamplingParams:
         """The engine's parameters of this turn, validated."""
-        if self.adapter_name is not None:
-            raise InvalidRequestError(f"adapter_name={self.adapter_name!r}: LoRA adapters are not supported; "
-                                      "send null and serve a merged model", param="adapter_name")
         return checked(SamplingParams(
             max_new_tokens=_given(self.request_output_len, INTERACTIVE_DEFAULTS.max_new_tokens),
             temperature=self.temperature, top_k=self.top_k,
@@ -803,8 +807,24 @@ class InteractiveResponse(BaseModel):
     session_id: int | None = None  # extension: the id a session_id=-1 request was given
 
 
+class LoadLoraAdapterRequest(_Body):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: NonEmptyStr = Field(max_length=256, description="The name requests give in `model` "
+                                   "(or `adapter_name`).")
+    lora_path: NonEmptyStr = Field(description="The PEFT LoRA checkpoint directory, on the server's host.")
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """POST /v1/unload_lora_adapter (vLLM's body; its lora_int_id is not needed)."""
+
+    lora_name: NonEmptyStr = Field(max_length=256, description="The adapter to forget.")
+    lora_int_id: int | None = Field(None, description="vLLM's; ignored (adapters are known by name).")
+
+
 class ModelCard(BaseModel):
-    """One served model."""
+    """One served model: the base model (``parent`` null) or a LoRA adapter on it (``parent`` the
+    base model's id, ``root`` the adapter's checkpoint path where the server knows it)."""
 
     id: str
     object: Literal["model"] = "model"

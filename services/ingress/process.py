@@ -85,10 +85,12 @@ async def _serve(addresses: Addresses, model_path: str, model_name: str, session
                  api_keys: list[str] | None, launcher: str | None, log_level: str, drain_timeout: float,
                  limits: IngressLimits, qos: QosConfig | None, proxy_url: str | None,
                  proxy_admin_key: str | None = None,
-                 chat_options: tuple[str | None, str | None, str | None] = (None, None, None)) -> None:
+                 chat_options: tuple[str | None, str | None, str | None] = (None, None, None),
+                 adapter_paths: dict[str, str] | None = None) -> None:
     tokenizer = load_tokenizer(model_path)
     chat = _chat_parsing(model_path, tokenizer, *chat_options)
-    client = EngineClient(addresses, model_name, session_len, request_timeout=limits.request_timeout_s)
+    client = EngineClient(addresses, model_name, session_len, request_timeout=limits.request_timeout_s,
+                          adapter_paths=adapter_paths)
     await client.start()
     app = build_app(client, api_keys=api_keys, served_model_name=model_name, tokenizer=tokenizer,
                     limits=limits, qos=qos, chat=chat)
@@ -152,16 +154,18 @@ def run_ingress_process(name: str, addresses: Addresses, model_path: str, model_
                         drain_timeout: float = 60.0, limits: IngressLimits | None = None,
                         qos: QosConfig | None = None, proxy_url: str | None = None,
                         proxy_admin_key: str | None = None, chat_template: str | None = None,
-                        tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
+                        tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                        adapter_paths: dict[str, str] | None = None) -> None:
     """Entry point of the ingress process; ``qos``: the user groups (--qos-config-path);
     ``proxy_admin_key``: what it presents to join ``proxy_url`` (None: join from the proxy's host);
     ``chat_template`` (--chat-template, as the tokenizer stage has it), ``tool_call_parser`` and
-    ``reasoning_parser``: the chat route's output parsers."""
+    ``reasoning_parser``: the chat route's output parsers; ``adapter_paths``: the LoRA adapters the
+    engine starts with (name -> checkpoint), whose paths /v1/models shows."""
     begin_stage_process(name, log_level, addresses, launcher)
     logger.info("ingress pid %d", os.getpid())
     main = _serve(addresses, model_path, model_name, session_len, host, port, api_keys, launcher, log_level,
                   drain_timeout, limits or IngressLimits(), qos, proxy_url, proxy_admin_key,
-                  (chat_template, tool_call_parser, reasoning_parser))
+                  (chat_template, tool_call_parser, reasoning_parser), adapter_paths)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

@@ -1,5 +1,6 @@
 """OpenAI's generation routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (legacy
-text completions), JSON or, with ``stream``, server-sent events."""
+text completions), JSON or, with ``stream``, server-sent events. ``model`` may name a LoRA
+adapter (GET /v1/models lists them): the request then runs with it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from starlette.responses import Response
 
 from ....protocol import GenerateReq
 from ...engine_client import RequestError
-from ..flow import ERRORS, Ingress, request_id
+from ..flow import ERRORS, Ingress, request_id, with_adapter
 from ..openai_schemas import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse
 from ..sse import ChatFormat, CompletionFormat
 from ..tool_calling import ChoiceParser, plan_tools
@@ -29,14 +30,14 @@ def install_completions(app: FastAPI, ing: Ingress) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI chat completions (set ``stream`` for server-sent events)."""
         start = time.perf_counter()
-        ing.admit(body.model)
+        adapter = ing.admit(body.model, body.adapter_name)
         rid, n, k = request_id("chatcmpl"), body.num_choices, body.num_logprobs
         messages = [m.to_wire() for m in body.messages]
         tools = body.tools_wire  # rendered into the prompt too: their text counts
         ing.check_message_chars(messages, len(json.dumps(tools)) if tools else 0)
         # Unbounded by default: the scheduler ends the turn where the context (session_len) is full.
         max_new = body.requested_max_tokens or client.session_len
-        params = [body.sampling_params(max_new, k, i) for i in range(n)]  # the body's own checks first
+        params = [with_adapter(body.sampling_params(max_new, k, i), adapter) for i in range(n)]  # body's checks first
         plan = plan_tools(tools, body.tool_choice_wire, body.parallel_tool_calls, ing.chat)
         if plan.guide is not None:  # tool_choice required / named: the calls are the output's grammar
             if params[0].guide is not None:
@@ -60,7 +61,7 @@ def install_completions(app: FastAPI, ing: Ingress) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """OpenAI (legacy) text completions: no chat template; a batch of prompts gives n choices each."""
         start = time.perf_counter()
-        ing.admit(body.model)
+        adapter = ing.admit(body.model, body.adapter_name)
         if body.echo and body.logprobs is not None:  # OpenAI's answer would carry the prompt's logprobs too
             raise RequestError(400, "echo with logprobs: the prompt's logprobs are not computed; send echo or "
                                "logprobs, not both", param="echo")
@@ -84,7 +85,7 @@ def install_completions(app: FastAPI, ing: Ingress) -> None:
         max_new = body.max_tokens or client.session_len  # null: as the chat route, up to the context's end
         reqs = [GenerateReq(rid=f"{rid}-{j * n + i}", reply_to=client.reply_to, do_preprocess=False,
                             prompt=p if isinstance(p, str) else None, input_ids=None if isinstance(p, str) else p,
-                            params=body.sampling_params(max_new, body.logprobs, i))
+                            params=with_adapter(body.sampling_params(max_new, body.logprobs, i), adapter))
                 for j, p in enumerate(prompts) for i in range(n)]
         fmt = CompletionFormat(rid, int(time.time()), ing.model_name, len(reqs), ing.renderer, body.logprobs,
                                body.wants_usage_chunk, echo=echo)

@@ -1,5 +1,6 @@
 """LMDeploy's stateful chat, ``POST /v1/chat/interactive``: with ``interactive_mode`` the engine
-keeps the session's history between turns; streamed as one JSON object per line."""
+keeps the session's history between turns; streamed as one JSON object per line. ``adapter_name``
+(LMDeploy's field) runs the turn with that LoRA adapter."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from starlette.responses import Response
 
 from ....protocol import GenerateReq
 from ...engine_client import RequestError
-from ..flow import ERRORS, Ingress, json_response, request_id
+from ..flow import ERRORS, Ingress, json_response, request_id, with_adapter
 from ..openai_schemas import InteractiveRequest, InteractiveResponse
 from ..sse import InteractiveFormat
 
@@ -42,7 +43,7 @@ def install_interactive(app: FastAPI, ing: Ingress) -> None:
         if body.end:
             return json_response({"text": "", "tokens": 0, "input_tokens": 0, "history_tokens": 0,
                                   "finish_reason": None, "session_id": sid})
-        ing.admit(None)
+        adapter = ing.admit(None, body.adapter_name)
         if not body.prompt:
             raise RequestError(400, "the prompt is empty: give some text or messages", param="prompt")
         prompt, messages = (body.prompt, None) if isinstance(body.prompt, str) else \
@@ -56,6 +57,6 @@ def install_interactive(app: FastAPI, ing: Ingress) -> None:
             session_id = sid if sid != -1 else ing.new_session_id()
         req = GenerateReq(rid=request_id("interactive"), reply_to=client.reply_to, prompt=prompt, messages=messages,
                           session_id=session_id, sequence_start=None if body.interactive_mode else True,
-                          params=body.sampling_params())
+                          params=with_adapter(body.sampling_params(), adapter))
         fmt = InteractiveFormat(session_id)
         return await ing.respond(request, [req], fmt, stream=body.stream, n=1, start=start, user=body.user_id)

@@ -1,5 +1,5 @@
 """The routes that describe the server rather than generate: ``/`` (to the docs), ``/health``,
-``/metrics`` and the served model (``/v1/models``, ``/v1/models/{id}``)."""
+``/metrics`` and the served model with its LoRA adapters (``/v1/models``, ``/v1/models/{id}``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.responses import RedirectResponse
 from starlette.responses import Response
 
-from ...engine_client import RETRY_AFTER_S, RequestError
+from ...engine_client import RETRY_AFTER_S
 from ...http import ErrorResponse, error_response
 from ..flow import ERRORS, Ingress, json_response
 from ..metrics import CONTENT_TYPE
@@ -45,20 +45,30 @@ def install_status(app: FastAPI, ing: Ingress) -> None:
         """Prometheus metrics."""
         return Response(ing.metrics.render(), media_type=CONTENT_TYPE)
 
-    def model_card() -> dict[str, Any]:
+    def model_card(created: int) -> dict[str, Any]:
         name = ing.model_name
-        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "conveyor", "root": name,
+        return {"id": name, "object": "model", "created": created, "owned_by": "conveyor", "root": name,
                 "parent": None, "max_model_len": client.session_len, "permission": []}
+
+    def adapter_card(name: str, path: str | None, created: int) -> dict[str, Any]:
+        # vLLM's fields: the adapter's checkpoint as its root, the served model as its parent.
+        return {"id": name, "object": "model", "created": created, "owned_by": "conveyor", "root": path,
+                "parent": ing.model_name, "max_model_len": client.session_len, "permission": []}
 
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models() -> Response:
-        """The served model."""
-        return json_response({"object": "list", "data": [model_card()]})
+        """The served model, then its LoRA adapters (``parent``: the served model)."""
+        now = int(time.time())
+        cards = [model_card(now)] + [adapter_card(name, path, now) for name, path in ing.adapters.items()]
+        return json_response({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
     async def model(model_id: str) -> Response:
-        """One model by its id (ids may hold slashes: ``org/name``); 404 for one not served."""
-        if model_id != ing.model_name:
-            raise RequestError(404, f"the model `{model_id}` does not exist: this server serves "
-                               f"`{ing.model_name}`", param="model", code="model_not_found")
-        return json_response(model_card())
+        """One model or LoRA adapter by its id (ids may hold slashes: ``org/name``); 404 for one not served."""
+        now = int(time.time())
+        if model_id == ing.model_name:
+            return json_response(model_card(now))
+        adapters = ing.adapters
+        if model_id in adapters:
+            return json_response(adapter_card(model_id, adapters[model_id], now))
+        raise ing.unknown_model(model_id)
