@@ -9,18 +9,23 @@ for. No sockets, no sleeps.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import zmq
+import zmq.asyncio
 
 from conveyor.cli import build_parser, chat_adapter, _engine_config
 from conveyor.errors import EngineConfigError
 from conveyor.protocol import (AdapterDone, Addresses, Admitted, Codec, DetokenizerIn, EngineIn, EngineStats,
                                ErrorOut, GenerateReq, IngressIn, LoadAdapter, LoadReport, SamplingParams,
                                TokenizedReq, UnknownAdapterError, UnloadAdapter)
+from conveyor.services.detokenizer.batches import Detokenizer
+from conveyor.services.detokenizer.process import serve_detokenizer
 from conveyor.services.engine.service import EngineService
 from conveyor.services.engine_client import EngineClient, RequestError, RequestOutput
 from conveyor.services.ingress.app import build_app
@@ -28,6 +33,7 @@ from conveyor.testing.fake_engine import FakeEngine, adapter_shift
 
 pytestmark = pytest.mark.anyio
 CYCLE = list(range(100, 120))  # the fake engine's tokens
+DEADLINE = 10.0
 
 
 def checkpoint(root: Path, name: str) -> str:
@@ -139,6 +145,55 @@ def test_fake_engine_adapters() -> None:
     assert not engine.lora and engine.adapter_names() == []
     with pytest.raises(UnknownAdapterError, match="'nope'"):
         engine.add_request([1], SamplingParams(adapter_name="nope"))
+
+
+async def test_adapter_ops_go_round_the_real_ring(adapters: dict[str, str], tmp_path: Path) -> None:
+    """EngineClient -> engine service (its threads and sockets) -> detokenizer stage -> EngineClient,
+    over inproc sockets: the answers reach the client that asked, and the heartbeat's LoadReports
+    carry the list."""
+    ctx = zmq.Context()
+    addresses = Addresses.inproc()
+    stop = threading.Event()
+    service = EngineService(FakeEngine(CYCLE, lora=True), ctx, addresses)
+    threads = [threading.Thread(target=service.serve, args=(stop,), daemon=True),
+               threading.Thread(target=serve_detokenizer, args=(ctx, addresses, Detokenizer(_Vocab()), stop),
+                                daemon=True)]
+    for t in threads:
+        t.start()
+    client = EngineClient(addresses, "base", 64, ping_interval=0.02, context=zmq.asyncio.Context.shadow(ctx.underlying))
+    client.adapter_timeout = DEADLINE
+    await client.start()
+    try:
+        await asyncio.wait_for(_until(lambda: client.healthy), DEADLINE)  # the heartbeat went round
+        assert await client.load_adapter("sql", adapters["sql"]) == ["sql"]
+        assert client.adapters == {"sql": adapters["sql"]}
+        with pytest.raises(RequestError) as bad:
+            await client.load_adapter("x", str(tmp_path / "none"))
+        assert bad.value.status == 400 and client.adapters == {"sql": adapters["sql"]}
+        with pytest.raises(RequestError) as unknown:
+            await client.unload_adapter("poems")
+        assert (unknown.value.status, unknown.value.code) == (404, "model_not_found")
+        service.call(lambda engine: engine.load_adapter("poems", adapters["poems"]))  # as another ingress would
+        await asyncio.wait_for(_until(lambda: "poems" in client.adapters), DEADLINE)  # from a LoadReport
+        assert await client.unload_adapter("sql") == ["poems"]
+    finally:
+        await client.close()
+        stop.set()
+        for t in threads:
+            t.join(5)
+        ctx.term()
+
+
+class _Vocab:
+    """The detokenizer stage's tokenizer, for a ring that carries no tokens."""
+
+    def __len__(self) -> int:
+        return len(CYCLE)
+
+
+async def _until(predicate) -> None:
+    while not predicate():
+        await asyncio.sleep(0.005)
 
 
 # ---- the ingress ---------------------------------------------------------------------------------
