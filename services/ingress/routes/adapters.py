@@ -17,7 +17,8 @@ from ...engine_client import RequestError
 from ..flow import ERRORS, Ingress
 from ..openai_schemas import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 
-_TEXT = {200: {"content": {"text/plain": {}}, "description": "Success: ..."}}
+# Errors are JSON envelopes (ERRORS); a success is vLLM's line of plain text.
+_TEXT = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Success: ..."}}
 
 
 def install_adapters(app: FastAPI, ing: Ingress) -> None:
@@ -28,7 +29,7 @@ def install_adapters(app: FastAPI, ing: Ingress) -> None:
             raise RequestError(400, "this server cannot load LoRA adapters", param="lora_name")
         return ing.client
 
-    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses={**ERRORS, **_TEXT})
+    @app.post("/v1/load_lora_adapter", response_class=Response, responses={**ERRORS, **_TEXT})
     async def load_lora_adapter(body: LoadLoraAdapterRequest) -> Response:
         """Load the PEFT LoRA checkpoint at ``lora_path`` (on the server's host) as ``lora_name``;
         requests then name it in ``model``. The engine must have been started with adapters or
@@ -40,7 +41,7 @@ def install_adapters(app: FastAPI, ing: Ingress) -> None:
         await _named_fields(lora_client().load_adapter(name, body.lora_path))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses={**ERRORS, **_TEXT})
+    @app.post("/v1/unload_lora_adapter", response_class=Response, responses={**ERRORS, **_TEXT})
     async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> Response:
         """Forget the LoRA adapter ``lora_name``; requests already running with it finish with it."""
         await _named_fields(lora_client().unload_adapter(body.lora_name))
