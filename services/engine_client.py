@@ -471,6 +471,9 @@ class EngineClient:
         admitted = [rid for rid, r in self._requests.items() if r.admitted]
         for rid in list(self._requests):
             self._end(rid, _unavailable(why))
+        for op in self._adapter_ops.values():  # a LoRA load or unload: it may or may not have happened
+            if not op.done():
+                op.set_exception(_unavailable(f"{why} (GET /v1/models shows whether the adapter change happened)"))
         for rid in admitted:
             self._aborted_unknown[rid] = None  # its later outputs need no second Abort
             self._send_to_engine(Abort(rid))

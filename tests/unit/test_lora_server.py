@@ -140,6 +140,17 @@ def test_the_engine_service_answers_adapter_ops_and_goes_on(adapters: dict[str, 
     assert off.status == 400 and "--max-loras" in off.message
 
 
+async def test_an_adapter_op_fails_with_503_when_the_engine_stops_answering(adapters: dict[str, str]) -> None:
+    client = LoopbackClient(FakeEngine(CYCLE, lora=True))
+    client._send_to_engine = lambda msg: None  # the engine died with the message
+    load = asyncio.ensure_future(client.load_adapter("sql", adapters["sql"]))
+    await asyncio.sleep(0)
+    client.fail_all("the engine stage stopped")
+    with pytest.raises(RequestError) as exc:
+        await load
+    assert exc.value.status == 503 and "GET /v1/models" in exc.value.message
+
+
 def test_fake_engine_adapters() -> None:
     engine = FakeEngine(CYCLE)
     assert not engine.lora and engine.adapter_names() == []
