@@ -9,6 +9,7 @@ for. No sockets, no sleeps.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from conveyor.api_client import APIClient, APIError
 from conveyor.cli import build_parser, chat_adapter, _engine_config
 from conveyor.errors import EngineConfigError
 from conveyor.protocol import (AdapterDone, Addresses, Admitted, Codec, DetokenizerIn, EngineIn, EngineStats,
@@ -313,6 +315,34 @@ async def test_adapter_routes_need_the_api_key(adapters: dict[str, str]) -> None
         key = {"Authorization": "Bearer k1"}
         assert (await c.post("/v1/load_lora_adapter", json=load, headers=key)).status_code == 200
         assert (await c.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}, headers=key)).status_code == 200
+
+
+def test_api_client_sends_vllms_bodies() -> None:
+    seen: list[tuple[str, dict]] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.url.path, body))
+        if body.get("lora_name") == "nope":
+            return httpx.Response(404, json={"error": {"message": "no", "code": "model_not_found"}})
+        if request.url.path == "/v1/chat/interactive":
+            return httpx.Response(200, json={"text": "hi", "tokens": 1, "finish_reason": "stop"})
+        return httpx.Response(200, text="Success: ...")
+
+    client = APIClient("http://test")
+    client._http = httpx.Client(transport=httpx.MockTransport(server), base_url="http://test")
+    assert client.load_lora_adapter("sql", "/ckpt/sql") == "Success: ..."
+    assert client.unload_lora_adapter("sql") == "Success: ..."
+    with pytest.raises(APIError) as exc:
+        client.unload_lora_adapter("nope")
+    assert exc.value.status == 404 and exc.value.code == "model_not_found"
+    assert list(client.chat("a", 7, adapter_name="sql")) == [("hi", 1, "stop")]
+    assert seen[:2] == [("/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/ckpt/sql"}),
+                        ("/v1/unload_lora_adapter", {"lora_name": "sql"})]
+    assert seen[-1][1]["adapter_name"] == "sql"
+    list(client.chat("a", 7))
+    assert "adapter_name" not in seen[-1][1]  # None is not sent: a server without LoRA takes the body
+    client.close()
 
 
 # ---- the command line ----------------------------------------------------------------------------
