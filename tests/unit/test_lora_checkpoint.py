@@ -261,6 +261,7 @@ def _first(weights: dict, kind: str) -> str:
     (lambda w: w.update({"base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias": torch.zeros(64)}),
      "unexpected tensor"),
     (lambda w: w.clear() or w.update({"other": torch.zeros(1)}), "unexpected tensor other"),
+    (lambda w: w.clear(), "its weights file holds no lora_A / lora_B tensors"),
 ])
 def test_weights_refused(good, tmp_path, change, message):
     with pytest.raises(AdapterError, match=message):
