@@ -13,10 +13,13 @@ model uses it only where it does (``LAYER_ROWS``).
 
 # No ``from __future__ import annotations``: Triton reads ``tl.constexpr`` annotations as objects.
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from ._triton import FLOAT_DTYPES, cdiv, jit, next_pow2, tl, triton_takes
+from .lora import LoRASegments, lora_expand
 
 MAX_ROWS = 4  # rows of x the kernel takes
 # Rows up to which the model's layers use this kernel instead of cuBLAS. Measured on an H100
@@ -24,6 +27,18 @@ MAX_ROWS = 4  # rows of x the kernel takes
 # cuBLAS's ~2.66 (batch-1 decode 182.1 vs 168.5 tok/s); at 4 rows a decode step took 10.6 ms,
 # far slower than cuBLAS (the four per-row reductions per tile cost more than the reads).
 LAYER_ROWS = 1
+
+
+class GemvLoRA(NamedTuple):
+    """A LoRA delta the one-row GEMV adds in its epilogue (batch-1 decode with an adapter: the
+    separate expand kernel would add its whole latency to every linear): the step's segments
+    (the row's slot is ``seg_slot[0]``, -1 for none), the shrink's float32 partials
+    ``[splits, 1, parts * R]``, the pool's ``b`` [slots, N, R] and the parts' sizes."""
+
+    seg: LoRASegments
+    partial: torch.Tensor
+    b: torch.Tensor
+    part_sizes: tuple[int, ...]
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,13 +53,27 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
     K, N, stride_xm, stride_wn, stride_om,
+    slot_ptr, low_ptr, lb_ptr, stride_low_split, stride_lb_slot, bound1, bound2,
     M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LORA_SPLITS: tl.constexpr, LORA_RANK: tl.constexpr,
 ):
     # Grid: (cdiv(N, BLOCK_N),). One program: BLOCK_N output features for all M rows.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    if LORA_SPLITS > 0:  # one row's LoRA delta (its low-rank row times these columns' B rows), read
+        # before the weights stream so that its loads' latency hides behind theirs
+        slot = tl.load(slot_ptr)
+        on = n_mask[:, None] & (slot >= 0)
+        part = (n >= bound1).to(tl.int32) + (n >= bound2).to(tl.int32)  # each column's fused part
+        r = tl.arange(0, LORA_RANK)
+        low = tl.zeros([BLOCK_N, LORA_RANK], tl.float32)
+        for s in tl.static_range(LORA_SPLITS):
+            low += tl.load(low_ptr + s * stride_low_split + part[:, None] * LORA_RANK + r[None, :], mask=on, other=0.0)
+        lb = tl.load(lb_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_lb_slot + n.to(tl.int64)[:, None] * LORA_RANK
+                     + r[None, :], mask=on, other=0.0).to(tl.float32)
+        delta = tl.sum(low * lb, 1)
     acc0 = tl.zeros([BLOCK_N], tl.float32)
     acc1 = tl.zeros([BLOCK_N], tl.float32)
     acc2 = tl.zeros([BLOCK_N], tl.float32)
@@ -70,6 +99,8 @@ def _gemv_kernel(
         acc1 += bias
         acc2 += bias
         acc3 += bias
+    if LORA_SPLITS > 0:
+        acc0 += delta
     ty = out_ptr.dtype.element_ty
     tl.store(out_ptr + n, acc0.to(ty), mask=n_mask)
     if M > 1:
@@ -83,10 +114,11 @@ def _gemv_kernel(
 def gemv_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
     *, block_n: int = 16, block_k: int = 1024, num_warps: int = 8, num_stages: int = 3,
+    lora: GemvLoRA | None = None,
 ) -> torch.Tensor:
-    """Triton launcher for :func:`gemv_ref`; the keyword arguments are for tuning (the defaults
-    were the fastest of 39 configurations on an H100 over the Llama-2-7B projections:
-    ``benchmarks/gemv_vs_cublas.py``)."""
+    """Triton launcher for :func:`gemv_ref` (plus ``lora``'s delta, one row only); the keyword
+    arguments are for tuning (the defaults were the fastest of 39 configurations on an H100 over
+    the Llama-2-7B projections: ``benchmarks/gemv_vs_cublas.py``)."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x [M, K], weight [N, K]"
     m, k_dim = x.shape
     n = weight.shape[0]
@@ -97,11 +129,19 @@ def gemv_triton(
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    lora_args, splits, rank = (x, x, x, 0, 0, n, n), 0, 16
+    if lora is not None:
+        assert m == 1 and lora.b.shape[1] == n, "a GEMV LoRA epilogue takes one row and the linear's outputs"
+        bounds = [n, n]
+        for i in range(1, len(lora.part_sizes)):
+            bounds[i - 1] = sum(lora.part_sizes[:i])
+        lora_args = (lora.seg.seg_slot, lora.partial, lora.b, lora.partial.stride(0), lora.b.stride(0), *bounds)
+        splits, rank = lora.partial.shape[0], lora.b.shape[2]
     _gemv_kernel[(cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, out,
-        k_dim, n, x.stride(0), weight.stride(0), out.stride(0),
+        k_dim, n, x.stride(0), weight.stride(0), out.stride(0), *lora_args,
         M=m, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(k_dim)),
-        num_warps=num_warps, num_stages=num_stages,
+        LORA_SPLITS=splits, LORA_RANK=rank, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -112,12 +152,17 @@ def _problem(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None if supported else f"x {tuple(x.shape)} {x.dtype}"
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` of 1..MAX_ROWS rows: Triton on CUDA, else ``F.linear``
-    (the layers' own path, so the CPU computes exactly what it did without this kernel)."""
-    if triton_takes("gemv", (x, weight), _problem, x, weight):
-        return gemv_triton(x, weight, bias)
-    return F.linear(x, weight, bias)
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         lora: GemvLoRA | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` (plus ``lora``'s delta) for ``x`` of 1..MAX_ROWS rows: Triton on
+    CUDA, else ``F.linear`` (the layers' own path, so the CPU computes exactly what it did
+    without this kernel) and the LoRA expand."""
+    if triton_takes("gemv", (x, weight), _problem, x, weight) and (lora is None or x.shape[0] == 1):
+        return gemv_triton(x, weight, bias, lora=lora)
+    out = F.linear(x, weight, bias)
+    if lora is not None:
+        lora_expand(out, lora.partial, lora.b, lora.seg, lora.part_sizes)
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -91,8 +91,8 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in] -> [..., out] (plus the step's adapter deltas, when LoRA slots are attached)."""
-        out = self.method.apply(self, x)
-        return out if self.lora is None else self.lora(x, out)
+        started = self.lora.begin(x) if self.lora is not None else None
+        return self.method.apply(self, x) if started is None else self.lora.apply(self, x, started)
 
 
 class RowParallelLinear(LinearBase):
@@ -139,9 +139,9 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in / tp] -> [..., out], summed over the ranks (this rank's part without
         ``reduce_output``)."""
-        out = self.method.apply(self, x)
-        if self.lora is not None:  # x_r A_r^T B^T: the all-reduce sums the ranks' parts, as the base's
-            out = self.lora(x, out)
+        started = self.lora.begin(x) if self.lora is not None else None
+        # With adapters, this rank's part plus x_r A_r^T B^T: the all-reduce sums the ranks' parts.
+        out = self.method.apply(self, x) if started is None else self.lora.apply(self, x, started)
         return tp_group().all_reduce(out) if self.reduce_output else out
 
 

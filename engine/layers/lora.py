@@ -27,8 +27,9 @@ import threading
 import torch
 from torch import nn
 
+from ...kernels.gemv import LAYER_ROWS, GemvLoRA, gemv
 from ...kernels.lora import LoRASegments, lora_expand, lora_shrink
-from .linear import LinearBase, MergedLinear, RowParallelLinear
+from .linear import LinearBase, MergedLinear, RowParallelLinear, UnquantizedLinearMethod
 
 # Thread-local, as the attention metadata: several engines may step in one process.
 _local = threading.local()
@@ -67,6 +68,9 @@ class LoRASlots(nn.Module):
             self.part_rows = [0]
             self.in_start, self.in_size, self.full_in = 0, linear.input_size, linear.input_size
         parts = len(self.part_sizes)
+        # A dense linear's one-row steps (batch-1 decode) run the GEMV kernel, which adds the delta
+        # in its epilogue: one shrink and no expand launch.
+        self.fuse_gemv = isinstance(linear.method, UnquantizedLinearMethod) and LAYER_ROWS >= 1
         self.register_buffer("a", torch.zeros(num_slots, parts * rank, self.in_size, dtype=dtype, device=device),
                              persistent=False)
         self.register_buffer("b", torch.zeros(num_slots, sum(self.part_sizes), rank, dtype=dtype, device=device),
@@ -95,15 +99,53 @@ class LoRASlots(nn.Module):
         self.a[slot].copy_(a, non_blocking=nb)
         self.b[slot].copy_(b, non_blocking=nb)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` (the linear's output for input ``x``) plus each segment's adapter delta, in place."""
+    def begin(self, x: torch.Tensor) -> torch.Tensor | GemvLoRA | None:
+        """Start this step's adapter deltas for input ``x`` before the base linear runs, or None
+        when the step has no adapter rows. On CUDA: one row (batch-1 decode) of a dense linear
+        gets its shrink here and its expand inside the GEMV (``GemvLoRA``); more rows get both on a
+        side stream, into a zeroed ``[T, out]`` buffer, beside the base GEMM (the small LoRA
+        kernels are latency-bound and would otherwise add their whole time to every linear).
+        Elsewhere ``apply`` adds them after the base."""
         segments = get_lora_segments()
         if segments is None:
-            return y
+            return None
         if not isinstance(x, torch.Tensor):  # W8A8's int8 rows (Int8Rows): the adapter reads them dequantized
             x = (x.q.to(torch.float32) * x.scale).to(x.dtype)
         x2 = x.reshape(-1, x.shape[-1])
+        if x2.device.type != "cuda":
+            return x2
+        if self.fuse_gemv and x2.shape[0] == 1:
+            return GemvLoRA(segments, lora_shrink(x2, self.a, segments), self.b, self.part_sizes)
+        main, side = torch.cuda.current_stream(x2.device), _side_stream(x2.device)
+        # Allocated on the main stream (which frees it after the add that reads it last).
+        delta = torch.empty(x2.shape[0], self.b.shape[1], dtype=self.b.dtype, device=x2.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            delta.zero_()
+            lora_expand(delta, lora_shrink(x2, self.a, segments), self.b, segments, self.part_sizes)
+        return delta
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, started: torch.Tensor | GemvLoRA) -> torch.Tensor:
+        """``layer``'s output for ``x`` plus the deltas ``begin`` started."""
+        if isinstance(started, GemvLoRA):
+            return gemv(x.reshape(1, -1), layer.weight, layer.bias, started).view(*x.shape[:-1], -1)
+        y = layer.method.apply(layer, x)
         y2 = y.view(-1, y.shape[-1])
-        partial = lora_shrink(x2, self.a, segments)
-        lora_expand(y2, partial, self.b, segments, self.part_sizes)
+        if started.device.type != "cuda":  # ``started`` is the input: shrink and expand here
+            segments = get_lora_segments()
+            lora_expand(y2, lora_shrink(started, self.a, segments), self.b, segments, self.part_sizes)
+            return y
+        torch.cuda.current_stream(y.device).wait_stream(_side_stream(y.device))
+        y2.add_(started)
         return y
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream LoRA deltas run on beside the base linears (one per device, made once)."""
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    return stream

@@ -188,3 +188,23 @@ def test_decode_graph_sizes_on_the_gpu(rank) -> None:
 @gpu
 def test_float32_keeps_ieee_products_on_the_gpu() -> None:
     _check(33, 256, (64, 64), 16, 3, torch.float32, "cuda", tol=1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("slot", [2, -1])
+def test_the_gemv_adds_one_rows_delta_in_its_epilogue(dtype, slot) -> None:
+    """Batch-1 decode: the GEMV with a LoRA epilogue equals F.linear plus the expand (slot -1: the
+    base alone)."""
+    from conveyor.kernels.gemv import GemvLoRA, gemv_triton
+
+    gen = torch.Generator().manual_seed(7)
+    part_sizes, k, rank = (4096, 1024, 1024), 4096, 16
+    x, a, b, _, _ = case(1, k, part_sizes, rank, 4, dtype, "cuda", gen)
+    w = (torch.randn(sum(part_sizes), k, generator=gen) / k ** 0.5).to("cuda", dtype)
+    seg = segments([slot], "cuda", padding=3)
+    partial = lora_shrink_triton(x, a, seg)
+    out = gemv_triton(x, w, lora=GemvLoRA(seg, partial, b, part_sizes))
+    ref = torch.nn.functional.linear(x, w)
+    lora_expand_ref(ref, lora_shrink_ref(x, a, seg), b, seg, part_sizes)
+    assert_close(out, ref, 1e-2)

@@ -294,3 +294,23 @@ def test_the_triton_kernels_run_the_mixed_batch(tiny, expected) -> None:
             assert tokens == expected[name][PROMPTS.index(prompt)], name
     finally:
         eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [False, True])
+def test_on_the_gpu_with_and_without_decode_graphs(tiny, expected, eager) -> None:
+    """The Triton kernels on a side stream beside the base linears, replayed in the decode graphs
+    (or eagerly): the mixed batch's tokens (float32) equal the merged models'."""
+    base_dir, _, adapters = tiny
+    eng = engine(base_dir, adapters={k: str(v) for k, v in adapters.items()}, device="cuda", eager_mode=eager,
+                 max_loras=2)
+    try:
+        assert eng.runner.use_cuda_graphs == (not eager)
+        names = [None, "all8", "qv4", "mlp16", "all8", None]
+        requests = [(PROMPTS[i % 4], name) for i, name in enumerate(names)]
+        for (prompt, name), tokens in zip(requests, run(eng, requests)):
+            assert tokens == expected[name][PROMPTS.index(prompt)], name
+        for name in ("qv4", None):  # batch 1: the GEMV adds the delta in its epilogue
+            assert run(eng, [(PROMPTS[2], name)]) == [expected[name][2]], name
+    finally:
+        eng.close()
