@@ -243,9 +243,11 @@ class ModelRunner:
     def _lora_pool(self) -> LoRAManager:
         """The slot pool, sized from the config and its start-up adapters, which it registers
         (ids 1, 2, ... in the config's order, the same on every rank)."""
-        start = {name: read_peft_lora(path) for name, path in (self.config.adapters or {}).items()}
+        start = {name: read_peft_lora(path, download_dir=self.config.download_dir)
+                 for name, path in (self.config.adapters or {}).items()}
         slots, rank = pool_shape(self.config, [lora.rank for lora in start.values()])
-        manager = LoRAManager(self.model, self.model_config.num_layers, slots, rank, self.dtype, self.device)
+        manager = LoRAManager(self.model, self.model_config.num_layers, slots, rank, self.dtype, self.device,
+                              self.config.download_dir)
         for adapter_id, (name, lora) in enumerate(start.items(), start=1):
             manager.register(adapter_id, name, str(lora.path), lora)
         return manager

@@ -105,8 +105,9 @@ class LoRAManager:
     """Registered adapters and the device slot pool of one rank's model."""
 
     def __init__(self, model: nn.Module, num_layers: int, num_slots: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, download_dir: str | None = None) -> None:
         self.num_slots, self.max_rank = num_slots, max_rank
+        self.download_dir = download_dir  # where adapters named by hub id are fetched to
         # The slots' rank: the limit rounded up to the kernels' step (the padding is zeros).
         self.pool_rank = -(-max_rank // _RANK_STEP) * _RANK_STEP
         self.device = device
@@ -134,7 +135,7 @@ class LoRAManager:
         raises AdapterError naming what does not fit the base model or the pool."""
         if name in self.by_name:
             raise AdapterError(f"a LoRA adapter named {name!r} is already loaded: unload it first or pick another name")
-        lora = read_peft_lora(path) if lora is None else lora
+        lora = read_peft_lora(path, download_dir=self.download_dir) if lora is None else lora
         if lora.rank > self.max_rank:
             raise AdapterError(f"adapter {name!r} ({path}) has rank {lora.rank}, over the pool's max_lora_rank "
                                f"{self.max_rank}: start the engine with max_lora_rank >= {lora.rank} "

@@ -94,3 +94,51 @@ def test_adapter_name_picks_the_adapter_as_in_lmdeploy(pipe, setup) -> None:
 
 def test_engine_config_is_pytorch_engine_config() -> None:
     assert EngineConfig is PytorchEngineConfig
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir, setup, tmp_path_factory):
+    from conveyor.testing.server_process import ServerProcess
+
+    paths, _, _ = setup
+    srv = ServerProcess(smollm2_dir, "--device", "cpu", "--dtype", "float32", "--cache-max-entry-count", "256",
+                        "--adapters", f"all16={paths['all16']}", f"mlp4={paths['mlp4']}", "--max-loras", "2",
+                        log_dir=tmp_path_factory.mktemp("lora-server"))
+    yield srv
+    assert srv.terminate() == 0, srv.log()
+
+
+def test_the_server_runs_the_adapter_its_model_names(server, setup, smollm2_dir) -> None:
+    """``model`` = an adapter's name (vLLM's way) through a real server: the merged model's text;
+    an adapter loaded at run time, used, unloaded, then 404."""
+    openai = pytest.importorskip("openai")
+    import httpx
+    from transformers import AutoTokenizer
+
+    paths, expected, _ = setup
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    models = {m.id: m for m in client.models.list().data}
+    base = next(name for name, m in models.items() if name not in ADAPTERS)
+    assert {"all16", "mlp4"} <= set(models) and models["all16"].parent == base
+
+    def chat(model: str, k: int) -> str:
+        done = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[k]}],
+                                              max_tokens=N, temperature=0, extra_body={"ignore_eos": True})
+        return done.choices[0].message.content
+
+    for name in ("all16", "mlp4", None):
+        assert chat(name or base, 1) == tok.decode(expected[name][1], skip_special_tokens=True), name
+    with pytest.raises(openai.NotFoundError):
+        chat("qv8", 0)
+    r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "qv8", "lora_path": str(paths["qv8"])})
+    assert r.status_code == 200, r.text
+    assert chat("qv8", 0) == tok.decode(expected["qv8"][0], skip_special_tokens=True)
+    assert chat("all16", 0) == tok.decode(expected["all16"][0], skip_special_tokens=True)  # paged back in
+    r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "qv8"})
+    assert r.status_code == 200, r.text
+    with pytest.raises(openai.NotFoundError):
+        chat("qv8", 0)
+    bad = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nowhere"})
+    assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+    assert chat(base, 2) == tok.decode(expected[None][2], skip_special_tokens=True)

@@ -314,3 +314,52 @@ def test_on_the_gpu_with_and_without_decode_graphs(tiny, expected, eager) -> Non
             assert run(eng, [(PROMPTS[2], name)]) == [expected[name][2]], name
     finally:
         eng.close()
+
+
+def test_a_session_that_switches_adapters_shares_no_blocks_with_either(tiny, expected) -> None:
+    """A session's turn with another adapter keys its blocks by the switch: a request that runs
+    the whole history with the base model alone finds none of them."""
+    base_dir, _, adapters = tiny
+    eng = engine(base_dir, adapters={"all8": str(adapters["all8"])}, enable_prefix_caching=True)
+    try:
+        def turn(prompt, name, session_id=None):
+            seq = eng.add_request(prompt, params(name), session_id=session_id)
+            while eng.has_work:
+                eng.step()
+            return seq
+
+        session = turn(PROMPTS[2], "all8", session_id=7)
+        assert session.adapter_id
+        turn(PROMPTS[0], None, session_id=7)  # the next turn without the adapter
+        history = list(session.token_ids)
+        fresh = turn(history, None)
+        assert fresh.num_cached_tokens == 0  # computed with the adapter (partly): not the base model's
+        eng.end_session(7)
+    finally:
+        eng.close()
+
+
+def test_adapters_on_quantized_bases(tiny, tmp_path) -> None:
+    """AWQ: the adapter on the 4-bit base computes what it computes on the dense checkpoint of the
+    dequantized weights. W8A8: the adapter changes the output, and its tokens are (nearly) those of
+    the dense checkpoint with the adapter: the activations the base reads are int8-rounded there."""
+    from test_awq_engine import write_models as write_awq
+    from test_w8a8_engine import write_models as write_w8a8
+
+    for kind, write in (("awq", write_awq), ("w8a8", write_w8a8)):
+        quant_dir, dense_dir = write(tmp_path / kind)
+        adapter = make_adapter(load_base(dense_dir), tmp_path / f"{kind}-lora", r=8, alpha=16, seed=5, scale=2.0)
+        quant = engine(quant_dir, adapters={"a": str(adapter)})
+        dense = engine(dense_dir, adapters={"a": str(adapter)})
+        try:
+            with_adapter = run(quant, [(p, "a") for p in PROMPTS])
+            assert with_adapter != run(quant, [(p, None) for p in PROMPTS]), kind
+            reference = run(dense, [(p, "a") for p in PROMPTS])
+            if kind == "awq":
+                assert with_adapter == reference
+            else:
+                agree = sum(a == b for got, ref in zip(with_adapter, reference) for a, b in zip(got, ref))
+                assert agree >= 0.75 * N * len(PROMPTS), agree
+        finally:
+            quant.close()
+            dense.close()
