@@ -3,12 +3,14 @@
 Many adapters share one base model (S-LoRA): every adapter the engine may run sits in one of
 ``num_slots`` slots of each target linear's ``LoRASlots`` (``a`` [slots, parts * R, in],
 ``b`` [slots, out, R]; the adapter's scaling is folded into ``b``, a smaller rank is zero-padded
-to the pool's ``R``, which adds nothing). The linear computes its base output, then its
-``LoRASlots`` adds the step's deltas in place: the tokens are grouped into segments by slot
+to the pool's ``R``, which adds nothing). The linear asks its ``LoRASlots`` to ``begin`` before its base
+product and to ``apply`` after: the tokens are grouped into segments by slot
 (``kernels/lora.LoRASegments``, set for the forward by the model runner, like the attention
 metadata), one shrink ``x A^T`` and one expand ``+= low B^T`` per linear, each segment with its own
-slot's weights. Steps (or graph replays) without adapter tokens set no segments: the layers return
-at once and cost nothing.
+slot's weights. On CUDA the deltas stay off the base's path where they can: a one-row step
+(batch-1 decode) of a dense linear runs the shrink and lets the GEMV add the delta in its epilogue;
+larger steps compute the deltas on a side stream beside the base GEMM and add them after. Steps
+(or graph replays) without adapter tokens set no segments: the layers skip it all.
 
 A fused linear (q|k|v, gate|up) holds one adapter block per part: part ``p``'s ``A`` is rows
 ``p*R:(p+1)*R`` of ``a`` (all read the same input), its ``B`` the part's output rows of ``b``.

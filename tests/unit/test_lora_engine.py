@@ -363,3 +363,22 @@ def test_adapters_on_quantized_bases(tiny, tmp_path) -> None:
         finally:
             quant.close()
             dense.close()
+
+
+def test_tensor_parallel_splits_the_adapters(tiny, expected) -> None:
+    """tp=2 on the CPU (gloo): start-up adapters and one loaded at run time (registered on both
+    ranks through the plans), a mixed batch paged through a two-slot pool: the merged models'
+    tokens."""
+    base_dir, _, adapters = tiny
+    eng = engine(base_dir, adapters={"all8": str(adapters["all8"]), "qv4": str(adapters["qv4"])}, tp=2,
+                 max_loras=2)
+    try:
+        eng.load_adapter("mlp16", str(adapters["mlp16"]))
+        names = [None, "all8", "qv4", "mlp16"]
+        requests = [(PROMPTS[i], name) for i, name in enumerate(names)]
+        for (prompt, name), tokens in zip(requests, run(eng, requests)):
+            assert tokens == expected[name][PROMPTS.index(prompt)], name
+        eng.unload_adapter("qv4")
+        assert run(eng, [(PROMPTS[1], "mlp16")]) == [expected["mlp16"][1]]
+    finally:
+        eng.close()
