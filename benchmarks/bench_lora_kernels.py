@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import record, save
+from benchmarks.common import cycle_time_us, graph_time_us, record, save
 from conveyor.kernels._triton import sm_count
 from conveyor.kernels.lora import (
     LoRASegments,
@@ -93,56 +91,6 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def time_us(fns: list[Callable[[], Any]], rounds: int) -> float:
-    """Median µs per call over ``rounds`` rounds of back-to-back calls cycling through ``fns``."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(5):
-        fns[i % len(fns)]()
-    end.record()
-    end.synchronize()
-    per_call_ms = max(start.elapsed_time(end) / 5, 1e-3)
-    reps = max(10, min(2000, int(20 / per_call_ms)))
-    runs = []
-    for _ in range(rounds):
-        start.record()
-        for i in range(reps):
-            fns[i % len(fns)]()
-        end.record()
-        end.synchronize()
-        runs.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(runs)
-
-
-def graph_time_us(fns: list[Callable[[], Any]], rounds: int, reps: int = 128) -> float:
-    """Median µs per call of ``reps`` calls captured in one CUDA graph and replayed ``rounds`` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up (compiles) off the capture, as torch recommends
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fns[i % len(fns)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    runs = []
-    for _ in range(rounds):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        runs.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(runs)
-
-
 def copies_for(nbytes: int) -> int:
     """How many copies of a weight make the rotation exceed twice the L2 cache."""
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20) or (50 << 20)
@@ -172,11 +120,12 @@ def bench_shape(name: str, k: int, parts: tuple[int, ...], rows: tuple[int, ...]
         lora_expand_ref(ref, lora_shrink_ref(x, a, seg), b, seg, parts)
         r["rel_err"] = rel_err(out - y, ref - y)
         partial = lora_shrink_triton(x, a, seg)
-        r["base_us"] = time_us([lambda w=w: F.linear(x, w) for w in ws], args.rounds)
-        r["shrink_us"] = time_us([lambda a=a: lora_shrink_triton(x, a, seg) for a, _ in pools], args.rounds)
-        r["expand_us"] = time_us([lambda b=b: lora_expand_triton(y, partial, b, seg, parts) for _, b in pools],
-                                 args.rounds)
-        r["lora_us"] = time_us([lambda a=a, b=b: lora_pair(x, y, a, b, seg, parts) for a, b in pools], args.rounds)
+        r["base_us"] = cycle_time_us([lambda w=w: F.linear(x, w) for w in ws], args.rounds)
+        r["shrink_us"] = cycle_time_us([lambda a=a: lora_shrink_triton(x, a, seg) for a, _ in pools], args.rounds)
+        r["expand_us"] = cycle_time_us([lambda b=b: lora_expand_triton(y, partial, b, seg, parts)
+                                        for _, b in pools], args.rounds)
+        r["lora_us"] = cycle_time_us([lambda a=a, b=b: lora_pair(x, y, a, b, seg, parts) for a, b in pools],
+                                     args.rounds)
         r["overhead"] = r["lora_us"] / r["base_us"]
         if t <= GRAPH_MAX_ROWS and not args.no_graphs:
             gseg = graph_segments(t, adapters, args.slots, DEVICE)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import record, save
+from benchmarks.common import cycle_time_us, graph_time_us, record, save
 from conveyor.kernels import w8a8
 from conveyor.kernels.rms_norm import add_rms_norm, rms_norm
 
@@ -51,47 +50,8 @@ GRAPHS = False  # --graphs: time calls replayed from a CUDA graph, as decode ste
 
 
 def time_us(fns: list[Callable[[], Any]], rounds: int) -> float:
-    """Median µs per call over ``rounds`` rounds of back-to-back calls cycling through ``fns``
-    (captured once into a CUDA graph and replayed when GRAPHS is set)."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    if GRAPHS:
-        return _graph_time_us(fns, rounds)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(5):
-        fns[i % len(fns)]()
-    end.record()
-    end.synchronize()
-    per_call_ms = max(start.elapsed_time(end) / 5, 1e-3)
-    reps = max(5, min(500, int(20 / per_call_ms)))
-    runs = []
-    for _ in range(rounds):
-        start.record()
-        for i in range(reps):
-            fns[i % len(fns)]()
-        end.record()
-        end.synchronize()
-        runs.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(runs)
-
-
-def _graph_time_us(fns: list[Callable[[], Any]], rounds: int, reps: int = 64) -> float:
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fns[i % len(fns)]()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    runs = []
-    for _ in range(rounds):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        runs.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(runs)
+    """Median µs per call cycling through ``fns`` (replayed from a CUDA graph when GRAPHS is set)."""
+    return graph_time_us(fns, rounds, reps=64) if GRAPHS else cycle_time_us(fns, rounds, max_reps=500)
 
 
 def copies_for(nbytes: int) -> int:

@@ -122,6 +122,58 @@ def cuda_time_us(call: Callable[[], object], samples: int, calls: int = 1) -> fl
     return statistics.median(times)
 
 
+def cycle_time_us(fns: list[Callable[[], object]], rounds: int, max_reps: int = 2000) -> float:
+    """Median µs per call over ``rounds`` rounds of back-to-back calls cycling through ``fns``
+    (several copies of one operand rotated past the L2 cache, or one), about 20 ms a round."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(5):
+        fns[i % len(fns)]()
+    end.record()
+    end.synchronize()
+    per_call_ms = max(start.elapsed_time(end) / 5, 1e-3)
+    reps = max(5, min(max_reps, int(20 / per_call_ms)))
+    runs = []
+    for _ in range(rounds):
+        start.record()
+        for i in range(reps):
+            fns[i % len(fns)]()
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end) * 1e3 / reps)
+    return statistics.median(runs)
+
+
+def graph_time_us(fns: list[Callable[[], object]], rounds: int, reps: int = 128) -> float:
+    """Median µs per call of ``reps`` calls (cycling through ``fns``) captured in one CUDA graph
+    and replayed ``rounds`` times: as decode steps run them, without launch costs."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (compiles) off the capture, as torch recommends
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fns[i % len(fns)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    runs = []
+    for _ in range(rounds):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end) * 1e3 / reps)
+    return statistics.median(runs)
+
+
 class StepTimer:
     """A model-runner step hook: CUDA events around each step's device work, and how many steps
     replayed a decode graph or ran eagerly. ``attach`` it to an engine's runner for a run."""
