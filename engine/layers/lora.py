@@ -25,6 +25,7 @@ row-parallel one (inputs split: o_proj, down_proj) its columns of ``A`` and all 
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -33,6 +34,10 @@ from ...kernels.gemv import LAYER_ROWS, GemvLoRA, gemv
 from ...kernels.lora import LoRASegments, lora_expand, lora_shrink
 from .linear import LinearBase, MergedLinear, RowParallelLinear, UnquantizedLinearMethod
 
+# Rows up to which a step's deltas run on a side stream beside the base GEMM (decode-sized steps,
+# where the latency-bound LoRA kernels would add their whole time); a larger step (a prefill chunk)
+# adds them in place after the base instead of holding a second [T, out] activation.
+SIDE_STREAM_ROWS = 256
 # Thread-local, as the attention metadata: several engines may step in one process.
 _local = threading.local()
 
@@ -45,6 +50,21 @@ def set_lora_segments(segments: LoRASegments | None) -> None:
 def get_lora_segments() -> LoRASegments | None:
     """The running forward's adapter segments, or None."""
     return getattr(_local, "segments", None)
+
+
+class After(NamedTuple):
+    """Deltas to compute after the base linear, in place: its input rows."""
+
+    x: torch.Tensor
+
+
+class Beside(NamedTuple):
+    """Deltas being computed on the side stream into ``delta`` [T, out]."""
+
+    delta: torch.Tensor
+
+
+Started = After | Beside | GemvLoRA  # what ``LoRASlots.begin`` hands ``apply``
 
 
 class LoRASlots(nn.Module):
@@ -101,21 +121,21 @@ class LoRASlots(nn.Module):
         self.a[slot].copy_(a, non_blocking=nb)
         self.b[slot].copy_(b, non_blocking=nb)
 
-    def begin(self, x: torch.Tensor) -> torch.Tensor | GemvLoRA | None:
+    def begin(self, x: torch.Tensor) -> Started | None:
         """Start this step's adapter deltas for input ``x`` before the base linear runs, or None
         when the step has no adapter rows. On CUDA: one row (batch-1 decode) of a dense linear
-        gets its shrink here and its expand inside the GEMV (``GemvLoRA``); more rows get both on a
-        side stream, into a zeroed ``[T, out]`` buffer, beside the base GEMM (the small LoRA
-        kernels are latency-bound and would otherwise add their whole time to every linear).
-        Elsewhere ``apply`` adds them after the base."""
+        gets its shrink here and its expand inside the GEMV (``GemvLoRA``); up to
+        ``SIDE_STREAM_ROWS`` rows get both on a side stream, into a zeroed ``[T, out]`` buffer,
+        beside the base GEMM (the small LoRA kernels are latency-bound and would otherwise add
+        their whole time to every linear). Otherwise ``apply`` adds them after the base, in place."""
         segments = get_lora_segments()
         if segments is None:
             return None
         if not isinstance(x, torch.Tensor):  # W8A8's int8 rows (Int8Rows): the adapter reads them dequantized
             x = (x.q.to(torch.float32) * x.scale).to(x.dtype)
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.device.type != "cuda":
-            return x2
+        if x2.device.type != "cuda" or x2.shape[0] > SIDE_STREAM_ROWS:
+            return After(x2)  # after the base, in place (a prefill chunk: no second [T, out] activation)
         if self.fuse_gemv and x2.shape[0] == 1:
             return GemvLoRA(segments, lora_shrink(x2, self.a, segments), self.b, self.part_sizes)
         main, side = torch.cuda.current_stream(x2.device), _side_stream(x2.device)
@@ -125,20 +145,20 @@ class LoRASlots(nn.Module):
         with torch.cuda.stream(side):
             delta.zero_()
             lora_expand(delta, lora_shrink(x2, self.a, segments), self.b, segments, self.part_sizes)
-        return delta
+        return Beside(delta)
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, started: torch.Tensor | GemvLoRA) -> torch.Tensor:
+    def apply(self, layer: LinearBase, x: torch.Tensor, started: Started) -> torch.Tensor:
         """``layer``'s output for ``x`` plus the deltas ``begin`` started."""
         if isinstance(started, GemvLoRA):
             return gemv(x.reshape(1, -1), layer.weight, layer.bias, started).view(*x.shape[:-1], -1)
         y = layer.method.apply(layer, x)
         y2 = y.view(-1, y.shape[-1])
-        if started.device.type != "cuda":  # ``started`` is the input: shrink and expand here
+        if isinstance(started, After):
             segments = get_lora_segments()
-            lora_expand(y2, lora_shrink(started, self.a, segments), self.b, segments, self.part_sizes)
+            lora_expand(y2, lora_shrink(started.x, self.a, segments), self.b, segments, self.part_sizes)
             return y
         torch.cuda.current_stream(y.device).wait_stream(_side_stream(y.device))
-        y2.add_(started)
+        y2.add_(started.delta)
         return y
 
 

@@ -316,6 +316,25 @@ def test_on_the_gpu_with_and_without_decode_graphs(tiny, expected, eager) -> Non
         eng.close()
 
 
+@pytest.mark.gpu
+def test_a_prefill_step_past_the_side_stream_rows_adds_in_place_on_the_gpu(tiny) -> None:
+    """A step of more than SIDE_STREAM_ROWS rows (a prefill) adds its deltas after the base, in
+    place: the merged models' tokens."""
+    from conveyor.engine.layers.lora import SIDE_STREAM_ROWS
+
+    base_dir, base, adapters = tiny
+    long = [[(7 * i + 3 * j) % 120 + 5 for j in range(90)] for i in range(4)]  # 360 rows in one step
+    assert sum(map(len, long)) > SIDE_STREAM_ROWS
+    names = ["all8", None, "qv4", "mlp16"]
+    want = [hf_greedy(merged(base, adapters[n]) if n else base, p, N) for p, n in zip(long, names)]
+    eng = engine(base_dir, adapters={k: str(v) for k, v in adapters.items()}, device="cuda",
+                 max_prefill_token_num=512, cache_max_entry_count=256)
+    try:
+        assert run(eng, list(zip(long, names))) == want
+    finally:
+        eng.close()
+
+
 def test_a_session_that_switches_adapters_shares_no_blocks_with_either(tiny, expected) -> None:
     """A session's turn with another adapter keys its blocks by the switch: a request that runs
     the whole history with the base model alone finds none of them."""
