@@ -816,10 +816,10 @@ class LoadLoraAdapterRequest(_Body):
 
 
 class UnloadLoraAdapterRequest(_Body):
-    """POST /v1/unload_lora_adapter (vLLM's body; its lora_int_id is not needed)."""
+    """POST /v1/unload_lora_adapter (vLLM's body; adapters are known by name, so lora_int_id is refused)."""
 
     lora_name: NonEmptyStr = Field(max_length=256, description="The adapter to forget.")
-    lora_int_id: int | None = Field(None, description="vLLM's; ignored (adapters are known by name).")
+    lora_int_id: int | None = Field(None, description="vLLM's: only null (adapters are unloaded by name).")
 
 
 class ModelCard(BaseModel):

@@ -283,6 +283,8 @@ async def test_load_use_unload_then_404(adapters: dict[str, str], tmp_path: Path
         assert empty.status_code == 400
         assert (await c.post("/v1/chat/completions", json=chat("sql"))).status_code == 200  # still serving
 
+        by_id = await c.post("/v1/unload_lora_adapter", json={"lora_name": "sql", "lora_int_id": 1})
+        assert by_id.status_code == 400 and by_id.json()["error"]["param"] == "lora_int_id"  # not ignored
         r = await c.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
         assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql' removed successfully."
         gone = await c.post("/v1/chat/completions", json=chat("sql"))

@@ -44,6 +44,9 @@ def install_adapters(app: FastAPI, ing: Ingress) -> None:
     @app.post("/v1/unload_lora_adapter", response_class=Response, responses={**ERRORS, **_TEXT})
     async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> Response:
         """Forget the LoRA adapter ``lora_name``; requests already running with it finish with it."""
+        if body.lora_int_id is not None:  # vLLM's own numbering: here adapters are known by name only
+            raise RequestError(400, f"lora_int_id={body.lora_int_id}: adapters are unloaded by name here; "
+                               "leave lora_int_id out and give lora_name", param="lora_int_id")
         await _named_fields(lora_client().unload_adapter(body.lora_name))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
