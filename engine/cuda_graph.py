@@ -263,10 +263,9 @@ class DecodeGraphs:
         ids, pos, slots, lens = self._np
         ids[:top], pos[:top], slots[:top], lens[:top] = 0, 0, -1, 1
         self._np_tables[:top] = 0
-        if self._h_lora is not None:  # no rows in any segment: [order | starts 0 | slots -1]
-            self._h_lora.fill_(-1)
-            self._h_lora[top:top + self.lora_slots + 1] = 0
-            self._lora_staged = True
+        self._lora_staged = self._h_lora is not None
+        if self._lora_staged:
+            self._stage_lora([])  # no row in any segment
         self._copy_inputs(top)
         self._lora_staged = False
         if self._copied is not None:

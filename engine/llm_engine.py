@@ -275,10 +275,7 @@ class LLMEngine:
 
     def _collect_adapters(self) -> None:
         """Drop the weights of unloaded adapters no unfinished turn runs with (on every rank)."""
-        lora = self.runner.lora
-        in_use = {seq.adapter_id for seq in self._seqs.values()}
-        gone = [i for i, a in lora.adapters.items() if not a.live and i not in in_use]
-        self.runner.forget_adapters(gone)
+        self.runner.forget_adapters(self.runner.lora.unused({seq.adapter_id for seq in self._seqs.values()}))
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (client gone); it is reported finished with reason ABORT."""

@@ -280,6 +280,11 @@ class ModelRunner:
             return
         plan.lora_slots, plan.lora_loads = self.lora.slots_for([s.adapter_id for s in seqs])
 
+    def _page_in(self, plan: StepPlan) -> None:
+        """Copy the adapters ``plan`` pages in into their slots (every rank, before the forward)."""
+        if plan.lora_loads:
+            self.lora.apply_loads(plan.lora_loads)
+
     def _decode_graphs(self, capture: bool) -> DecodeGraphs:
         """Static decode buffers (and, with ``capture``, their CUDA graphs) for this runner."""
         return DecodeGraphs(
@@ -516,6 +521,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, plan: StepPlan, prev_ids: torch.Tensor | None = None) -> torch.Tensor:
+        self._page_in(plan)
         ids, pos, meta = self._inputs(plan, prev_ids)
         embeds = self._image_embeddings(ids, plan) if plan.image_rows else None
         set_attention_metadata(meta)
@@ -621,9 +627,8 @@ class ModelRunner:
         """Run a FORWARD or GRAPH plan on this rank; the logits of its ``logit_rows`` (None when
         it has none)."""
         rows = plan.logit_rows
-        if plan.lora_loads:
-            self.lora.apply_loads(plan.lora_loads)
         if plan.kind == StepKind.GRAPH:
+            self._page_in(plan)
             graphs = self.decode_graphs
             n = len(plan.input_ids)
             bs = graphs.stage(plan.input_ids, plan.positions, plan.block_tables, plan.rope_shifts, plan.lora_slots)
@@ -688,8 +693,6 @@ class ModelRunner:
             self._adapter_ops(plan.adapter_ops)
             return prev_ids
         if plan.kind == StepKind.SCORE:
-            if plan.lora_loads:
-                self.lora.apply_loads(plan.lora_loads)
             for _ in self._chunk_logits(self._forward(plan), len(plan.logit_rows)):
                 pass  # the LM head's all-gather needs every rank; only rank 0 scores
             return prev_ids
@@ -713,8 +716,6 @@ class ModelRunner:
         plan.logit_rows = list(range(len(targets)))
         self._attach_lora(plan, [seq])
         self._send(plan)
-        if plan.lora_loads:
-            self.lora.apply_loads(plan.lora_loads)
         hidden = self._forward(plan)
         total = torch.zeros((), dtype=torch.float64)
         for lo, logits in self._chunk_logits(hidden, len(targets)):

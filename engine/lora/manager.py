@@ -12,7 +12,7 @@ reads it before the copy lands.
 
 Adapter ids are never reused: the prefix cache keys blocks by them (an adapter unloaded and loaded
 again under the same name gets a new id, so its blocks are never taken for the old one's).
-Unloading forgets the name at once; the weights go when no sequence runs with them (``collect``).
+Unloading forgets the name at once; the weights go when no sequence runs with them (``unused``).
 
 Which linears take adapters comes from the model's own checkpoint-name mapping (``map_weight``):
 Hugging Face's ``model.layers.{i}.self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj``, as
@@ -169,7 +169,7 @@ class LoRAManager:
 
     def unregister(self, name: str) -> Adapter | None:
         """Forget ``name`` (new requests can no longer name it); its weights stay until
-        ``collect`` finds no sequence running with them. None when no adapter has that name."""
+        ``unused`` finds no sequence running with them. None when no adapter has that name."""
         adapter_id = self.by_name.pop(name, None)
         if adapter_id is None:
             return None
@@ -177,13 +177,12 @@ class LoRAManager:
         adapter.live = False
         return adapter
 
-    def collect(self, in_use: set[int]) -> None:
-        """Drop unloaded adapters no sequence in ``in_use`` (ids) runs with, and free their slots."""
-        for adapter_id in [i for i, a in self.adapters.items() if not a.live and i not in in_use]:
-            self.forget(adapter_id)
+    def unused(self, in_use: set[int]) -> list[int]:
+        """Unloaded adapters no sequence in ``in_use`` (ids) runs with: their weights can go."""
+        return [i for i, a in self.adapters.items() if not a.live and i not in in_use]
 
     def forget(self, adapter_id: int) -> None:
-        """Drop an adapter's weights and free its slot (a follower rank's part of ``collect``)."""
+        """Drop an adapter's weights and free its slot."""
         self.adapters.pop(adapter_id, None)
         slot = self._slot_of.pop(adapter_id, None)
         if slot is not None:

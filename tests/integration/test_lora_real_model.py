@@ -11,7 +11,7 @@ import torch
 from conveyor import EngineConfig, GenerationConfig, PytorchEngineConfig, pipeline
 from conveyor.protocol.errors import UnknownAdapterError
 
-from unit.tiny_lora import hf_greedy, load_base, make_adapter, merged
+from unit.tiny_lora import greedy_batch, hf_greedy, load_base, make_adapter, merged
 
 pytestmark = pytest.mark.slow
 
@@ -60,19 +60,8 @@ def test_one_batch_mixing_three_adapters_and_the_base_equals_merged(pipe, setup)
     names = [None, *ADAPTERS]
     requests = [(i, names[(k + j) % 4]) for k, i in enumerate(ids) for j in range(4)]
 
-    def call(engine):
-        from conveyor.protocol.sampling import SamplingParams
-
-        rids = [engine.add_request(i, SamplingParams(max_new_tokens=N, temperature=0.0, ignore_eos=True,
-                                                     adapter_name=a)).request_id for i, a in requests]
-        out = {r: [] for r in rids}
-        while engine.has_work:
-            for o in engine.step():
-                if o.token is not None:
-                    out[o.request_id].append(o.token)
-        return [out[r] for r in rids]
-
-    got = pipe._stack.call(call)  # on the engine's thread: all 16 requests in the same steps
+    # On the engine's thread: all 16 requests in the same steps.
+    got = pipe._stack.call(lambda engine: greedy_batch(engine, requests, N))
     for (prompt, name), tokens in zip(requests, got):
         assert tokens == expected[name][ids.index(prompt)], name
 

@@ -16,7 +16,7 @@ from conveyor.engine.llm_engine import LLMEngine
 from conveyor.protocol.errors import AdapterError, EngineConfigError, UnknownAdapterError
 from conveyor.protocol.sampling import SamplingParams
 
-from tiny_lora import hf_greedy, load_base, make_adapter, merged, save_tiny_llama
+from tiny_lora import greedy_batch, hf_greedy, load_base, make_adapter, merged, save_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -63,13 +63,7 @@ def params(adapter: str | None) -> SamplingParams:
 
 def run(eng: LLMEngine, requests: list[tuple[list[int], str | None]]) -> list[list[int]]:
     """Queue every (prompt, adapter) at once, step to the end; each request's tokens."""
-    rids = [eng.add_request(p, params(a)).request_id for p, a in requests]
-    tokens = {rid: [] for rid in rids}
-    while eng.has_work:
-        for o in eng.step():
-            if o.token is not None:
-                tokens[o.request_id].append(o.token)
-    return [tokens[rid] for rid in rids]
+    return greedy_batch(eng, requests, N)
 
 
 def test_adapters_change_the_output(expected) -> None:

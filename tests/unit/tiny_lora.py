@@ -68,3 +68,18 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
             out.append(int(result.logits[0, -1].argmax()))
             step = torch.tensor([[out[-1]]])
     return out
+
+
+def greedy_batch(eng, requests: list[tuple[list[int], str | None]], n: int) -> list[list[int]]:
+    """Queue every (prompt ids, adapter name or None) on the engine ``eng`` at once and step to
+    the end: each request's ``n`` greedy tokens (end tokens ignored)."""
+    from conveyor.protocol.sampling import SamplingParams
+
+    rids = [eng.add_request(p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True,
+                                              adapter_name=a)).request_id for p, a in requests]
+    tokens = {rid: [] for rid in rids}
+    while eng.has_work:
+        for o in eng.step():
+            if o.token is not None:
+                tokens[o.request_id].append(o.token)
+    return [tokens[rid] for rid in rids]
