@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..protocol.errors import EngineConfigError
-from .peer_all_reduce import PeerAllReduce, check_all_reduce
+from .peer_all_reduce import FusedNormAllReduce, PeerAllReduce, check_all_reduce
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,9 @@ class TPGroup:
     size: int = 1
     group: object | None = None
     peer: object | None = None  # a PeerAllReduce for small tensors (engine/peer_all_reduce.py), or None
+    # A FusedNormAllReduce ("fused"): row-parallel linears it gave slots to leave their parts
+    # there, and the norm after them sums (engine/peer_all_reduce.py), or None.
+    fused: object | None = None
 
     @property
     def active(self) -> bool:
@@ -125,23 +128,26 @@ def init_tp(rank: int, size: int, init_method: str, device: torch.device, all_re
     group = dist.group.WORLD
     # The first NCCL collective sets up the communicator: do it now, not inside a graph capture.
     dist.all_reduce(torch.zeros(1, device=device), group=group)
-    _GROUP = TPGroup(rank, size, group, None if kind == "nccl" else PeerAllReduce(kind, group, device))
+    peer = PeerAllReduce(kind, group, device) if kind in ("one_shot", "two_shot") else None
+    fused = FusedNormAllReduce(group, device) if kind == "fused" else None
+    _GROUP = TPGroup(rank, size, group, peer, fused)
     logger.info("tensor parallel: rank %d of %d (%s, small all-reduces: %s)", rank, size, backend, kind)
     return _GROUP
 
 
-def close_tp(abort: bool = False) -> None:
+def close_tp() -> None:
     """Leave the process group (the engine's shutdown); the single-rank group is back.
 
-    NCCL's destroy is collective (torch >= 2.6 flushes with ``ncclCommFinalize``): a rank that
-    calls it waits until every rank has, so the ranks must leave together, never one after
-    another has exited. With a peer dead or stuck (``abort``), the communicators are aborted
-    instead, which waits for no one. gloo's destroy waits for no one either way."""
+    Under NCCL the communicators are aborted, never destroyed: ``destroy_process_group`` is
+    collective (torch >= 2.6 flushes with ``ncclCommFinalize``), and on two H200s (torch 2.11,
+    NCCL 2.28) both ranks of a group that had run decode graphs waited in it forever, together;
+    an abort waits for no one and frees the same resources. The ranks leave at the same time
+    anyway (``LLMEngine.close``), so none is mid-collective; with a peer dead or stuck, the abort
+    is what it needs too. gloo's destroy waits for no one."""
     global _GROUP
     if _GROUP.group is not None and dist.is_initialized():
-        if abort:
-            abort_tp()
-        if dist.is_initialized():
+        abort_tp()
+        if dist.is_initialized():  # gloo (or a torch without the abort call)
             dist.destroy_process_group()
     _GROUP = TPGroup()
 

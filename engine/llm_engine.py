@@ -135,28 +135,26 @@ class LLMEngine:
     def _start_tensor_parallel(self) -> None:
         if self.config.tp > 1:
             self.tp_workers = TPWorkers(self.model_path, self.config)
+            self.tp_workers.wait_joining()
         init_method = self.tp_workers.init_method if self.tp_workers else f"tcp://127.0.0.1:{free_port()}"
         self._tp_group = init_tp(0, self.config.tp, init_method, self.device, self.config.tp_all_reduce)
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks and leave the process group (nothing to do at tp=1).
 
-        The order matters under NCCL, whose group destroy is collective: the ranks are told to
-        stop (each then leaves the group), rank 0 leaves it at the same time, and only then are
-        the ranks' processes waited for. Waiting first would deadlock: each rank waits in its
-        destroy for rank 0, rank 0 waits for the ranks to exit, kills them, and then its own
-        destroy waits forever for ranks that are gone."""
+        The ranks are told to stop (each then leaves the group), rank 0 leaves it at the same
+        time, and only then are the ranks' processes waited for: no rank is left inside a
+        collective whose peer has gone (``close_tp`` says how each backend leaves)."""
         if getattr(self, "guides", None) is not None:
             self.guides.close()
         if self._rank_timing is not None:  # the other ranks write theirs as they stop
             self.runner.step_hooks.remove(self._rank_timing)
             self._rank_timing.timing.write()
             self._rank_timing = None
-        healthy = True
         if self.tp_workers is not None:
-            healthy = self.tp_workers.stop()
+            self.tp_workers.stop()
         if self._tp_group is not None:
-            close_tp(abort=not healthy)
+            close_tp()
             self._tp_group = None
         if self.tp_workers is not None:
             self.tp_workers.close()

@@ -17,20 +17,22 @@ requests in flight and restarts the stage; in-process (the pipeline) the next st
 rank whose parent (rank 0) dies exits by itself: no process outlives the engine.
 
 Stopping. ``stop`` sends every rank a STOP plan, on which it leaves the process group and exits;
-rank 0 leaves the group at the same time (``LLMEngine.close``), since NCCL's destroy is
-collective; ``close`` then waits for the processes.
+rank 0 leaves the group at the same time (``LLMEngine.close``); ``close`` then waits for the
+processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -77,6 +79,7 @@ class TPWorkers:
         self._plans: list[zmq.Socket] = []
         self.procs: list[mp.Process] = []
         self._ready: set[int] = set()
+        self._joining: set[int] = set()  # ranks about to join the process group
         self._beats: dict[int, float] = {}  # last heartbeat per rank (none yet: still importing)
         self._closing = False
         self._failing = False
@@ -93,7 +96,8 @@ class TPWorkers:
             proc = spawn.Process(target=run_tp_rank, name=f"conveyor-tp-rank-{rank}", daemon=True,
                                  args=(rank, self.size, self.init_method, address, f"ipc://{self._dir}/status",
                                        str(model_path), config, level))
-            proc.start()
+            with _main_module_hidden():
+                proc.start()
             self.procs.append(proc)
             logger.info("started tensor-parallel rank %d (pid %d)", rank, proc.pid)
         self._watch_stop = threading.Event()
@@ -112,13 +116,22 @@ class TPWorkers:
     # ---- watching ---------------------------------------------------------------------------------
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Block until every rank has built its model and cache (raises if one fails first)."""
+        self._wait_for(self._ready, "ready", timeout)
+
+    def wait_joining(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Block until every rank is about to join the process group (raises if one fails
+        first). Rank 0 joins only then: torch's rendezvous waits for every rank inside C++ for
+        the whole collective timeout, where a rank that died while importing would leave it."""
+        self._wait_for(self._joining, "joining the process group", timeout)
+
+    def _wait_for(self, ranks: set[int], what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while len(self._ready) < self.size - 1:
+        while len(ranks) < self.size - 1:
             if self.failure is not None:
                 raise TPWorkerError(f"tensor parallel failed while starting: {self.failure}")
             if time.monotonic() > deadline:
-                raise TPWorkerError(f"tensor-parallel ranks not ready after {timeout:.0f}s")
-            time.sleep(0.05)
+                raise TPWorkerError(f"tensor-parallel ranks not {what} after {timeout:.0f}s")
+            time.sleep(0.02)
 
     def _watch(self) -> None:
         codec = Codec(RankOut)
@@ -129,7 +142,9 @@ class TPWorkers:
                 except Exception:  # noqa: BLE001 - a garbled frame is no news
                     continue
                 self._beats[msg.rank] = time.monotonic()
-                if msg.state == "ready":
+                if msg.state == "joining":
+                    self._joining.add(msg.rank)
+                elif msg.state == "ready":
                     self._ready.add(msg.rank)
                     logger.info("tensor-parallel rank %d ready (pid %d)", msg.rank, msg.pid)
                 elif msg.state == "failed":
@@ -167,18 +182,14 @@ class TPWorkers:
             proc.join(5)
 
     # ---- stopping ---------------------------------------------------------------------------------
-    def stop(self) -> bool:
-        """Tell every rank to stop: each leaves the process group and exits. Returns whether the
-        group is whole (every rank started and none failed), i.e. whether the ranks will leave
-        the group with rank 0; if not, rank 0 must abort it rather than wait for them."""
-        whole = self.failure is None and len(self._ready) == self.size - 1
+    def stop(self) -> None:
+        """Tell every rank to stop: each leaves the process group and exits."""
         if not self._stopping:
             self._stopping = True  # from here the watchdog takes an exiting rank for a stopping one
             if self.failure is None:
                 stop = self._codec.encode(StepPlan(StepKind.STOP))
                 for sock in self._plans:
                     sock.send(stop, copy=False)
-        return whole
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop every rank (``stop`` if not done), wait for them (killing what is left), release
@@ -197,6 +208,27 @@ class TPWorkers:
             sock.close(linger=0)
         self._ctx.term()
         self._socket_dir.remove()
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """While a rank starts, the parent's ``__main__`` looks like an interactive one, so that
+    ``spawn`` does not run the user's script again in the rank (it needs nothing from it: its
+    target and arguments live in this package). A script without the ``if __name__ ==
+    "__main__":`` guard would otherwise start a second engine in every rank, which fails."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {name: getattr(main, name) for name in ("__file__", "__spec__") if hasattr(main, name)}
+    main.__spec__ = None
+    if "__file__" in saved:
+        del main.__file__
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(main, name, value)
 
 
 # ---- the other ranks' process ----------------------------------------------------------------------
@@ -274,6 +306,7 @@ def run_tp_rank(rank: int, size: int, init_method: str, plan_address: str, statu
 
         set_kernel_mode(config.kernels)
         path, model_config, device, dtype = resolve_engine_inputs(model_path, config, rank)
+        out_codec.send(status, RankStatus(rank, "joining", os.getpid()))
         init_tp(rank, size, init_method, device, config.tp_all_reduce)
         runner = ModelRunner(path, model_config, config, device, dtype)
         out_codec.send(status, RankStatus(rank, "ready", os.getpid()))

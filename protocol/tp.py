@@ -68,8 +68,9 @@ class StepPlan(msgspec.Struct, tag=1, **_TAG):
 
 
 class RankStatus(msgspec.Struct, tag=2, **_TAG):
-    """A rank's news for rank 0: ``state`` "ready" (its model and cache are built), "alive" (a
-    heartbeat, sent every ``HEARTBEAT_S``) or "failed" (``error``)."""
+    """A rank's news for rank 0: ``state`` "joining" (about to join the process group), "ready"
+    (its model and cache are built), "alive" (a heartbeat, sent every ``HEARTBEAT_S``) or
+    "failed" (``error``)."""
 
     rank: int
     state: str

@@ -173,32 +173,90 @@ def test_init_tp_makes_the_rank_s_gpu_current_before_joining(monkeypatch) -> Non
 
 
 def test_close_lets_the_ranks_leave_the_group_with_rank_0(dense_dir, monkeypatch) -> None:
-    """NCCL's group destroy is collective: rank 0 must leave the group while the ranks do (told
-    to stop, not yet waited for), and the ranks then exit by themselves, not killed."""
+    """Rank 0 leaves the group while the ranks do (told to stop, not yet waited for), and the
+    ranks then exit by themselves, not killed."""
     from conveyor.engine import llm_engine
 
     seen = []
     real_close_tp = llm_engine.close_tp
 
-    def close_tp(abort=False):
+    def close_tp():
         workers = eng.tp_workers
-        seen.append((abort, workers is not None and workers._stopping, workers is not None and workers._closing))
-        real_close_tp(abort)
+        seen.append((workers is not None and workers._stopping, workers is not None and workers._closing))
+        real_close_tp()
 
     monkeypatch.setattr(llm_engine, "close_tp", close_tp)
     eng = engine(dense_dir, tp=2)
     procs = list(eng.tp_workers.procs)
     eng.close()
-    assert seen == [(False, True, False)]  # stopped, not aborted, not yet waited for
+    assert seen == [(True, False)]  # stopped, not yet waited for
     assert [p.exitcode for p in procs] == [0]
 
 
-def test_a_frozen_rank_is_found_and_every_rank_stopped(dense_dir, monkeypatch) -> None:
-    from conveyor.engine import llm_engine
+def test_leaving_an_nccl_group_aborts_it_and_never_waits_in_the_collective_destroy(monkeypatch) -> None:
+    """On two H200s both ranks of a group that had run decode graphs waited forever, together, in
+    NCCL's destroy_process_group; the abort is local."""
+    from conveyor.engine import distributed
 
-    aborts = []
-    real_close_tp = llm_engine.close_tp
-    monkeypatch.setattr(llm_engine, "close_tp", lambda abort=False: (aborts.append(abort), real_close_tp(abort)))
+    calls = []
+    monkeypatch.setattr(distributed, "_GROUP", distributed.TPGroup(0, 2, group=object()))
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: not calls)
+    monkeypatch.setattr(distributed.dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(distributed.dist.distributed_c10d, "_abort_process_group", lambda: calls.append("abort"))
+    monkeypatch.setattr(distributed.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    distributed.close_tp()
+    assert calls == ["abort"]
+    assert not distributed.tp_group().active
+
+
+_SCRIPT = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from tiny_llama import engine, greedy
+
+eng = engine(Path({model!r}), tp=2)
+print("TOKENS", greedy(eng, [1, 5, 9], 4), flush=True)
+{close}
+print("LAST", time.monotonic(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("close", [True, False], ids=["closed", "left-open"])
+def test_a_tp2_script_without_a_main_guard_runs_and_exits_promptly(dense_dir, tmp_path, close) -> None:
+    """A user's script at module level (no ``if __name__ == "__main__":``): the ranks, started
+    by spawn, must not run it again (each would start an engine of its own), and the script
+    exits within seconds of its last line, whether or not it closed the engine."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "user_script.py"
+    script.write_text(_SCRIPT.format(tests=str(Path(__file__).parent), model=str(dense_dir),
+                                     close="eng.close()" if close else ""))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    ended = time.monotonic()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    assert len(eval(lines["TOKENS"])) == 4
+    assert ended - float(lines["LAST"]) < 20
+
+
+def test_a_rank_that_fails_before_joining_the_group_is_reported_at_once(tmp_path) -> None:
+    """Rank 0 joins the process group only once every rank is about to: torch's rendezvous
+    would wait for a rank that died while starting for the whole collective timeout."""
+    from conveyor.engine.config import EngineConfig
+    from conveyor.engine.tp_workers import TPWorkers
+
+    workers = TPWorkers(tmp_path / "no-such-model", EngineConfig(device="cpu", tp=2))
+    try:
+        with pytest.raises(TPWorkerError, match="failed while starting"):
+            workers.wait_joining(timeout=120)
+    finally:
+        workers.close()
+
+
+def test_a_frozen_rank_is_found_and_every_rank_stopped(dense_dir) -> None:
     eng = engine(dense_dir, tp=2)
     try:
         workers = eng.tp_workers
@@ -215,10 +273,9 @@ def test_a_frozen_rank_is_found_and_every_rank_stopped(dense_dir, monkeypatch) -
             eng.step()
     finally:
         eng.close()
-    assert aborts == [True]  # a group with a dead rank is aborted, not destroyed with it
 
 
-@pytest.mark.parametrize("value, tp, error", [("bogus", 2, "not one of nccl, one_shot, two_shot"),
+@pytest.mark.parametrize("value, tp, error", [("bogus", 2, "not one of nccl, one_shot, two_shot, fused"),
                                               ("one_shot", 2, "needs CUDA devices"),
                                               ("two_shot", 1, "runs tp=1 with none")])
 def test_a_wrong_all_reduce_path_is_refused_before_any_rank_starts(dense_dir, value, tp, error) -> None:
@@ -239,6 +296,27 @@ def test_a_peer_path_refuses_float16_which_its_kernels_lack() -> None:
             check_all_reduce(kind, cuda, True, torch.float16)
         check_all_reduce(kind, cuda, True, torch.bfloat16)
     check_all_reduce("nccl", cuda, True, torch.float16)  # NCCL sums any dtype
+    check_all_reduce("fused", cuda, True, torch.float16)  # and so does the fused kernel (kernels/peer_norm.py)
+
+
+@pytest.mark.parametrize("sites, ring", [(64, 2), (2, 2), (7, 4), (5, 3), (13, None), (1, None)])
+def test_the_fused_all_reduce_s_slot_ring_never_repeats_a_slot_twice_running(sites, ring) -> None:
+    """Consecutive sums, the last of a forward and the first of the next included, never share a
+    slot: a rank would otherwise overwrite a part a slower peer still reads."""
+    from types import SimpleNamespace
+
+    from conveyor.engine.peer_all_reduce import FusedNormAllReduce
+
+    linears = [SimpleNamespace(reduce_slot=None) for _ in range(sites)]
+    assigned = FusedNormAllReduce.assign(object.__new__(FusedNormAllReduce), linears)
+    assert assigned == (ring is not None)
+    slots = [lin.reduce_slot for lin in linears]
+    if ring is None:
+        assert slots == [None] * sites
+        return
+    assert max(slots) == ring - 1
+    order = slots + slots  # two forwards
+    assert all(a != b for a, b in zip(order, order[1:]))
 
 
 def test_an_unwritable_timing_directory_loses_nothing(dense_dir, tmp_path) -> None:
@@ -279,7 +357,7 @@ def test_small_all_reduces_take_the_peer_path_and_large_ones_the_group() -> None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("allreduce", ["nccl", "one_shot", "two_shot"])
+@pytest.mark.parametrize("allreduce", ["nccl", "one_shot", "two_shot", "fused"])
 def test_the_nccl_path_at_world_size_1_runs_inside_the_decode_graphs(dense_dir, allreduce) -> None:
     """Tensor parallel's collectives (an all-reduce in every row-parallel layer and the embedding,
     by NCCL or by peer reads, EngineConfig.tp_all_reduce; the LM head's all-gather, the sampled ids'
