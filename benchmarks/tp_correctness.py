@@ -56,12 +56,14 @@ def write_checkpoint(shape: str, layers: int, dest: Path, seed: int = 0) -> Path
     return dest
 
 
-def trace(path: Path, tp: int, prompts: list[list[int]], n: int) -> tuple[list[list[int]], list[list[dict]]]:
+def trace(path: Path, tp: int, prompts: list[list[int]], n: int,
+          all_reduce: str = "nccl") -> tuple[list[list[int]], list[list[dict]]]:
     from conveyor.engine.config import EngineConfig
     from conveyor.engine.llm_engine import LLMEngine
     from conveyor.protocol.sampling import SamplingParams
 
-    eng = LLMEngine(path, EngineConfig(tp=tp, dtype="float16", cache_max_entry_count=0.3, max_batch_size=64))
+    eng = LLMEngine(path, EngineConfig(tp=tp, dtype="float16", cache_max_entry_count=0.3, max_batch_size=64,
+                                       tp_all_reduce=all_reduce if tp > 1 else "nccl"))
     try:
         for i, p in enumerate(prompts):
             eng.add_request(p, SamplingParams(max_new_tokens=n, temperature=0.0, logprobs=5, ignore_eos=True),
@@ -87,6 +89,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--tp-all-reduce", default="nccl",
+                    help="the tp>1 run's all-reduce path (EngineConfig.tp_all_reduce)")
     args = ap.parse_args()
     path = write_checkpoint(args.model, args.layers,
                             Path(tempfile.gettempdir()) / f"tp-check-{args.model}-{args.layers}")
@@ -96,7 +100,7 @@ def main() -> None:
     vocab = SHAPES[args.model]["vocab_size"]
     prompts = [[rng.randrange(100, vocab) for _ in range(rng.randrange(8, 200))] for _ in range(args.prompts)]
     ref_tok, ref_top = trace(path, 1, prompts, args.new_tokens)
-    got_tok, got_top = trace(path, args.tp, prompts, args.new_tokens)
+    got_tok, got_top = trace(path, args.tp, prompts, args.new_tokens, args.tp_all_reduce)
     same_prompts = sum(a == b for a, b in zip(ref_tok, got_tok))
     # Logprob differences over the steps where both runs chose the same tokens so far.
     diffs = []
@@ -107,12 +111,13 @@ def main() -> None:
                 break
     worst = max(diffs) if diffs else None
     mean = sum(diffs) / len(diffs) if diffs else None
-    print(f"tp={args.tp} vs tp=1, {args.model} x {args.layers} layers: identical greedy tokens for "
-          f"{same_prompts}/{len(prompts)} prompts; top-5 logprob |diff| mean {mean:.2e}, max {worst:.2e}")
+    print(f"tp={args.tp} ({args.tp_all_reduce}) vs tp=1, {args.model} x {args.layers} layers: identical greedy "
+          f"tokens for {same_prompts}/{len(prompts)} prompts; top-5 logprob |diff| mean {mean:.2e}, max {worst:.2e}")
     save([record(engine="conveyor", model=f"{args.model}-{args.layers}l", benchmark="tp_correctness", tp=args.tp,
                  batch=len(prompts), output_len=args.new_tokens, precision="float16", model_format="hf",
-                 quant_policy=0, identical_prompts=same_prompts, logprob_diff_mean=mean, logprob_diff_max=worst)],
-         f"tp_correctness_tp{args.tp}")
+                 quant_policy=0, tp_all_reduce=args.tp_all_reduce,
+                 identical_prompts=same_prompts, logprob_diff_mean=mean, logprob_diff_max=worst)],
+         f"tp_correctness_tp{args.tp}_{args.tp_all_reduce}")
 
 
 if __name__ == "__main__":

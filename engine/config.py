@@ -15,7 +15,7 @@ _MODEL_FORMATS = (None, "hf", "llama", "gguf", "awq", "smooth_quant")
 _EVICTION_TYPES = ("recompute", "copy")
 _DEFAULT_PREFILL_TOKENS = 8192
 # Tensor parallel's paths for decode-sized all-reduces (engine/peer_all_reduce.py reads this tuple).
-TP_ALL_REDUCE_KINDS = ("nccl", "one_shot", "two_shot")
+TP_ALL_REDUCE_KINDS = ("nccl", "one_shot", "two_shot", "fused")
 KERNEL_MODES = ("auto", "ref", "triton")  # = kernels._triton.KERNEL_MODES (a test checks): this module stays torch-free
 
 
@@ -70,7 +70,9 @@ class EngineConfig:
     kernels: str = "auto"
     # Tensor parallel: how decode-sized all-reduces (up to 1 MiB) are summed. "nccl" (default) the
     # process group's all-reduce; "one_shot" / "two_shot" read the peer GPUs' memory directly
-    # (engine/peer_all_reduce.py; CUDA, bfloat16 or float32, tp > 1). Larger ones take NCCL.
+    # (engine/peer_all_reduce.py; CUDA, bfloat16 or float32, tp > 1); "fused" sums a Llama-style
+    # layer's o_proj / down_proj parts by peer reads inside the kernel of the residual add and
+    # RMSNorm after them (kernels/peer_norm.py; CUDA, any float dtype). Larger ones take NCCL.
     tp_all_reduce: str = "nccl"
     # Tensor parallel: seconds a rank's heartbeat may stay silent before it is taken for frozen and
     # every rank is stopped (engine/tp_workers.py).

@@ -51,7 +51,7 @@ def check_all_reduce(kind: str, device: torch.device, tensor_parallel: bool = Tr
     if device.type != "cuda":
         raise EngineConfigError(f"tp_all_reduce={kind!r} reads peer GPUs' memory: it needs CUDA devices (the "
                                 f"engine is on {device}); use tp_all_reduce='nccl' (the process group's all-reduce)")
-    if dtype is not None and dtype not in _DTYPES:
+    if kind != "fused" and dtype is not None and dtype not in _DTYPES:
         raise EngineConfigError(f"tp_all_reduce={kind!r} runs torch's symmetric-memory kernels, which have no {dtype}: "
                                 "load the model with dtype='bfloat16' (--dtype bfloat16), or use tp_all_reduce='nccl'")
 
@@ -60,9 +60,8 @@ class PeerAllReduce:
     """Sums small tensors over the group through one registered (symmetric-memory) buffer."""
 
     def __init__(self, kind: str, group, device: torch.device, max_bytes: int = PEER_ALLREDUCE_MAX_BYTES):
-        if kind not in TP_ALL_REDUCE_KINDS[1:]:
-            raise EngineConfigError(
-                f"no peer all-reduce called {kind!r}: pick one of {', '.join(TP_ALL_REDUCE_KINDS[1:])}")
+        if kind not in ("one_shot", "two_shot"):
+            raise EngineConfigError(f"no peer all-reduce called {kind!r}: pick one_shot or two_shot")
         import torch.distributed._symmetric_memory as symm_mem
 
         self.kind = kind
@@ -87,3 +86,105 @@ class PeerAllReduce:
             return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.name).view_as(x)
         torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.name)
         return x.copy_(buf.view_as(x))
+
+
+# ---- the all-reduce fused with the residual add and RMSNorm after it ("fused") ----------------------
+
+FUSED_SLOT_BYTES = 2 << 20  # [256, 4096] or [128, 8192] of 16-bit rows: every decode graph of a 70B model
+FUSED_MAX_ROWS = 256  # rows of flags; a grid's programs (one a row) must all be resident at once
+_FUSED_SLOTS = 4  # a ring long enough that consecutive sums never share a slot (FusedNormAllReduce.assign)
+
+
+class PartialSum:
+    """A row-parallel linear's output, this rank's part only, already in its slot of the shared
+    buffer: the norm after it sums the ranks' parts, adds the residual and normalizes in one
+    kernel (``FusedNormAllReduce.add_rms_norm``). Anything else that reads it calls ``total``."""
+
+    __slots__ = ("part", "reducer", "slot")
+
+    def __init__(self, reducer: "FusedNormAllReduce", slot: int, part: torch.Tensor) -> None:
+        self.reducer, self.slot, self.part = reducer, slot, part
+
+    def total(self) -> torch.Tensor:
+        """The sum over the ranks as a plain tensor (the process group's all-reduce of the part)."""
+        import torch.distributed as dist
+
+        out = self.part.clone()
+        dist.all_reduce(out, group=self.reducer.group)
+        return out
+
+
+class FusedNormAllReduce:
+    """One symmetric-memory buffer per rank: int32 flags, then a ring of slots for the ranks'
+    partial sums; the kernel is ``kernels/peer_norm.py``. Built by ``init_tp`` (collective: every
+    rank maps every rank's buffer); ``assign`` gives the model's row-parallel linears their slots."""
+
+    def __init__(self, group, device: torch.device, slot_bytes: int = FUSED_SLOT_BYTES,
+                 max_rows: int = FUSED_MAX_ROWS) -> None:
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group, self.device = group, device
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.slot_bytes, self.max_rows = slot_bytes, max_rows
+        name = group.group_name
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # needed before rendezvous in torch < 2.8, harmless after
+            enable(name)
+        flag_bytes = -(-max_rows * self.world * 4 // 256) * 256
+        self.buffer = symm_mem.empty(flag_bytes + _FUSED_SLOTS * slot_bytes, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(self.buffer, group=name)
+        bases = [_peer_address(handle, r, self.buffer) for r in range(self.world)]
+        # Flags start at 0 on every rank before any rank can signal: zeroed, then a barrier.
+        self.buffer[:flag_bytes].zero_()
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)
+        self.flag_ptrs = torch.tensor(bases, dtype=torch.int64, device=device)
+        self.slot_ptrs = torch.tensor([[b + flag_bytes + s * slot_bytes for b in bases] for s in range(_FUSED_SLOTS)],
+                                      dtype=torch.int64, device=device)
+        self._slots = [self.buffer[flag_bytes + s * slot_bytes: flag_bytes + (s + 1) * slot_bytes]
+                       for s in range(_FUSED_SLOTS)]
+
+    def assign(self, linears: list) -> bool:
+        """Give each of ``linears`` (row-parallel, in the order a forward runs them) a slot:
+        site i takes slot i mod k, with k the smallest ring for which the last site and the first
+        (consecutive across two forwards) differ too. False, and nothing assigned, when no ring
+        fits (``_FUSED_SLOTS`` slots) or there are fewer than two sites."""
+        n = len(linears)
+        ring = next((k for k in range(2, _FUSED_SLOTS + 1) if (n - 1) % k), None) if n >= 2 else None
+        if ring is None:
+            return False
+        for i, linear in enumerate(linears):
+            linear.reduce_slot = i % ring
+        return True
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` (rows of the hidden size) goes through a slot."""
+        rows = x.numel() // x.shape[-1] if x.dim() else 0
+        return (x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.device == self.device
+                and 0 < rows <= self.max_rows and x.numel() * x.element_size() <= self.slot_bytes)
+
+    def stage(self, slot: int, part: torch.Tensor) -> PartialSum:
+        """Copy this rank's ``part`` into its slot ``slot``."""
+        nbytes = part.numel() * part.element_size()
+        self._slots[slot][:nbytes].view(part.dtype).view(part.shape).copy_(part)
+        return PartialSum(self, slot, part)
+
+    def add_rms_norm(self, partial: PartialSum, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``add_rms_norm(sum over the ranks of the part, residual)`` in one kernel."""
+        from ..kernels.peer_norm import peer_add_rms_norm_triton
+
+        part = partial.part
+        rows = part.numel() // part.shape[-1]
+        residual = residual if residual.dtype == part.dtype else residual.to(part.dtype)
+        return peer_add_rms_norm_triton(self.slot_ptrs[partial.slot], self.flag_ptrs, self.rank, rows,
+                                        residual.contiguous(), weight.to(part.dtype).contiguous(), eps)
+
+
+def _peer_address(handle, rank: int, local: torch.Tensor) -> int:
+    """Rank ``rank``'s buffer as an address in this process."""
+    ptrs = getattr(handle, "buffer_ptrs", None)
+    if ptrs is not None:
+        return int(ptrs[rank])
+    return handle.get_buffer(rank, (local.numel(),), torch.uint8).data_ptr()

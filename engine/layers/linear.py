@@ -103,6 +103,9 @@ class RowParallelLinear(LinearBase):
     shared expert and routed experts: one all-reduce for both)."""
 
     reduce_output = True
+    # The slot of the fused all-reduce's shared buffer this linear leaves its part in, for the norm
+    # after it to sum (set by the model, FusedNormAllReduce.assign), or None: summed here.
+    reduce_slot: int | None = None
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool = False, method: LinearMethod | None = None
@@ -142,7 +145,12 @@ class RowParallelLinear(LinearBase):
         started = self.lora.begin(x) if self.lora is not None else None
         # With adapters, this rank's part plus x_r A_r^T B^T: the all-reduce sums the ranks' parts.
         out = self.method.apply(self, x) if started is None else self.lora.apply(self, x, started)
-        return tp_group().all_reduce(out) if self.reduce_output else out
+        if not self.reduce_output:
+            return out
+        tp = tp_group()
+        if self.reduce_slot is not None and tp.fused is not None and tp.fused.fits(out):
+            return tp.fused.stage(self.reduce_slot, out)  # a PartialSum: the next norm sums it
+        return tp.all_reduce(out)
 
 
 class MergedLinear(LinearBase):

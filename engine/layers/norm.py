@@ -13,6 +13,7 @@ from torch import nn
 
 from ...kernels import add_rms_norm, rms_norm
 from ...kernels.w8a8 import rms_norm_quant
+from ..peer_all_reduce import PartialSum
 from ..weight_loader import materialize
 from .w8a8_linear import Int8Rows
 
@@ -51,7 +52,13 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | Int8Rows | tuple[torch.Tensor | Int8Rows, torch.Tensor]:
-        """``norm(x)``; with ``residual``, ``(norm(x + residual), x + residual)``."""
+        """``norm(x)``; with ``residual``, ``(norm(x + residual), x + residual)``. ``x`` may be a
+        row-parallel linear's ``PartialSum`` (tensor parallel's "fused" all-reduce): the ranks'
+        parts are summed in the same kernel as the add and the norm."""
+        if isinstance(x, PartialSum):
+            if residual is not None and not self.quantize_output:
+                return x.reducer.add_rms_norm(x, residual, self.weight, self.eps)
+            x = x.total()
         if self.quantize_output:
             if residual is None:
                 q, scale = rms_norm_quant(x, self.weight, self.eps)

@@ -30,6 +30,7 @@ from ..layers import (
 from ..layers.linear import ShardId
 from ..layers.qk_norm import QKNorm
 from ..attention_windows import layer_windows
+from ..distributed import tp_group
 from ..model_config import ModelConfig
 from ..weight_loader import materialize
 
@@ -190,6 +191,29 @@ class LlamaModel(nn.Module):
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, weight_offset=variant.norm_weight_offset)
+        self._fuse_all_reduces()
+
+    def _fuse_all_reduces(self) -> None:
+        """Tensor parallel's "fused" all-reduce: where every layer is Llama's own block (o_proj's
+        sum goes straight into post_attention_layernorm, down_proj's into the next layer's
+        input_layernorm or the final norm, all plain RMSNorms), the row-parallel linears leave
+        their parts for those norms to sum. Any other block keeps the all-reduce in the linear."""
+        fused = tp_group().fused
+        if fused is None:
+            return
+        sites = []
+        for layer in self.layers:
+            plain = (type(layer).forward is LlamaDecoderLayer.forward
+                     and type(layer.self_attn).forward is LlamaAttention.forward
+                     and type(layer.mlp).forward is LlamaMLP.forward
+                     and not layer.input_layernorm.quantize_output
+                     and not layer.post_attention_layernorm.quantize_output)
+            if not plain:
+                logger.info("tensor parallel: %s is not Llama's block; its all-reduces stay in the linears",
+                            type(layer).__name__)
+                return
+            sites += [layer.self_attn.o_proj, layer.mlp.down_proj]
+        fused.assign(sites)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:

@@ -235,7 +235,7 @@ def test_execution_defaults():
 @pytest.mark.parametrize(("kwargs", "fix"), [
     ({"eager_mode": "yes"}, "eager_mode='yes': use True"),
     ({"kernels": "cuda"}, "kernels='cuda': use 'auto'"),
-    ({"tp_all_reduce": "ring"}, "tp_all_reduce='ring' is not one of nccl, one_shot, two_shot"),
+    ({"tp_all_reduce": "ring"}, "tp_all_reduce='ring' is not one of nccl, one_shot, two_shot, fused"),
     ({"tp_hang_timeout": 0}, "tp_hang_timeout=0: give the seconds"),
     ({"tp_hang_timeout": -1.0}, "number > 0"),
     ({"tp_hang_timeout": float("nan")}, "number > 0"),
