@@ -257,6 +257,15 @@ class DecodeGraphs:
         self.captured = True
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
+    def release(self) -> None:
+        """Free every graph (and their pool's memory); ``run`` is no longer possible."""
+        torch.cuda.synchronize(self.device)
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._outputs.clear()
+        self.captured = False
+
     def _reset_padding(self) -> None:
         """Make every row of the device buffers a padding row."""
         top = self.sizes[-1]

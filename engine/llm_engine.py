@@ -154,6 +154,8 @@ class LLMEngine:
         if self.tp_workers is not None:
             self.tp_workers.stop()
         if self._tp_group is not None:
+            if getattr(self, "runner", None) is not None:
+                self.runner.release_graphs()  # before NCCL's teardown (ModelRunner.release_graphs)
             close_tp()
             self._tp_group = None
         if self.tp_workers is not None:

@@ -285,6 +285,16 @@ class ModelRunner:
         if plan.lora_loads:
             self.lora.apply_loads(plan.lora_loads)
 
+    def release_graphs(self) -> None:
+        """Free the decode graphs; later decode steps run eagerly. Tensor parallel's shutdown
+        calls it before leaving the NCCL group: on two H200s (torch 2.11, NCCL 2.28) NCCL's
+        abort and destroy both waited forever, on every rank, while graphs that captured its
+        collectives were alive, and returned at once without them."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()
+            self.decode_graphs = None
+        self.use_cuda_graphs = False
+
     def _decode_graphs(self, capture: bool) -> DecodeGraphs:
         """Static decode buffers (and, with ``capture``, their CUDA graphs) for this runner."""
         return DecodeGraphs(

@@ -312,12 +312,14 @@ def run_tp_rank(rank: int, size: int, init_method: str, plan_address: str, statu
         out_codec.send(status, RankStatus(rank, "ready", os.getpid()))
         if config.rank_timing_dir is None:
             _follow(runner, plans, in_codec)
+            runner.release_graphs()  # before NCCL's teardown (ModelRunner.release_graphs)
             close_tp()  # with rank 0, which is leaving the group now
         else:
             from .rank_timing import RankTiming
 
             timing = RankTiming(rank, Path(config.rank_timing_dir), device)
             _follow_timed(runner, plans, in_codec, timing)
+            runner.release_graphs()
             close_tp()
             timing.write()
     except Exception as exc:  # report to rank 0, then exit

@@ -173,8 +173,8 @@ def test_init_tp_makes_the_rank_s_gpu_current_before_joining(monkeypatch) -> Non
 
 
 def test_close_lets_the_ranks_leave_the_group_with_rank_0(dense_dir, monkeypatch) -> None:
-    """Rank 0 leaves the group while the ranks do (told to stop, not yet waited for), and the
-    ranks then exit by themselves, not killed."""
+    """Rank 0 leaves the group while the ranks do (told to stop, not yet waited for), having freed
+    its decode graphs first, and the ranks then exit by themselves, not killed."""
     from conveyor.engine import llm_engine
 
     seen = []
@@ -187,9 +187,12 @@ def test_close_lets_the_ranks_leave_the_group_with_rank_0(dense_dir, monkeypatch
 
     monkeypatch.setattr(llm_engine, "close_tp", close_tp)
     eng = engine(dense_dir, tp=2)
+    real_release = eng.runner.release_graphs
+    eng.runner.release_graphs = lambda: (seen.append("graphs released"), real_release())
     procs = list(eng.tp_workers.procs)
     eng.close()
-    assert seen == [(True, False)]  # stopped, not yet waited for
+    # stopped, not yet waited for; the decode graphs freed first (NCCL's teardown waits on them)
+    assert seen == ["graphs released", (True, False)]
     assert [p.exitcode for p in procs] == [0]
 
 
