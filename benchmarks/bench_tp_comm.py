@@ -9,7 +9,9 @@
   one_shot, two_shot; their sums checked against NCCL's), each eagerly and replayed inside a
   CUDA graph (100 captured back to back, the way the decode graphs hold them), and with
   ``--cupy`` through cupy's NCCL bindings eagerly. The engine uses ``torch.distributed`` unless
-  ``EngineConfig.tp_all_reduce`` picks a peer path for small tensors. Rank 0 prints each batch's row
+  ``EngineConfig.tp_all_reduce`` picks a peer path for small tensors. Also the layer's tail both
+  ways: NCCL's all-reduce then the residual add + RMSNorm, against ``tp_all_reduce="fused"``'s one
+  kernel (``kernels/peer_norm.py``), checked to give the same bits. Rank 0 prints each batch's row
   as soon as it is measured.
 * Step plan (CPU): what rank 0 pays per step to hand a decode plan of ``batch`` sequences to
   another rank: msgpack encode + ZeroMQ ipc send + receive + decode, measured as half a
@@ -68,6 +70,15 @@ def _allreduce_rank(rank: int, world: int, port: int, hidden: int, queue, with_c
             if rank == 0:
                 print(f"{kind} peer all-reduce unavailable: {type(exc).__name__}: {exc}", flush=True)
 
+    fused = None
+    try:
+        from conveyor.engine.peer_all_reduce import FusedNormAllReduce
+
+        fused = FusedNormAllReduce(dist.group.WORLD, dev)
+    except Exception as exc:  # noqa: BLE001 - report, time the rest
+        if rank == 0:
+            print(f"fused all-reduce + norm unavailable: {type(exc).__name__}: {exc}", flush=True)
+
     def timed(all_reduce, x):
         """(eager µs, µs each of 100 replayed from one CUDA graph) of ``all_reduce(x)``."""
         for _ in range(20):
@@ -99,6 +110,8 @@ def _allreduce_rank(rank: int, world: int, port: int, hidden: int, queue, with_c
             got = peer(a.clone())  # the returned tensor holds the sum (one_shot leaves its input)
             row[f"{kind}_max_err"] = float((got.float() - want.float()).abs().max())
             row[f"{kind}_eager_us"], row[f"{kind}_graph_us"] = timed(peer, x)
+        if fused is not None and fused.fits(x):
+            _time_fused(fused, x, row, timed)
         row["cupy_eager_us"] = None
         if comm is not None:
             s = torch.cuda.current_stream().cuda_stream
@@ -116,7 +129,38 @@ def _allreduce_rank(rank: int, world: int, port: int, hidden: int, queue, with_c
     if rank == 0:
         queue.put(None)
     dist.barrier()
-    dist.destroy_process_group()  # collective under NCCL: every rank calls it
+    from conveyor.engine.distributed import abort_tp
+
+    abort_tp()  # NCCL's collective destroy can wait forever (engine/distributed.close_tp)
+
+
+def _time_fused(fused, x: torch.Tensor, row: dict, timed) -> None:
+    """The layer's tail both ways: NCCL's all-reduce then ``add_rms_norm`` (two launches), and
+    the fused kernel (``FusedNormAllReduce``: the part staged into a slot, then one kernel). Both
+    give the same bits (checked); consecutive fused calls alternate two slots, as the engine's ring."""
+    import torch.distributed as dist
+
+    from conveyor.kernels import add_rms_norm
+
+    gen = torch.Generator(device=x.device).manual_seed(int(x.shape[0]))
+    residual = torch.randn(x.shape, dtype=x.dtype, device=x.device, generator=gen)
+    weight = 1 + 0.1 * torch.randn(x.shape[-1], dtype=x.dtype, device=x.device, generator=gen)
+    calls = [0]
+
+    def nccl_then_norm(t):
+        dist.all_reduce(t)
+        return add_rms_norm(t, residual, weight, 1e-5)
+
+    def fused_norm(t):
+        calls[0] += 1
+        return fused.add_rms_norm(fused.stage(calls[0] % 2, t), residual, weight, 1e-5)
+
+    part = torch.randn(x.shape, dtype=x.dtype, device=x.device, generator=gen)
+    want = nccl_then_norm(part.clone())
+    got = fused_norm(part.clone())
+    row["fused_same_bits"] = bool(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
+    row["nccl_norm_eager_us"], row["nccl_norm_graph_us"] = timed(nccl_then_norm, x)
+    row["fused_norm_eager_us"], row["fused_norm_graph_us"] = timed(fused_norm, x)
 
 
 def _plan_echo(address: str) -> None:
@@ -256,6 +300,10 @@ def main() -> None:
                 if f"{kind}_graph_us" in row:
                     cells.append(f"{kind} {row[f'{kind}_eager_us']:6.1f} / {row[f'{kind}_graph_us']:6.1f} "
                                  f"(err {row[f'{kind}_max_err']:.3g})")
+            if "fused_norm_graph_us" in row:
+                cells.append(f"NCCL+norm {row['nccl_norm_eager_us']:6.1f} / {row['nccl_norm_graph_us']:6.1f}, "
+                             f"fused {row['fused_norm_eager_us']:6.1f} / {row['fused_norm_graph_us']:6.1f}"
+                             f"{'' if row['fused_same_bits'] else ' (DIFFERENT BITS)'}")
             if row["cupy_eager_us"] is not None:
                 cells.append(f"cupy {row['cupy_eager_us']:6.1f}")
             print(f"  batch {row['batch']:4d} ({row['bytes'] / 1024:7.1f} KiB): " + "; ".join(cells), flush=True)

@@ -145,11 +145,16 @@ fi
 #   $OUT/tp2.tgz (the device returns at most 8 files a call, and a part cut off by its timeout
 #   loses nothing before it). Parts, in order (TP2_PARTS, default "comm gen check", ~350 s when
 #   nothing hangs; "sharegpt 70b tests" fit a second call):
-#   comm: the all-reduce across both GPUs (NCCL and the peer paths) and the step plan;
+#   comm: the all-reduce across both GPUs (NCCL, the peer paths, and the fused all-reduce + norm
+#     against NCCL + add_rms_norm, per batch) and the step plan;
 #   gen: Llama-2-7B batch 1 128/512 and batch 64 128/128 at tp=1, tp=2 with each all-reduce path
-#     in $TP2_ALLREDUCE (default "nccl one_shot"), then tp=1 again (records tp<N>_<path>_b<B>);
-#   check: a Llama-2-7B-shape checkpoint cut to 4 layers, tp=2 against tp=1 on the same weights;
-#   tests: the tensor-parallel tests (the GPU ones at world size 1);
+#     in $TP2_ALLREDUCE (default "nccl fused"), then tp=1 again (records tp<N>_<path>_b<B>);
+#   check: a Llama-2-7B-shape checkpoint cut to 4 layers, tp=2 (NCCL, then fused) against tp=1 on
+#     the same weights;
+#   tests: the two-GPU tests (exits, SIGTERM, fused against NCCL; the tokenizer of $TP2_TOKENIZER,
+#     default models/tokenizer, ignored by git: carry it; `cp $(python -m conveyor.default_model)/{tokenizer.json,
+#     tokenizer_config.json,config.json} models/tokenizer/`) and
+#     the tensor-parallel tests (the GPU ones at world size 1);
 #   sharegpt: the ShareGPT-shaped workload at tp=2, with every rank's step times (wait, host, GPU;
 #     engine/rank_timing.py); 70b: Llama-2-70B shape (too big for one GPU).
 if [ "$STAGE" = tp2 ]; then
@@ -161,17 +166,21 @@ if [ "$STAGE" = tp2 ]; then
     grep -v -E "^\s*$|Warning|warn\(" "$W/$name.log" | tail -${TAIL:-12}
     tar czf "${OUT:-/tmp/out}/tp2.tgz" -C $W .
   }
-  # bf16 (TP2_DTYPE): the peer all-reduce paths refuse fp16, which torch's kernels lack.
+  # bf16 (TP2_DTYPE): the one_shot / two_shot peer paths refuse fp16, which torch's kernels lack.
   G="python3 -m benchmarks.profile_generation --model llama2-7b --dtype ${TP2_DTYPE:-bfloat16}"
   for p in ${TP2_PARTS:-comm gen check}; do case $p in
     comm) part comm 150 python3 -m benchmarks.bench_tp_comm --world 2 ;;
-    gen) for run in 1:nccl $(for k in ${TP2_ALLREDUCE:-nccl one_shot}; do echo 2:$k; done) 1:nccl_again; do
+    gen) for run in 1:nccl $(for k in ${TP2_ALLREDUCE:-nccl fused}; do echo 2:$k; done) 1:nccl_again; do
            tp=${run%%:*}; k=${run##*:}
            part gen_tp${tp}_${k}_b1 75 $G -b 1 -c 128:512 --tp $tp --tp-all-reduce ${k%_again} --name tp${tp}_${k}_b1
            part gen_tp${tp}_${k}_b64 75 $G -b 64 -c 128:128 --tp $tp --tp-all-reduce ${k%_again} --name tp${tp}_${k}_b64
          done ;;
-    check) part check 240 python3 -m benchmarks.tp_correctness --model llama2-7b --layers 4 --tp 2 ;;
-    tests) part tests 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_tensor_parallel.py ;;
+    check) part check 150 python3 -m benchmarks.tp_correctness --model llama2-7b --layers 4 --tp 2
+           part check_fused 150 python3 -m benchmarks.tp_correctness --model llama2-7b --layers 4 --tp 2 \
+             --tp-all-reduce fused ;;
+    tests) part tests_2gpu 300 env CONVEYOR_TEST_MODEL="$(cd "${TP2_TOKENIZER:-models/tokenizer}" && pwd)" CONVEYOR_OFFLINE=1 \
+             python3 -m pytest -q -p no:cacheprovider tests/integration/test_tp_two_gpus.py
+           part tests 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_tensor_parallel.py ;;
     sharegpt) part sharegpt 200 python3 -m benchmarks.profile_throughput \
                 --model llama2-7b --tp 2 --rank-timing $W/rank_timing --name tp2_sharegpt ;;
     70b) part 70b 250 python3 -m benchmarks.profile_generation --model llama2-70b --tp 2 -b 1 -b 64 -c 128:512 \
