@@ -490,7 +490,8 @@ def _engine_options(s: argparse.ArgumentParser, cache_default: float = 0.8) -> N
                         "everywhere; triton: Triton everywhere")
     e.add_argument("--tp-all-reduce", choices=TP_ALL_REDUCE_KINDS, default=EngineConfig.tp_all_reduce,
                    help="tensor parallel: how decode-sized all-reduces are summed (one_shot / two_shot read the "
-                        "peer GPUs' memory over NVLink; bfloat16 only)")
+                        "peer GPUs' memory over NVLink, bfloat16 only; fused sums o_proj / down_proj parts inside "
+                        "the residual add + RMSNorm kernel after them)")
     e.add_argument("--tp-hang-timeout", type=float, default=EngineConfig.tp_hang_timeout,
                    help="tensor parallel: seconds a rank may stay silent before it is taken for frozen and "
                         "every rank is stopped")
