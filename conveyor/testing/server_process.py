@@ -55,6 +55,15 @@ def wait_stages_healthy(procs: dict[str, subprocess.Popen], url: str, timeout: f
         time.sleep(0.3)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 class ServerProcess:
     """`conveyor serve api_server ...` in a subprocess, its log in a file. With ``engine_factory``
     ("module:callable", e.g. ``serve.FAKE_ENGINE``) the stages serve that callable's engine instead of
@@ -111,6 +120,10 @@ class ServerProcess:
     def stage_pids(self, stage: str) -> list[int]:
         """Pids of a stage ('engine', 'tokenizer', ...) from the launcher's READY log lines."""
         return [int(p) for p in re.findall(rf"INFO (?<![a-z]){stage} ready \(pid (\d+)\)", self.log())]
+
+    def rank_pids(self) -> list[int]:
+        """Pids of the tensor-parallel ranks every engine started (rank 0 is the engine stage)."""
+        return [int(p) for p in re.findall(r"started tensor-parallel rank \d+ \(pid (\d+)\)", self.log())]
 
     def run_dir(self) -> Path:
         """The private directory holding the stages' ipc sockets (from the launcher's log)."""

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from conveyor.testing.serve import FAKE_ENGINE
-from conveyor.testing.server_process import ServerProcess
+from conveyor.testing.server_process import ServerProcess, pid_alive
 from conveyor.testing.waiting import wait_until
 
 
@@ -83,7 +83,7 @@ def test_the_last_tokenizer_killed_gives_503_at_once(smollm2_dir, tmp_path):
         assert _chat(srv.url, 5)[0] == 200
         worker = srv.stage_pids("tokenizer")[0]
         os.kill(worker, signal.SIGKILL)
-        wait_until(lambda: not _alive(worker), "the worker to die")
+        wait_until(lambda: not pid_alive(worker), "the worker to die")
         start = time.monotonic()
         status, body = _chat(srv.url, 5, timeout=30)  # before: hung until the client gave up
         # 503 at once while no worker is connected (the launcher restarts it within seconds, and
@@ -146,7 +146,7 @@ def test_hostile_frames_on_every_socket_leave_every_stage_serving(smollm2_dir, t
             ctx.term()
         for stage in ("engine", "detokenizer", "tokenizer", "ingress"):
             for pid in srv.stage_pids(stage):
-                assert _alive(pid), stage
+                assert pid_alive(pid), stage
         status, body = _chat(srv.url, 20)
         assert status == 200 and '"finish_reason"' in body
         wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 200, "/health 200")
@@ -174,13 +174,6 @@ def test_a_drain_past_its_timeout_ends_the_streams_and_exits_on_time(smollm2_dir
         assert status == 200 and "shutting down" in body and body.rstrip().endswith("data: [DONE]")
         assert srv.proc.wait(60) == 0
     assert time.monotonic() - stopped < 2 + 8, srv.log()[-3000:]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def test_engine_death_fails_its_streams_at_once_and_the_engine_comes_back(smollm2_dir, tmp_path):
@@ -250,15 +243,6 @@ def test_sigterm_drains_in_flight_requests(smollm2_dir, tmp_path):
     assert not run.exists()
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead but not yet reaped by init, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def _running(url: str) -> float:
     return _metric(url, "conveyor_engine_requests_running")
 
@@ -310,8 +294,8 @@ def test_killing_the_launcher_ends_every_stage(smollm2_dir, tmp_path):
         run = srv.run_dir()
         os.kill(srv.proc.pid, signal.SIGKILL)
         srv.proc.wait(10)
-        wait_until(lambda: not any(_alive(p) for p in pids.values()),
-                    f"every stage to exit (alive: {[n for n, p in pids.items() if _alive(p)]})", 30)
+        wait_until(lambda: not any(pid_alive(p) for p in pids.values()),
+                    f"every stage to exit (alive: {[n for n, p in pids.items() if pid_alive(p)]})", 30)
         assert not run.exists()
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{srv.url}/health", timeout=2)

@@ -44,7 +44,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 
 from conveyor.testing.serve import FAKE_ENGINE
-from conveyor.testing.server_process import ServerProcess, free_port
+from conveyor.testing.server_process import ServerProcess, free_port, pid_alive
 
 SOAK_S = float(os.environ.get("CONVEYOR_SOAK_S", "60"))
 CLIENTS = 8
@@ -85,13 +85,6 @@ class Chaos:
 def _rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def _stage_pids(srv: ServerProcess) -> dict[str, int]:
@@ -417,7 +410,7 @@ def test_soak_with_hostile_frames_and_a_kill_per_stage(smollm2_dir, tmp_path):
         # 3. Every stage up, restarted once per kill.
         assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
         now = _stage_pids(srv)
-        assert set(now) == set(pids) and all(_alive(pid) for pid in now.values()), now
+        assert set(now) == set(pids) and all(pid_alive(pid) for pid in now.values()), now
         assert {n for n in now if now[n] != pids[n]} == {"tokenizer-0", "detokenizer", "engine", "ingress"}
         assert srv.log().count("restarting it in") == len(KILLS)  # one restart each, none from the frames
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-import re
 import signal
 import time
 
@@ -15,7 +14,7 @@ import httpx
 import pytest
 
 from conveyor import EngineConfig, GenerationConfig, pipeline
-from conveyor.testing.server_process import ServerProcess
+from conveyor.testing.server_process import ServerProcess, pid_alive
 
 from chat_prompts import PROMPTS
 
@@ -48,22 +47,6 @@ def test_tp3_gives_tp1s_greedy_tokens(smollm2_dir) -> None:
         assert got[key] == ref[key], key
 
 
-def _rank_pids(srv: ServerProcess) -> list[int]:
-    return [int(p) for p in re.findall(r"started tensor-parallel rank \d+ \(pid (\d+)\)", srv.log())]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is not alive: its parent has not reaped it yet
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except OSError:
-        return False
-
-
 def _wait(predicate, what: str, timeout: float, srv: ServerProcess) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -90,7 +73,7 @@ def tp_server(smollm2_dir, tmp_path):
 
 def test_a_rank_killed_mid_request_ends_it_with_an_error_and_leaves_no_process(tp_server) -> None:
     srv = tp_server
-    ranks = _rank_pids(srv)
+    ranks = srv.rank_pids()
     assert len(ranks) == 2
     with cf.ThreadPoolExecutor(1) as pool:
         inflight = pool.submit(_stream, srv.url, 400)
@@ -102,7 +85,7 @@ def test_a_rank_killed_mid_request_ends_it_with_an_error_and_leaves_no_process(t
     # --max-restarts 0: the engine stage is not restarted, so the launcher gives up and exits 1,
     # leaving no rank behind.
     assert srv.proc.wait(60) == 1
-    _wait(lambda: not any(_alive(p) for p in ranks), "every rank to exit", 30, srv)
+    _wait(lambda: not any(pid_alive(p) for p in ranks), "every rank to exit", 30, srv)
 
 
 def _generating(url: str) -> bool:
@@ -118,22 +101,22 @@ def test_new_requests_get_503_while_the_engine_is_down(smollm2_dir, tmp_path) ->
     srv = ServerProcess(smollm2_dir, "--tp", "3", "--device", "cpu", "--cache-max-entry-count", "128", log_dir=tmp_path,
                         start_timeout=300)
     try:
-        os.kill(_rank_pids(srv)[1], signal.SIGKILL)
+        os.kill(srv.rank_pids()[1], signal.SIGKILL)
         _wait(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 503, "/health 503", 30, srv)
         r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=30,
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         assert r.status_code == 503 and r.json()["error"]["message"]
         # The launcher restarts the engine stage, which starts its ranks again.
         _wait(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 200, "/health 200", 240, srv)
-        assert len(_rank_pids(srv)) == 4
+        assert len(srv.rank_pids()) == 4
     finally:
         srv.terminate()
 
 
 def test_sigterm_stops_every_rank(tp_server) -> None:
     srv = tp_server
-    ranks = _rank_pids(srv)
+    ranks = srv.rank_pids()
     assert httpx.post(f"{srv.url}/v1/chat/completions", timeout=60,
                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).status_code == 200
     assert srv.terminate() == 0
-    _wait(lambda: not any(_alive(p) for p in ranks), "every rank to exit", 30, srv)
+    _wait(lambda: not any(pid_alive(p) for p in ranks), "every rank to exit", 30, srv)
