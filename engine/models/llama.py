@@ -209,11 +209,13 @@ class LlamaModel(nn.Module):
                      and not layer.input_layernorm.quantize_output
                      and not layer.post_attention_layernorm.quantize_output)
             if not plain:
-                logger.info("tensor parallel: %s is not Llama's block; its all-reduces stay in the linears",
-                            type(layer).__name__)
+                logger.warning("tp_all_reduce='fused': %s is not Llama's block, so its all-reduces take NCCL",
+                               type(layer).__name__)
                 return
             sites += [layer.self_attn.o_proj, layer.mlp.down_proj]
-        fused.assign(sites)
+        if not fused.assign(sites):
+            logger.warning("tp_all_reduce='fused': no ring of slots fits %d sums a forward, so they take NCCL",
+                           len(sites))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:

@@ -280,6 +280,8 @@ def test_a_frozen_rank_is_found_and_every_rank_stopped(dense_dir) -> None:
 
 @pytest.mark.parametrize("value, tp, error", [("bogus", 2, "not one of nccl, one_shot, two_shot, fused"),
                                               ("one_shot", 2, "needs CUDA devices"),
+                                              ("fused", 2, "needs CUDA devices"),
+                                              ("fused", 1, "runs tp=1 with none"),
                                               ("two_shot", 1, "runs tp=1 with none")])
 def test_a_wrong_all_reduce_path_is_refused_before_any_rank_starts(dense_dir, value, tp, error) -> None:
     import multiprocessing
