@@ -28,7 +28,7 @@ The reference: the ranks' partials summed in the dtype (what NCCL's all-reduce g
 import torch
 
 from ._triton import jit, next_pow2, tl
-from .rms_norm import add_rms_norm_ref, row_warps
+from .rms_norm import add_rms_norm_ref, row_warps, scaled_norm
 
 
 def peer_add_rms_norm_ref(
@@ -72,11 +72,8 @@ def _peer_add_rms_norm_kernel(
     res = tl.load(res_ptr + row64 * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
     summed = (total.to(dtype).to(tl.float32) + res).to(dtype)
     tl.store(res_out_ptr + row64 * stride_res_out + cols, summed, mask=mask)
-    xf = summed.to(tl.float32)
-    rstd = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.math.sqrt_rn(tl.sum(xf * xf, axis=0) / hidden + eps))
-    normed = (xf * rstd).to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row64 * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y = scaled_norm(summed, w_ptr, cols, mask, hidden, eps)
+    tl.store(out_ptr + row64 * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def peer_add_rms_norm_triton(

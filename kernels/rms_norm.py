@@ -50,13 +50,20 @@ def normed_row(
         summed = (x.to(tl.float32) + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_res_out + cols, summed, mask=mask)
         x = summed
+    return row, cols, mask, scaled_norm(x, w_ptr, cols, mask, hidden, eps)
+
+
+@jit
+def scaled_norm(x, w_ptr, cols, mask, hidden, eps):
+    """``weight * rms_norm(x)`` of one row ``x`` (its dtype the reference's), in fp32, rounded
+    where the reference rounds. Shared by ``normed_row`` and ``peer_norm``'s fused kernel."""
     xf = x.to(tl.float32)
     # Correctly rounded sqrt and division (once per row): closer to torch.rsqrt than the approximations.
     rstd = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.math.sqrt_rn(tl.sum(xf * xf, axis=0) / hidden + eps))
     # Like the reference: round the normalized row to the input dtype, then scale by the weight.
     normed = (xf * rstd).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return row, cols, mask, normed * w
+    return normed * w
 
 
 @jit
