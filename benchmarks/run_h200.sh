@@ -178,7 +178,7 @@ if [ "$STAGE" = tp2 ]; then
     check) part check 150 python3 -m benchmarks.tp_correctness --model llama2-7b --layers 4 --tp 2
            part check_fused 150 python3 -m benchmarks.tp_correctness --model llama2-7b --layers 4 --tp 2 \
              --tp-all-reduce fused ;;
-    tests) part tests_2gpu 300 env CONVEYOR_TEST_MODEL="$(cd "${TP2_TOKENIZER:-models/tokenizer}" && pwd)" CONVEYOR_OFFLINE=1 \
+    tests) part tests_2gpu 560 env CONVEYOR_TEST_MODEL="$(cd "${TP2_TOKENIZER:-models/tokenizer}" && pwd)" CONVEYOR_OFFLINE=1 \
              python3 -m pytest -q -p no:cacheprovider tests/integration/test_tp_two_gpus.py
            part tests 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_tensor_parallel.py ;;
     sharegpt) part sharegpt 200 python3 -m benchmarks.profile_throughput \

@@ -257,9 +257,12 @@ class DecodeGraphs:
         self.captured = True
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
-    def release(self) -> None:
-        """Free every graph (and their pool's memory); ``run`` is no longer possible."""
-        torch.cuda.synchronize(self.device)
+    def release(self, wait: bool = True) -> None:
+        """Free every graph (and their pool's memory); ``run`` is no longer possible. Without
+        ``wait``, a replay still running is not waited for (after a tensor-parallel failure, one
+        may wait on a dead peer forever; nothing reads what it writes)."""
+        if wait:
+            torch.cuda.synchronize(self.device)
         for graph in self._graphs.values():
             graph.reset()
         self._graphs.clear()

@@ -152,6 +152,13 @@ def close_tp() -> None:
     _GROUP = TPGroup()
 
 
+def forget_tp() -> None:
+    """Back to the single-rank group without touching the communicators: their abort, started
+    after a rank failed (``TPWorkers``), has not returned, and a second one would wait with it."""
+    global _GROUP
+    _GROUP = TPGroup()
+
+
 def abort_tp() -> None:
     """Abort this process's NCCL communicators, so a collective waiting on a dead peer returns
     (the workers' watchdog calls it from its own thread). A no-op for gloo, whose collectives
@@ -159,8 +166,6 @@ def abort_tp() -> None:
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is not None and dist.is_initialized() and dist.get_backend() == "nccl":
         abort()
-# torch renamed all_gather_into_tensor (deprecated in newer releases; the device's 2.11 may lack the new name).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def shard_range(total: int, rank: int, size: int, what: str) -> tuple[int, int]:

@@ -42,7 +42,7 @@ from ..protocol.sampling import SamplingParams, validate
 from .attention_windows import common_window
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .distributed import close_tp, init_tp
+from .distributed import close_tp, forget_tp, init_tp
 from .engine_inputs import resolve_engine_inputs
 from .grammar import GuideCompiler, GuideState, fill_token_bitmask
 from .model_runner import LaunchedStep, ModelRunner
@@ -153,10 +153,18 @@ class LLMEngine:
             self._rank_timing = None
         if self.tp_workers is not None:
             self.tp_workers.stop()
+        failed = self.tp_workers is not None and self.tp_workers.failure is not None
         if self._tp_group is not None:
             if getattr(self, "runner", None) is not None:
-                self.runner.release_graphs()  # before NCCL's teardown (ModelRunner.release_graphs)
-            close_tp()
+                # Before NCCL's teardown (ModelRunner.release_graphs). After a rank's failure a
+                # step may still wait on the dead one: its replay is not waited for.
+                self.runner.release_graphs(wait=not failed)
+            if failed and not self.tp_workers.wait_aborted():
+                logger.warning("NCCL's abort after the tensor-parallel failure has not returned; "
+                               "leaving its communicators as they are")
+                forget_tp()
+            else:
+                close_tp()
             self._tp_group = None
         if self.tp_workers is not None:
             self.tp_workers.close()
@@ -386,6 +394,8 @@ class LLMEngine:
         """Wait for the in-flight step's sampled ids, hand them to the scheduler, and report
         them (with the finishes they caused)."""
         step, self._inflight = self._inflight, None
+        if self.tp_workers is not None:  # a step waiting on a dead rank never ends: TPWorkers.wait_for
+            self.tp_workers.wait_for(step.samples.ready)
         result = step.samples.fetch()
         outputs = []
         for row, (seq, request_id) in enumerate(zip(step.sampling, step.request_ids)):

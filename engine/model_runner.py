@@ -285,13 +285,14 @@ class ModelRunner:
         if plan.lora_loads:
             self.lora.apply_loads(plan.lora_loads)
 
-    def release_graphs(self) -> None:
+    def release_graphs(self, wait: bool = True) -> None:
         """Free the decode graphs; later decode steps run eagerly. Tensor parallel's shutdown
         calls it before leaving the NCCL group: on two H200s (torch 2.11, NCCL 2.28) NCCL's
         abort and destroy both waited forever, on every rank, while graphs that captured its
-        collectives were alive, and returned at once without them."""
+        collectives were alive, and returned at once without them. ``wait=False`` after a rank
+        failed (``DecodeGraphs.release``)."""
         if self.decode_graphs is not None:
-            self.decode_graphs.release()
+            self.decode_graphs.release(wait)
             self.decode_graphs = None
         self.use_cuda_graphs = False
 

@@ -60,6 +60,10 @@ class DeviceSamples:
         self._ready = torch.cuda.Event()
         self._ready.record()
 
+    def ready(self) -> bool:
+        """Whether ``fetch`` would return without waiting for the device."""
+        return self._ready is None or self._ready.query()
+
     def fetch(self) -> SamplerOutput:
         """The chosen ids (and logprobs when asked) on the host; waits for the copies."""
         if self._ready is not None:

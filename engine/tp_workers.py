@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 _KIND_NAMES = {StepKind.GRAPH: "graph", StepKind.FORWARD: "eager", StepKind.SCORE: "score"}
 READY_TIMEOUT_S = 1800.0  # loading a large checkpoint and capturing graphs takes minutes
+ABORT_WAIT_S = 5.0  # how long a failure waits for NCCL's abort before going on without it
 
 
 class TPWorkerError(RuntimeError):
@@ -84,6 +85,7 @@ class TPWorkers:
         self._closing = False
         self._failing = False
         self._stopping = False
+        self._abort: threading.Thread | None = None  # aborting NCCL after a failure (_fail)
         level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         spawn = mp.get_context("spawn")
         for rank in range(1, self.size):
@@ -111,7 +113,24 @@ class TPWorkers:
             raise TPWorkerError(f"tensor parallel stopped: {self.failure}")
         frame = self._codec.encode(plan)
         for sock in self._plans:
-            sock.send(frame, copy=False)
+            # A PUSH socket whose peer has gone blocks in send: wait in steps that see the failure.
+            while True:
+                try:
+                    sock.send(frame, zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    if self.failure is not None:
+                        raise TPWorkerError(f"tensor parallel stopped: {self.failure}") from None
+                    time.sleep(0.001)
+
+    def wait_for(self, done: Callable[[], bool]) -> None:
+        """Wait until ``done()`` (the query of a device event rank 0 would otherwise synchronize
+        on), raising ``TPWorkerError`` once a rank has failed: a step whose collective waits on a
+        dead peer may never end, and a blocking synchronize would wait with it."""
+        while not done():
+            if self.failure is not None:
+                raise TPWorkerError(f"tensor parallel stopped: {self.failure}")
+            time.sleep(0)  # lets the watchdog thread run
 
     # ---- watching ---------------------------------------------------------------------------------
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
@@ -169,10 +188,23 @@ class TPWorkers:
         logger.error("tensor parallel: %s; stopping every rank", why)
         self._kill_all()
         self._socket_dir.remove()  # no rank is left to connect; on_failure may leave by os._exit
-        abort_tp()  # under NCCL, a collective rank 0 waits in would otherwise wait for the dead
         self.failure = why  # set once every rank is gone: whoever reads it finds none left
+        # Under NCCL, a collective rank 0 waits in would otherwise wait for the dead. The abort
+        # runs in a thread of its own, waited for a while only: with decode graphs alive, NCCL's
+        # teardown does not return until they are freed (LLMEngine.close frees them, then waits
+        # here, ``wait_aborted``), and on_failure must run all the same.
+        self._abort = threading.Thread(target=abort_tp, name="tp-abort", daemon=True)
+        self._abort.start()
+        self._abort.join(ABORT_WAIT_S)
         if self.on_failure is not None:
             self.on_failure(why)
+
+    def wait_aborted(self, timeout: float = ABORT_WAIT_S) -> bool:
+        """After a failure, wait for rank 0's communicators' abort; False if it has not ended."""
+        if self._abort is None:
+            return True
+        self._abort.join(timeout)
+        return not self._abort.is_alive()
 
     def _kill_all(self) -> None:
         for proc in self.procs:

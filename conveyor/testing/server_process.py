@@ -113,8 +113,9 @@ class ServerProcess:
             raise RuntimeError(f"{exc}:\n{self.log()}") from None
 
     def log(self) -> str:
-        """Everything the server printed so far."""
-        self._log.flush()
+        """Everything the server printed so far (also once it has stopped)."""
+        if not self._log.closed:  # terminate closes it
+            self._log.flush()
         return self.log_path.read_text()
 
     def stage_pids(self, stage: str) -> list[int]:

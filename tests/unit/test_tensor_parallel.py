@@ -188,7 +188,7 @@ def test_close_lets_the_ranks_leave_the_group_with_rank_0(dense_dir, monkeypatch
     monkeypatch.setattr(llm_engine, "close_tp", close_tp)
     eng = engine(dense_dir, tp=2)
     real_release = eng.runner.release_graphs
-    eng.runner.release_graphs = lambda: (seen.append("graphs released"), real_release())
+    eng.runner.release_graphs = lambda wait=True: (seen.append("graphs released"), real_release(wait))
     procs = list(eng.tp_workers.procs)
     eng.close()
     # stopped, not yet waited for; the decode graphs freed first (NCCL's teardown waits on them)
@@ -276,6 +276,25 @@ def test_a_frozen_rank_is_found_and_every_rank_stopped(dense_dir) -> None:
             eng.step()
     finally:
         eng.close()
+
+
+def test_a_wait_on_a_step_that_a_killed_rank_never_ends_raises_instead_of_hanging(dense_dir) -> None:
+    """Under NCCL a step whose collective waits on a dead rank may never end: rank 0 waits for
+    its step's results by polling (TPWorkers.wait_for), which ends in the rank's failure."""
+    import time
+
+    eng = engine(dense_dir, tp=2)
+    try:
+        workers = eng.tp_workers
+        os.kill(workers.procs[0].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(TPWorkerError, match="exited"):
+            workers.wait_for(lambda: False)  # the query of an event that never completes
+        assert time.monotonic() - start < 10
+    finally:
+        start = time.monotonic()
+        eng.close()
+        assert time.monotonic() - start < 10
 
 
 @pytest.mark.parametrize("value, tp, error", [("bogus", 2, "not one of nccl, one_shot, two_shot, fused"),
@@ -389,7 +408,8 @@ def test_the_nccl_path_at_world_size_1_runs_inside_the_decode_graphs(dense_dir, 
     eng = gpu_engine(process_group=True, tp_all_reduce=allreduce)
     try:
         assert tp_group().active and dist.get_backend() == "nccl"
-        assert (tp_group().peer is None) == (allreduce == "nccl")
+        assert (tp_group().peer is None) == (allreduce in ("nccl", "fused"))  # fused has its own buffer
+        assert (tp_group().fused is None) == (allreduce != "fused")
         assert eng.runner.decode_graphs.captured and eng.runner.use_cuda_graphs
         replays = []
         eng.runner.step_hooks.append(type("Hook", (), {"begin": lambda self, graph: replays.append(graph),
