@@ -74,7 +74,7 @@ def _allreduce_rank(rank: int, world: int, port: int, hidden: int, queue, with_c
     try:
         from conveyor.engine.peer_all_reduce import FusedNormAllReduce
 
-        fused = FusedNormAllReduce(dist.group.WORLD, dev)
+        fused = FusedNormAllReduce(dist.group.WORLD, dev, max_rows=256)  # past the engine's limit: the crossover
     except Exception as exc:  # noqa: BLE001 - report, time the rest
         if rank == 0:
             print(f"fused all-reduce + norm unavailable: {type(exc).__name__}: {exc}", flush=True)

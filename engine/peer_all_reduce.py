@@ -91,7 +91,11 @@ class PeerAllReduce:
 # ---- the all-reduce fused with the residual add and RMSNorm after it ("fused") ----------------------
 
 FUSED_SLOT_BYTES = 2 << 20  # [256, 4096] or [128, 8192] of 16-bit rows: every decode graph of a 70B model
-FUSED_MAX_ROWS = 256  # rows of flags; a grid's programs (one a row) must all be resident at once
+# Steps of more rows take NCCL and the separate norm: on two H200s (bench_tp_comm, record
+# h200x2/issue36_bench_tp_comm_w2.json, in a CUDA graph) the fused tail took 7.7 / 9.3 / 14.5 /
+# 20.8 µs at 1 / 8 / 32 / 64 rows against NCCL + add_rms_norm's 8.8 / 9.3 / 10.7 / 12.4 µs.
+# (It is also the rows of flags, and a grid's programs, one a row, must all be resident at once.)
+FUSED_MAX_ROWS = 8
 _FUSED_SLOTS = 4  # a ring long enough that consecutive sums never share a slot (FusedNormAllReduce.assign)
 
 

@@ -188,14 +188,17 @@ class TPWorkers:
         logger.error("tensor parallel: %s; stopping every rank", why)
         self._kill_all()
         self._socket_dir.remove()  # no rank is left to connect; on_failure may leave by os._exit
-        self.failure = why  # set once every rank is gone: whoever reads it finds none left
         # Under NCCL, a collective rank 0 waits in would otherwise wait for the dead. The abort
         # runs in a thread of its own, waited for a while only: with decode graphs alive, NCCL's
         # teardown does not return until they are freed (LLMEngine.close frees them, then waits
         # here, ``wait_aborted``), and on_failure must run all the same.
-        self._abort = threading.Thread(target=abort_tp, name="tp-abort", daemon=True)
-        self._abort.start()
-        self._abort.join(ABORT_WAIT_S)
+        abort = threading.Thread(target=abort_tp, name="tp-abort", daemon=True)
+        abort.start()
+        self._abort = abort
+        # Set once every rank is gone and the abort under way: whoever reads it finds no rank
+        # left, and an abort to wait for rather than one to start.
+        self.failure = why
+        abort.join(ABORT_WAIT_S)
         if self.on_failure is not None:
             self.on_failure(why)
 
