@@ -677,6 +677,9 @@ class ModelRunner:
         self._begin_step(graph=plan.kind == StepKind.GRAPH)
         self._send(plan)
         logits = self._execute(plan, prev.samples.token_ids if prev is not None and prev.samples else None)
+        # Counted before after_forward, which (Scheduler.launched) counts this step's own token
+        # as pending: min_new_tokens and bad_sequences need the tokens generated before it.
+        generated = [s.num_output_tokens for s in sampling]
         bitmask = after_forward(sampling) if after_forward is not None else None
         if not sampling:
             self._end_step()
@@ -687,7 +690,7 @@ class ModelRunner:
             logits,
             [s.params for s in sampling],
             [s.token_ids for s in sampling],
-            [s.num_output_tokens for s in sampling],
+            generated,
             [s.sampling_seed for s in sampling],
             bitmask,
         )

@@ -522,3 +522,25 @@ def test_build_model_dtype_and_interface(tmp_path: Path) -> None:
     assert rope.cos_sin_cache.dtype == torch.float32
     dynamic = build_model(config, dtype=torch.float32, rope_scaling_factor=2.0)
     assert dynamic.model.layers[0].self_attn.rotary_emb.rope_scaling == {"rope_type": "dynamic", "factor": 2.0}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_min_new_tokens_counts_the_tokens_generated_before_the_one_sampled(tmp_path: Path, overlap: bool) -> None:
+    """min_new_tokens=1 bans a stop token as the first token: the engine passes the sampler the
+    count before the step's own pending token (it passed one more, so the ban never applied)."""
+    from conveyor.protocol.sampling import SamplingParams
+    from tiny_llama import engine, greedy, random_tensors, write_checkpoint
+
+    common, linears = random_tensors(torch.Generator().manual_seed(3))
+    eng = engine(write_checkpoint(tmp_path / "m", {**common, **{f"{k}.weight": v for k, v in linears.items()}}))
+    try:
+        eng.overlap = overlap
+        first = greedy(eng, [1, 5, 9], 3)[0]
+        eng.add_request([1, 5, 9], SamplingParams(max_new_tokens=3, temperature=0.0, min_new_tokens=1,
+                                                  stop_token_ids=[first]))
+        out = []
+        while eng.has_work:
+            out += [o.token for o in eng.step() if o.token is not None]
+        assert out and out[0] != first
+    finally:
+        eng.close()
