@@ -37,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from conveyor.engine.config import parse_cache_size
 from benchmarks.common import StepTimer, drain, dummy_engine, percentile, random_prompt, record, save
-from conveyor.engine.rank_timing import busy_seconds, read_all, table
+from conveyor.engine.rank_timing import alloc_retries, busy_seconds, read_all, table
 from benchmarks.profile_step import kernel_table
 from conveyor.protocol.sampling import SamplingParams
 
@@ -182,6 +182,7 @@ def main() -> None:
         "kv_blocks": engine.runner.num_blocks, "block_size": engine.config.block_size,
         "kv_tokens": engine.runner.num_blocks * engine.config.block_size,
         "peak_mem_gb": torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else None,
+        "alloc_retries": alloc_retries() if torch.cuda.is_available() else None,  # each one waited for the GPU
     }
     if profiled:
         result["profiled_steps"] = profiled

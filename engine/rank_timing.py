@@ -21,6 +21,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def alloc_retries() -> int:
+    """How often torch's caching allocator found no free block, freed its cache (``cudaFree``,
+    which waits for the whole device) and tried again, on the current device: a step that does
+    it blocks its host until the GPU is idle, and under tensor parallel the other ranks with it."""
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+
+
 def busy_seconds(spans) -> float:
     """Seconds in which the GPU held some step's work: the union of the (start, end) CUDA event
     spans (all recorded on one device, ends already reached). With overlapped steps the next
@@ -83,7 +90,8 @@ class RankTiming:
             if not self.cuda:
                 k["mean_gpu_ms"] = None
         return {"rank": self.rank, "wall_s": time.perf_counter() - self._t0, "steps": len(self.steps),
-                "gpu_busy_s": busy_seconds(self.spans) if self.cuda else None, "by_kind": kinds}
+                "gpu_busy_s": busy_seconds(self.spans) if self.cuda else None, "by_kind": kinds,
+                "alloc_retries": alloc_retries() if self.cuda else None}
 
     def write(self) -> Path | None:
         """Save the summary; a directory that cannot be written is logged, not raised: the rank
@@ -119,11 +127,12 @@ def read_all(directory: Path) -> list[dict]:
 
 def table(summaries: list[dict]) -> str:
     """The summaries as text lines: per rank and step kind, mean wait / host / GPU ms a step."""
-    lines = ["rank kind    steps  tokens  wait ms  host ms   GPU ms   (GPU busy s)"]
+    lines = ["rank kind    steps  tokens  wait ms  host ms   GPU ms   (GPU busy s, allocator retries)"]
     for s in summaries:
         for kind, k in sorted(s["by_kind"].items()):
             gpu = "-" if k["mean_gpu_ms"] is None else f"{k['mean_gpu_ms']:8.2f}"
             busy = "-" if s["gpu_busy_s"] is None else f"{s['gpu_busy_s']:.1f}"
+            retries = "-" if s.get("alloc_retries") is None else s["alloc_retries"]
             lines.append(f"{s['rank']:4d} {kind:6s} {k['steps']:6d} {k['mean_tokens']:7.0f} {k['mean_wait_ms']:8.2f} "
-                         f"{k['mean_host_ms']:8.2f} {gpu:>8}   ({busy})")
+                         f"{k['mean_host_ms']:8.2f} {gpu:>8}   ({busy}, {retries})")
     return "\n".join(lines)
