@@ -10,6 +10,8 @@
 # STAGE "ab BEFORE_DIR": batch-1 decode and the ShareGPT-shaped workload for the tree in
 #   BEFORE_DIR (an older commit, run the way that commit's own run_h100.sh ran it) and for this
 #   tree, alternating, in one call: a before/after comparison free of machine-to-machine spread.
+#   AB_PART=gen|sharegpt picks one; AB_PROMPTS the ShareGPT requests; AB_TP=2 runs ShareGPT at
+#   tp=2. BEFORE_DIR must travel: `git worktree add .diag/before <commit>`, carry ".diag".
 # STAGE "tp BEFORE_DIR" / "tp2": tensor parallel (see their blocks below; tp2 packs its output into $OUT/tp2.tgz).
 # STAGE "bench": this tree's Llama-2-7B grid and ShareGPT run.
 # STAGE "served": offline against served throughput (see its block below).
@@ -45,7 +47,9 @@ if [ "$STAGE" = ab ]; then
                BENCH_OUT=$BENCH_OUT/before timeout "$1" python3 -m "${@:2}"); }
   after() { (CONVEYOR_COMMIT=${CONVEYOR_COMMIT:-after} BENCH_OUT=$BENCH_OUT/after timeout "$1" python3 -m "${@:2}"); }
   GEN="benchmarks.profile_generation --model llama2-7b -b 1 -c 128:512"
-  TPUT="benchmarks.profile_throughput --model llama2-7b --num-prompts ${AB_PROMPTS:-3000}"
+  # AB_TP=2 (kind nvidia-h200-x2): both trees at tensor parallel 2, NVLink multicast off.
+  TPUT="benchmarks.profile_throughput --model llama2-7b --num-prompts ${AB_PROMPTS:-3000} ${AB_TP:+--tp $AB_TP}"
+  [ -z "${AB_TP:-}" ] || export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   case ${AB_PART:-all} in
     gen|all) before 120 $GEN --name ab_before_gen; after 120 $GEN --name ab_after_gen
              after 120 $GEN --name ab_after_gen2; before 120 $GEN --name ab_before_gen2 ;;
