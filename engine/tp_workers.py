@@ -109,28 +109,25 @@ class TPWorkers:
     # ---- the hot path ----------------------------------------------------------------------------
     def send(self, plan: StepPlan) -> None:
         """Hand one step's plan to every other rank (encoded once)."""
-        if self.failure is not None:
-            raise TPWorkerError(f"tensor parallel stopped: {self.failure}")
+        self._raise_if_failed()
         frame = self._codec.encode(plan)
         for sock in self._plans:
-            # A PUSH socket whose peer has gone blocks in send: wait in steps that see the failure.
-            while True:
-                try:
-                    sock.send(frame, zmq.NOBLOCK, copy=False)
-                    break
-                except zmq.Again:
-                    if self.failure is not None:
-                        raise TPWorkerError(f"tensor parallel stopped: {self.failure}") from None
-                    time.sleep(0.001)
+            # A PUSH socket whose peer has gone blocks in send: retry in steps that see the failure.
+            while not _sent(sock, frame):
+                self._raise_if_failed()
+                time.sleep(0.001)
 
     def wait_for(self, done: Callable[[], bool]) -> None:
         """Wait until ``done()`` (the query of a device event rank 0 would otherwise synchronize
         on), raising ``TPWorkerError`` once a rank has failed: a step whose collective waits on a
         dead peer may never end, and a blocking synchronize would wait with it."""
         while not done():
-            if self.failure is not None:
-                raise TPWorkerError(f"tensor parallel stopped: {self.failure}")
+            self._raise_if_failed()
             time.sleep(0)  # lets the watchdog thread run
+
+    def _raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise TPWorkerError(f"tensor parallel stopped: {self.failure}")
 
     # ---- watching ---------------------------------------------------------------------------------
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
@@ -243,6 +240,15 @@ class TPWorkers:
             sock.close(linger=0)
         self._ctx.term()
         self._socket_dir.remove()
+
+
+def _sent(sock: zmq.Socket, frame) -> bool:
+    """Send ``frame`` without blocking; False when the socket cannot take it now."""
+    try:
+        sock.send(frame, zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        return False
+    return True
 
 
 @contextlib.contextmanager
