@@ -32,7 +32,7 @@ from statistics import mean
 
 import torch
 
-from conveyor.engine.config import TP_ALL_REDUCE_KINDS, parse_cache_size
+from conveyor.engine.config import KERNEL_MODES, TP_ALL_REDUCE_KINDS, parse_cache_size
 from benchmarks.common import dummy_engine, percentile, random_prompt, record, save
 from conveyor.protocol.sampling import SamplingParams
 
@@ -108,6 +108,8 @@ def main() -> None:
     ap.add_argument("--model-format", default=None, choices=[None, "hf", "awq", "smooth_quant"],
                     help="awq: the decoder linears as 4-bit AWQ weights (random, group size 128); "
                          "smooth_quant: as W8A8 int8 weights (random) with per-token int8 activations")
+    ap.add_argument("--kernels", default="auto", choices=KERNEL_MODES,
+                    help="EngineConfig.kernels: 'triton' leaves the CUDA C++ kernels out (an A/B against 'auto')")
     ap.add_argument("--tp-all-reduce", default="nccl", choices=TP_ALL_REDUCE_KINDS,
                     help="tensor parallel's path for decode-sized all-reduces (EngineConfig.tp_all_reduce)")
     ap.add_argument("--process-group", action="store_true",
@@ -124,7 +126,7 @@ def main() -> None:
     engine = dummy_engine(args.model, args.dtype, max_batch_size=args.max_batch_size,
                           cache_max_entry_count=args.cache_max_entry_count, model_format=args.model_format,
                           quant_policy=args.quant_policy, tp=args.tp, tp_all_reduce=args.tp_all_reduce,
-                          process_group=args.process_group)
+                          kernels=args.kernels, process_group=args.process_group)
     graphs = engine.runner.decode_graphs
     print(f"engine ready in {time.perf_counter() - t:.1f}s: {engine.runner.num_blocks} KV blocks of "
           f"{engine.config.block_size}, activations {engine.runner.activation_bytes / 2**30:.2f} GiB, "
@@ -143,7 +145,7 @@ def main() -> None:
             records.append(record(
                 engine="conveyor", model=args.model, precision=args.dtype, benchmark="profile_generation",
                 batch=batch, input_len=input_len, output_len=output_len, model_format=args.model_format or "hf",
-                quant_policy=args.quant_policy, tp=args.tp, kv_blocks=engine.runner.num_blocks,
+                quant_policy=args.quant_policy, tp=args.tp, kv_blocks=engine.runner.num_blocks, kernels=args.kernels,
                 kv_tokens=engine.runner.num_blocks * engine.config.block_size,
                 cuda_graphs=bool(graphs and engine.runner.use_cuda_graphs), **r,
             ))

@@ -64,7 +64,8 @@ class EngineConfig:
     # graphs (engine/cuda_graph.py). Off the GPU there are no graphs either way.
     eager_mode: bool = False
     # Which kernels run the model's layers (kernels/_triton.py), for the whole process: "auto"
-    # Triton on CUDA tensors and the torch references elsewhere; "ref" the torch references
+    # the CUDA C++ kernels where one exists and cupy is installed (kernels/_cuda.py: W4A16 on
+    # tensor cores), else Triton on CUDA tensors, and the torch references elsewhere; "ref" the torch references
     # everywhere; "triton" Triton everywhere (CPU tensors then need Triton's interpreter,
     # TRITON_INTERPRET=1), raising on inputs a kernel does not take instead of falling back.
     kernels: str = "auto"

@@ -70,7 +70,7 @@ from ..protocol.multimodal import ImageInput
 from ..protocol.tp import StepKind, StepPlan
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
-from .weight_loader import load_model
+from .weight_loader import after_loading, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +149,7 @@ def init_dummy_weights(model: nn.Module, seed: int = DUMMY_WEIGHT_SEED) -> None:
             p.zero_()
         else:
             p.normal_(0.0, 0.02, generator=gen)
+    after_loading(model)
 
 
 # Encoder rows a runner keeps of the last images it encoded (at least the newest image's): 16,384

@@ -200,4 +200,14 @@ def load_model(model: nn.Module, path: str | Path) -> nn.Module:
     """Stream the checkpoint at ``path`` into ``model`` via its ``load_weights`` (lazily: a
     tensor-parallel rank's layers read only their slices)."""
     model.load_weights(iter_checkpoint(path, lazy=True))
+    after_loading(model)
     return model
+
+
+def after_loading(model: nn.Module) -> None:
+    """Let every layer whose method keeps its weights in another layout for its kernels make it,
+    once all its tensors are in (AWQ's tensor-core repacking, ``layers/awq_linear.py``)."""
+    for module in model.modules():
+        finish = getattr(getattr(module, "method", None), "after_loading", None)
+        if finish is not None:
+            finish(module)

@@ -6,9 +6,13 @@ the last one, and ``qweight``/``qzeros`` pack 8 outputs per int32, so a fused la
 ``i`` fills columns ``[start / 8, (start + size) / 8)`` of the packed tensors (``output_dim``
 and ``pack_factor`` tell ``MergedLinear.weight_loader`` so).
 
-On the GPU each call runs the Triton W4A16 kernels (no dense weight is ever written). On the
-CPU the reference path would dequantize every weight on every call; it dequantizes once and
-keeps the dense fp32 weight instead (the CPU runs the engine for tests, not for speed).
+On the GPU, fp16 layers whose shapes the tensor-core kernels take (``kernels/w4a16/tc.py``:
+K and N multiples of 64, groups of 64 or more) are repacked once after loading into those
+kernels' layout (``after_loading``; the AWQ tensors are then dropped, so the weight is held once)
+when cupy is installed and the kernel mode is ``auto``; the others run the Triton W4A16 kernels
+(no dense weight is ever written for small batches). On the CPU the reference path would
+dequantize every weight on every call; it dequantizes once and keeps the dense fp32 weight
+instead (the CPU runs the engine for tests, not for speed).
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...kernels._cuda import cuda_kernels_available
 from ...kernels.w4a16 import PACK, dequantize_awq_ref, w4a16_matmul
+from ...kernels.w4a16.tc import tc_matmul, tc_problem, tc_repack
 
 AWQ_PACK_FACTOR = PACK
 
@@ -46,9 +52,25 @@ class AWQLinearMethod:
         layer.scales = param(groups, output_size, packed_cols=False, rows_per=group)  # the model's dtype
         layer.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         layer.dense_cpu = None  # the CPU path's dequantized weight, made on first use
+        layer.tc = None  # the tensor-core layout (TcWeights), made by after_loading
+
+    def after_loading(self, layer: nn.Module) -> None:
+        """Repack the weight for the tensor-core kernels where they run (see the module doc)."""
+        if layer.tc is not None:
+            return
+        k, n = layer.qweight.shape[0], layer.scales.shape[1]
+        group = k if self.group_size == -1 else self.group_size
+        if not cuda_kernels_available(layer.qweight.device) or tc_problem(k, n, group, layer.scales.dtype):
+            return
+        layer.tc = tc_repack(layer.qweight, layer.qzeros, layer.scales, self.group_size)
+        # The AWQ tensors are not used again: empty ones keep the attributes (and dtypes) in place.
+        layer.qweight = nn.Parameter(layer.qweight.new_empty(0, n // AWQ_PACK_FACTOR), requires_grad=False)
+        layer.qzeros = nn.Parameter(layer.qzeros.new_empty(0, n // AWQ_PACK_FACTOR), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``x @ W + b`` from the packed weight."""
+        if layer.tc is not None:
+            return tc_matmul(x, layer.tc, layer.bias)
         if x.device.type == "cpu":
             if layer.dense_cpu is None:
                 layer.dense_cpu = dequantize_awq_ref(layer.qweight, layer.qzeros, layer.scales, self.group_size)
@@ -67,4 +89,4 @@ class AWQLinearMethod:
         layer.scales.fill_(0.02 / 4.6)
         if layer.bias is not None:
             layer.bias.zero_()
-        layer.dense_cpu = None
+        layer.dense_cpu = layer.tc = None

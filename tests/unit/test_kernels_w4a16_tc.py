@@ -1,0 +1,213 @@
+"""The tensor-core W4A16 kernels (``kernels/w4a16/tc.py``, CUDA C++ compiled by NVRTC through cupy).
+
+On the CPU: the weight layout (packing, its inverse, and an independent reading of each lane's
+word as the PTX ISA's ``mma.m16n8k16`` A fragment), the reference dequantization and the launch
+policy. **gpu** cases: every compiled instance against the plain-torch reference on fresh random
+inputs, K splits, bias, groups, rows past a tile, the dense-weight path, CUDA graph capture, and
+the AWQ layer's repacking after loading.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor.kernels.w4a16 import awq_pack, dequantize_awq_ref, w4a16_matmul_ref
+from conveyor.kernels.w4a16.tc import (
+    CONFIGS,
+    STAGE_K,
+    tc_config,
+    tc_dequantize_ref,
+    tc_pack_codes,
+    tc_problem,
+    tc_repack,
+    tc_stages_per_split,
+    tc_unpack_codes,
+)
+from kernel_harness import assert_close, gpu
+
+
+def awq_layer(k: int, n: int, group: int, gen: torch.Generator, device: str = "cpu"):
+    """A random AWQ triple [K, N] (codes, zeros 0..15, scales ~1e-2) on ``device``."""
+    g = k if group == -1 else group
+    groups = -(-k // g)
+    codes = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.uint8)
+    zeros = torch.randint(0, 16, (groups, n), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.005).half()
+    return awq_pack(codes).to(device), awq_pack(zeros).to(device), scales.to(device)
+
+
+def fragment(word: int, g: int, c: int) -> dict[tuple[int, int], int]:
+    """The PTX ISA's A fragment of ``mma.m16n8k16`` (.f16) for lane ``4 g + c``: registers a0..a7
+    at (row, column) of the 16 x 16 tile, read from the word's nibbles as the kernel's LOP3s do
+    (mask 0x000f000f: nibbles 0 and 4; 0x00f000f0: 1 and 5; after >> 8: 2 and 6, 3 and 7)."""
+    nib = [(word >> (4 * i)) & 0xF for i in range(8)]
+    return {(g, 2 * c): nib[0], (g, 2 * c + 1): nib[4], (g + 8, 2 * c): nib[1], (g + 8, 2 * c + 1): nib[5],
+            (g, 2 * c + 8): nib[2], (g, 2 * c + 9): nib[6], (g + 8, 2 * c + 8): nib[3], (g + 8, 2 * c + 9): nib[7]}
+
+
+def test_each_lane_word_is_its_mma_fragment() -> None:
+    k, n = 128, 32
+    codes = torch.randint(0, 16, (k, n), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    qw = tc_pack_codes(codes)
+    assert qw.shape == (k // STAGE_K, n // 16, 32, 4) and qw.dtype == torch.int32
+    seen = torch.full((k, n), -1, dtype=torch.int64)
+    for s in range(k // STAGE_K):
+        for t in range(n // 16):
+            for lane in range(32):
+                for i in range(4):  # word i: the 16-row step i of the stage
+                    word = int(qw[s, t, lane, i]) & 0xFFFFFFFF
+                    # The transposed product: the A tile's row is a weight column, its column a K row.
+                    for (row, col), v in fragment(word, lane // 4, lane % 4).items():
+                        seen[s * STAGE_K + 16 * i + col, 16 * t + row] = v
+    assert torch.equal(seen, codes.long())
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (256, 192)])
+def test_pack_unpack_round_trip(shape: tuple[int, int]) -> None:
+    codes = torch.randint(0, 16, shape, generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    assert torch.equal(tc_unpack_codes(tc_pack_codes(codes)), codes)
+
+
+@pytest.mark.parametrize(("k", "group"), [(640, 128), (256, 64), (192, -1)])
+def test_repack_dequantizes_to_the_awq_weight(k: int, group: int) -> None:
+    qweight, qzeros, scales = awq_layer(k, 128, group, torch.Generator().manual_seed(2))
+    w = tc_repack(qweight, qzeros, scales, group)
+    assert (w.k, w.n, w.group_size) == (k, 128, k if group == -1 else group)
+    torch.testing.assert_close(tc_dequantize_ref(w), dequantize_awq_ref(qweight, qzeros, scales, group).float(),
+                               rtol=0, atol=0)
+
+
+def test_problems_are_named() -> None:
+    assert tc_problem(4096, 12288, 128, torch.float16) is None
+    assert "fp16" in tc_problem(4096, 4096, 128, torch.bfloat16)
+    assert "multiple of 64" in tc_problem(96, 128, 96, torch.float16)
+    assert "group_size 32" in tc_problem(256, 128, 32, torch.float16)
+    qweight, qzeros, scales = awq_layer(128, 64, 32, torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match="cannot take this layer: group_size 32"):
+        tc_repack(qweight, qzeros, scales, 32)
+
+
+def test_policy() -> None:
+    assert [tc_config(m, 4096, 4096).m8 for m in (1, 8, 9, 16, 17, 32, 64, 100)] == [1, 1, 2, 2, 4, 4, 4, 8]
+    assert tc_config(1, 12288, 4096).n_tile == 256 and tc_config(1, 4096, 4096).n_tile == 128
+    assert tc_config(1, 8256, 4096).n_tile == 64  # 4 or 2 tiles a warp do not divide N: one
+    assert tc_config(64, 12288, 4096).target_per_sm == 1 and tc_config(64, 4096, 4096).target_per_sm == 4
+    assert tc_config(100, 22016, 4096).wm == 2 and tc_config(8, 4096, 4096).target_per_sm == 4
+    # 32 tiles of 64 stages on 132 SMs at 4 CTAs each: 16 splits of 4 stages; never under 2 stages.
+    assert tc_stages_per_split(32, 4096, 132, 4) == 4
+    assert tc_stages_per_split(1, 256, 132, 4) == 2
+    assert tc_stages_per_split(1000, 4096, 132, 4) == 64
+    assert tc_stages_per_split(8, 4096, 132, 4, splits=3) == 22
+    assert all(c.shared_bytes() <= 227 * 1024 for c in CONFIGS)
+    assert len({c.name for c in CONFIGS}) == len(CONFIGS)
+
+
+# --- on the GPU -------------------------------------------------------------------------------
+
+def _cuda_kernels() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from conveyor.kernels._cuda import cuda_kernels_available
+
+    return cuda_kernels_available(torch.device("cuda", 0))
+
+
+needs_cuda_kernels = pytest.mark.skipif(not _cuda_kernels(), reason="needs a CUDA GPU (sm_80+) and cupy")
+
+
+def _check(m: int, k: int, n: int, group: int, seed: int, bias: bool = False, **kw) -> None:
+    from conveyor.kernels.w4a16.tc import tc_matmul
+
+    gen = torch.Generator().manual_seed(seed)
+    layer = awq_layer(k, n, group, gen, "cuda")
+    x = torch.randn(m, k, generator=gen).half().cuda()
+    b = (torch.randn(n, generator=gen) * 0.1).half().cuda() if bias else None
+    w = tc_repack(*layer, group)
+    out = tc_matmul(x, w, b, **kw)
+    ref = w4a16_matmul_ref(x.float(), *layer, group, None if b is None else b.float())
+    assert out.shape == (m, n) and out.dtype == torch.float16
+    assert_close(out.float(), ref, 2e-3)
+
+
+@gpu
+@needs_cuda_kernels
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_every_instance_matches_the_reference(cfg) -> None:
+    for m in sorted({1, 8 * cfg.m8 - 3, 8 * cfg.m8 + 5}):  # a partial tile, and rows past one
+        _check(m, 512, 256, 128, seed=m, cfg=cfg, dequant=False)
+        _check(m, 512, 256, 128, seed=m, cfg=cfg, splits=1, dequant=False)
+
+
+@gpu
+@needs_cuda_kernels
+@pytest.mark.parametrize("m", [1, 2, 7, 16, 24, 61, 64, 100, 127])
+@pytest.mark.parametrize(("k", "n", "group"), [(4096, 512, 128), (1024, 384, 64), (704, 128, -1)])
+def test_default_policy_matches_the_reference(m: int, k: int, n: int, group: int) -> None:
+    _check(m, k, n, group, seed=k + m)
+
+
+@gpu
+@needs_cuda_kernels
+@pytest.mark.parametrize("splits", [1, 2, 5, 64])
+def test_k_splits_and_bias(splits: int) -> None:
+    _check(3, 4096, 256, 128, seed=splits, bias=True, splits=splits)
+    _check(40, 4096, 256, 128, seed=splits, bias=True, splits=splits)
+
+
+@gpu
+@needs_cuda_kernels
+@pytest.mark.parametrize("m", [128, 300])
+def test_dense_weight_path(m: int) -> None:
+    from conveyor.kernels.w4a16.tc import tc_dequantize
+
+    gen = torch.Generator().manual_seed(m)
+    layer = awq_layer(1024, 384, 128, gen, "cuda")
+    w = tc_repack(*layer, 128)
+    torch.testing.assert_close(tc_dequantize(w), dequantize_awq_ref(*layer, 128, dtype=torch.float16), rtol=0, atol=0)
+    _check(m, 1024, 384, 128, seed=m, bias=True)
+    _check(m, 1024, 384, 128, seed=m, dequant=False)  # the fused kernel past 64 rows: several row tiles
+
+
+@gpu
+@needs_cuda_kernels
+def test_cuda_graph_replays_the_kernel() -> None:
+    from conveyor.kernels.w4a16.tc import tc_matmul
+
+    gen = torch.Generator().manual_seed(5)
+    layer = awq_layer(2048, 256, 128, gen, "cuda")
+    w = tc_repack(*layer, 128)
+    x = torch.randn(4, 2048, generator=gen).half().cuda()
+    tc_matmul(x, w)  # compile and allocate outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tc_matmul(x, w)
+    for _ in range(3):  # the split counters must be left at zero by every replay
+        x.copy_(torch.randn(4, 2048, generator=gen).half())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out.float(), w4a16_matmul_ref(x.float(), *layer, 128), 2e-3)
+
+
+@gpu
+@needs_cuda_kernels
+def test_awq_layer_repacks_after_loading() -> None:
+    from torch import nn
+
+    from conveyor.engine.layers.awq_linear import AWQLinearMethod
+
+    method = AWQLinearMethod(128)
+    layer = nn.Module()
+    method.create_weights(layer, 1024, 384, bias=True)
+    gen = torch.Generator().manual_seed(6)
+    qweight, qzeros, scales = awq_layer(1024, 384, 128, gen)
+    bias = (torch.randn(384, generator=gen) * 0.1).half()
+    for name, value in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("bias", bias)):
+        getattr(layer, name).data = value.cuda()
+    method.after_loading(layer)
+    assert layer.tc is not None and layer.qweight.numel() == 0  # the weight is held once
+    for m in (1, 9, 200):
+        x = torch.randn(m, 1024, generator=gen).half().cuda()
+        ref = w4a16_matmul_ref(x.float(), qweight.cuda(), qzeros.cuda(), scales.cuda(), 128, bias.cuda().float())
+        assert_close(method.apply(layer, x).float(), ref, 2e-3)
