@@ -17,6 +17,16 @@ span the GPU can still wait on kernel launches (eager prefill), so it is an uppe
 ``--profile START:COUNT`` runs those steps under torch.profiler and prints (and records) their
 kernels by GPU time and how long the host blocked on the GPU; the profiler slows the run.
 
+The record also keeps a timeline of the timed run (``timeline``), one entry per wall-clock second
+``s`` (from t=0): the steps that ended in it, the output tokens they returned, the mean running
+sequences after them, the waiting ones at the second's end, how many steps ran eagerly (not a
+decode CUDA graph), and the mean SM clock (MHz) and power draw (W) of the GPUs in use, which a
+thread reads from ``nvidia-smi`` every ``--gpu-sample-s`` (default 0.5 s; ``benchmarks/gpu_monitor.py``;
+None without nvidia-smi). ``gpu_clocks`` has each GPU's mean/min/max clock and power over the
+run, and ``timeline_summary`` the output tok/s of the first 20 s against the rest: what a run
+that is 10 % slower than the last one lost, and when (a slow start, a clock that dropped, a stall).
+The end of the run prints the timeline in 10 s rows.
+
 ``--rank-timing DIR`` (tensor parallel; ``EngineConfig.rank_timing_dir``): every rank logs each
 step's wait for its plan, host time building and launching it, and GPU span
 (``engine/rank_timing.py``); the table per rank and step kind is printed at the end and saved in
@@ -27,21 +37,39 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from statistics import mean
+from typing import NamedTuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from conveyor.engine.config import parse_cache_size
 from benchmarks.common import StepTimer, drain, dummy_engine, percentile, random_prompt, record, save
+from benchmarks.gpu_monitor import GpuMonitor, GpuSample, summary
 from conveyor.engine.rank_timing import alloc_retries, busy_seconds, read_all, table
 from benchmarks.profile_step import kernel_table
 from conveyor.protocol.sampling import SamplingParams
 
 DATA = Path(__file__).resolve().parent / "data" / "sharegpt_shape_3000.jsonl"
+START_S = 20  # timeline_summary's split: the first seconds (queue full, prefills) against the rest
+PRINT_EVERY_S = 10
+
+
+class StepSample(NamedTuple):
+    """What one ``engine.step()`` left: when it returned (``time.perf_counter()``), the output
+    tokens it returned, the sequences running and waiting after it, and how many forwards it
+    launched without a decode graph."""
+
+    t: float
+    tokens: int
+    running: int
+    waiting: int
+    eager: int
 
 
 def load_workload(path: Path, limit: int | None) -> list[tuple[int, int]]:
@@ -66,6 +94,71 @@ def warm_up(engine, vocab: int) -> None:
         engine.add_request(random_prompt(rng, 16 + 61 * i % 700, vocab),
                            SamplingParams(max_new_tokens=2 + i % 40, temperature=0.0, ignore_eos=True))
     drain(engine)
+
+
+def timeline(steps: list[StepSample], t0: float, gpu: Sequence[GpuSample] = (), width: int = 1) -> list[dict]:
+    """The run in buckets of ``width`` seconds from ``t0``, up to the last step's: steps that ended
+    in each, their output tokens, mean running, waiting at the bucket's end, eager steps, and the
+    mean SM clock and power of the ``gpu`` samples taken in it. A bucket no step ended in (a
+    stall) keeps the last step's running and waiting counts (None before the first step)."""
+    if not steps:
+        return []
+    buckets = [{"s": i * width, "steps": 0, "out_tokens": 0, "running": None, "waiting": None,
+                "eager_steps": 0} for i in range(int((steps[-1].t - t0) // width) + 1)]
+    running: list[list[int]] = [[] for _ in buckets]
+    for step in steps:
+        i = int((step.t - t0) // width)
+        b = buckets[i]
+        b["steps"] += 1
+        b["out_tokens"] += step.tokens
+        b["eager_steps"] += step.eager
+        b["waiting"] = step.waiting
+        running[i].append(step.running)
+    last_running = last_waiting = None
+    for b, counts in zip(buckets, running):
+        if counts:
+            b["running"], last_running, last_waiting = round(mean(counts), 1), counts[-1], b["waiting"]
+        else:
+            b["running"], b["waiting"] = last_running, last_waiting
+    readings: list[tuple[list[float], list[float]]] = [([], []) for _ in buckets]
+    for g in gpu:
+        i = int((g.t - t0) // width)
+        if 0 <= i < len(buckets):
+            for values, value in zip(readings[i], (g.sm_mhz, g.power_w)):
+                if value is not None:
+                    values.append(value)
+    for b, (mhz, watts) in zip(buckets, readings):
+        b["sm_mhz"] = round(mean(mhz)) if mhz else None
+        b["power_w"] = round(mean(watts), 1) if watts else None
+    return buckets
+
+
+def start_vs_rest(per_second: list[dict], wall: float) -> dict[str, float | None]:
+    """Output tok/s of the first START_S seconds and of the rest of the run (None if it is shorter)."""
+    first = sum(b["out_tokens"] for b in per_second if b["s"] < START_S)
+    rest = sum(b["out_tokens"] for b in per_second if b["s"] >= START_S)
+    return {"split_s": START_S, "out_tok_s_first": round(first / min(wall, START_S), 1),
+            "out_tok_s_rest": round(rest / (wall - START_S), 1) if wall > START_S else None}
+
+
+def gpus_in_use(tp: int) -> list[str]:
+    """nvidia-smi ids of the GPUs the engine's ranks run on: the first ``tp`` of CUDA_VISIBLE_DEVICES
+    (indices or UUIDs, both ids to nvidia-smi, which does not read that variable itself), else 0..tp-1."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[:tp] if visible else [str(i) for i in range(tp)]
+
+
+def print_timeline(steps: list[StepSample], t0: float, gpu: Sequence[GpuSample], wall: float,
+                   split: dict[str, float | None]) -> None:
+    """The timeline in rows of PRINT_EVERY_S seconds, then ``start_vs_rest``'s rates."""
+    print(f"{'s':>5} {'steps':>6} {'tok/s':>7} {'running':>8} {'waiting':>8} {'eager':>6} {'MHz':>5} {'W':>6}")
+    for b in timeline(steps, t0, gpu, width=PRINT_EVERY_S):
+        span = max(min(PRINT_EVERY_S, wall - b["s"]), 1e-3)  # the last row ends with the run
+        cell = {k: "-" if b[k] is None else str(b[k]) for k in ("running", "waiting", "sm_mhz", "power_w")}
+        print(f"{b['s']:>5.0f} {b['steps']:>6} {b['out_tokens'] / span:>7.0f} {cell['running']:>8} "
+              f"{cell['waiting']:>8} {b['eager_steps']:>6} {cell['sm_mhz']:>5} {cell['power_w']:>6}")
+    rest = f"{split['out_tok_s_rest']:.0f}" if split["out_tok_s_rest"] is not None else "-"
+    print(f"out tok/s: first {split['split_s']} s {split['out_tok_s_first']:.0f}, the rest {rest}")
 
 
 def profile_window(text: str) -> tuple[int, int]:
@@ -95,6 +188,9 @@ def main() -> None:
                     help="read every step back before scheduling the next (EngineConfig.overlap_schedule=False)")
     ap.add_argument("--rank-timing", default=None, metavar="DIR",
                     help="every rank writes its step times (wait, host, GPU) to DIR; printed and recorded at the end")
+    ap.add_argument("--gpu-sample-s", type=float, default=0.5, metavar="SECONDS",
+                    help="read the GPUs' SM clock and power through nvidia-smi this often during the timed run "
+                         "(0: never, to check that the sampling itself costs nothing)")
     ap.add_argument("--profile", type=profile_window, default=None, metavar="START:COUNT",
                     help="profile steps START..START+COUNT (torch.profiler; their kernels, by GPU time, "
                          "go into the record: the run's own numbers then include the profiler's cost)")
@@ -125,6 +221,10 @@ def main() -> None:
     engine.scheduler.schedule = counting_schedule
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    monitor = GpuMonitor(gpus_in_use(args.tp), args.gpu_sample_s)
+    if args.gpu_sample_s > 0:
+        monitor.start()
+    step_samples: list[StepSample] = []
     t0 = time.perf_counter()
     first: dict[str, float] = {}
     ids = []
@@ -132,7 +232,7 @@ def main() -> None:
         params = SamplingParams(max_new_tokens=out_len, temperature=0.0, ignore_eos=True)
         ids.append(engine.add_request(prompt, params).request_id)
     n_out = steps = reported = 0
-    next_report = t0 + 10.0
+    next_report = t0 + PRINT_EVERY_S
     profiled, prof = None, None
     while engine.has_work:
         if window and steps == window[0]:
@@ -140,9 +240,13 @@ def main() -> None:
             prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             prof.__enter__()
             prof_t0, prof_running = time.perf_counter(), len(engine.scheduler.running)
+        eager_before = timer.eager_steps
         outs = engine.step()
         now = time.perf_counter()
         steps += 1
+        step_tokens = sum(o.token is not None for o in outs)
+        step_samples.append(StepSample(now, step_tokens, len(engine.scheduler.running), len(engine.scheduler.waiting),
+                                       timer.eager_steps - eager_before))
         if prof is not None and steps == window[0] + window[1]:
             torch.cuda.synchronize()
             prof.__exit__(None, None, None)
@@ -151,19 +255,23 @@ def main() -> None:
                                     window[1], wall_step)
             prof = None
         if now > next_report:  # progress, so a run cut short still tells its rate
-            next_report = now + 10.0
+            next_report = now + PRINT_EVERY_S
             # GPU busy over the spans since the last report (the last two may still be in flight).
             recent, reported = timer.spans[reported:-2], max(reported, len(timer.spans) - 2)
             busy = (f", GPU busy {busy_seconds(recent) / (recent[0][0].elapsed_time(recent[-1][1]) / 1e3):.0%}"
                     if len(recent) > 1 else "")
+            reading = monitor.last()
+            clock = (f", GPU{reading.gpu} {reading.sm_mhz:.0f} MHz {reading.power_w:.0f} W"
+                     if reading and reading.sm_mhz is not None and reading.power_w is not None else "")
             print(f"  {now - t0:6.1f}s: {n_out} tokens out ({n_out / (now - t0):.0f} tok/s), "
                   f"{len(engine.scheduler.running)} running, {len(engine.scheduler.waiting)} waiting, "
-                  f"step {steps}{busy}", flush=True)
+                  f"step {steps}{busy}{clock}", flush=True)
+        n_out += step_tokens
         for o in outs:
             if o.token is not None:
-                n_out += 1
                 first.setdefault(o.request_id, now)
     wall = time.perf_counter() - t0
+    gpu_samples = monitor.stop()
     timer.detach(engine)
     spans = timer.spans
     if torch.cuda.is_available():
@@ -173,6 +281,8 @@ def main() -> None:
         busy = None
     ttft = [first[i] - t0 for i in ids if i in first]
     n_in = sum(i for i, _ in work)
+    per_second = timeline(step_samples, t0, gpu_samples)
+    split = start_vs_rest(per_second, wall)
     result = {
         "num_requests": len(work), "wall_s": wall, "steps": steps, "in_tokens": n_in, "out_tokens": n_out,
         "req_s": len(work) / wall, "out_tok_s": n_out / wall, "total_tok_s": (n_in + n_out) / wall,
@@ -183,13 +293,17 @@ def main() -> None:
         "kv_tokens": engine.runner.num_blocks * engine.config.block_size,
         "peak_mem_gb": torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else None,
         "alloc_retries": alloc_retries() if torch.cuda.is_available() else None,  # each one waited for the GPU
+        "gpu_clocks": summary(gpu_samples),
+        "timeline_summary": split,
+        "timeline": per_second,
     }
     if profiled:
         result["profiled_steps"] = profiled
     for k, v in result.items():
-        if k == "profiled_steps":  # printed when the window closed
+        if k in ("profiled_steps", "timeline", "timeline_summary"):  # printed when the window closed, or below
             continue
         print(f"{k:>14}: {v:.3f}" if isinstance(v, float) else f"{k:>14}: {v}")
+    print_timeline(step_samples, t0, gpu_samples, wall, split)
     rec = record(engine="conveyor", model=args.model, precision=args.dtype, benchmark="profile_throughput",
                  batch=args.max_batch_size, quant_policy=args.quant_policy, tp=args.tp, dataset=args.dataset.name,
                  **result)

@@ -12,6 +12,11 @@
 #   tree, alternating, in one call: a before/after comparison free of machine-to-machine spread.
 #   AB_PART=gen|sharegpt picks one; AB_PROMPTS the ShareGPT requests; AB_TP=2 runs ShareGPT at
 #   tp=2. BEFORE_DIR must travel: `git worktree add .diag/before <commit>`, carry ".diag".
+#   ShareGPT runs in AB_PAIRS pairs (default 2: before, after, after, before; records
+#   ab_{before,after}_sharegpt, then _2, _3, ...) and ends with each pair's after/before ratio and
+#   their median (benchmarks/ab_summary.py; run it on the returned records of a call cut short).
+#   Each run is cut at 280 s and a device call at 10 minutes: for several pairs, AB_PART=sharegpt
+#   and, if that is still too long, fewer AB_PROMPTS.
 # STAGE "tp BEFORE_DIR" / "tp2": tensor parallel (see their blocks below; tp2 packs its output into $OUT/tp2.tgz).
 # STAGE "bench": this tree's Llama-2-7B grid and ShareGPT run.
 # STAGE "served": offline against served throughput (see its block below).
@@ -55,7 +60,18 @@ if [ "$STAGE" = ab ]; then
              after 120 $GEN --name ab_after_gen2; before 120 $GEN --name ab_before_gen2 ;;
   esac
   case ${AB_PART:-all} in
-    sharegpt|all) before 280 $TPUT --name ab_before_sharegpt; after 280 $TPUT --name ab_after_sharegpt ;;
+    sharegpt|all)
+      B=(); A=()
+      for i in $(seq "${AB_PAIRS:-2}"); do
+        s=""; [ "$i" = 1 ] || s="_$i"
+        if [ $((i % 2)) = 1 ]; then  # ABBA: a machine warming or cooling during the call cancels out
+          before 280 $TPUT --name ab_before_sharegpt$s; after 280 $TPUT --name ab_after_sharegpt$s
+        else
+          after 280 $TPUT --name ab_after_sharegpt$s; before 280 $TPUT --name ab_before_sharegpt$s
+        fi
+        B+=("$BENCH_OUT/before/ab_before_sharegpt$s.json"); A+=("$BENCH_OUT/after/ab_after_sharegpt$s.json")
+      done
+      python3 -m benchmarks.ab_summary --before "${B[@]}" --after "${A[@]}" ;;
   esac
 fi
 
