@@ -211,3 +211,52 @@ def test_awq_layer_repacks_after_loading() -> None:
         x = torch.randn(m, 1024, generator=gen).half().cuda()
         ref = w4a16_matmul_ref(x.float(), qweight.cuda(), qzeros.cuda(), scales.cuda(), 128, bias.cuda().float())
         assert_close(method.apply(layer, x).float(), ref, 2e-3)
+
+
+@gpu
+@needs_cuda_kernels
+def test_an_awq_engine_runs_the_tensor_core_kernels_in_its_graphs(tmp_path) -> None:
+    """An fp16 engine on dummy AWQ weights of shapes the kernels take: every decoder linear is
+    repacked (its AWQ tensors dropped), decode CUDA graphs replay the cupy launches (tokens as
+    eager steps give them), and the tokens are the Triton kernels' (kernel mode ``triton``)."""
+    import json
+
+    from conveyor.engine.config import EngineConfig
+    from conveyor.engine.llm_engine import LLMEngine
+    from conveyor.kernels import set_kernel_mode
+    from conveyor.protocol.sampling import SamplingParams
+
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0, torch_dtype="float16",
+                  quantization_config={"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
+                                       "version": "gemm"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    def tokens(**kw) -> tuple[int, list[list[int]]]:
+        """(decoder linears repacked with their AWQ tensors dropped, each prompt's greedy tokens)."""
+        eng = LLMEngine(tmp_path, EngineConfig(dtype="float16", load_format="dummy", cache_max_entry_count=64,
+                                               max_batch_size=8, **kw))
+        try:
+            repacked = sum(getattr(m, "tc", None) is not None and m.qweight.numel() == 0
+                           for m in eng.runner.model.modules())
+            for prompt in ([1, 2, 3], [7, 9, 11, 13, 200], [5] * 40):
+                eng.add_request(prompt, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
+            out: dict[str, list[int]] = {}
+            while eng.has_work:
+                for o in eng.step():
+                    if o.token is not None:
+                        out.setdefault(o.request_id, []).append(o.token)
+            return repacked, [out[k] for k in sorted(out)]
+        finally:
+            eng.close()
+
+    try:
+        repacked, with_graphs = tokens()
+        _, eager = tokens(eager_mode=True)
+        none, triton = tokens(kernels="triton")
+    finally:
+        set_kernel_mode("auto")
+    assert repacked == 2 * 4 and none == 0  # qkv, o_proj, gate_up, down of both layers
+    assert with_graphs == eager
+    assert with_graphs == triton
