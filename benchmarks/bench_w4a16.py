@@ -28,7 +28,6 @@ the fastest (for choosing ``gemv_config``/``gemm_config``'s defaults).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +36,7 @@ import torch
 
 import importlib
 
-from benchmarks.common import cuda_time_us, record, save
+from benchmarks.common import cuda_time_us, record, save_to
 from conveyor.kernels._triton import cdiv
 from conveyor.kernels.w4a16 import GemmConfig, GemvConfig, dequantize_awq_ref
 from conveyor.kernels.w4a16.policy import split_k, tile_k
@@ -180,12 +179,7 @@ def main() -> None:
             records.append(rec)
         layers = dense = []  # free this shape's copies before the next one's
         torch.cuda.empty_cache()
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(records, indent=1) + "\n")
-        print(f"saved {args.out}")
-    else:
-        print(f"saved {save(records, 'bench_w4a16')}")
+    save_to(records, args.out, "bench_w4a16")
 
 
 def sweep(m: int, k: int, n: int, xs: list[torch.Tensor], layers: list[tuple[torch.Tensor, ...]],

@@ -13,13 +13,12 @@ instance (``tc.CONFIGS``) with the default and other K splits and prints the fas
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 from benchmarks.bench_w4a16 import GROUP, SHAPES, graph_time_us, layer_copies, rel_err
-from benchmarks.common import record, save
+from benchmarks.common import record, save_to
 from conveyor.kernels._triton import cdiv, sm_count
 from conveyor.kernels.w4a16 import dequantize_awq_ref, w4a16_matmul_triton
 from conveyor.kernels.w4a16.tc import CONFIGS, STAGE_K, tc_config, tc_matmul, tc_repack, tc_stages_per_split
@@ -97,12 +96,7 @@ def main() -> None:
             records.append(rec)
         layers = tcs = dense = []
         torch.cuda.empty_cache()
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(records, indent=1) + "\n")
-        print(f"saved {args.out}")
-    else:
-        print(f"saved {save(records, 'bench_w4a16_tc')}")
+    save_to(records, args.out, "bench_w4a16_tc")
 
 
 if __name__ == "__main__":

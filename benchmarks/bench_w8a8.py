@@ -26,7 +26,6 @@ int8 path is checked against the reference (``rel_err``) before it is timed.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import cycle_time_us, graph_time_us, record, save
+from benchmarks.common import cycle_time_us, graph_time_us, record, save_to
 from conveyor.kernels import w8a8
 from conveyor.kernels.rms_norm import add_rms_norm, rms_norm
 
@@ -223,12 +222,7 @@ def main() -> None:
     common = dict(engine="kernels", model="llama2-7b", precision=f"w8a8/{args.dtype}", benchmark="bench_w8a8")
     records = [record(**common, batch=r["M"], **r) for r in gemms + norms]
     records.append(record(**common, **verdict))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(records, indent=1) + "\n")
-        print(f"saved {args.out}")
-    else:
-        print(f"saved {save(records, 'bench_w8a8')}")
+    save_to(records, args.out, "bench_w8a8")
 
 
 if __name__ == "__main__":

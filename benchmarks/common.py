@@ -76,6 +76,19 @@ def save(records: list[dict[str, Any]], name: str, subdir: str | None = None) ->
     return path
 
 
+def save_to(records: list[dict[str, Any]], out: Path | None, name: str) -> Path:
+    """Write the records to ``out`` when given (an explicit path), else as :func:`save` does; print
+    and return where they went."""
+    if out is None:
+        path = save(records, name)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(records, indent=1) + "\n")
+        path = out
+    print(f"saved {path}", flush=True)
+    return path
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (0..100) by linear interpolation, or None for no values."""
     if not values:

@@ -314,37 +314,29 @@ w4a16_tc_gemm(const u16* __restrict__ x, int m, int ldx,
   }
   cp_async_wait<0>();
 
-  // acc[j][i] holds out^T rows n = tile * 16 + g4 (+8 for e >= 2), columns m = row0 + i * 8 + 2 * t4 + (e & 1).
-  if (splits == 1) {
+  // acc[j][i][e] is out^T's row n = tile * 16 + g4 (+8 for e >= 2) and column (this CTA's row)
+  // r = row0 + i * 8 + 2 * t4 + (e & 1): ``each_sum(f)`` calls f(n, r, sum) for all of them.
+  auto each_sum = [&](auto f) {
 #pragma unroll
     for (int j = 0; j < NW; ++j)
 #pragma unroll
       for (int i = 0; i < MW; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int nn = n_tile0 + (wn * NW + j) * 16 + g4 + (e >= 2 ? 8 : 0);
-          const int mm = m0 + row0 + i * 8 + 2 * t4 + (e & 1);
-          if (mm < m) {
-            float v = acc[j][i][e];
-            if (bias) v += h2f(bias[nn]);
-            out[(long long)mm * ldo + nn] = f2h(v);
-          }
-        }
+        for (int e = 0; e < 4; ++e)
+          f(n_tile0 + (wn * NW + j) * 16 + g4 + (e >= 2 ? 8 : 0), row0 + i * 8 + 2 * t4 + (e & 1), acc[j][i][e]);
+  };
+  const int rows_here = imin(ROWS, m - m0);
+  if (splits == 1) {
+    each_sum([&](int nn, int r, float v) {
+      if (r < rows_here) out[(long long)(m0 + r) * ldo + nn] = f2h(bias ? v + h2f(bias[nn]) : v);
+    });
     return;
   }
   // Split K: park this split's partial sums, and let the tile's last CTA add them in order.
-  const int rows_here = imin(ROWS, m - m0);
   float* mine = part + ((long long)split * m + m0) * n;
-#pragma unroll
-  for (int j = 0; j < NW; ++j)
-#pragma unroll
-    for (int i = 0; i < MW; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int nn = n_tile0 + (wn * NW + j) * 16 + g4 + (e >= 2 ? 8 : 0);
-        const int r = row0 + i * 8 + 2 * t4 + (e & 1);
-        if (r < rows_here) mine[(long long)r * n + nn] = acc[j][i][e];
-      }
+  each_sum([&](int nn, int r, float v) {
+    if (r < rows_here) mine[(long long)r * n + nn] = v;
+  });
   __threadfence();
   block_sync<WARPS>();
   int* counter = counters + blockIdx.z * gridDim.x + blockIdx.x;
