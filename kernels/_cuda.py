@@ -11,6 +11,7 @@ the process's kernel mode (``_triton.set_kernel_mode``) is ``triton`` or ``ref``
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ except Exception:  # noqa: BLE001 - not installed, or no CUDA driver for it: the
     HAS_CUPY = False
 
 MIN_CAPABILITY = (8, 0)
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -48,6 +50,20 @@ def _module(source: Path, names: tuple[str, ...], device_index: int) -> Any:
         module = cupy.RawModule(code=source.read_text(), options=("-std=c++17",), name_expressions=names)
         module.compile()
         return module
+
+
+@functools.cache
+def compiles(source: Path, names: tuple[str, ...], device_index: int) -> bool:
+    """Whether the module builds on this device (once per process): a cupy whose NVRTC or CUDA
+    headers do not match the driver fails here, and its callers keep their Triton path, with the
+    reason logged once, instead of failing at their first launch."""
+    try:
+        _module(source, names, device_index)
+        return True
+    except Exception as exc:  # noqa: BLE001 - NVRTC / driver errors of every kind: fall back
+        logger.warning("CUDA kernels of %s not used on cuda:%d (%s: %s); the Triton kernels run instead",
+                       source.name, device_index, type(exc).__name__, exc)
+        return False
 
 
 @functools.cache

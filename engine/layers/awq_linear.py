@@ -22,7 +22,7 @@ from torch import nn
 
 from ...kernels._cuda import cuda_kernels_available
 from ...kernels.w4a16 import PACK, dequantize_awq_ref, w4a16_matmul
-from ...kernels.w4a16.tc import tc_matmul, tc_problem, tc_repack
+from ...kernels.w4a16.tc import tc_builds, tc_matmul, tc_problem, tc_repack
 
 AWQ_PACK_FACTOR = PACK
 
@@ -60,7 +60,8 @@ class AWQLinearMethod:
             return
         k, n = layer.qweight.shape[0], layer.scales.shape[1]
         group = k if self.group_size == -1 else self.group_size
-        if not cuda_kernels_available(layer.qweight.device) or tc_problem(k, n, group, layer.scales.dtype):
+        device = layer.qweight.device
+        if not cuda_kernels_available(device) or tc_problem(k, n, group, layer.scales.dtype) or not tc_builds(device):
             return
         layer.tc = tc_repack(layer.qweight, layer.qzeros, layer.scales, self.group_size)
         # The AWQ tensors are not used again: empty ones keep the attributes (and dtypes) in place.

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from .._cuda import kernel, launch
+from .._cuda import compiles, kernel, launch
 from .._triton import cdiv, sm_count
 from .launch import _split_counters
 from .packing import awq_unpack, check_awq_shapes
@@ -103,6 +103,11 @@ class TcWeights:
     group_size: int
     k: int
     n: int
+
+
+def tc_builds(device: torch.device) -> bool:
+    """Whether the kernels compile on ``device`` (checked once; see ``_cuda.compiles``)."""
+    return compiles(SOURCE, _NAMES, device.index if device.index is not None else torch.cuda.current_device())
 
 
 def tc_problem(k: int, n: int, group_size: int, dtype: torch.dtype) -> str | None:

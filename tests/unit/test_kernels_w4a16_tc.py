@@ -103,6 +103,25 @@ def test_policy() -> None:
     assert len({c.name for c in CONFIGS}) == len(CONFIGS)
 
 
+def test_a_module_that_does_not_build_is_reported_and_left_out(monkeypatch, caplog) -> None:
+    """A cupy whose NVRTC does not match the driver: the layers keep Triton, and the log says why."""
+    from pathlib import Path
+
+    from conveyor.kernels import _cuda
+
+    def broken(*args):
+        raise RuntimeError("nvrtc: cannot open cuda_fp16.h")
+
+    monkeypatch.setattr(_cuda, "_module", broken)
+    _cuda.compiles.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert not _cuda.compiles(Path("tc_gemm.cu"), ("f",), 0)
+        assert "tc_gemm.cu" in caplog.text and "cannot open cuda_fp16.h" in caplog.text
+    finally:
+        _cuda.compiles.cache_clear()
+
+
 # --- on the GPU -------------------------------------------------------------------------------
 
 def _cuda_kernels() -> bool:
