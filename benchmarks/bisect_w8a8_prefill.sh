@@ -28,9 +28,7 @@
 #
 # Settings (environment): REPS (3), RUN_TIMEOUT (150 s), BUDGET_S (560 s of this call in all),
 #   MODEL (llama2-7b), CASE (2048:1), CONTROL (1: fp16 on the first and last tree; 0: none),
-#   GRAPHS (1; 0 sets CONVEYOR_CUDA_GRAPHS=0: no decode graphs to capture and no decode-bucket
-#   autotuning, ~10 s less a tree; the 2048:1 prefill runs eagerly either way, but the original
-#   records had graphs on), PYTHON (python3), WHEELS (1; 0: leave .whl uninstalled, for a machine
+#   PYTHON (python3), WHEELS (1; 0: leave .whl uninstalled, for a machine
 #   whose Python has the packages), DRY (1: only `profile_generation --help` per tree, a check of
 #   the imports). On a CPU machine the whole flow runs with MODEL=tiny CASE=64:1 (reference kernels):
 #   WHEELS=0 PYTHON=.venv/bin/python MODEL=tiny CASE=64:1 OUT=/tmp/bisect_cpu bash $0 run
@@ -100,7 +98,7 @@ fi
 for s in "${trees[@]}"; do [ -d "$BISECT/$s" ] || die "no tree $BISECT/$s (carried?)"; done
 
 {
-  echo "bisect_w8a8_prefill: ${#trees[@]} trees: ${trees[*]}; model $MODEL, case $CASE x $REPS, graphs ${GRAPHS:-1}"
+  echo "bisect_w8a8_prefill: ${#trees[@]} trees: ${trees[*]}; model $MODEL, case $CASE x $REPS"
   if [ -z "${DRY:-}" ] && command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv
   fi
@@ -146,7 +144,6 @@ run_one() {
   echo "== $s $fmt: $(cat "$BISECT/$s/.bisect_commit" 2>/dev/null) (timeout ${limit}s)" | tee -a "$LOG"
   t0=$(date +%s)
   (cd "$pkg" && env CONVEYOR_COMMIT="$s" PYTHONPATH="$pkg:$SITE" BENCH_OUT="$OUTDIR/bisect" PYTHONUNBUFFERED=1 \
-     ${GRAPHS:+CONVEYOR_CUDA_GRAPHS=$GRAPHS} \
      timeout -k 10 "$limit" "$PYTHON" -m benchmarks.profile_generation "${args[@]}") 2>&1 \
     | { if [ -n "${DRY:-}" ]; then tail -4; else cat; fi; } | tee -a "$LOG"
   rc=${PIPESTATUS[0]}

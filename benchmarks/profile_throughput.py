@@ -196,6 +196,8 @@ def main() -> None:
                          "go into the record: the run's own numbers then include the profiler's cost)")
     args = ap.parse_args()
     window = args.profile
+    if args.gpu_sample_s < 0:
+        ap.error(f"--gpu-sample-s {args.gpu_sample_s}: give seconds between samples, or 0 for none")
     if window and not torch.cuda.is_available():
         ap.error("--profile times CUDA kernels: it needs a GPU")
 

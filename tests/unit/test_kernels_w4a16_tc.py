@@ -103,6 +103,18 @@ def test_policy() -> None:
     assert len({c.name for c in CONFIGS}) == len(CONFIGS)
 
 
+def test_bad_input_is_refused_before_any_launch() -> None:
+    from conveyor.kernels.w4a16.tc import tc_matmul
+
+    w = tc_repack(*awq_layer(128, 64, 64, torch.Generator().manual_seed(4)), 64)
+    with pytest.raises(ValueError, match=r"x must be fp16 \[\.\.\., 128\]"):
+        tc_matmul(torch.zeros(2, 128), w)  # float32
+    with pytest.raises(ValueError, match=r"x must be fp16 \[\.\.\., 128\]"):
+        tc_matmul(torch.zeros(2, 96, dtype=torch.float16), w)  # the wrong K
+    with pytest.raises(ValueError, match="not a multiple of the 128-column tile"):
+        tc_matmul(torch.zeros(2, 128, dtype=torch.float16), w, cfg=CONFIGS[1])  # 128 columns a CTA, N = 64
+
+
 def test_a_module_that_does_not_build_is_reported_and_left_out(monkeypatch, caplog) -> None:
     """A cupy whose NVRTC does not match the driver: the layers keep Triton, and the log says why."""
     from pathlib import Path

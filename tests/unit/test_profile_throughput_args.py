@@ -33,6 +33,17 @@ def test_profile_needs_a_gpu(monkeypatch, capsys) -> None:
     assert exc.value.code == 2 and "needs a GPU" in capsys.readouterr().err
 
 
+def test_a_negative_gpu_sample_interval_is_refused(monkeypatch, capsys) -> None:
+    import sys
+
+    from benchmarks import profile_throughput
+
+    monkeypatch.setattr(sys, "argv", ["profile_throughput", "--model", "tiny", "--gpu-sample-s", "-1"])
+    with pytest.raises(SystemExit) as exc:
+        profile_throughput.main()
+    assert exc.value.code == 2 and "or 0 for none" in capsys.readouterr().err
+
+
 def test_served_benchmark_refuses_no_client_process(monkeypatch, capsys) -> None:
     """profile_restful_api --workers below 1 is refused before any server is asked."""
     import sys
