@@ -20,7 +20,7 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16)
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 arrival counters, one per column tile, for ``_reduce_last`` (each launch leaves
     them zero again). One buffer per device and stream: launches on one stream never overlap."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
@@ -89,7 +89,7 @@ def w4a16_matmul_triton(
         part = torch.empty(s, 1, n, dtype=torch.float32, device=x.device) if s > 1 else out
         if x.dtype == torch.float16:
             _gemv_f16_kernel[(tiles, s)](
-                x2, qweight, qzeros, scales, b, out, part, _split_counters(x.device, tiles), k, n, n // PACK,
+                x2, qweight, qzeros, scales, b, out, part, split_counters(x.device, tiles), k, n, n // PACK,
                 k_split, s, GROUP=group_size, BLOCK_P=cfg.block_p, BLOCK_R=cfg.block_r, CHAIN=cfg.chain,
                 SPLIT=s > 1, HAS_BIAS=bias is not None, ASM=asm, num_warps=cfg.num_warps,
             )

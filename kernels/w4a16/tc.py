@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from .._cuda import compiles, kernel, launch
+from .._cuda import compiles, device_index, kernel, launch
 from .._triton import cdiv, sm_count
-from .launch import _split_counters
+from .launch import split_counters
 from .packing import awq_unpack, check_awq_shapes
 
 SOURCE = Path(__file__).with_name("tc_gemm.cu")
@@ -107,7 +107,7 @@ class TcWeights:
 
 def tc_builds(device: torch.device) -> bool:
     """Whether the kernels compile on ``device`` (checked once; see ``_cuda.compiles``)."""
-    return compiles(SOURCE, _NAMES, device.index if device.index is not None else torch.cuda.current_device())
+    return compiles(SOURCE, _NAMES, device_index(device))
 
 
 def tc_problem(k: int, n: int, group_size: int, dtype: torch.dtype) -> str | None:
@@ -231,9 +231,9 @@ def tc_matmul(x: torch.Tensor, w: TcWeights, bias: torch.Tensor | None = None, *
     per_split = tc_stages_per_split(n_tiles * m_tiles, w.k, sm_count(x.device), cfg.target_per_sm, splits)
     n_splits = cdiv(w.k // STAGE_K, per_split)
     part = torch.empty(n_splits, m, w.n, dtype=torch.float32, device=x.device) if n_splits > 1 else None
-    counters = _split_counters(x.device, n_tiles * m_tiles)
+    counters = split_counters(x.device, n_tiles * m_tiles)
     shared = cfg.shared_bytes()
-    fn = kernel(SOURCE, cfg.name, _NAMES, x.device.index, shared)
+    fn = kernel(SOURCE, cfg.name, _NAMES, device_index(x.device), shared)
     launch(fn, x.device, (n_tiles, n_splits, m_tiles), (32 * cfg.warps,),
            (x2, m, x2.stride(0), w.qw, w.scales, w.zeros, bias, out, out.stride(0), part, counters,
             w.n, w.k, w.group_size // STAGE_K, per_split), shared)
@@ -243,7 +243,7 @@ def tc_matmul(x: torch.Tensor, w: TcWeights, bias: torch.Tensor | None = None, *
 def tc_dequantize(w: TcWeights) -> torch.Tensor:
     """The dense fp16 weight [K, N] from the tensor-core layout (a CUDA kernel)."""
     out = torch.empty(w.k, w.n, dtype=torch.float16, device=w.qw.device)
-    fn = kernel(SOURCE, DEQUANT_NAME, _NAMES, w.qw.device.index)
+    fn = kernel(SOURCE, DEQUANT_NAME, _NAMES, device_index(w.qw.device))
     launch(fn, w.qw.device, (w.n // 64, w.k // STAGE_K), (128,),
            (w.qw, w.scales, w.zeros, out, w.n, w.group_size // STAGE_K))
     return out

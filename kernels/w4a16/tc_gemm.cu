@@ -142,7 +142,6 @@ w4a16_tc_gemm(const u16* __restrict__ x, int m, int ldx,
               const u16* __restrict__ bias, u16* __restrict__ out, int ldo,
               float* __restrict__ part, int* __restrict__ counters,
               int n, int k, int group_stages, int stages_per_split) {
-  constexpr bool SCALE_AFTER = SCALE_SUMS;
   constexpr int THREADS = WARPS * 32;
   constexpr int WN = WARPS / WM;                // warps along the columns
   constexpr int MW = M8 / WM;                   // 8-row groups per warp
@@ -216,7 +215,7 @@ w4a16_tc_gemm(const u16* __restrict__ x, int m, int ldx,
   };
 
   float acc[NW][MW][4];
-  float grp[SCALE_AFTER ? NW : 1][MW][4];  // this group's unscaled sums (SCALE_AFTER)
+  float grp[SCALE_SUMS ? NW : 1][MW][4];  // this group's unscaled sums (SCALE_SUMS)
 #pragma unroll
   for (int j = 0; j < NW; ++j)
 #pragma unroll
@@ -224,7 +223,7 @@ w4a16_tc_gemm(const u16* __restrict__ x, int m, int ldx,
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         acc[j][i][e] = 0.f;
-        if constexpr (SCALE_AFTER) grp[j][i][e] = 0.f;
+        if constexpr (SCALE_SUMS) grp[j][i][e] = 0.f;
       }
 
 #pragma unroll
@@ -287,16 +286,16 @@ w4a16_tc_gemm(const u16* __restrict__ x, int m, int ldx,
       for (int j = 0; j < NW; ++j) {
         const u32 q = kk == 0 ? words[j].x : kk == 1 ? words[j].y : kk == 2 ? words[j].z : words[j].w;
         u32 a[4];
-        dequant<!SCALE_AFTER>(q, zlo[j], sa[j], nzhi[j], sb[j], a);
+        dequant<!SCALE_SUMS>(q, zlo[j], sa[j], nzhi[j], sb[j], a);
 #pragma unroll
         for (int i = 0; i < MW; ++i) {
-          if constexpr (SCALE_AFTER) mma_16816(grp[j][i], a, b[i]);
+          if constexpr (SCALE_SUMS) mma_16816(grp[j][i], a, b[i]);
           else mma_16816(acc[j][i], a, b[i]);
         }
       }
     }
     if (--left == 0) left = group_stages;
-    if constexpr (SCALE_AFTER) {
+    if constexpr (SCALE_SUMS) {
       if (left == group_stages || it + 1 == iters) {  // the group (or this split's part of it) ends
 #pragma unroll
         for (int j = 0; j < NW; ++j) {
