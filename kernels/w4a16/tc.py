@@ -175,13 +175,9 @@ def tc_config(m: int, n: int, k: int) -> TcConfig:
     """The instance for ``m`` rows of an [K, N] layer, from sweeps of ``bench_w4a16_tc`` on an
     H200 (Llama-2-7B projections, ``docs/benchmarks.md``): one row takes 4 tiles a warp on wide
     layers (qkv, gate_up) and 2 on narrow ones; 2-8 rows 2 tiles; 9-16 rows two 8-row groups and
-    one tile (two on gate_up); 17-32 rows four groups and 2 tiles (one on narrow layers), wide
-    layers unsplit; 33-64 rows: wide layers the same with scales on the fragments, narrow ones
-    (o_proj, down) all 64 rows in one CTA of 8 warps, so each weight tile is read and dequantized
-    once rather than twice (down_proj 54 -> 43 us at 64 rows); from 65 rows eight groups and one
-    tile (gate_up: 4 tiles, 2 warps along the rows, scales on the fragments; a long K: the
-    8-warp instance). An instance whose tile does not divide N (a multiple of 64) gives way to
-    fewer tiles a warp, then to the one-tile instance of as many rows."""
+    one tile (two on gate_up); 17-64 rows four groups and 2 tiles (one on narrow layers), wide
+    layers unsplit; 65 rows on eight groups and one tile (gate_up: 4 tiles, 2 warps along the
+    rows, scales on the fragments)."""
     wide = n >= 8192
     if m == 1:
         cfg = TcConfig(1, 4 if wide else 2, 4, 4)
@@ -189,19 +185,14 @@ def tc_config(m: int, n: int, k: int) -> TcConfig:
         cfg = TcConfig(1, 2, 4, 4)
     elif m <= 16:
         cfg = TcConfig(2, 2 if n >= 16384 else 1, 4, 4)
-    elif m <= 32:
-        cfg = TcConfig(4, 2 if wide else 1, 4, 4, ctas_per_sm=1 if wide else 4)
     elif m <= 64:
-        cfg = (TcConfig(4, 2, 4, 4, scale_sums=False, ctas_per_sm=1) if wide
-               else TcConfig(8, 2, 8, 4, wm=2, scale_sums=False, ctas_per_sm=2))
+        cfg = TcConfig(4, 2 if wide else 1, 4, 4, ctas_per_sm=1 if wide else 4)
     elif n >= 16384:
         cfg = TcConfig(8, 4, 4, 4, wm=2, scale_sums=False, ctas_per_sm=1)
-    elif k >= 8192:
-        cfg = TcConfig(8, 2, 8, 4, wm=2, scale_sums=False, ctas_per_sm=2)
     else:
-        cfg = TcConfig(8, 1, 4, 4, ctas_per_sm=1)
-    while n % cfg.n_tile or cfg.name not in _NAMES:  # ends at (m8, 1, 4, 4): compiled, 64 columns
-        cfg = replace(cfg, nw=cfg.nw // 2) if cfg.nw > 1 else replace(cfg, warps=4, wm=1, scale_sums=True)
+        cfg = TcConfig(8, 1, 4, 4, ctas_per_sm=1 if k < 8192 else 4)
+    while n % cfg.n_tile:  # N is a multiple of 64: one tile a warp always fits
+        cfg = replace(cfg, nw=cfg.nw // 2)
     return cfg
 
 
