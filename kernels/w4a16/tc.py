@@ -177,7 +177,8 @@ def tc_config(m: int, n: int, k: int) -> TcConfig:
     layers (qkv, gate_up) and 2 on narrow ones; 2-8 rows 2 tiles; 9-16 rows two 8-row groups and
     one tile (two on gate_up); 17-64 rows four groups and 2 tiles (one on narrow layers), wide
     layers unsplit; 65 rows on eight groups and one tile (gate_up: 4 tiles, 2 warps along the
-    rows, scales on the fragments)."""
+    rows, scales on the fragments). An instance whose tile does not divide N (a multiple of 64)
+    gives way to fewer tiles a warp, then to the compiled one-tile instance of as many rows."""
     wide = n >= 8192
     if m == 1:
         cfg = TcConfig(1, 4 if wide else 2, 4, 4)
@@ -191,8 +192,8 @@ def tc_config(m: int, n: int, k: int) -> TcConfig:
         cfg = TcConfig(8, 4, 4, 4, wm=2, scale_sums=False, ctas_per_sm=1)
     else:
         cfg = TcConfig(8, 1, 4, 4, ctas_per_sm=1 if k < 8192 else 4)
-    while n % cfg.n_tile:  # N is a multiple of 64: one tile a warp always fits
-        cfg = replace(cfg, nw=cfg.nw // 2)
+    while n % cfg.n_tile or cfg.name not in _NAMES:  # ends at (m8, 1, 4, 4): compiled, 64 columns
+        cfg = replace(cfg, nw=cfg.nw // 2) if cfg.nw > 1 else replace(cfg, warps=4, wm=1, scale_sums=True)
     return cfg
 
 

@@ -94,6 +94,14 @@ def test_policy() -> None:
     assert tc_config(1, 8256, 4096).n_tile == 64  # 4 or 2 tiles a warp do not divide N: one
     assert tc_config(64, 12288, 4096).target_per_sm == 1 and tc_config(64, 4096, 4096).target_per_sm == 4
     assert tc_config(100, 22016, 4096).wm == 2 and tc_config(8, 4096, 4096).target_per_sm == 4
+    # whatever the shape, a compiled instance whose tile divides N (N = 16448 past 64 rows asked
+    # for one that was never compiled: (8, 2, 4, 2, 4, false))
+    names = {c.name for c in CONFIGS}
+    for m in (1, 3, 8, 12, 16, 20, 32, 40, 64, 65, 100, 127):
+        for n in (64, 192, 4096, 4160, 8256, 12288, 16448, 22016):
+            for k in (256, 4096, 11008):
+                cfg = tc_config(m, n, k)
+                assert cfg.name in names and n % cfg.n_tile == 0, (m, n, k, cfg)
     # 32 tiles of 64 stages on 132 SMs at 4 CTAs each: 16 splits of 4 stages; never under 2 stages.
     assert tc_stages_per_split(32, 4096, 132, 4) == 4
     assert tc_stages_per_split(1, 256, 132, 4) == 2
