@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import FLOAT_DTYPES, cdiv, jit, next_pow2, tl, triton_takes
-from .activation import silu_and_mul, silu_and_mul_ref
 from .lora import LoRASegments, lora_expand
 
 MAX_ROWS = 4  # rows of x the kernel takes
@@ -56,12 +55,9 @@ def _gemv_kernel(
     K, N, stride_xm, stride_wn, stride_om,
     slot_ptr, low_ptr, lb_ptr, stride_low_split, stride_lb_slot, bound1, bound2,
     M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    LORA_SPLITS: tl.constexpr, LORA_RANK: tl.constexpr, GATED: tl.constexpr,
+    LORA_SPLITS: tl.constexpr, LORA_RANK: tl.constexpr,
 ):
-    # Grid: (cdiv(N, BLOCK_N),). One program: BLOCK_N output features for all M rows. GATED (one
-    # row): the weight is [gate; up], 2N rows, and the program also streams the up rows n + N of
-    # its gate rows n, writing silu(gate) * up: the SwiGLU gate in the epilogue, no [1, 2N] round
-    # trip and no second launch.
+    # Grid: (cdiv(N, BLOCK_N),). One program: BLOCK_N output features for all M rows.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     k = tl.arange(0, BLOCK_K)
@@ -82,17 +78,12 @@ def _gemv_kernel(
     acc1 = tl.zeros([BLOCK_N], tl.float32)
     acc2 = tl.zeros([BLOCK_N], tl.float32)
     acc3 = tl.zeros([BLOCK_N], tl.float32)
-    up_acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + k
         k_mask = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         x0 = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
         acc0 += tl.sum(w * x0[None, :], 1)
-        if GATED:
-            wu = tl.load(w_rows + N * stride_wn + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                         other=0.0).to(tl.float32)
-            up_acc += tl.sum(wu * x0[None, :], 1)
         if M > 1:
             x1 = tl.load(x_ptr + stride_xm + kk, mask=k_mask, other=0.0).to(tl.float32)
             acc1 += tl.sum(w * x1[None, :], 1)
@@ -111,14 +102,6 @@ def _gemv_kernel(
     if LORA_SPLITS > 0:
         acc0 += delta
     ty = out_ptr.dtype.element_ty
-    if GATED:
-        if HAS_BIAS:
-            up_acc += tl.load(b_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)
-        # The unfused path's roundings: the projection's outputs, then silu(gate), to x's dtype
-        # (kernels/activation.py), so both give the same bits.
-        gate = acc0.to(ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
-        acc0 = act * up_acc.to(ty).to(tl.float32)
     tl.store(out_ptr + n, acc0.to(ty), mask=n_mask)
     if M > 1:
         tl.store(out_ptr + stride_om + n, acc1.to(ty), mask=n_mask)
@@ -130,22 +113,16 @@ def _gemv_kernel(
 
 def gemv_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    *, block_n: int | None = None, block_k: int = 1024, num_warps: int = 8, num_stages: int = 3,
-    lora: GemvLoRA | None = None, gated: bool = False,
+    *, block_n: int = 16, block_k: int = 1024, num_warps: int = 8, num_stages: int = 3,
+    lora: GemvLoRA | None = None,
 ) -> torch.Tensor:
-    """Triton launcher for :func:`gemv_ref` (plus ``lora``'s delta, one row only), or with
-    ``gated`` for :func:`gemv_silu_mul_ref` (one row; ``weight`` [2N, K] = [gate; up]); the keyword
-    arguments are for tuning (16 columns a program were the fastest of 39 configurations on an H100
-    over the Llama-2-7B projections: ``benchmarks/gemv_vs_cublas.py``; gated, 8 keep the tile a
-    program holds the same size)."""
+    """Triton launcher for :func:`gemv_ref` (plus ``lora``'s delta, one row only); the keyword
+    arguments are for tuning (the defaults were the fastest of 39 configurations on an H100 over
+    the Llama-2-7B projections: ``benchmarks/gemv_vs_cublas.py``)."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x [M, K], weight [N, K]"
     m, k_dim = x.shape
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {m}"
-    if gated:
-        assert m == 1 and lora is None and n % 2 == 0, "a gated GEMV takes one row, no LoRA, [gate; up] rows"
-        n //= 2
-    block_n = block_n or (8 if gated else 16)
     assert x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES, f"unsupported dtypes {x.dtype}, {weight.dtype}"
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -164,15 +141,9 @@ def gemv_triton(
         x, weight, bias if bias is not None else x, out,
         k_dim, n, x.stride(0), weight.stride(0), out.stride(0), *lora_args,
         M=m, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(k_dim)),
-        LORA_SPLITS=splits, LORA_RANK=rank, GATED=gated, num_warps=num_warps, num_stages=num_stages,
+        LORA_SPLITS=splits, LORA_RANK=rank, num_warps=num_warps, num_stages=num_stages,
     )
     return out
-
-
-def gemv_silu_mul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` of ``cat(gate, up) = x @ weight.T (+ bias)``: the unfused path (the
-    projection, then ``kernels/activation``'s gate), [M, N / 2]."""
-    return silu_and_mul_ref(gemv_ref(x, weight, bias))
 
 
 def _problem(x: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -192,16 +163,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if lora is not None:
         lora_expand(out, lora.partial, lora.b, lora.seg, lora.part_sizes)
     return out
-
-
-def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu_and_mul(x @ weight.T + bias)`` for a gate/up projection (``weight`` [gate; up]):
-    one gated GEMV launch for one row on the GPU, else the projection (:func:`linear`) and then
-    the gate, as the unfused layers compute it."""
-    if x.dim() == 2 and x.shape[0] == 1 and weight.shape[0] % 2 == 0 and triton_takes("gemv", (x, weight), _problem,
-                                                                                       x, weight):
-        return gemv_triton(x, weight, bias, gated=True)
-    return silu_and_mul(linear(x, weight, bias))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

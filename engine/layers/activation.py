@@ -8,28 +8,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import silu_and_mul
-from ...kernels.gemv import gemv_silu_mul
 from ...kernels.w8a8 import quant_per_token, silu_mul_quant
 from ...protocol.errors import UnsupportedModelError
-from .linear import LinearMethod, MergedLinear, RowParallelLinear, UnquantizedLinearMethod
+from .linear import LinearMethod, MergedLinear, RowParallelLinear
 from .w8a8_linear import Int8Rows
 
 
-class GatedActivation(nn.Module):
-    """A gate over a fused ``cat(gate, up)`` projection."""
-
-    def gate_of(self, proj: MergedLinear, x: torch.Tensor) -> torch.Tensor | Int8Rows:
-        """``self(proj(x))``; a gate that can runs both in one kernel."""
-        return self(proj(x))
-
-
-class SiluAndMul(GatedActivation):
+class SiluAndMul(nn.Module):
     """SwiGLU gate over a fused projection: ``[..., 2*I] = cat(gate, up) -> silu(gate) * up``.
 
     With ``quantize_output`` (its reader is a W8A8 down projection) the gated rows come out
     quantized per token as ``Int8Rows``, in the same pass (``kernels/w8a8.silu_mul_quant``).
-    ``gate_of`` a dense gate/up projection without adapters is one kernel for a batch-1 decode
-    row: the GEMV with the gate in its epilogue (``kernels/gemv.gemv_silu_mul``).
     """
 
     def __init__(self, quantize_output: bool = False) -> None:
@@ -43,17 +32,8 @@ class SiluAndMul(GatedActivation):
             return Int8Rows(q, scale, x.dtype)
         return silu_and_mul(x)
 
-    def gate_of(self, proj: MergedLinear, x: torch.Tensor) -> torch.Tensor | Int8Rows:
-        """``self(proj(x))``, fused where the GEMV takes it (it falls back to the same two steps).
-        A projection with hooks on its forward (Partial LoRA, calibration recorders) is called."""
-        sizes = proj.output_sizes
-        if (self.quantize_output or proj.lora is not None or type(proj.method) is not UnquantizedLinearMethod
-                or len(sizes) != 2 or sizes[0] != sizes[1] or proj._forward_hooks or proj._forward_pre_hooks):
-            return self(proj(x))
-        return gemv_silu_mul(x, proj.weight, proj.bias)
 
-
-class GeluAndMul(GatedActivation):
+class GeluAndMul(nn.Module):
     """GeGLU gate: ``cat(gate, up) -> gelu(gate) * up``, GELU exact (``approximate="none"``) or
     its tanh form (``"tanh"``: Gemma's ``gelu_pytorch_tanh``). Torch ops on every device (one
     elementwise pass; no kernel of its own). With ``quantize_output`` the gated rows are then

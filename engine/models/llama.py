@@ -135,7 +135,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]."""
-        return self.down_proj(self.act.gate_of(self.gate_up_proj, x))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -30,7 +30,7 @@ from conveyor.kernels.attention import (
     paged_attention_ref,
     paged_attention_triton,
 )
-from conveyor.kernels.gemv import gemv, gemv_ref, gemv_silu_mul, gemv_silu_mul_ref
+from conveyor.kernels.gemv import gemv, gemv_ref
 from conveyor.kernels.kv_cache import (
     rotate_and_store_kv,
     rotate_and_store_kv_ref,
@@ -365,21 +365,6 @@ def test_gemv(m: int, n: int, k: int, bias: bool, seed: int, forced: None) -> No
 
 
 @interp
-@pytest.mark.parametrize("n,k,bias", [(37, 100, False), (20, 1030, True), (8, 64, True)])
-def test_gemv_silu_mul(n: int, k: int, bias: bool, seed: int, forced: None) -> None:
-    """The gated GEMV (one row, weight [gate; up]): silu(gate) * up, as the projection and the gate."""
-    gen = torch.Generator().manual_seed(seed)
-    x = randn(1, k + 3, gen=gen)[:, :k]
-    w = randn(2 * n, k, gen=gen)
-    b = randn(2 * n, gen=gen) if bias else None
-    out = gemv_silu_mul(x, w, b)
-    assert out.shape == (1, n)
-    assert_close(out, gemv_silu_mul_ref(x, w, b), FP32_TOL)
-    x3 = randn(3, k, gen=gen)  # more rows than the gated kernel takes: the projection, then the gate
-    assert_close(gemv_silu_mul(x3, w, b), gemv_silu_mul_ref(x3, w, b), FP32_TOL)
-
-
-@interp
 @pytest.mark.parametrize("shape", [(5, 128), (2, 3, 2 * 1536)])
 def test_silu_and_mul(shape: tuple[int, ...], seed: int, forced: None) -> None:
     x = randn(*shape, gen=torch.Generator().manual_seed(seed))
@@ -640,13 +625,3 @@ def test_gpu_pointwise_kernels(dtype: torch.dtype, seed: int, poisoned_empty: No
 
     gate_up = randn(t, 2 * inter, gen=gen, dtype=dtype, device=dev)
     assert_close(silu_and_mul(gate_up), silu_and_mul_ref(gate_up), GPU_TOL[dtype])
-
-    # The gated GEMV of batch-1 decode (Llama-2's gate_up): the same bits as the GEMV and then
-    # the gate kernel, which it replaces, and its reference within one rounding.
-    xr = randn(1, hidden, gen=gen, dtype=dtype, device=dev)
-    wr = randn(2 * inter, hidden, gen=gen, dtype=dtype, device=dev) * 0.02
-    br = randn(2 * inter, gen=gen, dtype=dtype, device=dev)
-    for bias in (None, br):
-        fused = gemv_silu_mul(xr, wr, bias)
-        assert torch.equal(fused, silu_and_mul(gemv(xr, wr, bias)))
-        assert_close(fused, gemv_silu_mul_ref(xr, wr, bias), GPU_TOL[dtype])
