@@ -264,6 +264,15 @@ def test_bad_input_raises_typed_error_and_engine_keeps_serving(pipe, call, error
     assert bm.num_free_blocks == bm.num_blocks  # nothing leaked
 
 
+def test_images_to_a_text_model_are_refused(pipe):
+    from PIL import Image
+
+    with pytest.raises(InvalidRequestError, match="takes no images"):
+        pipe(("Describe the picture.", Image.new("RGB", (32, 32), (200, 30, 30))), GREEDY)
+    bm = pipe.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 def test_prompt_too_long_names_both_numbers(smollm2_dir):
     with pipeline(str(smollm2_dir), EngineConfig(session_len=64, cache_max_entry_count=32, block_size=16)) as p:
         with pytest.raises(PromptTooLongError, match=r"\d+ tokens but session_len is 64"):

@@ -155,15 +155,6 @@ def test_bad_images_are_refused_and_nothing_is_held(pipe) -> None:
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_a_text_model_refuses_images(smollm2_dir) -> None:
-    from conveyor import pipeline
-
-    with pipeline(smollm2_dir, backend_config=EngineConfig(device="cpu", dtype="float32",
-                                                           cache_max_entry_count=32)) as p:
-        with pytest.raises(InvalidRequestError, match="takes no images"):
-            p(("Describe the picture.", _image(12)), GenerationConfig(max_new_tokens=2))
-
-
 @pytest.fixture(scope="module")
 def server(llava_dir, tmp_path_factory):
     from conveyor.testing.server_process import ServerProcess
