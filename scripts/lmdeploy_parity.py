@@ -1,7 +1,7 @@
 """Run every LMDeploy command of ``../shared/reference/`` with ``conveyor`` in its place.
 
     python scripts/lmdeploy_parity.py            # everything: servers, chats, quantization (~10 min on 2 CPUs)
-    python scripts/lmdeploy_parity.py --quick    # only what exits before a model loads (~10 s, a process a core at a time; a CI test runs it)
+    python scripts/lmdeploy_parity.py --quick    # only what exits before a model loads (~10 s; CI runs it)
     python scripts/lmdeploy_parity.py --only chat
 
 Each case is a command as LMDeploy's docs write it, the same command with ``conveyor`` for
