@@ -17,10 +17,8 @@
 #   the trees in the order given. Prints each tree's size and the total, which must fit the
 #   device call's carry limit (64 MiB in all, .whl included).
 # run: device call with carry [".diag/bisect", ".whl"]. Trees run as `run_h200.sh ab` runs its
-#   BEFORE tree: a package layout rebuilt under /tmp (conveyor/ copied, engine, kernels, protocol,
-#   services and benchmarks linked) on PYTHONPATH before the wheels of .whl in /tmp/site. That code
-#   is inline in run_h200.sh's ab stage (with its own fixed workloads), so it cannot be called from
-#   here and is repeated in pkg_of below; keep the two alike. Order: the first and last tree's W8A8
+#   BEFORE tree: a package layout rebuilt under /tmp (benchmarks/tree_package.sh, which both
+#   source) on PYTHONPATH before the wheels of .whl in /tmp/site. Order: the first and last tree's W8A8
 #   run (the two ends), their fp16 controls, then the trees between. Each run is cut at RUN_TIMEOUT
 #   s and none starts once the call's BUDGET_S is near; everything streams to $OUT/bisect.log, the
 #   records land in $OUT/bisect/, and the summary (one line a commit, in ORDER) ends the log and
@@ -31,7 +29,7 @@
 #   PYTHON (python3), WHEELS (1; 0: leave .whl uninstalled, for a machine
 #   whose Python has the packages), DRY (1: only `profile_generation --help` per tree, a check of
 #   the imports). On a CPU machine the whole flow runs with MODEL=tiny CASE=64:1 (reference kernels):
-#   WHEELS=0 PYTHON=.venv/bin/python MODEL=tiny CASE=64:1 OUT=/tmp/bisect_cpu bash $0 run
+#   WHEELS=0 PYTHON=$PWD/.venv/bin/python MODEL=tiny CASE=64:1 OUT=/tmp/bisect_cpu bash $0 run
 set -u
 CMD=${1:-}
 shift || true
@@ -116,16 +114,10 @@ try:
     import triton; print('triton', triton.__version__)
 except Exception as e: print('triton: none', e)" 2>&1 | tee -a "$LOG"
 
-# A tree's package layout under /tmp (run_h200.sh ab's BEFORE trick): conveyor/ copied, its
-# subpackages and benchmarks linked to the tree; prints the directory.
+# A tree's package layout under /tmp (benchmarks/tree_package.sh); prints the directory.
+source "$ROOT/benchmarks/tree_package.sh"
 pkg_of() {
-  local tree pkg d
-  tree=$(cd "$ROOT/$BISECT/$1" && pwd)
-  pkg=/tmp/bisect_pkg/$1
-  rm -rf "$pkg" && mkdir -p "$pkg/conveyor" && cp -r "$tree"/conveyor/* "$pkg/conveyor/"
-  for d in engine kernels protocol services; do ln -sfn "$tree/$d" "$pkg/conveyor/$d"; done
-  ln -sfn "$tree/benchmarks" "$pkg/benchmarks"
-  echo "$pkg"
+  tree_package "$ROOT/$BISECT/$1" "/tmp/bisect_pkg/$1" && echo "/tmp/bisect_pkg/$1"
 }
 
 # run_one SHA7 FORMAT: one profile_generation run of the tree, streamed to the log.

@@ -25,6 +25,7 @@
 set -u
 STAGE=${1:-bench}
 REPO=$PWD
+source "$REPO/benchmarks/tree_package.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 BENCH_OUT=${OUT:-/tmp/out}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
@@ -42,12 +43,7 @@ if [ "$STAGE" = tests ]; then
 fi
 
 if [ "$STAGE" = ab ]; then
-  BEFORE=$(cd "$2" && pwd)
-  # The old tree is not installable as is (it predates the relative imports): rebuild its
-  # package layout in /tmp, as its own run_h100.sh did, and run its benchmarks from there.
-  rm -rf /tmp/pkg_before && mkdir -p /tmp/pkg_before/conveyor && cp -r "$BEFORE"/conveyor/* /tmp/pkg_before/conveyor/
-  for d in engine kernels protocol services; do ln -sfn "$BEFORE/$d" "/tmp/pkg_before/conveyor/$d"; done
-  ln -sfn "$BEFORE/benchmarks" /tmp/pkg_before/benchmarks
+  tree_package "$2" /tmp/pkg_before || exit 1
   before() { (cd /tmp/pkg_before && CONVEYOR_COMMIT=${BEFORE_COMMIT:-before} PYTHONPATH=/tmp/pkg_before:/tmp/site \
                BENCH_OUT=$BENCH_OUT/before timeout "$1" python3 -m "${@:2}"); }
   after() { (CONVEYOR_COMMIT=${CONVEYOR_COMMIT:-after} BENCH_OUT=$BENCH_OUT/after timeout "$1" python3 -m "${@:2}"); }
@@ -143,10 +139,7 @@ if [ "$STAGE" = tp ]; then
   timeout 150 python3 -m benchmarks.bench_tp_comm
   GEN="benchmarks.profile_generation --model llama2-7b -b 1 -b 64 -c 128:512"
   if [ -n "${2:-}" ]; then
-    BEFORE=$(cd "$2" && pwd)
-    rm -rf /tmp/pkg_before && mkdir -p /tmp/pkg_before/conveyor && cp -r "$BEFORE"/conveyor/* /tmp/pkg_before/conveyor/
-    for d in engine kernels protocol services; do ln -sfn "$BEFORE/$d" "/tmp/pkg_before/conveyor/$d"; done
-    ln -sfn "$BEFORE/benchmarks" /tmp/pkg_before/benchmarks
+    tree_package "$2" /tmp/pkg_before || exit 1
     before() { (cd /tmp/pkg_before && CONVEYOR_COMMIT=${BEFORE_COMMIT:-before} PYTHONPATH=/tmp/pkg_before:/tmp/site \
                  timeout 150 python3 -m $GEN --name "$1"); }
     before tp1_before

@@ -368,16 +368,12 @@ def main() -> int:
                     f"{'':14}{evidence}")
 
     bad = 0
+    # Quick cases are independent processes that exit at once: one a core at a time. Others run in
+    # order (the lite cases write the models that later cases load). Reported in the table's order.
+    workers = (os.cpu_count() or 2) if all(c.quick for c in chosen) else 1
     try:
-        if all(c.quick for c in chosen):  # independent processes that exit at once: one a core at a time
-            with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-                results = pool.map(judge, chosen)  # reported in the table's order
-                for ok, report in results:
-                    bad += not ok
-                    print(report, flush=True)
-        else:  # in order: the lite cases write the models that later cases load
-            for case in chosen:
-                ok, report = judge(case)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            for ok, report in pool.map(judge, chosen):
                 bad += not ok
                 print(report, flush=True)
     finally:

@@ -32,6 +32,7 @@ multiplies (prefill is compute-bound; cuBLAS's warp-group MMAs beat ``mma.sync``
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -171,6 +172,7 @@ def tc_dequantize_ref(w: TcWeights) -> torch.Tensor:
     return (codes - w.zeros.float()[rows]) * w.scales.float()[rows]
 
 
+@functools.cache  # called at every launch; m (< TC_DEQUANT_MIN_ROWS) and the layer shapes are few
 def tc_config(m: int, n: int, k: int) -> TcConfig:
     """The instance for ``m`` rows of an [K, N] layer, from sweeps of ``bench_w4a16_tc`` on an
     H200 (Llama-2-7B projections, ``docs/benchmarks.md``): one row takes 4 tiles a warp on wide
