@@ -70,18 +70,18 @@ __device__ __forceinline__ float load_l2(const float* p) {  // another CTA's par
 }
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 __device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool fill) {
-  // src-size 0 writes 16 zero bytes (rows of x past m); src must still be a valid address.
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-               :: "r"(smem_addr(dst)), "l"(src), "r"(fill ? 16 : 0));
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool fill) {
+  // dst: a shared-memory address (smem_addr). src-size 0 writes 16 zero bytes (rows of x past
+  // m); src must still be a valid address.
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(fill ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
-__device__ __forceinline__ void ldmatrix_x4(u32 r[4], const void* p) {
+__device__ __forceinline__ void ldmatrix_x4(u32 r[4], u32 addr) {  // addr: shared (smem_addr)
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 __device__ __forceinline__ void ldmatrix_x2(u32 r[2], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
@@ -189,19 +189,27 @@ w4a16_tc_gemm(const u16* __restrict__ x, int m, int ldx,
   const u8* zsrc = zeros + (long long)g_first * n + n_tile0 + tid * 16;
   int load_left = group_stages - st_begin % group_stages;  // stages the loads have left in their group
 
+  // The copies' shared-memory destinations as 32-bit addresses, set up once: a slot adds a
+  // constant (no generic-to-shared conversion and 64-bit arithmetic in every stage).
+  const u32 sbase = smem_addr(smem);
+  int xdst[XPT];
+#pragma unroll
+  for (int r = 0; r < XPT; ++r) {
+    const int i = tid + r * THREADS, row = i / (STAGE_K / 8), c = i % (STAGE_K / 8);
+    xdst[r] = W_BYTES + (row * X_ROW + c * 8) * 2;
+  }
   auto load_stage = [&](int slot) {
-    unsigned char* base = smem + slot * STAGE_BYTES;
+    const u32 base = sbase + slot * STAGE_BYTES;
 #pragma unroll
     for (int r = 0; r < (W_CHUNKS + THREADS - 1) / THREADS; ++r)
       if (W_CHUNKS % THREADS == 0 || tid + r * THREADS < W_CHUNKS)
         cp_async16(base + (tid + r * THREADS) * 16, wsrc + r * THREADS, true);
 #pragma unroll
     for (int r = 0; r < XPT; ++r) {
-      const int i = tid + r * THREADS, row = i / (STAGE_K / 8), c = i % (STAGE_K / 8);
       // ldmatrix reads every row, so rows past m are zero-filled; with one 8-row group a warp the
       // lanes of rows past m read nothing (b = 0 below), so those rows are left alone.
-      if ((X_CHUNKS % THREADS == 0 || i < X_CHUNKS) && (MW > 1 || xok[r]))
-        cp_async16(base + W_BYTES + (row * X_ROW + c * 8) * 2, xsrc[r], xok[r]);
+      if ((X_CHUNKS % THREADS == 0 || tid + r * THREADS < X_CHUNKS) && (MW > 1 || xok[r]))
+        cp_async16(base + xdst[r], xsrc[r], xok[r]);
       xsrc[r] += xok[r] ? STAGE_K : 0;
     }
     if (tid < S_CHUNKS) cp_async16(base + W_BYTES + X_BYTES + tid * 16, ssrc, true);
@@ -233,49 +241,51 @@ w4a16_tc_gemm(const u16* __restrict__ x, int m, int ldx,
   }
 
   const int g4 = lane / 4, t4 = lane % 4;
+  // Shared-memory offsets this thread reads in every stage, in bytes from the stage's start (the
+  // stage's own offset is a constant in the unrolled loop below, so each read is one LDS with an
+  // immediate): its weight words, its x fragments, its columns' scales and zeros.
+  const int w_off = ((wn * NW) * 32 + lane) * 16;
+  const int xb_off = W_BYTES + ((row0 + g4) * X_ROW) * 2 + t4 * 4;  // one 8-row group: plain loads
+  const bool x_live = m0 + row0 + g4 < m;
+  int ldm_off[MW / 2 > 0 ? MW / 2 : 1];  // ldmatrix rows of each 16-row pair
+#pragma unroll
+  for (int p = 0; p < MW / 2; ++p)
+    ldm_off[p] = W_BYTES + ((row0 + p * 16 + (lane / 16) * 8 + lane % 8) * X_ROW + ((lane / 8) % 2) * 8) * 2;
+  const int s_off = W_BYTES + X_BYTES + ((wn * NW) * 16 + g4) * 2;
+  const int z_off = W_BYTES + X_BYTES + S_BYTES + (wn * NW) * 16 + g4;
+
   u32 zlo[NW], sa[NW], nzhi[NW], sb[NW];
   int left = group_stages - st_begin % group_stages;  // stages the compute has left in its group
-  for (int it = 0; it < iters; ++it) {
-    cp_async_wait<STAGES - 2>();
-    block_sync<WARPS>();  // stage `it` has landed for every thread; slot (it - 1) % STAGES is free
-    {
-      const int nxt = it + STAGES - 1;
-      if (nxt < iters) load_stage(nxt % STAGES);
-      cp_async_commit();
-    }
-    const unsigned char* base = smem + (it % STAGES) * STAGE_BYTES;
-    const U4* sw = (const U4*)base;
-    const u16* sx = (const u16*)(base + W_BYTES);
 
+  // One stage's products, from the ring slot at `base` (`saddr` as a shared address; both a
+  // constant offset where it is called).
+  auto compute_stage = [&](const unsigned char* base, u32 saddr, int it) {
     if (it == 0 || left == group_stages) {  // a group begins: its zeros and scales, as fp16 pairs
-      const u16* ss = (const u16*)(base + W_BYTES + X_BYTES);
-      const u8* sz = base + W_BYTES + X_BYTES + S_BYTES;
 #pragma unroll
       for (int j = 0; j < NW; ++j) {
-        const int ca = (wn * NW + j) * 16 + g4, cb = ca + 8;
-        zlo[j] = dup_half((u16)(0x6400u | sz[ca]));            // 1024 + z: mantissa z
-        nzhi[j] = dup_half((u16)(0xd400u + (sz[cb] << 4)));    // -(64 + z): 16 ulps per unit at 64
-        sa[j] = dup_half(ss[ca]);
-        sb[j] = dup_half(ss[cb]);
+        const u16* ss = (const u16*)(base + s_off) + j * 16;
+        const u8* sz = base + z_off + j * 16;
+        zlo[j] = dup_half((u16)(0x6400u | sz[0]));            // 1024 + z: mantissa z
+        nzhi[j] = dup_half((u16)(0xd400u + (sz[8] << 4)));    // -(64 + z): 16 ulps per unit at 64
+        sa[j] = dup_half(ss[0]);
+        sb[j] = dup_half(ss[8]);
       }
     }
     U4 words[NW];
 #pragma unroll
-    for (int j = 0; j < NW; ++j) words[j] = sw[(wn * NW + j) * 32 + lane];
+    for (int j = 0; j < NW; ++j) words[j] = *(const U4*)(base + w_off + j * 32 * 16);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       u32 b[MW][2];
       if constexpr (MW == 1) {  // b0b1: row g4, columns 2 t4 (+1); b2b3: 8 columns on
-        const u32* row = (const u32*)(sx + (row0 + g4) * X_ROW + kk * 16) + t4;
-        const bool live = m0 + row0 + g4 < m;
-        b[0][0] = live ? row[0] : 0u;
-        b[0][1] = live ? row[4] : 0u;
+        const u32* row = (const u32*)(base + xb_off + kk * 32);
+        b[0][0] = x_live ? row[0] : 0u;
+        b[0][1] = x_live ? row[4] : 0u;
       } else {
 #pragma unroll
         for (int p = 0; p < MW / 2; ++p) {
-          const int r = row0 + p * 16 + (lane / 16) * 8 + lane % 8, half = (lane / 8) % 2;
           u32 r4[4];
-          ldmatrix_x4(r4, sx + r * X_ROW + kk * 16 + half * 8);
+          ldmatrix_x4(r4, saddr + ldm_off[p] + kk * 32);
           b[2 * p][0] = r4[0];
           b[2 * p][1] = r4[1];
           b[2 * p + 1][0] = r4[2];
@@ -308,6 +318,22 @@ w4a16_tc_gemm(const u16* __restrict__ x, int m, int ldx,
               grp[j][i][e] = 0.f;
             }
         }
+      }
+    }
+  };
+
+  // The ring unrolled STAGES times: stage `it` lives in slot it % STAGES = s, a constant here, so
+  // every shared-memory address above is an immediate offset.
+  for (int it0 = 0; it0 < iters; it0 += STAGES) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      const int it = it0 + s;
+      if (it < iters) {
+        cp_async_wait<STAGES - 2>();
+        block_sync<WARPS>();  // stage `it` has landed for every thread; slot (it - 1) % STAGES is free
+        if (it + STAGES - 1 < iters) load_stage((s + STAGES - 1) % STAGES);
+        cp_async_commit();
+        compute_stage(smem + s * STAGE_BYTES, sbase + s * STAGE_BYTES, it);
       }
     }
   }
