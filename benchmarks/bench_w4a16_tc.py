@@ -1,13 +1,15 @@
 """The tensor-core W4A16 kernels (``kernels/w4a16/tc.py``) against the Triton ones and fp16 cuBLAS,
 on Llama-2-7B projections (group 128), in the same process.
 
-For each layer and row count M: ``tc`` (``tc_matmul``, default policy), ``triton``
+For each layer and row count M: ``tc`` (``tc_matmul``, default policy; on Hopper the warp-group
+kernel from ``WG_MIN_ROWS`` rows, then ``mma us`` is the ``mma.sync`` instance it replaces), ``triton``
 (``w4a16_matmul_triton``: what the layer ran before), ``fp16`` (``torch.matmul`` on the dense
 weight). Timing and the weight copies that defeat the L2 are ``bench_w4a16``'s (one CUDA graph of
 calls over several weight copies, median of replays). ``--sweep`` also times every compiled
-instance (``tc.CONFIGS``) with the default and other K splits and prints the fastest three.
+instance (``tc.CONFIGS``) with the default and other K splits and prints the fastest three;
+``--wg-sweep`` times every warp-group instance (``tc.WG_CONFIGS``) and split.
 
-    python -m benchmarks.bench_w4a16_tc [--rows 1 16 64] [--layers qkv down] [--sweep] [--out PATH]
+    python -m benchmarks.bench_w4a16_tc [--rows 1 16 64] [--layers qkv down] [--sweep | --wg-sweep] [--out PATH]
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from benchmarks.bench_w4a16 import GROUP, SHAPES, graph_time_us, layer_copies, r
 from benchmarks.common import record, save_to
 from conveyor.kernels._triton import cdiv, sm_count
 from conveyor.kernels.w4a16 import dequantize_awq_ref, w4a16_matmul_triton
-from conveyor.kernels.w4a16.tc import CONFIGS, STAGE_K, tc_config, tc_matmul, tc_repack, tc_stages_per_split
+from conveyor.kernels.w4a16.tc import (CONFIGS, STAGE_K, TC_DEQUANT_MIN_ROWS, WG_CONFIGS, WG_MIN_ROWS,
+                                       tc_config, tc_matmul, tc_repack, tc_stages_per_split, wg_builds, wg_config,
+                                       wg_matmul)
 
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
@@ -31,6 +35,7 @@ def main() -> None:
     ap.add_argument("--layers", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     ap.add_argument("--rows", nargs="+", type=int, default=ROWS)
     ap.add_argument("--sweep", action="store_true", help="time every compiled instance and other K splits")
+    ap.add_argument("--wg-sweep", action="store_true", help="time every warp-group instance (--sweep does too)")
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -38,6 +43,8 @@ def main() -> None:
         raise SystemExit("bench_w4a16_tc needs a CUDA GPU")
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 * 2**20)
     sms = sm_count(torch.device("cuda", 0))
+    wg = wg_builds(torch.device("cuda", 0))
+    print(f"warp-group (wgmma) kernels: {'built' if wg else 'not available here'}", flush=True)
     torch.manual_seed(0)
     records = []
     print(f"{'layer':8s} {'M':>4s} {'tc us':>7s} {'GB/s':>6s} {'triton us':>9s} {'fp16 us':>8s} "
@@ -66,12 +73,29 @@ def main() -> None:
                                  args.samples)
             gbs = (w4_bytes + m * (k + n) * 2) / t_tc / 1e3
             cfg = tc_config(m, n, k)
+            used, t_mma = cfg.name, None
+            if m >= TC_DEQUANT_MIN_ROWS:
+                used = "dequantize + cuBLAS"
+            elif wg and m >= WG_MIN_ROWS:
+                used, t_mma = wg_config(m).name, time_tc(cfg=cfg)
+            mma = f" (mma.sync {cfg.name}: {t_mma:.1f} us)" if t_mma else ""
             print(f"{name:8s} {m:4d} {t_tc:7.1f} {gbs:6.0f} {t_tri:9.1f} {t_16:8.1f} {t_tri / t_tc:9.2f} "
-                  f"{t_16 / t_tc:7.2f} {err:8.1e}  {cfg.name}", flush=True)
+                  f"{t_16 / t_tc:7.2f} {err:8.1e}  {used}{mma}", flush=True)
             rec = record(engine="conveyor", model="llama2-7b", precision="w4a16", model_format="awq",
                          benchmark="bench_w4a16_tc", batch=m, layer=name, K=k, N=n, group_size=GROUP,
                          tc_us=t_tc, tc_gb_s=gbs, triton_us=t_tri, fp16_us=t_16, tc_vs_triton=t_tri / t_tc,
-                         tc_vs_fp16=t_16 / t_tc, rel_err=err, config=cfg.name)
+                         tc_vs_fp16=t_16 / t_tc, rel_err=err, config=used, mma_sync_us=t_mma)
+            if wg and (args.sweep or args.wg_sweep) and m >= 8:  # every warp-group instance and split count
+                for c in WG_CONFIGS:
+                    if c.rows > 2 * max(m, 32):
+                        continue
+                    for splits in (1, 2, 4, 8):
+                        e = rel_err(wg_matmul(xs[0], tcs[0], cfg=c, splits=splits), ref)
+                        us = graph_time_us([lambda i=i, w=w: wg_matmul(xs[i % 2], w, cfg=c, splits=splits)
+                                            for i, w in enumerate(tcs)], args.samples)
+                        print(f"{'':8s} {m:4d} wg {c.name} splits={splits}: {us:.1f} us (tc {t_tc:.1f}, "
+                              f"triton {t_tri:.1f}), err {e:.1e}", flush=True)
+                        rec.setdefault("wg", []).append({"config": c.name, "splits": splits, "us": us, "rel_err": e})
             if args.sweep:
                 rows = []
                 for c in CONFIGS:

@@ -50,20 +50,73 @@ def cuda_kernels_available(device: torch.device) -> bool:
 
 
 @functools.cache
-def _module(source: Path, names: tuple[str, ...], index: int) -> Any:
+def _module(source: Path, names: tuple[str, ...], index: int, options: tuple[str, ...] = ()) -> Any:
     with cupy.cuda.Device(index):
-        module = cupy.RawModule(code=source.read_text(), options=("-std=c++17",), name_expressions=names)
-        module.compile()
-        return module
+        try:
+            module = cupy.RawModule(code=source.read_text(), options=("-std=c++17", *options),
+                                    name_expressions=names)
+            module.compile()
+            return module
+        except Exception:
+            if not options:
+                raise
+            # cupy adds its own -arch=compute_XX, which an arch-specific target (sm_90a) may not
+            # survive: build the cubin with NVRTC through cuda-python instead.
+            return _nvrtc_module(source, names, options)
+
+
+class _LoweredModule:
+    """A module loaded from a cubin, its functions looked up by their template names."""
+
+    def __init__(self, module: Any, lowered: dict[str, str]) -> None:
+        self.module, self.lowered = module, lowered
+
+    def get_function(self, name: str) -> Any:
+        return self.module.get_function(self.lowered[name])
+
+
+def _nvrtc_module(source: Path, names: tuple[str, ...], options: tuple[str, ...]) -> _LoweredModule:
+    from cuda.bindings import nvrtc
+
+    def check(result: Any, what: str) -> None:
+        if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"NVRTC {what} of {source.name}: {result}")
+
+    err, prog = nvrtc.nvrtcCreateProgram(source.read_text().encode(), source.name.encode(), 0, [], [])
+    check(err, "create")
+    try:
+        for name in names:
+            check(nvrtc.nvrtcAddNameExpression(prog, name.encode())[0], f"name {name}")
+        opts = [b"-std=c++17", *(o.encode() for o in options)]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC could not build {source.name} {options}: {log.decode(errors='replace')}")
+        err, size = nvrtc.nvrtcGetCUBINSize(prog)
+        check(err, "cubin size")
+        cubin = b" " * size
+        check(nvrtc.nvrtcGetCUBIN(prog, cubin)[0], "cubin")
+        lowered = {}
+        for name in names:
+            err, low = nvrtc.nvrtcGetLoweredName(prog, name.encode())
+            check(err, f"lowered name of {name}")
+            lowered[name] = low.decode() if isinstance(low, bytes) else low
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    module = cupy.cuda.function.Module()
+    module.load(cubin)
+    return _LoweredModule(module, lowered)
 
 
 @functools.cache
-def compiles(source: Path, names: tuple[str, ...], index: int) -> bool:
+def compiles(source: Path, names: tuple[str, ...], index: int, options: tuple[str, ...] = ()) -> bool:
     """Whether the module builds on this device (once per process): a cupy whose NVRTC or CUDA
     headers do not match the driver fails here, and its callers keep their Triton path, with the
     reason logged once, instead of failing at their first launch."""
     try:
-        _module(source, names, index)
+        _module(source, names, index, options)
         return True
     except Exception as exc:  # noqa: BLE001 - NVRTC / driver errors of every kind: fall back
         logger.warning("CUDA kernels of %s not used on cuda:%d (%s: %s); the Triton kernels run instead",
@@ -72,14 +125,20 @@ def compiles(source: Path, names: tuple[str, ...], index: int) -> bool:
 
 
 @functools.cache
-def kernel(source: Path, name: str, names: tuple[str, ...], index: int, shared_bytes: int = 0) -> Any:
+def kernel(source: Path, name: str, names: tuple[str, ...], index: int, shared_bytes: int = 0,
+           options: tuple[str, ...] = ()) -> Any:
     """The compiled function ``name`` (a template instance such as ``f<1, 2>``) of the CUDA file
-    ``source``; ``names`` lists every instance the module is built with (one compilation for all).
-    ``shared_bytes`` above the default 48 KiB of dynamic shared memory is allowed up front."""
+    ``source``; ``names`` lists every instance the module is built with (one compilation for all),
+    ``options`` NVRTC's beyond the language standard (an arch-specific target). ``shared_bytes``
+    above the default 48 KiB of dynamic shared memory is allowed up front."""
     with cupy.cuda.Device(index):
-        fn = _module(source, names, index).get_function(name)
+        fn = _module(source, names, index, options).get_function(name)
         if shared_bytes > 48 * 1024:
-            fn.max_dynamic_shared_size_bytes = shared_bytes
+            if hasattr(fn, "max_dynamic_shared_size_bytes"):  # a RawKernel
+                fn.max_dynamic_shared_size_bytes = shared_bytes
+            else:  # a Function of a module loaded from a cubin (_nvrtc_module)
+                cupy.cuda.driver.funcSetAttribute(
+                    fn.ptr, cupy.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes)
         return fn
 
 

@@ -26,6 +26,11 @@ A CTA computes ``N_TILE = warps * nw * 16`` columns for ``8 * m8`` rows over a r
 streamed through shared memory ``stages`` deep by ``cp.async``; K is split so that the CTAs fill
 the GPU, and the last CTA of a tile to finish adds the splits' fp32 partials in order.
 
+On Hopper (sm_90a), ``WG_MIN_ROWS`` to ``TC_DEQUANT_MIN_ROWS - 1`` rows take the warp-group kernel
+(``w4a16_wg_gemm``): the same words are wgmma's register A operand as they stand, and x enters
+through a swizzled shared-memory descriptor, so a CTA of 4 warps multiplies 64 columns by 32-128
+rows without ``mma.sync``'s per-fragment loads of x.
+
 From ``TC_DEQUANT_MIN_ROWS`` rows on, ``tc_dequantize`` writes the dense fp16 weight and cuBLAS
 multiplies (prefill is compute-bound; cuBLAS's warp-group MMAs beat ``mma.sync`` there).
 """
@@ -38,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from .._cuda import compiles, device_index, kernel, launch
+from .._cuda import compiles, cuda_kernels_available, device_index, kernel, launch
 from .._triton import cdiv, sm_count
 from .launch import split_counters
 from .packing import awq_unpack, check_awq_shapes
@@ -224,6 +229,8 @@ def tc_matmul(x: torch.Tensor, w: TcWeights, bias: torch.Tensor | None = None, *
         dense = tc_dequantize(w)
         out = torch.matmul(x2, dense) if bias is None else torch.addmm(bias.to(x.dtype), x2, dense)
         return out.view(*x.shape[:-1], w.n)
+    if cfg is None and splits is None and m >= WG_MIN_ROWS and wg_builds(x.device):
+        return wg_matmul(x2, w, bias).view(*x.shape[:-1], w.n)
     out = torch.empty(m, w.n, dtype=torch.float16, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], w.n)
@@ -238,6 +245,90 @@ def tc_matmul(x: torch.Tensor, w: TcWeights, bias: torch.Tensor | None = None, *
     shared = cfg.shared_bytes()
     fn = kernel(SOURCE, cfg.name, _NAMES, device_index(x.device), shared)
     launch(fn, x.device, (n_tiles, n_splits, m_tiles), (32 * cfg.warps,),
+           (x2, m, x2.stride(0), w.qw, w.scales, w.zeros, bias, out, out.stride(0), part, counters,
+            w.n, w.k, w.group_size // STAGE_K, per_split), shared)
+    return out.view(*x.shape[:-1], w.n)
+
+
+@dataclass(frozen=True)
+class WgConfig:
+    """A compiled instance of ``w4a16_wg_gemm`` (warp-group MMAs, sm_90a): rows of x a CTA (the
+    wgmma's N), pipeline depth in 64-row stages. A CTA is one warp group and 64 columns."""
+
+    rows: int
+    stages: int  # even: two fragment buffers alternate
+
+    @property
+    def name(self) -> str:
+        return f"w4a16_wg_gemm<{self.rows}, {self.stages}>"
+
+    def shared_bytes(self) -> int:
+        """``stages`` x the stage (``wg_stage_bytes`` in tc_gemm.cu), plus 1024 bytes to align the ring."""
+        stage = -(-(self.rows * 128 + 4 * 32 * 16 + WG_COLS * 3) // 1024) * 1024
+        return self.stages * stage + 1024
+
+
+WG_COLS = 64  # = WG_COLS in tc_gemm.cu
+WG_MIN_ROWS = 16  # fewer rows: mma.sync's 8-row side pads less than wgmma's 32
+WG_CONFIGS = tuple(WgConfig(r, s) for r, s in ((32, 6), (32, 8), (64, 4), (64, 6), (128, 4), (128, 6)))
+_WG_NAMES = tuple(c.name for c in WG_CONFIGS)
+# The warp-group MMAs are an arch-specific feature of sm_90: the module is built for sm_90a.
+WG_OPTIONS = ("--gpu-architecture=sm_90a", "-DW4A16_REQUIRE_WGMMA")
+
+
+@functools.cache  # asked at every launch of 17-127 rows
+def wg_builds(device: torch.device) -> bool:
+    """Whether the warp-group kernels run on ``device``: an sm_90 GPU whose NVRTC builds sm_90a."""
+    return (cuda_kernels_available(device) and torch.cuda.get_device_capability(device_index(device)) == (9, 0)
+            and compiles(SOURCE, _WG_NAMES, device_index(device), WG_OPTIONS))
+
+
+def wg_config(m: int) -> WgConfig:
+    """The instance for ``m`` rows: the 32-row tile up to 32 rows, else 64-row tiles (past 64 rows
+    two of them tie with one 128-row tile over the Llama-2-7B projections in ``bench_w4a16_tc``;
+    the 32-row tile 8 deep holds fewer CTAs an SM and lost up to 40 % on gate_up)."""
+    return WgConfig(32, 6) if m <= 32 else WgConfig(64, 6)
+
+
+def wg_splits(tiles: int, k: int, sms: int) -> int:
+    """K splits for ``tiles`` output tiles: the largest power of two up to 3 CTAs an SM, each split
+    at least 2 stages. In ``bench_w4a16_tc``'s sweep (Llama-2-7B, 16-112 rows) this was the
+    fastest count, or within 3 % of it, on every layer: qkv's 192 tiles split in 2, gate_up's 344
+    not, 64 tiles in 4 (more splits cost more than the SMs they fill)."""
+    splits = 1
+    while splits * 2 * tiles <= 3 * sms and splits * 2 <= k // STAGE_K // 2:
+        splits *= 2
+    return splits
+
+
+def wg_matmul(x: torch.Tensor, w: TcWeights, bias: torch.Tensor | None = None, *, cfg: WgConfig | None = None,
+              splits: int | None = None) -> torch.Tensor:
+    """``x [..., K] @ W + bias`` -> [..., N] fp16 by the warp-group kernel (``wg_builds`` must hold);
+    the keywords are for tuning and tests."""
+    if x.dtype != torch.float16 or x.shape[-1] != w.k:
+        raise ValueError(f"x must be fp16 [..., {w.k}], got {x.dtype} {tuple(x.shape)}")
+    x2 = x.reshape(-1, w.k)
+    if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if bias is not None and bias.dtype != torch.float16:
+        bias = bias.half()
+    cfg = cfg or wg_config(m)
+    if cfg not in WG_CONFIGS:
+        raise ValueError(f"{cfg.name} is not compiled; one of {_WG_NAMES}")
+    out = torch.empty(m, w.n, dtype=torch.float16, device=x.device)
+    if m == 0:
+        return out.view(*x.shape[:-1], w.n)
+    n_tiles, m_tiles = w.n // WG_COLS, cdiv(m, cfg.rows)
+    if splits is None:
+        splits = wg_splits(n_tiles * m_tiles, w.k, sm_count(x.device))
+    per_split = tc_stages_per_split(n_tiles * m_tiles, w.k, sm_count(x.device), 0, splits)
+    n_splits = cdiv(w.k // STAGE_K, per_split)
+    part = torch.empty(n_splits, m, w.n, dtype=torch.float32, device=x.device) if n_splits > 1 else None
+    counters = split_counters(x.device, n_tiles * m_tiles)
+    shared = cfg.shared_bytes()
+    fn = kernel(SOURCE, cfg.name, _WG_NAMES, device_index(x.device), shared, WG_OPTIONS)
+    launch(fn, x.device, (n_tiles, n_splits, m_tiles), (128,),
            (x2, m, x2.stride(0), w.qw, w.scales, w.zeros, bias, out, out.stride(0), part, counters,
             w.n, w.k, w.group_size // STAGE_K, per_split), shared)
     return out.view(*x.shape[:-1], w.n)

@@ -63,9 +63,14 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
   asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(r) : "l"(p));
   return r;
 }
-__device__ __forceinline__ float load_l2(const float* p) {  // another CTA's partial: skip L1
+__device__ __forceinline__ float load_l2(const float* p) {  // other CTAs' partials: skip L1
   float v;
   asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float4 load_l2x4(const float* p) {
+  float4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
   return v;
 }
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
@@ -135,6 +140,69 @@ __device__ __forceinline__ void block_sync() {
 // the others along the columns (one warp: its own pipeline, no block barrier). SCALE_SUMS: the scales multiply each group's fp32
 // sums (4 FMAs a tile per group, and 4 more registers a tile for the group's sums) instead of
 // the fragments (4 HMUL2s per word, whose products are then reused over M8 MMAs).
+// Split K's end, run by the tile's last CTA: out[m0 + r, n0 + c] = the splits' fp32 partials
+// (part [splits, m, n]) added in split order, + bias. What keeps it short is loads in flight:
+// a tile of up to 8 rows (decode) has a value or two a thread, and the compiler batches the
+// loads of many splits (the loop below unrolls); a taller tile goes four columns a thread, U
+// float4s of two splits at once, else it waits one L2 round trip per THREADS values
+// (bench_w4a16_tc, session 27: 64-row tiles 20-40 % faster; the decode tile 10-30 % slower).
+template <int THREADS, int COLS, int ROWS>
+__device__ __forceinline__ void add_splits(const float* part, int splits, int m, int n, int m0, int n0,
+                                           int rows_here, const u16* bias, u16* out, int ldo, int tid) {
+  const long long step = (long long)m * n;
+  if constexpr (ROWS <= 8) {
+    for (int i = tid; i < rows_here * COLS; i += THREADS) {
+      const int r = i / COLS, nn = n0 + i % COLS;
+      const float* p = part + (long long)(m0 + r) * n + nn;
+      float v = 0.f;
+      for (int s = 0; s < splits; ++s) v += load_l2(p + s * step);
+      if (bias) v += h2f(bias[nn]);
+      out[(long long)(m0 + r) * ldo + nn] = f2h(v);
+    }
+  } else {
+    constexpr int Q = COLS / 4, U = 4;  // float4s a row; a thread's float4s a round
+    static_assert(COLS % 4 == 0, "COLS: a multiple of 4");
+    for (int base = 0; base < rows_here * Q; base += U * THREADS) {
+      float4 v[U];
+      long long off[U];
+      bool ok[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = base + u * THREADS + tid;
+        ok[u] = i < rows_here * Q;
+        off[u] = ok[u] ? (long long)(m0 + i / Q) * n + n0 + (i % Q) * 4 : 0;
+        v[u] = ok[u] ? load_l2x4(part + off[u]) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      for (int s = 1; s < splits; s += 2) {
+        const bool two = s + 1 < splits;
+        float4 a[U], b[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (ok[u]) a[u] = load_l2x4(part + s * step + off[u]);
+          if (ok[u] && two) b[u] = load_l2x4(part + (s + 1) * step + off[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (ok[u]) v[u].x += a[u].x, v[u].y += a[u].y, v[u].z += a[u].z, v[u].w += a[u].w;
+          if (ok[u] && two) v[u].x += b[u].x, v[u].y += b[u].y, v[u].z += b[u].z, v[u].w += b[u].w;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (!ok[u]) continue;
+        const int i = base + u * THREADS + tid, r = i / Q, nn = n0 + (i % Q) * 4;
+        float f[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+        if (bias)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) f[e] += h2f(bias[nn + e]);
+        u16* o = out + (long long)(m0 + r) * ldo + nn;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[e] = f2h(f[e]);
+      }
+    }
+  }
+}
+
 template <int M8, int NW, int WARPS, int WM, int STAGES, bool SCALE_SUMS>
 __global__ void __launch_bounds__(WARPS * 32)
 w4a16_tc_gemm(const u16* __restrict__ x, int m, int ldx,
@@ -369,15 +437,238 @@ w4a16_tc_gemm(const u16* __restrict__ x, int m, int ldx,
   block_sync<WARPS>();
   if (!is_last) return;
   __threadfence();
-  for (int i = tid; i < rows_here * N_TILE; i += THREADS) {
-    const int r = i / N_TILE, nn = n_tile0 + i % N_TILE;
-    const long long off = (long long)(m0 + r) * n + nn;
-    float v = 0.f;
-    for (int s = 0; s < splits; ++s) v += load_l2(part + (long long)s * m * n + off);
-    if (bias) v += h2f(bias[nn]);
-    out[(long long)(m0 + r) * ldo + nn] = f2h(v);
-  }
+  add_splits<THREADS, N_TILE, ROWS>(part, splits, m, n, m0, n_tile0, rows_here, bias, out, ldo, tid);
   if (tid == 0) *counter = 0;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Warp-group MMAs (Hopper, sm_90a): the same product for 17-128 rows. One CTA is one warp group
+// (4 warps) and an output tile of 64 columns by ROWS rows of x. The weights enter wgmma as its
+// register A operand: warp w holds columns 16 w .. 16 w + 15 of the tile, and a repacked word is
+// already that warp's A fragment (wgmma's m64 A is four mma.m16n8k16 A fragments, one a warp).
+// x enters through a shared-memory descriptor: each stage's ROWS x 64 halves as 128-byte rows in
+// the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)), so the k16 steps of a
+// stage are the descriptor's start moved by 32 bytes. The products are asynchronous: a stage's
+// four wgmmas run while the threads issue the next stages' copies and dequantize the next stage
+// into the other of two fragment buffers: the wait lets one group run on, so a slot is refilled
+// two stages after its wgmmas were issued and the copies run STAGES - 2 stages ahead (waiting
+// for every group instead was 5-30 % slower in bench_w4a16_tc, session 27). Scales multiply the fp16
+// fragments (scale sums would need a wait each group). Compiled only for sm_90a (the arch-
+// specific features), as the W4A16_WGMMA guard says; elsewhere the kernel body is empty and the
+// launcher never picks it.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define W4A16_WGMMA 1
+#elif defined(W4A16_REQUIRE_WGMMA) && defined(__CUDA_ARCH__)
+// The warp-group module is built with this defined: a target without the sm_90a features (a
+// compiler that swapped the arch) fails here rather than leaving the kernel an empty body.
+#error "w4a16_wg_gemm needs the sm_90a target"
+#endif
+
+// The descriptor of a 128-byte-swizzled, K-major tile at shared address `saddr` (1024-aligned
+// atoms of 8 rows): start address >> 4, leading offset 1 (unused in this mode), stride 1024 bytes
+// between 8-row groups, swizzle mode 1 (128 B).
+__device__ __forceinline__ unsigned long long wg_desc(u32 saddr) {
+  return (unsigned long long)((saddr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+// Copies made by threads (cp.async) become visible to the asynchronous proxy that wgmma reads with.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// d[ROWS / 2] += A (this warp's 16 x 16 fragment, registers) x B (16 x ROWS, descriptor).
+template <int ROWS>
+struct Wgmma;
+template <>
+struct Wgmma<32> {
+  static __device__ __forceinline__ void run(float (&d)[16], const u32 a[4], unsigned long long desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+  }
+};
+template <>
+struct Wgmma<64> {
+  static __device__ __forceinline__ void run(float (&d)[32], const u32 a[4], unsigned long long desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+  }
+};
+template <>
+struct Wgmma<128> {
+  static __device__ __forceinline__ void run(float (&d)[64], const u32 a[4], unsigned long long desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+  }
+};
+
+constexpr int WG_COLS = 64;  // output columns a CTA (one warp group, a 16-column tile a warp)
+
+template <int ROWS>
+__host__ __device__ constexpr int wg_stage_bytes() {  // x (swizzled), weights, scales, zeros; 1024-aligned
+  return ((ROWS * 128 + 4 * 32 * 16 + WG_COLS * 2 + WG_COLS) + 1023) / 1024 * 1024;
+}
+
+template <int ROWS, int STAGES>
+__global__ void __launch_bounds__(128)
+w4a16_wg_gemm(const u16* __restrict__ x, int m, int ldx,
+              const U4* __restrict__ qw, const u16* __restrict__ scales, const u8* __restrict__ zeros,
+              const u16* __restrict__ bias, u16* __restrict__ out, int ldo,
+              float* __restrict__ part, int* __restrict__ counters,
+              int n, int k, int group_stages, int stages_per_split) {
+#ifdef W4A16_WGMMA
+  // LAG: wgmma groups left running at a stage's end. The ring then holds LAG slots being read,
+  // the stage being issued and AHEAD stages in flight from global memory.
+  constexpr int LAG = 1, AHEAD = STAGES - 1 - LAG;
+  static_assert(ROWS % 16 == 0 && AHEAD >= 1, "ROWS: a multiple of 16 (x copies a thread)");
+  static_assert(STAGES % 2 == 0, "two fragment buffers alternate with the stage's slot");
+  constexpr int X_BYTES = ROWS * 128, W_BYTES = 4 * 32 * 16, S_BYTES = WG_COLS * 2;
+  constexpr int STAGE_BYTES = wg_stage_bytes<ROWS>();
+  constexpr int XPT = ROWS * 8 / 128;  // x chunks a thread a stage
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int is_last;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g4 = lane / 4, t4 = lane % 4;
+  const int n0 = blockIdx.x * WG_COLS, split = blockIdx.y, splits = gridDim.y, m0 = blockIdx.z * ROWS;
+  const int n_stages = k / STAGE_K;
+  const int st_begin = split * stages_per_split;
+  const int iters = imax(0, imin(n_stages, st_begin + stages_per_split) - st_begin);
+  // The ring starts at the first 1024-byte boundary (the launcher adds 1024 bytes for it).
+  const u32 sraw = smem_addr(smem), sbase = (sraw + 1023) & ~1023u;
+  const unsigned char* gbase = smem + (sbase - sraw);
+
+  // Copies: x rows (swizzled), one weight chunk a thread (warp w's tile, its lane's word),
+  // the tile's 64 scales (8 chunks) and zeros (4 chunks) when a group begins.
+  const int g_first = st_begin / group_stages;
+  const U4* wsrc = qw + ((long long)st_begin * (n / 16) + n0 / 16) * 32 + tid;
+  const long long w_stride = (long long)(n / 16) * 32;
+  const u16* xsrc[XPT];
+  bool xok[XPT];
+  int xdst[XPT];
+#pragma unroll
+  for (int r = 0; r < XPT; ++r) {
+    const int i = tid + r * 128, row = i / 8, c = i % 8;
+    xok[r] = m0 + row < m;
+    xsrc[r] = xok[r] ? x + (long long)(m0 + row) * ldx + st_begin * STAGE_K + c * 8 : x;
+    xdst[r] = row * 128 + ((c ^ (row % 8)) * 16);
+  }
+  const u16* ssrc = scales + (long long)g_first * n + n0 + tid * 8;
+  const u8* zsrc = zeros + (long long)g_first * n + n0 + tid * 16;
+  int load_left = group_stages - st_begin % group_stages;
+  auto load_stage = [&](int slot) {
+    const u32 base = sbase + slot * STAGE_BYTES;
+#pragma unroll
+    for (int r = 0; r < XPT; ++r) {
+      cp_async16(base + xdst[r], xsrc[r], xok[r]);  // rows past m: zeros
+      xsrc[r] += xok[r] ? STAGE_K : 0;
+    }
+    cp_async16(base + X_BYTES + tid * 16, wsrc, true);
+    if (tid < 8) cp_async16(base + X_BYTES + W_BYTES + tid * 16, ssrc, true);
+    if (tid < 4) cp_async16(base + X_BYTES + W_BYTES + S_BYTES + tid * 16, zsrc, true);
+    wsrc += w_stride;
+    if (--load_left == 0) {
+      load_left = group_stages;
+      ssrc += n;
+      zsrc += n;
+    }
+  };
+
+  float d[ROWS / 2];
+#pragma unroll
+  for (int i = 0; i < ROWS / 2; ++i) d[i] = 0.f;
+#pragma unroll
+  for (int s = 0; s < AHEAD; ++s) {
+    if (s < iters) load_stage(s);
+    cp_async_commit();
+  }
+  u32 zlo = 0, sa = 0, nzhi = 0, sb = 0;
+  u32 a[2][4][4];  // this stage's fragments and the running group's
+  int left = group_stages - st_begin % group_stages;
+  const int ca = warp * 16 + g4;  // this thread's columns in the tile: ca and ca + 8
+  for (int it0 = 0; it0 < iters; it0 += STAGES) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      const int it = it0 + s;
+      if (it < iters) {
+        cp_async_wait<AHEAD - 1>();
+        fence_proxy_async();
+        // Stage `it` is in for every thread, and every thread has waited for the wgmmas of stage
+        // it - 1 - LAG: its slot, (s + AHEAD) % STAGES, takes stage it + AHEAD.
+        __syncthreads();
+        if (it + AHEAD < iters) load_stage((s + AHEAD) % STAGES);
+        cp_async_commit();
+        const unsigned char* base = gbase + s * STAGE_BYTES;
+        if (it == 0 || left == group_stages) {
+          const u16* ss = (const u16*)(base + X_BYTES + W_BYTES);
+          const u8* sz = base + X_BYTES + W_BYTES + S_BYTES;
+          zlo = dup_half((u16)(0x6400u | sz[ca]));
+          nzhi = dup_half((u16)(0xd400u + (sz[ca + 8] << 4)));
+          sa = dup_half(ss[ca]);
+          sb = dup_half(ss[ca + 8]);
+        }
+        if (--left == 0) left = group_stages;
+        const U4 w = *(const U4*)(base + X_BYTES + tid * 16);
+        u32 (&f)[4][4] = a[s % 2];  // not the running group's
+        dequant<true>(w.x, zlo, sa, nzhi, sb, f[0]);
+        dequant<true>(w.y, zlo, sa, nzhi, sb, f[1]);
+        dequant<true>(w.z, zlo, sa, nzhi, sb, f[2]);
+        dequant<true>(w.w, zlo, sa, nzhi, sb, f[3]);
+        const u32 xs = sbase + s * STAGE_BYTES;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) Wgmma<ROWS>::run(d, f[kk], wg_desc(xs + kk * 32));
+        wg_commit();
+        wg_wait<LAG>();  // the group before this one is done: its fragments and slot are free
+      }
+    }
+  }
+  cp_async_wait<0>();
+  wg_wait<0>();
+
+  // d[4 j + e] is out^T's row n0 + 16 warp + g4 (+8 for e >= 2) and column (row of x)
+  // 8 j + 2 t4 + (e & 1), as mma.m16n8's C fragment repeated along the rows.
+  auto each_sum = [&](auto f) {
+#pragma unroll
+    for (int j = 0; j < ROWS / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f(n0 + ca + (e >= 2 ? 8 : 0), 8 * j + 2 * t4 + (e & 1), d[4 * j + e]);
+  };
+  const int rows_here = imin(ROWS, m - m0);
+  if (splits == 1) {
+    each_sum([&](int nn, int r, float v) {
+      if (r < rows_here) out[(long long)(m0 + r) * ldo + nn] = f2h(bias ? v + h2f(bias[nn]) : v);
+    });
+    return;
+  }
+  float* mine = part + ((long long)split * m + m0) * n;
+  each_sum([&](int nn, int r, float v) {
+    if (r < rows_here) mine[(long long)r * n + nn] = v;
+  });
+  __threadfence();
+  __syncthreads();
+  int* counter = counters + blockIdx.z * gridDim.x + blockIdx.x;
+  if (tid == 0) is_last = atomicAdd(counter, 1) == splits - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  add_splits<128, WG_COLS, ROWS>(part, splits, m, n, m0, n0, rows_here, bias, out, ldo, tid);
+  if (tid == 0) *counter = 0;
+#endif
 }
 
 // The dense fp16 weight [K, N] from the repacked layout (for the large-M path: cuBLAS then

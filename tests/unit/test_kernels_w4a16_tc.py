@@ -16,6 +16,7 @@ from conveyor.kernels.w4a16 import awq_pack, dequantize_awq_ref, w4a16_matmul_re
 from conveyor.kernels.w4a16.tc import (
     CONFIGS,
     STAGE_K,
+    WG_CONFIGS,
     tc_config,
     tc_dequantize_ref,
     tc_pack_codes,
@@ -23,6 +24,8 @@ from conveyor.kernels.w4a16.tc import (
     tc_repack,
     tc_stages_per_split,
     tc_unpack_codes,
+    wg_config,
+    wg_splits,
 )
 from kernel_harness import assert_close, gpu
 
@@ -107,7 +110,13 @@ def test_policy() -> None:
     assert tc_stages_per_split(1, 256, 132, 4) == 2
     assert tc_stages_per_split(1000, 4096, 132, 4) == 64
     assert tc_stages_per_split(8, 4096, 132, 4, splits=3) == 22
-    assert all(c.shared_bytes() <= 227 * 1024 for c in CONFIGS)
+    assert all(c.shared_bytes() <= 227 * 1024 for c in CONFIGS + WG_CONFIGS)
+    # The warp-group kernel: 32-row tiles up to 32 rows, then 64; K splits a power of two up to
+    # 3 CTAs an SM (Llama-2-7B on 132 SMs: qkv 192 tiles -> 2, gate_up 344 -> 1, 64 tiles -> 4).
+    assert [wg_config(m).rows for m in (16, 32, 33, 64, 127)] == [32, 32, 64, 64, 64]
+    assert [wg_splits(t, 4096, 132) for t in (192, 344, 64, 128, 384, 688)] == [2, 1, 4, 2, 1, 1]
+    assert wg_splits(1, 256, 132) == 2 and wg_splits(1, 128, 132) == 1  # each split 2 stages or more
+    assert all(wg_config(m) in WG_CONFIGS for m in range(1, 128))
     assert len({c.name for c in CONFIGS}) == len(CONFIGS)
 
 
@@ -155,15 +164,16 @@ def _cuda_kernels() -> bool:
 needs_cuda_kernels = pytest.mark.skipif(not _cuda_kernels(), reason="needs a CUDA GPU (sm_80+) and cupy")
 
 
-def _check(m: int, k: int, n: int, group: int, seed: int, bias: bool = False, **kw) -> None:
+def _check(m: int, k: int, n: int, group: int, seed: int, bias: bool = False, fn=None, **kw) -> None:
     from conveyor.kernels.w4a16.tc import tc_matmul
 
+    fn = fn or tc_matmul
     gen = torch.Generator().manual_seed(seed)
     layer = awq_layer(k, n, group, gen, "cuda")
     x = torch.randn(m, k, generator=gen).half().cuda()
     b = (torch.randn(n, generator=gen) * 0.1).half().cuda() if bias else None
     w = tc_repack(*layer, group)
-    out = tc_matmul(x, w, b, **kw)
+    out = fn(x, w, b, **kw)
     ref = w4a16_matmul_ref(x.float(), *layer, group, None if b is None else b.float())
     assert out.shape == (m, n) and out.dtype == torch.float16
     assert_close(out.float(), ref, 2e-3)
@@ -176,6 +186,77 @@ def test_every_instance_matches_the_reference(cfg) -> None:
     for m in sorted({1, 8 * cfg.m8 - 3, 8 * cfg.m8 + 5}):  # a partial tile, and rows past one
         _check(m, 512, 256, 128, seed=m, cfg=cfg, dequant=False)
         _check(m, 512, 256, 128, seed=m, cfg=cfg, splits=1, dequant=False)
+
+
+def _wg_kernels() -> bool:
+    if not _cuda_kernels():
+        return False
+    from conveyor.kernels.w4a16.tc import wg_builds
+
+    return wg_builds(torch.device("cuda", 0))
+
+
+needs_wg = pytest.mark.skipif(not _wg_kernels(), reason="needs an sm_90 GPU, cupy and an NVRTC that builds sm_90a")
+
+
+@gpu
+@needs_wg
+@pytest.mark.parametrize("cfg", WG_CONFIGS, ids=[c.name for c in WG_CONFIGS])
+def test_warp_group_instances_match_the_reference(cfg) -> None:
+    """The wgmma kernel (weights as the register operand, x through the swizzled descriptor):
+    row counts inside, at and past its tile, groups of 64 and 128, K splits (down to 2 stages a
+    split, fewer than the pipeline's depth), bias."""
+    from conveyor.kernels.w4a16.tc import wg_matmul
+
+    for m in sorted({1, 17, cfg.rows - 3, cfg.rows, cfg.rows + 5}):
+        _check(m, 1024, 256, 128, seed=m, fn=wg_matmul, cfg=cfg, splits=1)
+        _check(m, 4096, 384, 64, seed=m + 1, bias=True, fn=wg_matmul, cfg=cfg)
+        _check(m, 4096, 192, 128, seed=m + 2, fn=wg_matmul, cfg=cfg, splits=5)
+        _check(m, 4096, 128, 128, seed=m + 3, fn=wg_matmul, cfg=cfg, splits=32)
+
+
+@gpu
+@needs_wg
+def test_the_nvrtc_route_builds_what_cupy_would(monkeypatch) -> None:
+    """When cupy's RawModule cannot take the sm_90a option, ``_cuda`` builds the cubin with NVRTC
+    through cuda-python and loads it into cupy: the kernels from that module give the same bits."""
+    from conveyor.kernels import _cuda
+    from conveyor.kernels.w4a16.tc import _WG_NAMES, SOURCE, WG_OPTIONS, wg_matmul
+
+    gen = torch.Generator().manual_seed(11)
+    w = tc_repack(*awq_layer(2048, 256, 128, gen, "cuda"), 128)
+    x = torch.randn(40, 2048, generator=gen).half().cuda()
+    want, want_split = wg_matmul(x, w), wg_matmul(x, w, splits=4)  # cupy's module
+    lowered = _cuda._nvrtc_module(SOURCE, _WG_NAMES, WG_OPTIONS)
+    monkeypatch.setattr(_cuda, "_module", lambda *args: lowered)
+    _cuda.kernel.cache_clear()
+    try:
+        # 40 rows: the 64-row tile, whose 68 KiB of shared memory are allowed through the driver
+        assert torch.equal(wg_matmul(x, w), want)
+        assert torch.equal(wg_matmul(x, w, splits=4), want_split)
+    finally:
+        _cuda.kernel.cache_clear()  # the other tests get cupy's module again
+
+
+@gpu
+@needs_wg
+def test_warp_group_kernel_replays_in_a_graph() -> None:
+    from conveyor.kernels.w4a16.tc import wg_matmul
+
+    gen = torch.Generator().manual_seed(9)
+    layer = awq_layer(2048, 512, 128, gen, "cuda")
+    w = tc_repack(*layer, 128)
+    x = torch.randn(48, 2048, generator=gen).half().cuda()
+    wg_matmul(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = wg_matmul(x, w)
+    for _ in range(3):
+        x.copy_(torch.randn(48, 2048, generator=gen).half())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out.float(), w4a16_matmul_ref(x.float(), *layer, 128), 2e-3)
 
 
 @gpu
