@@ -5,7 +5,7 @@ step run eagerly, a batch-64 decode step, and a 2048-token prefill. Prints each 
 time, the summed kernel time, and the top kernels; saves them to results/h100/profile_step_<model>.json.
 Also prints the weight-read floor of a decode step (parameter bytes / measured copy bandwidth).
 
-    python -m benchmarks.profile_step --model llama2-7b [--quant-policy 8] [--decode-only]
+    python -m benchmarks.profile_step --model llama2-7b [--quant-policy 8] [--model-format awq] [--decode-only]
 """
 
 from __future__ import annotations
@@ -92,13 +92,16 @@ def main() -> None:
     ap.add_argument("--model", default="llama2-7b")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--quant-policy", type=int, default=0, help="KV cache: 0 (16-bit), 8 (int8) or 4 (int4)")
+    ap.add_argument("--model-format", default=None, choices=[None, "hf", "awq", "smooth_quant"],
+                    help="weights: fp16 (hf), W4A16 (awq) or W8A8 (smooth_quant), random, of the same shape")
     ap.add_argument("--decode-only", action="store_true", help="the graph-replayed decode steps only")
     args = ap.parse_args()
-    engine = dummy_engine(args.model, args.dtype, max_batch_size=256, quant_policy=args.quant_policy)
+    engine = dummy_engine(args.model, args.dtype, max_batch_size=256, quant_policy=args.quant_policy,
+                          model_format=args.model_format)
     bw = copy_bandwidth()
     weight_bytes = 2 * param_count(args.model, active=True)  # a MoE step reads k of E experts a token
     floor_ms = weight_bytes / bw * 1e3
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; decode weight-read floor {floor_ms:.2f} ms "
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; decode weight-read floor of fp16 weights {floor_ms:.2f} ms "
           f"({1e3 / floor_ms:.0f} tok/s at batch 1)")
     results = []
     for graphs in (True,) if args.decode_only else (True, False):
@@ -121,8 +124,10 @@ def main() -> None:
         results.append(profile_steps(engine, "prefill 2048 tokens", 1))
         drain(engine)
     save([record(engine="conveyor", model=args.model, precision=args.dtype, benchmark="profile_step",
-                 quant_policy=args.quant_policy, copy_tb_s=bw / 1e12, decode_floor_ms=floor_ms, steps=results)],
-         f"profile_step_{args.model}" + (f"_kv{args.quant_policy}" if args.quant_policy else ""))
+                 quant_policy=args.quant_policy, model_format=args.model_format or "hf", copy_tb_s=bw / 1e12,
+                 decode_floor_ms=floor_ms, steps=results)],
+         f"profile_step_{args.model}" + (f"_kv{args.quant_policy}" if args.quant_policy else "")
+         + (f"_{args.model_format}" if args.model_format not in (None, "hf") else ""))
 
 
 if __name__ == "__main__":

@@ -87,7 +87,8 @@ def _nvrtc_module(source: Path, names: tuple[str, ...], options: tuple[str, ...]
     try:
         for name in names:
             check(nvrtc.nvrtcAddNameExpression(prog, name.encode())[0], f"name {name}")
-        opts = [b"-std=c++17", *(o.encode() for o in options)]
+        # -default-device: lambdas in kernels (nvcc and cupy's route take them as device code)
+        opts = [b"-std=c++17", b"-default-device", *(o.encode() for o in options)]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             _, size = nvrtc.nvrtcGetProgramLogSize(prog)
