@@ -213,18 +213,23 @@ def tc_stages_per_split(tiles: int, k: int, sms: int, ctas_per_sm: int, splits: 
     return cdiv(stages, max(1, min(splits, stages)))
 
 
-def tc_matmul(x: torch.Tensor, w: TcWeights, bias: torch.Tensor | None = None, *, cfg: TcConfig | None = None,
-              splits: int | None = None, dequant: bool | None = None) -> torch.Tensor:
-    """``x [..., K] @ W + bias`` -> [..., N] fp16, W in the tensor-core layout. The keywords are
-    for tuning and tests: the instance, the K splits, and whether to take the dense-weight path."""
+def _rows(x: torch.Tensor, w: TcWeights, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x [..., K]`` as the kernels read it (fp16 rows of 16-byte aligned, unit-stride K) and an
+    fp16 bias; a ValueError when x is not fp16 or its K is not the layer's."""
     if x.dtype != torch.float16 or x.shape[-1] != w.k:
         raise ValueError(f"x must be fp16 [..., {w.k}], got {x.dtype} {tuple(x.shape)}")
     x2 = x.reshape(-1, w.k)
     if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.contiguous()
+    return x2, bias.half() if bias is not None and bias.dtype != torch.float16 else bias
+
+
+def tc_matmul(x: torch.Tensor, w: TcWeights, bias: torch.Tensor | None = None, *, cfg: TcConfig | None = None,
+              splits: int | None = None, dequant: bool | None = None) -> torch.Tensor:
+    """``x [..., K] @ W + bias`` -> [..., N] fp16, W in the tensor-core layout. The keywords are
+    for tuning and tests: the instance, the K splits, and whether to take the dense-weight path."""
+    x2, bias = _rows(x, w, bias)
     m = x2.shape[0]
-    if bias is not None and bias.dtype != torch.float16:
-        bias = bias.half()
     if dequant if dequant is not None else m >= TC_DEQUANT_MIN_ROWS:
         dense = tc_dequantize(w)
         out = torch.matmul(x2, dense) if bias is None else torch.addmm(bias.to(x.dtype), x2, dense)
@@ -305,14 +310,8 @@ def wg_matmul(x: torch.Tensor, w: TcWeights, bias: torch.Tensor | None = None, *
               splits: int | None = None) -> torch.Tensor:
     """``x [..., K] @ W + bias`` -> [..., N] fp16 by the warp-group kernel (``wg_builds`` must hold);
     the keywords are for tuning and tests."""
-    if x.dtype != torch.float16 or x.shape[-1] != w.k:
-        raise ValueError(f"x must be fp16 [..., {w.k}], got {x.dtype} {tuple(x.shape)}")
-    x2 = x.reshape(-1, w.k)
-    if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
-        x2 = x2.contiguous()
+    x2, bias = _rows(x, w, bias)
     m = x2.shape[0]
-    if bias is not None and bias.dtype != torch.float16:
-        bias = bias.half()
     cfg = cfg or wg_config(m)
     if cfg not in WG_CONFIGS:
         raise ValueError(f"{cfg.name} is not compiled; one of {_WG_NAMES}")

@@ -188,6 +188,25 @@ def test_every_instance_matches_the_reference(cfg) -> None:
         _check(m, 512, 256, 128, seed=m, cfg=cfg, splits=1, dequant=False)
 
 
+def _replays_in_a_graph(fn, rows: int, n: int, seed: int) -> None:
+    """``fn(x, w)`` captured in a CUDA graph gives the reference on new x at every replay (the
+    split counters must be left at zero by each)."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = awq_layer(2048, n, 128, gen, "cuda")
+    w = tc_repack(*layer, 128)
+    x = torch.randn(rows, 2048, generator=gen).half().cuda()
+    fn(x, w)  # compile and allocate outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(x, w)
+    for _ in range(3):
+        x.copy_(torch.randn(rows, 2048, generator=gen).half())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out.float(), w4a16_matmul_ref(x.float(), *layer, 128), 2e-3)
+
+
 def _wg_kernels() -> bool:
     if not _cuda_kernels():
         return False
@@ -243,20 +262,7 @@ def test_the_nvrtc_route_builds_what_cupy_would(monkeypatch) -> None:
 def test_warp_group_kernel_replays_in_a_graph() -> None:
     from conveyor.kernels.w4a16.tc import wg_matmul
 
-    gen = torch.Generator().manual_seed(9)
-    layer = awq_layer(2048, 512, 128, gen, "cuda")
-    w = tc_repack(*layer, 128)
-    x = torch.randn(48, 2048, generator=gen).half().cuda()
-    wg_matmul(x, w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = wg_matmul(x, w)
-    for _ in range(3):
-        x.copy_(torch.randn(48, 2048, generator=gen).half())
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_close(out.float(), w4a16_matmul_ref(x.float(), *layer, 128), 2e-3)
+    _replays_in_a_graph(wg_matmul, rows=48, n=512, seed=9)
 
 
 @gpu
@@ -294,20 +300,7 @@ def test_dense_weight_path(m: int) -> None:
 def test_cuda_graph_replays_the_kernel() -> None:
     from conveyor.kernels.w4a16.tc import tc_matmul
 
-    gen = torch.Generator().manual_seed(5)
-    layer = awq_layer(2048, 256, 128, gen, "cuda")
-    w = tc_repack(*layer, 128)
-    x = torch.randn(4, 2048, generator=gen).half().cuda()
-    tc_matmul(x, w)  # compile and allocate outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tc_matmul(x, w)
-    for _ in range(3):  # the split counters must be left at zero by every replay
-        x.copy_(torch.randn(4, 2048, generator=gen).half())
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_close(out.float(), w4a16_matmul_ref(x.float(), *layer, 128), 2e-3)
+    _replays_in_a_graph(tc_matmul, rows=4, n=256, seed=5)
 
 
 @gpu
