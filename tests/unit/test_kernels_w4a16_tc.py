@@ -130,6 +130,12 @@ def test_bad_input_is_refused_before_any_launch() -> None:
         tc_matmul(torch.zeros(2, 96, dtype=torch.float16), w)  # the wrong K
     with pytest.raises(ValueError, match="not a multiple of the 128-column tile"):
         tc_matmul(torch.zeros(2, 128, dtype=torch.float16), w, cfg=CONFIGS[1])  # 128 columns a CTA, N = 64
+    from conveyor.kernels.w4a16.tc import WgConfig, wg_matmul
+
+    with pytest.raises(ValueError, match=r"x must be fp16 \[\.\.\., 128\]"):
+        wg_matmul(torch.zeros(20, 128), w)  # the warp-group kernel checks the same way
+    with pytest.raises(ValueError, match=r"w4a16_wg_gemm<48, 6> is not compiled; one of \("):
+        wg_matmul(torch.zeros(20, 128, dtype=torch.float16), w, cfg=WgConfig(48, 6))
 
 
 def test_a_module_that_does_not_build_is_reported_and_left_out(monkeypatch, caplog) -> None:
