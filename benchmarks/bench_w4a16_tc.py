@@ -23,9 +23,9 @@ from benchmarks.bench_w4a16 import GROUP, SHAPES, graph_time_us, layer_copies, r
 from benchmarks.common import record, save_to
 from conveyor.kernels._triton import cdiv, sm_count
 from conveyor.kernels.w4a16 import dequantize_awq_ref, w4a16_matmul_triton
-from conveyor.kernels.w4a16.tc import (CONFIGS, STAGE_K, TC_DEQUANT_MIN_ROWS, WG_CONFIGS, WG_MIN_ROWS,
+from conveyor.kernels.w4a16.tc import (CONFIGS, STAGE_K, TC_DEQUANT_MIN_ROWS, WG_CONFIGS,
                                        tc_config, tc_matmul, tc_repack, tc_stages_per_split, wg_builds, wg_config,
-                                       wg_matmul)
+                                       wg_matmul, wg_takes)
 
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
@@ -76,7 +76,7 @@ def main() -> None:
             used, t_mma = cfg.name, None
             if m >= TC_DEQUANT_MIN_ROWS:
                 used = "dequantize + cuBLAS"
-            elif wg and m >= WG_MIN_ROWS:
+            elif wg_takes(m, torch.device("cuda", 0)):
                 used, t_mma = wg_config(m).name, time_tc(cfg=cfg)
             mma = f" (mma.sync {cfg.name}: {t_mma:.1f} us)" if t_mma else ""
             print(f"{name:8s} {m:4d} {t_tc:7.1f} {gbs:6.0f} {t_tri:9.1f} {t_16:8.1f} {t_tri / t_tc:9.2f} "

@@ -234,7 +234,7 @@ def tc_matmul(x: torch.Tensor, w: TcWeights, bias: torch.Tensor | None = None, *
         dense = tc_dequantize(w)
         out = torch.matmul(x2, dense) if bias is None else torch.addmm(bias.to(x.dtype), x2, dense)
         return out.view(*x.shape[:-1], w.n)
-    if cfg is None and splits is None and m >= WG_MIN_ROWS and wg_builds(x.device):
+    if cfg is None and splits is None and wg_takes(m, x.device):
         return wg_matmul(x2, w, bias).view(*x.shape[:-1], w.n)
     out = torch.empty(m, w.n, dtype=torch.float16, device=x.device)
     if m == 0:
@@ -242,17 +242,26 @@ def tc_matmul(x: torch.Tensor, w: TcWeights, bias: torch.Tensor | None = None, *
     cfg = cfg or tc_config(m, w.n, w.k)
     if w.n % cfg.n_tile:
         raise ValueError(f"N = {w.n} is not a multiple of the {cfg.n_tile}-column tile of {cfg.name}")
-    n_tiles, m_tiles = w.n // cfg.n_tile, cdiv(m, 8 * cfg.m8)
-    per_split = tc_stages_per_split(n_tiles * m_tiles, w.k, sm_count(x.device), cfg.target_per_sm, splits)
+    tiles = (w.n // cfg.n_tile, cdiv(m, 8 * cfg.m8))
+    per_split = tc_stages_per_split(tiles[0] * tiles[1], w.k, sm_count(x.device), cfg.target_per_sm, splits)
+    _launch_tiles(cfg.name, _NAMES, (), x2, w, bias, out, tiles, per_split, 32 * cfg.warps, cfg.shared_bytes())
+    return out.view(*x.shape[:-1], w.n)
+
+
+def _launch_tiles(name: str, names: tuple[str, ...], options: tuple[str, ...], x2: torch.Tensor, w: TcWeights,
+                  bias: torch.Tensor | None, out: torch.Tensor, tiles: tuple[int, int], per_split: int,
+                  threads: int, shared: int) -> None:
+    """Launch kernel ``name`` (either kernel of ``tc_gemm.cu``: they take the same arguments) over
+    ``tiles`` (column tiles, row tiles) and the K splits of ``per_split`` stages each, with the
+    fp32 partials and split counters the splits need."""
     n_splits = cdiv(w.k // STAGE_K, per_split)
-    part = torch.empty(n_splits, m, w.n, dtype=torch.float32, device=x.device) if n_splits > 1 else None
-    counters = split_counters(x.device, n_tiles * m_tiles)
-    shared = cfg.shared_bytes()
-    fn = kernel(SOURCE, cfg.name, _NAMES, device_index(x.device), shared)
-    launch(fn, x.device, (n_tiles, n_splits, m_tiles), (32 * cfg.warps,),
+    m = x2.shape[0]
+    part = torch.empty(n_splits, m, w.n, dtype=torch.float32, device=x2.device) if n_splits > 1 else None
+    counters = split_counters(x2.device, tiles[0] * tiles[1])
+    fn = kernel(SOURCE, name, names, device_index(x2.device), shared, options)
+    launch(fn, x2.device, (tiles[0], n_splits, tiles[1]), (threads,),
            (x2, m, x2.stride(0), w.qw, w.scales, w.zeros, bias, out, out.stride(0), part, counters,
             w.n, w.k, w.group_size // STAGE_K, per_split), shared)
-    return out.view(*x.shape[:-1], w.n)
 
 
 @dataclass(frozen=True)
@@ -281,11 +290,16 @@ _WG_NAMES = tuple(c.name for c in WG_CONFIGS)
 WG_OPTIONS = ("--gpu-architecture=sm_90a", "-DW4A16_REQUIRE_WGMMA")
 
 
-@functools.cache  # asked at every launch of 17-127 rows
+@functools.cache  # asked at every launch of 16-127 rows
 def wg_builds(device: torch.device) -> bool:
     """Whether the warp-group kernels run on ``device``: an sm_90 GPU whose NVRTC builds sm_90a."""
     return (cuda_kernels_available(device) and torch.cuda.get_device_capability(device_index(device)) == (9, 0)
             and compiles(SOURCE, _WG_NAMES, device_index(device), WG_OPTIONS))
+
+
+def wg_takes(m: int, device: torch.device) -> bool:
+    """Whether ``tc_matmul``'s policy runs ``m`` rows on the warp-group kernel."""
+    return WG_MIN_ROWS <= m < TC_DEQUANT_MIN_ROWS and wg_builds(device)
 
 
 def wg_config(m: int) -> WgConfig:
@@ -318,18 +332,12 @@ def wg_matmul(x: torch.Tensor, w: TcWeights, bias: torch.Tensor | None = None, *
     out = torch.empty(m, w.n, dtype=torch.float16, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], w.n)
-    n_tiles, m_tiles = w.n // WG_COLS, cdiv(m, cfg.rows)
+    tiles = (w.n // WG_COLS, cdiv(m, cfg.rows))
+    sms = sm_count(x.device)
     if splits is None:
-        splits = wg_splits(n_tiles * m_tiles, w.k, sm_count(x.device))
-    per_split = tc_stages_per_split(n_tiles * m_tiles, w.k, sm_count(x.device), 0, splits)
-    n_splits = cdiv(w.k // STAGE_K, per_split)
-    part = torch.empty(n_splits, m, w.n, dtype=torch.float32, device=x.device) if n_splits > 1 else None
-    counters = split_counters(x.device, n_tiles * m_tiles)
-    shared = cfg.shared_bytes()
-    fn = kernel(SOURCE, cfg.name, _WG_NAMES, device_index(x.device), shared, WG_OPTIONS)
-    launch(fn, x.device, (n_tiles, n_splits, m_tiles), (128,),
-           (x2, m, x2.stride(0), w.qw, w.scales, w.zeros, bias, out, out.stride(0), part, counters,
-            w.n, w.k, w.group_size // STAGE_K, per_split), shared)
+        splits = wg_splits(tiles[0] * tiles[1], w.k, sms)
+    per_split = tc_stages_per_split(tiles[0] * tiles[1], w.k, sms, 0, splits)
+    _launch_tiles(cfg.name, _WG_NAMES, WG_OPTIONS, x2, w, bias, out, tiles, per_split, 128, cfg.shared_bytes())
     return out.view(*x.shape[:-1], w.n)
 
 

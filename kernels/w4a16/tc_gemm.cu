@@ -442,7 +442,7 @@ w4a16_tc_gemm(const u16* __restrict__ x, int m, int ldx,
 }
 
 // ----------------------------------------------------------------------------------------------
-// Warp-group MMAs (Hopper, sm_90a): the same product for 17-128 rows. One CTA is one warp group
+// Warp-group MMAs (Hopper, sm_90a): the same product for 16-127 rows. One CTA is one warp group
 // (4 warps) and an output tile of 64 columns by ROWS rows of x. The weights enter wgmma as its
 // register A operand: warp w holds columns 16 w .. 16 w + 15 of the tile, and a repacked word is
 // already that warp's A fragment (wgmma's m64 A is four mma.m16n8k16 A fragments, one a warp).
@@ -454,8 +454,8 @@ w4a16_tc_gemm(const u16* __restrict__ x, int m, int ldx,
 // two stages after its wgmmas were issued and the copies run STAGES - 2 stages ahead (waiting
 // for every group instead was 5-30 % slower in bench_w4a16_tc, session 27). Scales multiply the fp16
 // fragments (scale sums would need a wait each group). Compiled only for sm_90a (the arch-
-// specific features), as the W4A16_WGMMA guard says; elsewhere the kernel body is empty and the
-// launcher never picks it.
+// specific features), as the W4A16_WGMMA guard says: the warp-group module (W4A16_REQUIRE_WGMMA)
+// refuses any other target, and the mma.sync module never instantiates this kernel.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define W4A16_WGMMA 1
 #elif defined(W4A16_REQUIRE_WGMMA) && defined(__CUDA_ARCH__)
