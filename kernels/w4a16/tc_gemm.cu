@@ -648,6 +648,9 @@ w4a16_wg_gemm(const u16* __restrict__ x, int m, int ldx,
 #pragma unroll
       for (int e = 0; e < 4; ++e) f(n0 + ca + (e >= 2 ? 8 : 0), 8 * j + 2 * t4 + (e & 1), d[4 * j + e]);
   };
+  // The same end as w4a16_tc_gemm's, written again on purpose: as one shared device function it
+  // changed the mma.sync kernels' main-loop code (+24 SASS instructions from other if-conversion,
+  // nvcc 13), which is not to land without a GPU A/B.
   const int rows_here = imin(ROWS, m - m0);
   if (splits == 1) {
     each_sum([&](int nn, int r, float v) {
