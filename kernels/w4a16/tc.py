@@ -227,7 +227,8 @@ def _rows(x: torch.Tensor, w: TcWeights, bias: torch.Tensor | None) -> tuple[tor
 def tc_matmul(x: torch.Tensor, w: TcWeights, bias: torch.Tensor | None = None, *, cfg: TcConfig | None = None,
               splits: int | None = None, dequant: bool | None = None) -> torch.Tensor:
     """``x [..., K] @ W + bias`` -> [..., N] fp16, W in the tensor-core layout. The keywords are
-    for tuning and tests: the instance, the K splits, and whether to take the dense-weight path."""
+    for tuning and tests: the ``mma.sync`` instance and the K splits (either keeps that kernel
+    where the policy would take the warp-group one), and whether to take the dense-weight path."""
     x2, bias = _rows(x, w, bias)
     m = x2.shape[0]
     if dequant if dequant is not None else m >= TC_DEQUANT_MIN_ROWS:
