@@ -10,6 +10,7 @@ the process's kernel mode (``_triton.set_kernel_mode``) is ``triton`` or ``ref``
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import warnings
@@ -28,6 +29,11 @@ try:
 except Exception:  # noqa: BLE001 - not installed, or no CUDA driver for it: the kernels stay off
     cupy = None
     HAS_CUPY = False
+
+try:  # the driver API's cuLaunchKernelEx, for launch attributes cupy's kernels do not take
+    from cuda.bindings import driver as cu_driver
+except Exception:  # noqa: BLE001 - cuda-python not installed: launches without attributes
+    cu_driver = None
 
 MIN_CAPABILITY = (8, 0)
 logger = logging.getLogger(__name__)
@@ -153,21 +159,57 @@ def _external_stream(index: int, handle: int) -> Any:
 
 
 def launch(fn: Any, device: torch.device, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...],
-           shared_bytes: int = 0) -> None:
+           shared_bytes: int = 0, pdl: bool = False) -> None:
     """Launch ``fn`` on ``device``'s current torch stream. ``args``: tensors (passed as their data
-    pointers), Python ints (as C ``int``) and None (a null pointer)."""
+    pointers), Python ints (as C ``int``) and None (a null pointer).
+
+    ``pdl``: programmatic dependent launch where the GPU (sm_90) and cuda-python allow it: the
+    kernel may start while the one before it on the stream still runs, and must itself wait
+    (``griddepcontrol.wait``) before reading what that kernel writes."""
     index = device_index(device)
-    c_args = tuple(_c_arg(a) for a in args)
-    stream = _external_stream(index, torch.cuda.current_stream(device).cuda_stream)
-    with cupy.cuda.Device(index), stream:
-        fn(grid, block, c_args, shared_mem=shared_bytes)
+    values = tuple(_arg(a) for a in args)
+    handle = torch.cuda.current_stream(device).cuda_stream
+    with cupy.cuda.Device(index):
+        if pdl and _pdl_ok(index):
+            _launch_pdl(fn, grid, block, values, shared_bytes, handle)
+            return
+        c_args = tuple(np.uint64(v) if ptr else np.int32(v) for v, ptr in values)
+        with _external_stream(index, handle):
+            fn(grid, block, c_args, shared_mem=shared_bytes)
 
 
-def _c_arg(a: Any) -> Any:
+@functools.cache
+def _pdl_ok(index: int) -> bool:
+    return cu_driver is not None and torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def _launch_pdl(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], values: tuple[tuple[int, bool], ...],
+                shared_bytes: int, stream: int) -> None:
+    cfg = cu_driver.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (*grid, 1, 1)[:3]
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = (*block, 1, 1)[:3]
+    cfg.sharedMemBytes = shared_bytes
+    cfg.hStream = cu_driver.CUstream(stream)
+    attr = cu_driver.CUlaunchAttribute()
+    attr.id = cu_driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    params = (tuple(v for v, _ in values), tuple(ctypes.c_void_p if ptr else ctypes.c_int for _, ptr in values))
+    # a RawKernel (cupy's NVRTC route) holds its CUfunction in .kernel; a Function (a module
+    # loaded from a cubin) is one
+    handle = getattr(fn, "kernel", fn).ptr
+    (err,) = cu_driver.cuLaunchKernelEx(cfg, cu_driver.CUfunction(handle), params, 0)
+    if err != cu_driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuLaunchKernelEx failed: {err}")
+
+
+def _arg(a: Any) -> tuple[int, bool]:
+    """A kernel argument as (value, is a pointer)."""
     if isinstance(a, torch.Tensor):
-        return np.uint64(a.data_ptr())
+        return a.data_ptr(), True
     if a is None:
-        return np.uint64(0)
+        return 0, True
     if isinstance(a, bool) or not isinstance(a, int):
         raise TypeError(f"CUDA kernel arguments are tensors, ints or None, got {type(a).__name__}")
-    return np.int32(a)
+    return a, False

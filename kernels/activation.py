@@ -5,7 +5,7 @@
 import torch
 import torch.nn.functional as F
 
-from ._triton import FLOAT_DTYPES, cdiv, jit, row_and_cols, tl, triton_takes
+from ._triton import FLOAT_DTYPES, cdiv, gdc_launch_dependents, jit, pdl_trigger, row_and_cols, tl, triton_takes
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -17,9 +17,11 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 @jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_out, inter_size,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL_TRIGGER: tl.constexpr = False,
 ):
     # Grid: (rows, cdiv(I, BLOCK)); each program gates BLOCK columns of one row.
+    if PDL_TRIGGER:  # the down projection may start fetching its weights (_triton.pdl_trigger)
+        gdc_launch_dependents()
     row, cols = row_and_cols(BLOCK)
     mask = cols < inter_size
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -43,7 +45,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         block = 1024
         grid = (x2.shape[0], cdiv(inter, block))
         _silu_and_mul_kernel[grid](
-            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, PDL_TRIGGER=pdl_trigger(x2), num_warps=4
         )
     return out.view(*x.shape[:-1], inter)
 

@@ -4,7 +4,7 @@
 
 import torch
 
-from ._triton import FLOAT_DTYPES, next_pow2, tl, jit, triton_takes
+from ._triton import FLOAT_DTYPES, gdc_launch_dependents, jit, next_pow2, pdl_trigger, tl, triton_takes
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,9 +71,11 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_res, stride_out, stride_res_out,
     hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL_TRIGGER: tl.constexpr = False,
 ):
     # Grid: (rows,); one program normalizes one whole row (BLOCK >= hidden), so one read of x.
+    if PDL_TRIGGER:  # the GEMV after this norm may start fetching its weights (_triton.pdl_trigger)
+        gdc_launch_dependents()
     row, cols, mask, y = normed_row(x_ptr, res_ptr, w_ptr, res_out_ptr, stride_x, stride_res, stride_res_out,
                                      hidden, eps, HAS_RESIDUAL, BLOCK)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -118,7 +120,7 @@ def _launch(
             x2, r2, w, out, res_out,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
             hidden, float(eps),
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=row_warps(block),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, PDL_TRIGGER=pdl_trigger(x2), num_warps=row_warps(block),
         )
     out = out.view(x.shape)
     return out, (res_out.view(x.shape) if residual is not None else None)

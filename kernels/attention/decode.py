@@ -3,7 +3,7 @@ partitions of each sequence's keys, and the kernel that merges a split sequence'
 
 # No ``from __future__ import annotations``: Triton reads ``tl.constexpr`` annotations as objects.
 
-from .._triton import jit, tl
+from .._triton import gdc_launch_dependents, jit, tl
 from .decode_quant import _decode_quant
 from .tiles import _decode_slice, _tile_step
 
@@ -134,9 +134,11 @@ def _decode_reduce_kernel(
     stride_plb, stride_plh,
     stride_ot, stride_oh,
     grid_parts, min_part, window, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
-    WINDOW: tl.constexpr, HEAD_PAD: tl.constexpr,
+    WINDOW: tl.constexpr, HEAD_PAD: tl.constexpr, PDL_TRIGGER: tl.constexpr = False,
 ):
     # Grid: (H, B). Merge a sequence's partitions: out = sum_p w_p o_p / sum_p w_p, w_p = 2^(lse_p - max).
+    if PDL_TRIGGER:  # o_proj's GEMV may start fetching its weights (_triton.pdl_trigger)
+        gdc_launch_dependents()
     head = tl.program_id(0)
     seq = tl.program_id(1)
     seqlen = tl.load(seqlens_k_ptr + seq)

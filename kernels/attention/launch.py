@@ -4,7 +4,7 @@ it; ``paged_attention`` sends CUDA tensors here and the rest to the reference.""
 
 import torch
 
-from .._triton import FLOAT_DTYPES, TRITON_INTERPRETED, cdiv, kernel_mode, next_pow2, triton_takes
+from .._triton import FLOAT_DTYPES, TRITON_INTERPRETED, cdiv, kernel_mode, next_pow2, pdl_trigger, triton_takes
 from ..kv_centres import KeyCentres
 from ..kv_layout import CENTRE_GROUP, SCALE_DTYPE
 from ..kv_quant import cache_bits
@@ -220,7 +220,7 @@ def paged_attention_triton(
                 part_out, part_lse, cu_seqlens_q, seqlens_k, out,
                 *po_strides, *pl_strides, out.stride(0), out.stride(1), num_parts, min_part, mods[1],
                 HEAD_DIM=head_dim, BLOCK_N=bn, BLOCK_P=min(next_pow2(num_parts), 16), WINDOW=windowed,
-                HEAD_PAD=head_pad, num_warps=4,
+                HEAD_PAD=head_pad, PDL_TRIGGER=pdl_trigger(out), num_warps=4,
             )
         return out
 

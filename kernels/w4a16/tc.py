@@ -225,10 +225,12 @@ def _rows(x: torch.Tensor, w: TcWeights, bias: torch.Tensor | None) -> tuple[tor
 
 
 def tc_matmul(x: torch.Tensor, w: TcWeights, bias: torch.Tensor | None = None, *, cfg: TcConfig | None = None,
-              splits: int | None = None, dequant: bool | None = None) -> torch.Tensor:
+              splits: int | None = None, dequant: bool | None = None, pdl: bool = True) -> torch.Tensor:
     """``x [..., K] @ W + bias`` -> [..., N] fp16, W in the tensor-core layout. The keywords are
     for tuning and tests: the ``mma.sync`` instance and the K splits (either keeps that kernel
-    where the policy would take the warp-group one), and whether to take the dense-weight path."""
+    where the policy would take the warp-group one), whether to take the dense-weight path, and
+    whether to launch the mma.sync kernel with programmatic dependent launch (the weights of its
+    first stages are then requested while the kernel before still runs; ``_cuda.launch``)."""
     x2, bias = _rows(x, w, bias)
     m = x2.shape[0]
     if dequant if dequant is not None else m >= TC_DEQUANT_MIN_ROWS:
@@ -245,13 +247,14 @@ def tc_matmul(x: torch.Tensor, w: TcWeights, bias: torch.Tensor | None = None, *
         raise ValueError(f"N = {w.n} is not a multiple of the {cfg.n_tile}-column tile of {cfg.name}")
     tiles = (w.n // cfg.n_tile, cdiv(m, 8 * cfg.m8))
     per_split = tc_stages_per_split(tiles[0] * tiles[1], w.k, sm_count(x.device), cfg.target_per_sm, splits)
-    _launch_tiles(cfg.name, _NAMES, (), x2, w, bias, out, tiles, per_split, 32 * cfg.warps, cfg.shared_bytes())
+    _launch_tiles(cfg.name, _NAMES, (), x2, w, bias, out, tiles, per_split, 32 * cfg.warps, cfg.shared_bytes(),
+                  pdl=pdl)
     return out.view(*x.shape[:-1], w.n)
 
 
 def _launch_tiles(name: str, names: tuple[str, ...], options: tuple[str, ...], x2: torch.Tensor, w: TcWeights,
                   bias: torch.Tensor | None, out: torch.Tensor, tiles: tuple[int, int], per_split: int,
-                  threads: int, shared: int) -> None:
+                  threads: int, shared: int, pdl: bool = False) -> None:
     """Launch kernel ``name`` (either kernel of ``tc_gemm.cu``: they take the same arguments) over
     ``tiles`` (column tiles, row tiles) and the K splits of ``per_split`` stages each, with the
     fp32 partials and split counters the splits need."""
@@ -262,7 +265,7 @@ def _launch_tiles(name: str, names: tuple[str, ...], options: tuple[str, ...], x
     fn = kernel(SOURCE, name, names, device_index(x2.device), shared, options)
     launch(fn, x2.device, (tiles[0], n_splits, tiles[1]), (threads,),
            (x2, m, x2.stride(0), w.qw, w.scales, w.zeros, bias, out, out.stride(0), part, counters,
-            w.n, w.k, w.group_size // STAGE_K, per_split), shared)
+            w.n, w.k, w.group_size // STAGE_K, per_split), shared, pdl=pdl)
 
 
 @dataclass(frozen=True)

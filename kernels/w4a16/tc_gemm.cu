@@ -84,6 +84,19 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
+// Programmatic dependent launch (sm_90): wait for the grids this one depends on (their writes
+// visible); let dependents launch. Both are no-ops for a kernel launched without the attribute.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependents_may_launch() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
+}
+
 __device__ __forceinline__ void ldmatrix_x4(u32 r[4], u32 addr) {  // addr: shared (smem_addr)
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
@@ -266,20 +279,14 @@ w4a16_tc_gemm(const u16* __restrict__ x, int m, int ldx,
     const int i = tid + r * THREADS, row = i / (STAGE_K / 8), c = i % (STAGE_K / 8);
     xdst[r] = W_BYTES + (row * X_ROW + c * 8) * 2;
   }
-  auto load_stage = [&](int slot) {
+  // A stage's copies in two parts: what no earlier kernel writes (weights, scales, zeros) and x,
+  // which the kernel before this one may still be writing (see the prologue).
+  auto load_weights = [&](int slot) {
     const u32 base = sbase + slot * STAGE_BYTES;
 #pragma unroll
     for (int r = 0; r < (W_CHUNKS + THREADS - 1) / THREADS; ++r)
       if (W_CHUNKS % THREADS == 0 || tid + r * THREADS < W_CHUNKS)
         cp_async16(base + (tid + r * THREADS) * 16, wsrc + r * THREADS, true);
-#pragma unroll
-    for (int r = 0; r < XPT; ++r) {
-      // ldmatrix reads every row, so rows past m are zero-filled; with one 8-row group a warp the
-      // lanes of rows past m read nothing (b = 0 below), so those rows are left alone.
-      if ((X_CHUNKS % THREADS == 0 || tid + r * THREADS < X_CHUNKS) && (MW > 1 || xok[r]))
-        cp_async16(base + xdst[r], xsrc[r], xok[r]);
-      xsrc[r] += xok[r] ? STAGE_K : 0;
-    }
     if (tid < S_CHUNKS) cp_async16(base + W_BYTES + X_BYTES + tid * 16, ssrc, true);
     if (tid < Z_CHUNKS) cp_async16(base + W_BYTES + X_BYTES + S_BYTES + tid * 16, zsrc, true);
     wsrc += w_stride;
@@ -288,6 +295,21 @@ w4a16_tc_gemm(const u16* __restrict__ x, int m, int ldx,
       ssrc += n;
       zsrc += n;
     }
+  };
+  auto load_x = [&](int slot) {
+    const u32 base = sbase + slot * STAGE_BYTES;
+#pragma unroll
+    for (int r = 0; r < XPT; ++r) {
+      // ldmatrix reads every row, so rows past m are zero-filled; with one 8-row group a warp the
+      // lanes of rows past m read nothing (b = 0 below), so those rows are left alone.
+      if ((X_CHUNKS % THREADS == 0 || tid + r * THREADS < X_CHUNKS) && (MW > 1 || xok[r]))
+        cp_async16(base + xdst[r], xsrc[r], xok[r]);
+      xsrc[r] += xok[r] ? STAGE_K : 0;
+    }
+  };
+  auto load_stage = [&](int slot) {
+    load_weights(slot);
+    load_x(slot);
   };
 
   float acc[NW][MW][4];
@@ -302,9 +324,18 @@ w4a16_tc_gemm(const u16* __restrict__ x, int m, int ldx,
         if constexpr (SCALE_SUMS) grp[j][i][e] = 0.f;
       }
 
+  // Prologue. Launched with programmatic dependent launch (``_cuda.launch(pdl=True)``), this CTA
+  // may start while the kernel before it still runs: the weights of the first stages are
+  // requested before waiting for that kernel, x after. The first commit group then holds every
+  // prologue weight copy and stage 0's x, the next ones one stage's x each, so waiting for group
+  // s still means stage s has landed. Without such a launch the wait returns at once.
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < iters) load_weights(s);
+  grid_dependency_wait();
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < iters) load_stage(s);
+    if (s < iters) load_x(s);
     cp_async_commit();
   }
 
@@ -406,6 +437,7 @@ w4a16_tc_gemm(const u16* __restrict__ x, int m, int ldx,
     }
   }
   cp_async_wait<0>();
+  grid_dependents_may_launch();  // this CTA reads nothing more: a dependent kernel may start
 
   // acc[j][i][e] is out^T's row n = tile * 16 + g4 (+8 for e >= 2) and column (this CTA's row)
   // r = row0 + i * 8 + 2 * t4 + (e & 1): ``each_sum(f)`` calls f(n, r, sum) for all of them.
