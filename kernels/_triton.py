@@ -53,9 +53,9 @@ def _interpreted() -> bool:
 TRITON_INTERPRETED = _interpreted()
 
 try:  # grid dependency control (Hopper's programmatic dependent launch), Triton 3.3+
-    from triton.language.extra.cuda import gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except Exception:  # noqa: BLE001 - an older Triton, or none
-    gdc_launch_dependents = None
+    gdc_launch_dependents = gdc_wait = None
 
 
 @functools.cache
@@ -66,8 +66,9 @@ def _hopper_or_later(index: int) -> bool:
 def pdl_trigger(t: torch.Tensor) -> bool:
     """Whether a kernel working on ``t`` should call ``gdc_launch_dependents`` first (its
     ``PDL_TRIGGER``): on Hopper or later, compiled (not interpreted), with a Triton that has it.
-    The call lets a kernel launched after it with programmatic dependent launch (the tensor-core
-    W4A16 GEMV, ``_cuda.launch(pdl=True)``) start and request its weights while this one runs;
+    The call lets a kernel launched after it with programmatic dependent launch (the one-row
+    GEMVs: the tensor-core W4A16 one, ``_cuda.launch(pdl=True)``, and the fp16 one,
+    ``gemv.gemv_triton``) start and request its weights while this one runs;
     that kernel waits (``griddepcontrol.wait``) for this one's writes before it reads them. With
     any other successor the call changes nothing."""
     return (gdc_launch_dependents is not None and not TRITON_INTERPRETED and t.is_cuda

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ._triton import FLOAT_DTYPES, cdiv, jit, next_pow2, tl, triton_takes
+from ._triton import FLOAT_DTYPES, cdiv, gdc_wait, jit, next_pow2, pdl_trigger, tl, triton_takes
 from .lora import LoRASegments, lora_expand
 
 MAX_ROWS = 4  # rows of x the kernel takes
@@ -55,13 +55,21 @@ def _gemv_kernel(
     K, N, stride_xm, stride_wn, stride_om,
     slot_ptr, low_ptr, lb_ptr, stride_low_split, stride_lb_slot, bound1, bound2,
     M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    LORA_SPLITS: tl.constexpr, LORA_RANK: tl.constexpr,
+    LORA_SPLITS: tl.constexpr, LORA_RANK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # Grid: (cdiv(N, BLOCK_N),). One program: BLOCK_N output features for all M rows.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    k_start = 0
+    if PDL:  # launched with programmatic dependent launch (gemv_triton): the kernel before may
+        # still run. Its first weight slice (which nothing before writes) is requested now; x,
+        # which that kernel writes, is read only after it has finished (gdc_wait).
+        tl.static_assert(M == 1 and LORA_SPLITS == 0, "the PDL prologue is written for one row, no LoRA")
+        w_first = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+        gdc_wait()
+        k_start = BLOCK_K
     if LORA_SPLITS > 0:  # one row's LoRA delta (its low-rank row times these columns' B rows), read
         # before the weights stream so that its loads' latency hides behind theirs
         slot = tl.load(slot_ptr)
@@ -78,7 +86,10 @@ def _gemv_kernel(
     acc1 = tl.zeros([BLOCK_N], tl.float32)
     acc2 = tl.zeros([BLOCK_N], tl.float32)
     acc3 = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if PDL:  # the first slice, peeled (one row: PDL is not taken for more)
+        x0 = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        acc0 += tl.sum(w_first * x0[None, :], 1)
+    for k0 in range(k_start, K, BLOCK_K):
         kk = k0 + k
         k_mask = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
@@ -130,6 +141,9 @@ def gemv_triton(
         weight = weight.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     lora_args, splits, rank = (x, x, x, 0, 0, n, n), 0, 16
+    # Programmatic dependent launch (Hopper): one row without a LoRA delta (whose partials the
+    # shrink kernel just before writes), where the norm / SiLU / merge kernels before it trigger.
+    pdl = m == 1 and lora is None and pdl_trigger(x)
     if lora is not None:
         assert m == 1 and lora.b.shape[1] == n, "a GEMV LoRA epilogue takes one row and the linear's outputs"
         bounds = [n, n]
@@ -141,7 +155,8 @@ def gemv_triton(
         x, weight, bias if bias is not None else x, out,
         k_dim, n, x.stride(0), weight.stride(0), out.stride(0), *lora_args,
         M=m, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(k_dim)),
-        LORA_SPLITS=splits, LORA_RANK=rank, num_warps=num_warps, num_stages=num_stages,
+        LORA_SPLITS=splits, LORA_RANK=rank, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out
 
