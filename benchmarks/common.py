@@ -29,15 +29,21 @@ def gpu_name() -> str:
 
 
 def commit() -> str | None:
-    """$CONVEYOR_COMMIT (set where .git is absent, e.g. on a device machine), else git's short HEAD."""
+    """$CONVEYOR_COMMIT (set where .git is absent, e.g. on a device machine), else git's short
+    HEAD, with ``-dirty`` when tracked files differ from it: a copy of a working tree can carry an
+    older .git (the device machine's did: its records named the session's first commit while the
+    code was two commits on), and a record must not claim a commit whose code it did not run."""
     env = os.environ.get("CONVEYOR_COMMIT")
     if env:
         return env
+    here = Path(__file__).parent
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).parent).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=here).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True, cwd=here).returncode
     except (OSError, subprocess.CalledProcessError):
         return None
+    return f"{head}-dirty" if dirty else head
 
 
 def command_line() -> str:
