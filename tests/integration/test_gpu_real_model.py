@@ -2,14 +2,21 @@
 
 Greedy tokens from the engine (bf16, CUDA graphs on) are checked against transformers on the same
 GPU in bf16: teacher-forced on the prompt plus our tokens, every token we chose must be in its
-top 5 at that position, and most prompts must give the same greedy text. Graph replay must
-give exactly the tokens of the same padded batch run eagerly (same kernels, same shapes).
+top 5 at that position, and where our greedy text parts from transformers' own, it must part at
+a near tie: transformers' logit for its token at most NEAR_TIE_STEPS bf16 steps above its logit
+for ours. (A count of prompts with the same text is no criterion in bf16: logits of 16-40 are
+held in steps of 0.125-0.25, and on the CPU the engine's bf16 path and transformers' part on 6 of
+these 10 prompts, every time within 3 steps; once transformers' own incremental pass chose a
+token its full pass ranks lower.) Graph replay must give exactly the tokens of the same padded
+batch run eagerly (same kernels, same shapes).
 
 One test runs on any machine (CPU included): the padded static-buffer decode path, without
 graphs, gives the same tokens as the plain eager path.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -23,6 +30,7 @@ from chat_prompts import PROMPTS as ALL_PROMPTS
 PROMPTS = ALL_PROMPTS[:10]
 MAX_NEW = 32
 TOP_K = 5
+NEAR_TIE_STEPS = 4  # bf16 steps (the spacing of values at the top logit's magnitude)
 
 
 def _token(out) -> list[int]:
@@ -72,7 +80,7 @@ def test_greedy_tokens_within_hf_top5(gpu_engine, smollm2_dir, tokenizer, prompt
 
     ours = generate(gpu_engine, prompt_ids)
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).cuda().eval()
-    same_text, parted = 0, []
+    parted = []
     for n, (prompt, tokens) in enumerate(zip(prompt_ids, ours)):
         assert len(tokens) == MAX_NEW
         ids = torch.tensor([prompt + tokens], device="cuda")
@@ -90,13 +98,14 @@ def test_greedy_tokens_within_hf_top5(gpu_engine, smollm2_dir, tokenizer, prompt
                 nxt = int(o.logits[0, -1].argmax())
                 hf_tokens.append(nxt)
                 cur = torch.tensor([[nxt]], device="cuda")
-        if tokenizer.decode(hf_tokens) == tokenizer.decode(tokens):
-            same_text += 1
-        else:  # where the texts part, and by how much HF preferred its token there
+        if tokenizer.decode(hf_tokens) != tokenizer.decode(tokens):
             i = next(j for j, (a, b) in enumerate(zip(hf_tokens, tokens)) if a != b)
             margin = float(logits[i, hf_tokens[i]] - logits[i, tokens[i]])
-            parted.append(f"prompt {n}: token {i}, HF's margin {margin:.3f}")
-    assert same_text >= 6, f"only {same_text}/10 prompts gave HF's greedy text; parted at {parted}"
+            step = 2.0 ** (math.floor(math.log2(float(logits[i].abs().max()))) - 7)  # bf16's spacing there
+            parted.append((n, i, margin, margin / step))
+    far = [p for p in parted if p[3] > NEAR_TIE_STEPS]
+    assert not far, (f"greedy texts part from HF's away from a near tie (prompt, token, HF's margin, in bf16 "
+                     f"steps): {far}; all partings: {parted}")
 
 
 @pytest.mark.gpu
