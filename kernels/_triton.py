@@ -60,7 +60,8 @@ except Exception:  # noqa: BLE001 - an older Triton, or none
 
 @functools.cache
 def _hopper_or_later(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+    # an NVIDIA GPU of sm_90 or later (ROCm reports its gfx version as the capability)
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def pdl_trigger(t: torch.Tensor) -> bool:
