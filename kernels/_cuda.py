@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._triton import kernel_mode
+from ._triton import hopper_or_later, kernel_mode
 
 try:
     import cupy
@@ -180,7 +180,7 @@ def launch(fn: Any, device: torch.device, grid: tuple[int, ...], block: tuple[in
 
 @functools.cache
 def _pdl_ok(index: int) -> bool:
-    return cu_driver is not None and torch.cuda.get_device_capability(index) >= (9, 0)
+    return cu_driver is not None and hopper_or_later(index)
 
 
 def _launch_pdl(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], values: tuple[tuple[int, bool], ...],

@@ -59,8 +59,9 @@ except Exception:  # noqa: BLE001 - an older Triton, or none
 
 
 @functools.cache
-def _hopper_or_later(index: int) -> bool:
-    # an NVIDIA GPU of sm_90 or later (ROCm reports its gfx version as the capability)
+def hopper_or_later(index: int) -> bool:
+    """Whether CUDA device ``index`` is an NVIDIA GPU of sm_90 or later (ROCm reports its gfx
+    version as the capability): where programmatic dependent launch exists."""
     return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
 
 
@@ -73,7 +74,7 @@ def pdl_trigger(t: torch.Tensor) -> bool:
     that kernel waits (``griddepcontrol.wait``) for this one's writes before it reads them. With
     any other successor the call changes nothing."""
     return (gdc_launch_dependents is not None and not TRITON_INTERPRETED and t.is_cuda
-            and _hopper_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device()))
+            and hopper_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device()))
 
 
 def _patch_interpreter_scalar_index() -> None:

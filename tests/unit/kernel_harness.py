@@ -1,5 +1,6 @@
 """What the kernel test files share: error measures, the markers that split interpreter and GPU
-cases, and the run of a file's interpreter cases in a child. Their fixtures (``seed``,
+cases, the run of a file's interpreter cases in a child, and the check of a one-row product
+started early by the norm before it. Their fixtures (``seed``,
 ``poisoned_empty``, ``forced``) are in conftest.py.
 
 Importing this module skips the importing test file where Triton is not installed. Whether Triton
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -55,3 +57,35 @@ def run_interpreter_cases_in_child(test_file: str) -> None:
     assert proc.returncode == 0, f"interpreter cases failed in the child:\n{tail}"
     summary = proc.stdout.strip().splitlines()[-1]
     assert " passed" in summary, f"the child ran no case:\n{tail}"
+
+
+def check_after_the_norm(matmul: Callable[[torch.Tensor], torch.Tensor],
+                         reference: Callable[[torch.Tensor], torch.Tensor], k: int, gen: torch.Generator,
+                         tol: float) -> None:
+    """A one-row product right after the residual add + RMSNorm that makes its input, as in a
+    decode step. On Hopper the norm lets the product launch at once (``gdc_launch_dependents``)
+    and the product, launched with programmatic dependent launch, fetches weights before it
+    waits for the norm: eager, then replayed five times from one CUDA graph with new inputs,
+    each result must be ``reference`` of that step's normed x."""
+    from conveyor.kernels.rms_norm import add_rms_norm_triton
+
+    norm_w = (torch.rand(k, generator=gen) + 0.5).half().cuda()
+    h, res = (torch.randn(1, k, generator=gen).half().cuda() for _ in range(2))
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        x, _ = add_rms_norm_triton(h, res, norm_w, 1e-5)
+        return x, matmul(x)
+
+    def check(x: torch.Tensor, out: torch.Tensor) -> None:
+        ref = reference(x)
+        assert_close(out.to(ref.dtype), ref, tol)
+
+    check(*step())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x, out = step()
+    for _ in range(5):
+        h.copy_(torch.randn(1, k, generator=gen).half())
+        graph.replay()
+        torch.cuda.synchronize()
+        check(x, out)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 # kernel_harness first: where Triton is missing, importing it skips this file.
-from kernel_harness import assert_close, compiled_gpu, gpu, interp, run_interpreter_cases_in_child
+from kernel_harness import assert_close, check_after_the_norm, compiled_gpu, gpu, interp, run_interpreter_cases_in_child
 from conveyor.kernels._triton import TRITON_INTERPRETED, set_kernel_mode
 from conveyor.kernels.activation import silu_and_mul, silu_and_mul_ref
 from conveyor.kernels.attention import (
@@ -458,31 +458,13 @@ def test_dispatch_picks_triton_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 @compiled_gpu
 @pytest.mark.parametrize("k_in", [4096, 11008, 1000], ids=["k4096", "k11008", "k1000"])
 def test_a_gemv_started_early_by_the_norm_before_it_reads_the_norm_s_output(k_in: int) -> None:
-    """On Hopper the norm lets the one-row GEMV after it launch at once and the GEMV (launched
-    with programmatic dependent launch) requests its first weight slice, then waits for the norm
-    before it reads x: eager and replayed from a CUDA graph, each result is that of this x. K
-    below one slice (1000) leaves the loop after the peeled slice empty."""
+    """The fp16 one-row GEMV requests its first weight slice before it waits for the norm
+    (``check_after_the_norm``). K below one slice (1000) leaves the loop after the peeled slice
+    empty."""
     gen = torch.Generator().manual_seed(k_in)
-    dev = "cuda"
-    norm_w = (torch.rand(k_in, generator=gen) + 0.5).half().to(dev)
-    w = (torch.randn(12288, k_in, generator=gen) * 0.02).half().to(dev)
-    h, res = (torch.randn(1, k_in, generator=gen).half().to(dev) for _ in range(2))
+    w = (torch.randn(12288, k_in, generator=gen) * 0.02).half().cuda()
+    check_after_the_norm(lambda x: gemv(x, w), lambda x: gemv_ref(x, w), k_in, gen, GPU_TOL[torch.float16])
 
-    def step() -> tuple[torch.Tensor, torch.Tensor]:
-        x, _ = add_rms_norm(h, res, norm_w, 1e-5)
-        return x, gemv(x, w)
-
-    x, out = step()
-    torch.cuda.synchronize()
-    assert_close(out, gemv_ref(x, w), GPU_TOL[torch.float16])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        x, out = step()
-    for _ in range(5):
-        h.copy_(torch.randn(1, k_in, generator=gen).half())
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_close(out, gemv_ref(x, w), GPU_TOL[torch.float16])
 
 # (batch, context lengths, H, Hkv, D, block_size)
 GPU_DECODE = {

@@ -27,7 +27,7 @@ from conveyor.kernels.w4a16.tc import (
     wg_config,
     wg_splits,
 )
-from kernel_harness import assert_close, gpu
+from kernel_harness import assert_close, check_after_the_norm, gpu
 
 
 def awq_layer(k: int, n: int, group: int, gen: torch.Generator, device: str = "cpu"):
@@ -304,33 +304,15 @@ def test_dense_weight_path(m: int) -> None:
 @gpu
 @needs_cuda_kernels
 def test_a_gemv_started_early_by_the_norm_before_it_reads_the_norm_s_output() -> None:
-    """On Hopper the norm lets the GEMV after it launch at once (gdc_launch_dependents) and the
-    GEMV, launched with programmatic dependent launch, fetches its weights, then waits for the
-    norm's writes before it reads x: eager and in a CUDA graph, each result is that of this x."""
-    from conveyor.kernels.rms_norm import add_rms_norm_triton
+    """The tensor-core GEMV requests its first stages' weights before it waits for the norm
+    (``check_after_the_norm``)."""
     from conveyor.kernels.w4a16.tc import tc_matmul
 
     gen = torch.Generator().manual_seed(13)
     layer = awq_layer(4096, 12288, 128, gen, "cuda")
     w = tc_repack(*layer, 128)
-    norm_w = (torch.rand(4096, generator=gen) + 0.5).half().cuda()
-    h, res = (torch.randn(1, 4096, generator=gen).half().cuda() for _ in range(2))
-
-    def step() -> tuple[torch.Tensor, torch.Tensor]:
-        x, _ = add_rms_norm_triton(h, res, norm_w, 1e-5)
-        return x, tc_matmul(x, w)
-
-    x, out = step()
-    torch.cuda.synchronize()
-    assert_close(out.float(), w4a16_matmul_ref(x.float(), *layer, 128), 2e-3)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        x, out = step()
-    for _ in range(5):
-        h.copy_(torch.randn(1, 4096, generator=gen).half())
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_close(out.float(), w4a16_matmul_ref(x.float(), *layer, 128), 2e-3)
+    check_after_the_norm(lambda x: tc_matmul(x, w), lambda x: w4a16_matmul_ref(x.float(), *layer, 128), 4096, gen,
+                         2e-3)
 
 
 @gpu
