@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import os
@@ -28,6 +29,7 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+@functools.cache  # one answer a process: record() asks at every case
 def commit() -> str | None:
     """$CONVEYOR_COMMIT (set where .git is absent, e.g. on a device machine), else git's short
     HEAD, with ``-dirty`` when tracked files differ from it: a copy of a working tree can carry an
