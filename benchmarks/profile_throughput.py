@@ -31,6 +31,11 @@ The end of the run prints the timeline in 10 s rows.
 step's wait for its plan, host time building and launching it, and GPU span
 (``engine/rank_timing.py``); the table per rank and step kind is printed at the end and saved in
 the record (``rank_timing``).
+
+``--stack-samples DIR`` samples this process's Python stacks through the timed run
+(``services/stack_sampler.py``, every 5 ms, weighted by wall time) into ``DIR/engine-<pid>.folded``
+and prints the main thread's frames by time (``benchmarks/stack_summary.py``): where the host goes
+in steps whose launch it cannot hide (eager prefill steps), without the profiler's own cost.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ from benchmarks.common import StepTimer, drain, dummy_engine, percentile, random
 from benchmarks.gpu_monitor import GpuMonitor, GpuSample, summary
 from conveyor.engine.rank_timing import alloc_retries, busy_seconds, read_all, table
 from benchmarks.profile_step import kernel_table
+from benchmarks.stack_summary import read_folded, summarize
+from conveyor.services.stack_sampler import StackSampler
 from conveyor.protocol.sampling import SamplingParams
 
 DATA = Path(__file__).resolve().parent / "data" / "sharegpt_shape_3000.jsonl"
@@ -161,6 +168,16 @@ def print_timeline(steps: list[StepSample], t0: float, gpu: Sequence[GpuSample],
     print(f"out tok/s: first {split['split_s']} s {split['out_tok_s_first']:.0f}, the rest {rest}")
 
 
+def print_main_thread_stacks(path: Path, top: int = 25) -> None:
+    """The timed run's stack samples (``--stack-samples``): the engine loop's thread, by frame."""
+    stacks = read_folded(path).get("MainThread")
+    if not stacks:
+        print(f"stack samples: no main-thread samples in {path}")
+        return
+    print(f"stack samples ({path}): main thread, {sum(stacks.values()) / 1e3:.1f} s sampled")
+    print("\n".join(summarize(stacks, top)))
+
+
 def profile_window(text: str) -> tuple[int, int]:
     """``--profile START:COUNT``: the first step to profile and how many (COUNT >= 1)."""
     try:
@@ -194,6 +211,9 @@ def main() -> None:
     ap.add_argument("--profile", type=profile_window, default=None, metavar="START:COUNT",
                     help="profile steps START..START+COUNT (torch.profiler; their kernels, by GPU time, "
                          "go into the record: the run's own numbers then include the profiler's cost)")
+    ap.add_argument("--stack-samples", type=Path, default=None, metavar="DIR",
+                    help="sample this process's Python stacks through the timed run into DIR "
+                         "(services/stack_sampler.py) and print the main thread's frames by wall time")
     args = ap.parse_args()
     window = args.profile
     if args.gpu_sample_s < 0:
@@ -227,6 +247,11 @@ def main() -> None:
     if args.gpu_sample_s > 0:
         monitor.start()
     step_samples: list[StepSample] = []
+    sampler = None
+    if args.stack_samples is not None:
+        args.stack_samples.mkdir(parents=True, exist_ok=True)
+        sampler = StackSampler(args.stack_samples / f"engine-{os.getpid()}.folded")
+        sampler.start()
     t0 = time.perf_counter()
     first: dict[str, float] = {}
     ids = []
@@ -274,6 +299,9 @@ def main() -> None:
                 first.setdefault(o.request_id, now)
     wall = time.perf_counter() - t0
     gpu_samples = monitor.stop()
+    if sampler is not None:
+        sampler.stop()
+        print_main_thread_stacks(sampler.path)
     timer.detach(engine)
     spans = timer.spans
     if torch.cuda.is_available():

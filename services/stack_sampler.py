@@ -64,12 +64,20 @@ class StackSampler(threading.Thread):
         super().__init__(name="stack-sampler", daemon=True)
         self.path, self.interval_s = path, interval_s
         self.ms: Counter[str] = Counter()
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        """Take no more samples, and write those taken (a benchmark's timed run: the samples
+        then cover that run only)."""
+        self._stopped.set()
+        if self.is_alive():
+            self.join()
+        self.write()
 
     def run(self) -> None:
         me = threading.get_ident()
         last = next_write = time.perf_counter()
-        while True:
-            time.sleep(self.interval_s)
+        while not self._stopped.wait(self.interval_s):
             now = time.perf_counter()
             weight_ms, last = (now - last) * 1e3, now
             names = {t.ident: t.name for t in threading.enumerate()}

@@ -57,3 +57,23 @@ def test_sampler_stops_when_its_directory_is_removed(tmp_path, caplog) -> None:
     with caplog.at_level(logging.WARNING):
         assert sampler.write() is False
     assert "sampling stops" in caplog.text
+
+
+def test_a_stopped_sampler_takes_no_more_samples_and_has_written_them(tmp_path, capsys) -> None:
+    """``stop`` (a benchmark's timed run, profile_throughput --stack-samples) ends the sampling
+    thread and writes what it took; profile_throughput prints the main thread's frames from it."""
+    from benchmarks.profile_throughput import print_main_thread_stacks
+
+    sampler = stack_sampler.StackSampler(tmp_path / "engine-1.folded", interval_s=0.005)
+    sampler.start()
+    time.sleep(0.2)
+    sampler.stop()
+    assert not sampler.is_alive()
+    taken = dict(sampler.ms)
+    time.sleep(0.05)
+    assert dict(sampler.ms) == taken and taken
+    stacks = read_folded(sampler.path)
+    assert "MainThread" in stacks and 100 <= sum(stacks["MainThread"].values()) <= 2000
+    print_main_thread_stacks(sampler.path)
+    out = capsys.readouterr().out
+    assert "main thread" in out and "test_a_stopped_sampler" in out
