@@ -6,6 +6,10 @@ time, the summed kernel time, and the top kernels; saves them to results/h100/pr
 Also prints the weight-read floor of a decode step (parameter bytes / measured copy bandwidth).
 
     python -m benchmarks.profile_step --model llama2-7b [--quant-policy 8] [--model-format awq] [--decode-only]
+
+With ``--tp N`` (``--tp-all-reduce``) the model is split over N GPUs and rank 0's GPU is profiled:
+its kernels, and the collectives in which it waits for the other ranks; the floor is then a
+rank's share of the weights.
 """
 
 from __future__ import annotations
@@ -95,11 +99,15 @@ def main() -> None:
     ap.add_argument("--model-format", default=None, choices=[None, "hf", "awq", "smooth_quant"],
                     help="weights: fp16 (hf), W4A16 (awq) or W8A8 (smooth_quant), random, of the same shape")
     ap.add_argument("--decode-only", action="store_true", help="the graph-replayed decode steps only")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs the model is split over")
+    ap.add_argument("--tp-all-reduce", default="nccl", help="EngineConfig.tp_all_reduce (tp > 1)")
     args = ap.parse_args()
+    tp = {"tp": args.tp, "tp_all_reduce": args.tp_all_reduce} if args.tp > 1 else {}
     engine = dummy_engine(args.model, args.dtype, max_batch_size=256, quant_policy=args.quant_policy,
-                          model_format=args.model_format)
+                          model_format=args.model_format, **tp)
     bw = copy_bandwidth()
-    weight_bytes = 2 * param_count(args.model, active=True)  # a MoE step reads k of E experts a token
+    # A MoE step reads k of E experts a token; a tensor-parallel rank its share of the weights.
+    weight_bytes = 2 * param_count(args.model, active=True) / args.tp
     floor_ms = weight_bytes / bw * 1e3
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; decode weight-read floor of fp16 weights {floor_ms:.2f} ms "
           f"({1e3 / floor_ms:.0f} tok/s at batch 1)")
@@ -124,10 +132,13 @@ def main() -> None:
         results.append(profile_steps(engine, "prefill 2048 tokens", 1))
         drain(engine)
     save([record(engine="conveyor", model=args.model, precision=args.dtype, benchmark="profile_step",
-                 quant_policy=args.quant_policy, model_format=args.model_format or "hf", copy_tb_s=bw / 1e12,
+                 quant_policy=args.quant_policy, model_format=args.model_format or "hf", tp=args.tp,
+                 tp_all_reduce=args.tp_all_reduce if args.tp > 1 else None, copy_tb_s=bw / 1e12,
                  decode_floor_ms=floor_ms, steps=results)],
          f"profile_step_{args.model}" + (f"_kv{args.quant_policy}" if args.quant_policy else "")
-         + (f"_{args.model_format}" if args.model_format not in (None, "hf") else ""))
+         + (f"_{args.model_format}" if args.model_format not in (None, "hf") else "")
+         + (f"_tp{args.tp}_{args.tp_all_reduce}" if args.tp > 1 else ""))
+    engine.close()  # a tensor-parallel engine's ranks leave with it
 
 
 if __name__ == "__main__":
