@@ -139,6 +139,10 @@ class FusedNormAllReduce:
         self.buffer = symm_mem.empty(flag_bytes + _FUSED_SLOTS * slot_bytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.buffer, group=name)
         bases = [_peer_address(handle, r, self.buffer) for r in range(self.world)]
+        # The kernel reads a slot's rows as 16-byte vectors (kernels/peer_norm.py says so to Triton).
+        if any((b + flag_bytes) % 16 for b in bases) or slot_bytes % 16:
+            raise RuntimeError(f"fused all-reduce: slots must start on 16-byte boundaries (buffers at "
+                               f"{[hex(b) for b in bases]}, {flag_bytes} bytes of flags, slots of {slot_bytes})")
         # Flags start at 0 on every rank before any rank can signal: zeroed, then a barrier.
         self.buffer[:flag_bytes].zero_()
         torch.cuda.synchronize(device)

@@ -59,6 +59,39 @@ def run_interpreter_cases_in_child(test_file: str) -> None:
     assert " passed" in summary, f"the child ran no case:\n{tail}"
 
 
+_PTX_CHILD = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module, name, signature, constexprs, num_warps, arch = json.loads(sys.argv[1])
+kernel = getattr(__import__(module, fromlist=[name]), name)
+attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items()
+         if t.startswith("*") or t.endswith(":16")}
+signature = {a: t.removesuffix(":16") for a, t in signature.items()}
+src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+sys.stdout.write(triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}).asm["ptx"])
+"""
+
+
+def ptx_of(module: str, kernel: str, signature: dict[str, str], constexprs: dict, num_warps: int,
+           arch: int = 90) -> str:
+    """The PTX Triton makes of ``module.kernel`` for an NVIDIA GPU of compute capability ``arch``,
+    compiled in a child process (this one may run Triton interpreted) and without a GPU: how a
+    kernel's loads and stores come out, which the interpreter cannot show. ``signature`` maps each
+    argument to its Triton type (``"*bf16"``, ``"i32"``, ``"constexpr"``); pointers are taken
+    16-byte aligned, as a launch with torch's allocations specializes them, and an integer typed
+    ``"i32:16"`` a multiple of 16, as a launch specializes such a value."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    arg = json.dumps([module, kernel, signature, constexprs, num_warps, arch])
+    proc = subprocess.run([sys.executable, "-c", _PTX_CHILD, arg], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"compiling {kernel} to PTX failed:\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
 def check_after_the_norm(matmul: Callable[[torch.Tensor], torch.Tensor],
                          reference: Callable[[torch.Tensor], torch.Tensor], k: int, gen: torch.Generator,
                          tol: float) -> None:

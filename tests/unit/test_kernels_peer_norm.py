@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_harness import assert_close, compiled_gpu, gpu, interp, run_interpreter_cases_in_child
+from kernel_harness import assert_close, compiled_gpu, gpu, interp, ptx_of, run_interpreter_cases_in_child
 
 from conveyor.kernels.peer_norm import peer_add_rms_norm_ref, peer_add_rms_norm_triton
 
@@ -54,3 +54,22 @@ def test_gpu_kernel_matches_the_reference(dtype, world, rows, barrier) -> None:
     assert torch.equal(res, ref_res)  # the same roundings in the same order: bitwise
     assert_close(out, ref_out, 2e-3)
     assert int(flags.abs().sum()) == 0  # every flag taken back: the next call starts clean
+
+
+def test_a_peers_row_is_read_sixteen_bytes_at_a_time() -> None:
+    """The peers' rows arrive over NVLink: each thread reads its columns of a bf16 row of 4096 in
+    16-byte vector loads (still volatile: the barrier orders them), not 2-byte ones, which the
+    kernel got while the slot's address, loaded as an integer, had no known alignment (a hidden
+    size that is a multiple of 16, as the launch specializes 4096, keeps every row aligned)."""
+    import re
+
+    ptx = ptx_of("conveyor.kernels.peer_norm", "_peer_add_rms_norm_kernel",
+                 {"slot_ptrs": "*i64", "flag_ptrs": "*i64", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+                  "res_out_ptr": "*bf16", "stride_res": "i32", "stride_out": "i32", "stride_res_out": "i32",
+                  "hidden": "i32:16", "eps": "fp32", "rank": "i32", "WORLD": "constexpr", "BARRIER": "constexpr",
+                  "BLOCK": "constexpr"},
+                 {"WORLD": 2, "BARRIER": True, "BLOCK": 4096}, num_warps=8)
+    peer_loads = re.findall(r"ld\.volatile\.global\.(\S+)", ptx)
+    # 4096 columns x 2 ranks over 256 threads: 32 columns a thread, four 16-byte loads.
+    assert peer_loads and all(width == "v4.b32" for width in peer_loads), peer_loads
+    assert len(peer_loads) == 4
