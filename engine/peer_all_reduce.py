@@ -169,8 +169,24 @@ class FusedNormAllReduce:
     def fits(self, x: torch.Tensor) -> bool:
         """Whether ``x`` (rows of the hidden size) goes through a slot."""
         rows = x.numel() // x.shape[-1] if x.dim() else 0
-        return (x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.device == self.device
-                and 0 < rows <= self.max_rows and x.numel() * x.element_size() <= self.slot_bytes)
+        return self._fits(rows, x.numel() * x.element_size(), x.dtype, x.device)
+
+    def _fits(self, rows: int, nbytes: int, dtype: torch.dtype, device: torch.device) -> bool:
+        return (dtype in (torch.float16, torch.bfloat16, torch.float32) and device == self.device
+                and 0 < rows <= self.max_rows and nbytes <= self.slot_bytes)
+
+    def slot_view(self, slot: int, rows: int, cols: int, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor | None:
+        """Slot ``slot`` as a ``[rows, cols]`` tensor to write this rank's part into (the
+        row-parallel linear's product, no copy after it), or None when that part does not fit."""
+        nbytes = rows * cols * dtype.itemsize
+        if not self._fits(rows, nbytes, dtype, device):
+            return None
+        return self._slots[slot][:nbytes].view(dtype).view(rows, cols)
+
+    def partial(self, slot: int, part: torch.Tensor) -> PartialSum:
+        """The ``PartialSum`` of a part already written into slot ``slot`` (``slot_view``)."""
+        return PartialSum(self, slot, part)
 
     def stage(self, slot: int, part: torch.Tensor) -> PartialSum:
         """Copy this rank's ``part`` into its slot ``slot``."""

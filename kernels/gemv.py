@@ -125,11 +125,12 @@ def _gemv_kernel(
 def gemv_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
     *, block_n: int = 16, block_k: int = 1024, num_warps: int = 8, num_stages: int = 3,
-    lora: GemvLoRA | None = None,
+    lora: GemvLoRA | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton launcher for :func:`gemv_ref` (plus ``lora``'s delta, one row only); the keyword
-    arguments are for tuning (the defaults were the fastest of 39 configurations on an H100 over
-    the Llama-2-7B projections: ``benchmarks/gemv_vs_cublas.py``)."""
+    """Triton launcher for :func:`gemv_ref` (plus ``lora``'s delta, one row only), written into
+    ``out`` ([M, N] of x's dtype, unit stride along N) when given; the keyword arguments are for
+    tuning (the defaults were the fastest of 39 configurations on an H100 over the Llama-2-7B
+    projections: ``benchmarks/gemv_vs_cublas.py``)."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x [M, K], weight [N, K]"
     m, k_dim = x.shape
     n = weight.shape[0]
@@ -139,7 +140,9 @@ def gemv_triton(
         x = x.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.dtype == x.dtype and out.stride(-1) == 1, "out: [M, N] of x's dtype"
     lora_args, splits, rank = (x, x, x, 0, 0, n, n), 0, 16
     # Programmatic dependent launch (Hopper): one row without a LoRA delta (whose partials the
     # shrink kernel just before writes), where the norm / SiLU / merge kernels before it trigger.
@@ -168,21 +171,34 @@ def _problem(x: torch.Tensor, weight: torch.Tensor) -> str | None:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         lora: GemvLoRA | None = None) -> torch.Tensor:
+         lora: GemvLoRA | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` (plus ``lora``'s delta) for ``x`` of 1..MAX_ROWS rows: Triton on
     CUDA, else ``F.linear`` (the layers' own path, so the CPU computes exactly what it did
-    without this kernel) and the LoRA expand."""
+    without this kernel) and the LoRA expand; into ``out`` when given (``linear``'s)."""
     if triton_takes("gemv", (x, weight), _problem, x, weight) and (lora is None or x.shape[0] == 1):
-        return gemv_triton(x, weight, bias, lora=lora)
-    out = F.linear(x, weight, bias)
+        return gemv_triton(x, weight, bias, lora=lora, out=out)
+    y = _dense(x, weight, bias, out)
     if lora is not None:
-        lora_expand(out, lora.partial, lora.b, lora.seg, lora.part_sizes)
-    return out
+        lora_expand(y, lora.partial, lora.b, lora.seg, lora.part_sizes)
+    return y
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``, or the same product written into ``out`` (the same cuBLAS call: ``F.linear``
+    is ``mm`` / ``addmm`` on 2-D inputs)."""
+    if out is None:
+        return F.linear(x, weight, bias)
+    assert x.dim() == 2 and out.shape == (x.shape[0], weight.shape[0]), "out: [M, N] for x [M, K]"
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """The model's ``F.linear``: inputs of up to ``LAYER_ROWS`` rows take :func:`gemv` (the GEMV
-    on the GPU; ``F.linear`` itself elsewhere), larger ones cuBLAS."""
+    on the GPU; ``F.linear`` itself elsewhere), larger ones cuBLAS. ``out`` ([M, N], 2-D ``x``
+    only): the buffer to write the product into (tensor parallel's fused all-reduce slot)."""
     if x.dim() == 2 and x.shape[0] <= LAYER_ROWS:
-        return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
+        return gemv(x, weight, bias, out=out)
+    return _dense(x, weight, bias, out)

@@ -54,9 +54,14 @@ class UnquantizedLinearMethod:
         layer.weight.input_dim = 1
         layer.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
-    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        """Dense matmul; one-row inputs (batch-1 decode) take the GEMV kernel on the GPU."""
-        return linear(x, layer.weight, layer.bias)
+    # ``apply`` can write its product into a given buffer (``out``): a row-parallel layer's into
+    # its slot of tensor parallel's fused all-reduce, without a copy (RowParallelLinear.forward).
+    writes_into = True
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Dense matmul (into ``out``, [rows, out] for 2-D ``x``, when given); one-row inputs
+        (batch-1 decode) take the GEMV kernel on the GPU."""
+        return linear(x, layer.weight, layer.bias, out=out)
 
 
 def _copy_checked(dst: torch.Tensor, src, what: str) -> None:
@@ -143,13 +148,19 @@ class RowParallelLinear(LinearBase):
         """[..., in / tp] -> [..., out], summed over the ranks (this rank's part without
         ``reduce_output``)."""
         started = self.lora.begin(x) if self.lora is not None else None
+        tp = tp_group()
+        fused = tp.fused if self.reduce_output and self.reduce_slot is not None else None
+        if fused is not None and started is None and getattr(self.method, "writes_into", False) and x.dim() == 2:
+            # The product straight into this linear's slot: a PartialSum the next norm sums.
+            slot = fused.slot_view(self.reduce_slot, x.shape[0], self.output_size, x.dtype, x.device)
+            if slot is not None:
+                return fused.partial(self.reduce_slot, self.method.apply(self, x, out=slot))
         # With adapters, this rank's part plus x_r A_r^T B^T: the all-reduce sums the ranks' parts.
         out = self.method.apply(self, x) if started is None else self.lora.apply(self, x, started)
         if not self.reduce_output:
             return out
-        tp = tp_group()
-        if self.reduce_slot is not None and tp.fused is not None and tp.fused.fits(out):
-            return tp.fused.stage(self.reduce_slot, out)  # a PartialSum: the next norm sums it
+        if fused is not None and fused.fits(out):
+            return fused.stage(self.reduce_slot, out)  # a PartialSum: the next norm sums it
         return tp.all_reduce(out)
 
 

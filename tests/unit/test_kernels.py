@@ -362,6 +362,11 @@ def test_gemv(m: int, n: int, k: int, bias: bool, seed: int, forced: None) -> No
     w = randn(n, k, gen=gen)
     b = randn(n, gen=gen) if bias else None
     assert_close(gemv(x, w, b), gemv_ref(x, w, b), FP32_TOL)
+    # Into a given buffer (tensor parallel's fused all-reduce slot): a view of a wider one.
+    buf = torch.full((m, n + 5), float("nan"))
+    got = gemv(x, w, b, out=buf[:, :n])
+    assert got.data_ptr() == buf.data_ptr() and torch.isnan(buf[:, n:]).all()
+    assert_close(buf[:, :n], gemv_ref(x, w, b), FP32_TOL)
 
 
 @interp

@@ -420,3 +420,48 @@ def test_the_nccl_path_at_world_size_1_runs_inside_the_decode_graphs(dense_dir, 
         eng.close()
     assert not tp_group().active
     _same(ref, got, atol=1e-3)
+
+
+def test_a_row_parallel_product_lands_in_its_fused_slot_without_a_copy(monkeypatch) -> None:
+    """Under the fused all-reduce a dense row-parallel linear writes its product straight into
+    its slot of the shared buffer (the GEMV's or cuBLAS's output is the slot: no copy kernel
+    after it); a part past the slot's rows is all-reduced as before, and a weight format that
+    cannot write into a given buffer is copied in (``stage``). On the CPU, with the buffer a
+    plain tensor: the same values as the layer without tensor parallel."""
+    from conveyor.engine import distributed
+    from conveyor.engine.layers.linear import RowParallelLinear
+    from conveyor.engine.peer_all_reduce import FusedNormAllReduce, PartialSum
+
+    fused = object.__new__(FusedNormAllReduce)
+    fused.device, fused.max_rows, fused.slot_bytes = torch.device("cpu"), 8, 4096
+    fused._slots = [torch.zeros(4096, dtype=torch.uint8) for _ in range(4)]
+    monkeypatch.setattr(distributed, "_GROUP", distributed.TPGroup(fused=fused))
+    gen = torch.Generator().manual_seed(0)
+    layer = RowParallelLinear(16, 24, bias=True)
+    layer.weight.data = torch.randn(24, 16, generator=gen)
+    layer.bias.data = torch.randn(24, generator=gen)
+    layer.reduce_slot = 1
+    x = torch.randn(3, 16, generator=gen)
+    want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+
+    got = layer(x)
+    assert isinstance(got, PartialSum) and got.slot == 1
+    assert got.part.untyped_storage().data_ptr() == fused._slots[1].untyped_storage().data_ptr()
+    assert torch.equal(got.part, want)
+
+    big = torch.randn(9, 16, generator=gen)  # past max_rows: summed by the group's all-reduce
+    out = layer(big)
+    assert not isinstance(out, PartialSum)
+    assert torch.equal(out, torch.nn.functional.linear(big, layer.weight, layer.bias))
+
+    class CopiedIn(type(layer.method)):  # a weight format without ``out``
+        writes_into = False
+
+        def apply(self, lay, t):
+            return super().apply(lay, t)
+
+    layer.method = CopiedIn()
+    staged = layer(x)
+    assert isinstance(staged, PartialSum)
+    assert staged.part.untyped_storage().data_ptr() != fused._slots[1].untyped_storage().data_ptr()
+    assert torch.equal(fused._slots[1][:3 * 24 * 4].view(torch.float32).view(3, 24), want)
