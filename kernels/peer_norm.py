@@ -27,7 +27,7 @@ The reference: the ranks' partials summed in the dtype (what NCCL's all-reduce g
 
 import torch
 
-from ._triton import jit, next_pow2, tl
+from ._triton import gdc_launch_dependents, jit, next_pow2, pdl_trigger, tl
 from .rms_norm import add_rms_norm_ref, row_warps, scaled_norm
 
 
@@ -44,10 +44,15 @@ def peer_add_rms_norm_ref(
 def _peer_add_rms_norm_kernel(
     slot_ptrs, flag_ptrs, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_res, stride_out, stride_res_out, hidden, eps, rank,
-    WORLD: tl.constexpr, BARRIER: tl.constexpr, BLOCK: tl.constexpr,
+    WORLD: tl.constexpr, BARRIER: tl.constexpr, BLOCK: tl.constexpr, PDL_TRIGGER: tl.constexpr = False,
 ):
     # Grid: (rows,). slot_ptrs: int64 [WORLD], each rank's slot (rows of ``hidden``, unit stride)
     # as an address in this process; flag_ptrs: int64 [WORLD], each rank's int32 flags.
+    if PDL_TRIGGER:
+        # The GEMV after this norm (programmatic dependent launch) may start fetching its weights
+        # while this program waits for the peers: every program of the grid is resident by then
+        # (the trigger counts only when all have reached it), so none waits behind the GEMV.
+        gdc_launch_dependents()
     row = tl.program_id(0)
     dtype = res_out_ptr.dtype.element_ty
     if BARRIER:
@@ -98,6 +103,7 @@ def peer_add_rms_norm_triton(
         _peer_add_rms_norm_kernel[(rows,)](
             slot_ptrs, flag_ptrs, res, weight, out, res_out,
             res.stride(0), out.stride(0), res_out.stride(0), hidden, float(eps), rank,
-            WORLD=slot_ptrs.numel(), BARRIER=barrier, BLOCK=block, num_warps=row_warps(block),
+            WORLD=slot_ptrs.numel(), BARRIER=barrier, BLOCK=block, PDL_TRIGGER=pdl_trigger(res),
+            num_warps=row_warps(block),
         )
     return out.view(residual.shape), res_out.view(residual.shape)

@@ -67,9 +67,11 @@ def test_a_peers_row_is_read_sixteen_bytes_at_a_time() -> None:
                  {"slot_ptrs": "*i64", "flag_ptrs": "*i64", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
                   "res_out_ptr": "*bf16", "stride_res": "i32", "stride_out": "i32", "stride_res_out": "i32",
                   "hidden": "i32:16", "eps": "fp32", "rank": "i32", "WORLD": "constexpr", "BARRIER": "constexpr",
-                  "BLOCK": "constexpr"},
-                 {"WORLD": 2, "BARRIER": True, "BLOCK": 4096}, num_warps=8)
+                  "BLOCK": "constexpr", "PDL_TRIGGER": "constexpr"},
+                 {"WORLD": 2, "BARRIER": True, "BLOCK": 4096, "PDL_TRIGGER": True}, num_warps=8)
     peer_loads = re.findall(r"ld\.volatile\.global\.(\S+)", ptx)
     # 4096 columns x 2 ranks over 256 threads: 32 columns a thread, four 16-byte loads.
     assert peer_loads and all(width == "v4.b32" for width in peer_loads), peer_loads
     assert len(peer_loads) == 4
+    # On Hopper the GEMV after it may launch while it waits for the peers (programmatic dependent launch).
+    assert "griddepcontrol.launch_dependents" in ptx
