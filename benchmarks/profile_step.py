@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import drain, dummy_engine, random_prompt, record, save
 from benchmarks.dummy_model import param_count
+from conveyor.engine.config import TP_ALL_REDUCE_KINDS
 from conveyor.protocol.sampling import SamplingParams
 
 
@@ -100,11 +101,11 @@ def main() -> None:
                     help="weights: fp16 (hf), W4A16 (awq) or W8A8 (smooth_quant), random, of the same shape")
     ap.add_argument("--decode-only", action="store_true", help="the graph-replayed decode steps only")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs the model is split over")
-    ap.add_argument("--tp-all-reduce", default="nccl", help="EngineConfig.tp_all_reduce (tp > 1)")
+    ap.add_argument("--tp-all-reduce", default="nccl", choices=TP_ALL_REDUCE_KINDS,
+                    help="tensor parallel's path for decode-sized all-reduces (EngineConfig.tp_all_reduce)")
     args = ap.parse_args()
-    tp = {"tp": args.tp, "tp_all_reduce": args.tp_all_reduce} if args.tp > 1 else {}
     engine = dummy_engine(args.model, args.dtype, max_batch_size=256, quant_policy=args.quant_policy,
-                          model_format=args.model_format, **tp)
+                          model_format=args.model_format, tp=args.tp, tp_all_reduce=args.tp_all_reduce)
     bw = copy_bandwidth()
     # A MoE step reads k of E experts a token; a tensor-parallel rank its share of the weights.
     weight_bytes = 2 * param_count(args.model, active=True) / args.tp

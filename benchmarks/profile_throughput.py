@@ -59,7 +59,7 @@ from benchmarks.gpu_monitor import GpuMonitor, GpuSample, summary
 from conveyor.engine.rank_timing import alloc_retries, busy_seconds, read_all, table
 from benchmarks.profile_step import kernel_table
 from benchmarks.stack_summary import read_folded, summarize
-from conveyor.services.stack_sampler import StackSampler
+from conveyor.services.stack_sampler import start_in
 from conveyor.protocol.sampling import SamplingParams
 
 DATA = Path(__file__).resolve().parent / "data" / "sharegpt_shape_3000.jsonl"
@@ -220,6 +220,11 @@ def main() -> None:
         ap.error(f"--gpu-sample-s {args.gpu_sample_s}: give seconds between samples, or 0 for none")
     if window and not torch.cuda.is_available():
         ap.error("--profile times CUDA kernels: it needs a GPU")
+    if args.stack_samples is not None:
+        try:  # before the engine is built: a directory that cannot be made is said at once
+            args.stack_samples.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            ap.error(f"--stack-samples {args.stack_samples}: {exc}")
 
     work = load_workload(args.dataset, args.num_prompts)
     engine = dummy_engine(args.model, args.dtype, max_batch_size=args.max_batch_size,
@@ -247,11 +252,7 @@ def main() -> None:
     if args.gpu_sample_s > 0:
         monitor.start()
     step_samples: list[StepSample] = []
-    sampler = None
-    if args.stack_samples is not None:
-        args.stack_samples.mkdir(parents=True, exist_ok=True)
-        sampler = StackSampler(args.stack_samples / f"engine-{os.getpid()}.folded")
-        sampler.start()
+    sampler = start_in(args.stack_samples, "engine") if args.stack_samples is not None else None
     t0 = time.perf_counter()
     first: dict[str, float] = {}
     ids = []

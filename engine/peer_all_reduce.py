@@ -24,6 +24,8 @@ NVLink multicast (``multimem_*`` kernels) is never used: the device notes forbid
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..protocol.errors import EngineConfigError
@@ -179,10 +181,9 @@ class FusedNormAllReduce:
                   device: torch.device) -> torch.Tensor | None:
         """Slot ``slot`` as a ``[rows, cols]`` tensor to write this rank's part into (the
         row-parallel linear's product, no copy after it), or None when that part does not fit."""
-        nbytes = rows * cols * dtype.itemsize
-        if not self._fits(rows, nbytes, dtype, device):
+        if not self._fits(rows, rows * cols * dtype.itemsize, dtype, device):
             return None
-        return self._slots[slot][:nbytes].view(dtype).view(rows, cols)
+        return self._view(slot, (rows, cols), dtype)
 
     def partial(self, slot: int, part: torch.Tensor) -> PartialSum:
         """The ``PartialSum`` of a part already written into slot ``slot`` (``slot_view``)."""
@@ -190,9 +191,11 @@ class FusedNormAllReduce:
 
     def stage(self, slot: int, part: torch.Tensor) -> PartialSum:
         """Copy this rank's ``part`` into its slot ``slot``."""
-        nbytes = part.numel() * part.element_size()
-        self._slots[slot][:nbytes].view(part.dtype).view(part.shape).copy_(part)
+        self._view(slot, part.shape, part.dtype).copy_(part)
         return PartialSum(self, slot, part)
+
+    def _view(self, slot: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        return self._slots[slot][:math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
     def add_rms_norm(self, partial: PartialSum, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -201,4 +201,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     only): the buffer to write the product into (tensor parallel's fused all-reduce slot)."""
     if x.dim() == 2 and x.shape[0] <= LAYER_ROWS:
         return gemv(x, weight, bias, out=out)
-    return _dense(x, weight, bias, out)
+    return F.linear(x, weight, bias) if out is None else _dense(x, weight, bias, out)

@@ -38,13 +38,19 @@ def start_from_env(stage: str) -> "StackSampler | None":
     out = envs.stack_samples_dir()
     if not out:
         return None
-    name = "".join(c if c.isalnum() or c in "-_" else "_" for c in stage)
     try:  # here, not in the sampler's thread: a directory it cannot make is said once, in the log
-        Path(out).mkdir(parents=True, exist_ok=True)
+        return start_in(Path(out), stage)
     except OSError as exc:
         logger.warning("%s=%s: no stack samples for %s (%s)", ENV, out, stage, exc)
         return None
-    sampler = StackSampler(Path(out) / f"{name}-{os.getpid()}.folded")
+
+
+def start_in(directory: Path, stage: str) -> "StackSampler":
+    """Sample this process into ``directory/<stage>-<pid>.folded`` (the directory made; OSError
+    when it cannot be), written every few seconds and at exit."""
+    name = "".join(c if c.isalnum() or c in "-_" else "_" for c in stage)
+    directory.mkdir(parents=True, exist_ok=True)
+    sampler = StackSampler(directory / f"{name}-{os.getpid()}.folded")
     sampler.start()
     # The last samples at exit: a multiprocessing child runs its Finalize hooks, not atexit's.
     atexit.register(sampler.write)

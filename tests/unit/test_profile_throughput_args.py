@@ -54,3 +54,17 @@ def test_served_benchmark_refuses_no_client_process(monkeypatch, capsys) -> None
     with pytest.raises(SystemExit) as exc:
         profile_restful_api.main()
     assert exc.value.code == 2 and "--workers 0: give at least 1 client process" in capsys.readouterr().err
+
+
+def test_a_stack_samples_directory_that_cannot_be_made_is_refused(monkeypatch, capsys, tmp_path) -> None:
+    """--stack-samples under a file is refused before any engine is built."""
+    import sys
+
+    from benchmarks import profile_throughput
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(sys, "argv", ["profile_throughput", "--model", "tiny", "--stack-samples", str(blocker / "s")])
+    with pytest.raises(SystemExit) as exc:
+        profile_throughput.main()
+    assert exc.value.code == 2 and "--stack-samples" in capsys.readouterr().err
