@@ -24,6 +24,15 @@ RECORD_KEYS = ("engine", "gpu", "model", "precision", "model_format", "quant_pol
 ENGINE_DEFAULTS = {"model_format": "hf", "quant_policy": 0, "tp": 1}
 
 
+def add_tp_arguments(ap) -> None:
+    """``--tp`` and ``--tp-all-reduce``: the tensor-parallel options every engine benchmark takes."""
+    from conveyor.engine.config import TP_ALL_REDUCE_KINDS
+
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs the model is split over")
+    ap.add_argument("--tp-all-reduce", default="nccl", choices=TP_ALL_REDUCE_KINDS,
+                    help="tensor parallel's path for decode-sized all-reduces (EngineConfig.tp_all_reduce)")
+
+
 def gpu_name() -> str:
     """The device's name, or "cpu"."""
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

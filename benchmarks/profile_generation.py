@@ -32,8 +32,8 @@ from statistics import mean
 
 import torch
 
-from conveyor.engine.config import KERNEL_MODES, TP_ALL_REDUCE_KINDS, parse_cache_size
-from benchmarks.common import dummy_engine, percentile, random_prompt, record, save
+from conveyor.engine.config import KERNEL_MODES, parse_cache_size
+from benchmarks.common import add_tp_arguments, dummy_engine, percentile, random_prompt, record, save
 from conveyor.protocol.sampling import SamplingParams
 
 DEFAULT_BATCHES = (1, 16, 32, 64)
@@ -104,14 +104,12 @@ def main() -> None:
     ap.add_argument("--max-batch-size", type=int, default=256)
     ap.add_argument("--cache-max-entry-count", type=parse_cache_size, default=0.8)
     ap.add_argument("--quant-policy", type=int, default=0, choices=[0, 4, 8], help="KV cache: 0 (16-bit), 8 or 4 bits")
-    ap.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs the model is split over")
+    add_tp_arguments(ap)
     ap.add_argument("--model-format", default=None, choices=[None, "hf", "awq", "smooth_quant"],
                     help="awq: the decoder linears as 4-bit AWQ weights (random, group size 128); "
                          "smooth_quant: as W8A8 int8 weights (random) with per-token int8 activations")
     ap.add_argument("--kernels", default="auto", choices=KERNEL_MODES,
                     help="EngineConfig.kernels: 'triton' leaves the CUDA C++ kernels out (an A/B against 'auto')")
-    ap.add_argument("--tp-all-reduce", default="nccl", choices=TP_ALL_REDUCE_KINDS,
-                    help="tensor parallel's path for decode-sized all-reduces (EngineConfig.tp_all_reduce)")
     ap.add_argument("--process-group", action="store_true",
                     help="join a process group even at tp=1 (every collective runs, on one GPU)")
     ap.add_argument("--name", default=None, help="results file name (default profile_generation_<model>)")

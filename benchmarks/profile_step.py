@@ -22,9 +22,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import drain, dummy_engine, random_prompt, record, save
+from benchmarks.common import add_tp_arguments, drain, dummy_engine, random_prompt, record, save
 from benchmarks.dummy_model import param_count
-from conveyor.engine.config import TP_ALL_REDUCE_KINDS
 from conveyor.protocol.sampling import SamplingParams
 
 
@@ -100,9 +99,7 @@ def main() -> None:
     ap.add_argument("--model-format", default=None, choices=[None, "hf", "awq", "smooth_quant"],
                     help="weights: fp16 (hf), W4A16 (awq) or W8A8 (smooth_quant), random, of the same shape")
     ap.add_argument("--decode-only", action="store_true", help="the graph-replayed decode steps only")
-    ap.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs the model is split over")
-    ap.add_argument("--tp-all-reduce", default="nccl", choices=TP_ALL_REDUCE_KINDS,
-                    help="tensor parallel's path for decode-sized all-reduces (EngineConfig.tp_all_reduce)")
+    add_tp_arguments(ap)
     args = ap.parse_args()
     engine = dummy_engine(args.model, args.dtype, max_batch_size=256, quant_policy=args.quant_policy,
                           model_format=args.model_format, tp=args.tp, tp_all_reduce=args.tp_all_reduce)

@@ -54,7 +54,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from conveyor.engine.config import parse_cache_size
-from benchmarks.common import StepTimer, drain, dummy_engine, percentile, random_prompt, record, save
+from benchmarks.common import StepTimer, add_tp_arguments, drain, dummy_engine, percentile, random_prompt, record, save
 from benchmarks.gpu_monitor import GpuMonitor, GpuSample, summary
 from conveyor.engine.rank_timing import alloc_retries, busy_seconds, read_all, table
 from benchmarks.profile_step import kernel_table
@@ -198,7 +198,7 @@ def main() -> None:
     ap.add_argument("--max-batch-size", type=int, default=256)
     ap.add_argument("--cache-max-entry-count", type=parse_cache_size, default=0.8)
     ap.add_argument("--quant-policy", type=int, default=0, choices=[0, 4, 8], help="KV cache: 0 (16-bit), 8 or 4 bits")
-    ap.add_argument("--tp", type=int, default=1, help="tensor parallel: GPUs the model is split over")
+    add_tp_arguments(ap)
     ap.add_argument("--name", default=None)
     ap.add_argument("--eager-mode", action="store_true", help="no decode CUDA graphs (EngineConfig.eager_mode)")
     ap.add_argument("--no-overlap", action="store_true",
@@ -229,8 +229,8 @@ def main() -> None:
     work = load_workload(args.dataset, args.num_prompts)
     engine = dummy_engine(args.model, args.dtype, max_batch_size=args.max_batch_size,
                           cache_max_entry_count=args.cache_max_entry_count, quant_policy=args.quant_policy, tp=args.tp,
-                          rank_timing_dir=args.rank_timing, eager_mode=args.eager_mode,
-                          overlap_schedule=False if args.no_overlap else None)
+                          tp_all_reduce=args.tp_all_reduce, rank_timing_dir=args.rank_timing,
+                          eager_mode=args.eager_mode, overlap_schedule=False if args.no_overlap else None)
     vocab = engine.model_config.vocab_size
     print(f"engine ready: {engine.runner.num_blocks} KV blocks of {engine.config.block_size}", flush=True)
     warm_up(engine, vocab)
@@ -337,6 +337,7 @@ def main() -> None:
     print_timeline(step_samples, t0, gpu_samples, wall, split)
     rec = record(engine="conveyor", model=args.model, precision=args.dtype, benchmark="profile_throughput",
                  batch=args.max_batch_size, quant_policy=args.quant_policy, tp=args.tp, dataset=args.dataset.name,
+                 tp_all_reduce=args.tp_all_reduce if args.tp > 1 else None,
                  **result)
     path = save([rec], args.name or f"profile_throughput_{args.model}")
     print(f"saved {path}", flush=True)

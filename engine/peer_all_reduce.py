@@ -35,6 +35,8 @@ PEER_ALLREDUCE_MAX_BYTES = 1 << 20  # [128, 4096] bf16: every decode batch up to
 # What torch's symmetric-memory all-reduce kernels are built for: no float16 (on the H200, torch
 # 2.11 answers '"one_shot_all_reduce" not implemented for 'Half'').
 _DTYPES = (torch.bfloat16, torch.float32)
+# The process group this process mapped peer buffers for (one_shot, two_shot, fused), if any.
+_SYMMETRIC_MEMORY_GROUP = None
 
 
 def check_all_reduce(kind: str, device: torch.device, tensor_parallel: bool = True,
@@ -53,6 +55,15 @@ def check_all_reduce(kind: str, device: torch.device, tensor_parallel: bool = Tr
     if device.type != "cuda":
         raise EngineConfigError(f"tp_all_reduce={kind!r} reads peer GPUs' memory: it needs CUDA devices (the "
                                 f"engine is on {device}); use tp_all_reduce='nccl' (the process group's all-reduce)")
+    if _SYMMETRIC_MEMORY_GROUP is not None:
+        # torch numbers a rendezvous's store keys with a count kept per process: this process
+        # would wait on keys the new rank processes (counting from zero) never write (two H200s,
+        # torch 2.11: a second fused engine in one process waited forever).
+        raise EngineConfigError(
+            f"tp_all_reduce={kind!r} maps peer buffers through torch's symmetric memory, which an earlier engine "
+            "in this process already set up, and cannot be set up again in the same process: start this engine in "
+            "a fresh process (conveyor serve does: a restarted engine stage is a new process), or use "
+            "tp_all_reduce='nccl'")
     if kind != "fused" and dtype is not None and dtype not in _DTYPES:
         raise EngineConfigError(f"tp_all_reduce={kind!r} runs torch's symmetric-memory kernels, which have no {dtype}: "
                                 "load the model with dtype='bfloat16' (--dtype bfloat16), or use tp_all_reduce='nccl'")
@@ -64,15 +75,9 @@ class PeerAllReduce:
     def __init__(self, kind: str, group, device: torch.device, max_bytes: int = PEER_ALLREDUCE_MAX_BYTES):
         if kind not in ("one_shot", "two_shot"):
             raise EngineConfigError(f"no peer all-reduce called {kind!r}: pick one_shot or two_shot")
-        import torch.distributed._symmetric_memory as symm_mem
-
         self.kind = kind
         self.name = group.group_name
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # needed before rendezvous in torch < 2.8, harmless after
-            enable(self.name)
-        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(self.buffer, group=self.name)  # collective: every rank maps every buffer
+        self.buffer, _ = symmetric_buffer(max_bytes, group, device)
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes this way (else the process group's all-reduce takes it)."""
@@ -93,11 +98,13 @@ class PeerAllReduce:
 # ---- the all-reduce fused with the residual add and RMSNorm after it ("fused") ----------------------
 
 FUSED_SLOT_BYTES = 2 << 20  # [256, 4096] or [128, 8192] of 16-bit rows: every decode graph of a 70B model
-# Steps of more rows take NCCL and the separate norm: on two H200s (bench_tp_comm, record
-# h200x2/issue36_bench_tp_comm_w2.json, in a CUDA graph) the fused tail took 7.7 / 9.3 / 14.5 /
-# 20.8 µs at 1 / 8 / 32 / 64 rows against NCCL + add_rms_norm's 8.8 / 9.3 / 10.7 / 12.4 µs.
+# Steps of more rows (prefill chunks) take NCCL and the separate norm. On two H200s in a CUDA
+# graph (bench_tp_comm, record h200x2/issue36_s30_bench_tp_comm_w2.json) the fused tail took
+# 7.4 / 7.7 / 9.2 / 11.6 / 16.1 µs at 1 / 8 / 64 / 128 / 256 rows against NCCL + add_rms_norm's
+# 8.7 / 9.3 / 12.4 / 16.5 / 29.7 µs, since its peer reads are 16-byte loads (before them it lost
+# past 8 rows: 20.8 against 12.4 µs at 64). 256 rows fill the slot at a hidden size of 4096.
 # (It is also the rows of flags, and a grid's programs, one a row, must all be resident at once.)
-FUSED_MAX_ROWS = 8
+FUSED_MAX_ROWS = 256
 _FUSED_SLOTS = 4  # a ring long enough that consecutive sums never share a slot (FusedNormAllReduce.assign)
 
 
@@ -128,18 +135,12 @@ class FusedNormAllReduce:
     def __init__(self, group, device: torch.device, slot_bytes: int = FUSED_SLOT_BYTES,
                  max_rows: int = FUSED_MAX_ROWS) -> None:
         import torch.distributed as dist
-        import torch.distributed._symmetric_memory as symm_mem
 
         self.group, self.device = group, device
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.slot_bytes, self.max_rows = slot_bytes, max_rows
-        name = group.group_name
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # needed before rendezvous in torch < 2.8, harmless after
-            enable(name)
         flag_bytes = -(-max_rows * self.world * 4 // 256) * 256
-        self.buffer = symm_mem.empty(flag_bytes + _FUSED_SLOTS * slot_bytes, dtype=torch.uint8, device=device)
-        handle = symm_mem.rendezvous(self.buffer, group=name)
+        self.buffer, handle = symmetric_buffer(flag_bytes + _FUSED_SLOTS * slot_bytes, group, device)
         bases = [_peer_address(handle, r, self.buffer) for r in range(self.world)]
         # The kernel reads a slot's rows as 16-byte vectors (kernels/peer_norm.py says so to Triton).
         if any((b + flag_bytes) % 16 for b in bases) or slot_bytes % 16:
@@ -207,6 +208,23 @@ class FusedNormAllReduce:
         residual = residual if residual.dtype == part.dtype else residual.to(part.dtype)
         return peer_add_rms_norm_triton(self.slot_ptrs[partial.slot], self.flag_ptrs, self.rank, rows,
                                         residual.contiguous(), weight.to(part.dtype).contiguous(), eps)
+
+
+def symmetric_buffer(nbytes: int, group, device: torch.device):
+    """A buffer of ``nbytes`` on ``device`` that every rank of ``group`` maps (torch symmetric
+    memory; collective), and its handle (the peers' addresses). One process sets this up for one
+    group only: ``check_all_reduce`` refuses a later group, which would hang (see there)."""
+    global _SYMMETRIC_MEMORY_GROUP
+    import torch.distributed._symmetric_memory as symm_mem
+
+    name = group.group_name
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:  # needed before rendezvous in torch < 2.8, harmless after
+        enable(name)
+    buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(buffer, group=name)
+    _SYMMETRIC_MEMORY_GROUP = group
+    return buffer, handle
 
 
 def _peer_address(handle, rank: int, local: torch.Tensor) -> int:

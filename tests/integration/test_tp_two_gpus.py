@@ -126,25 +126,37 @@ def test_a_tp2_server_whose_rank_dies_restarts_its_engine_and_still_stops_on_sig
         server.kill()
 
 
-def _greedy_tokens(model_dir: Path, all_reduce: str, eager: bool) -> list[list[int]]:
-    from conveyor.engine.config import EngineConfig
-    from conveyor.engine.llm_engine import LLMEngine
-    from conveyor.protocol.sampling import SamplingParams
+_GREEDY = """
+import faulthandler, json, sys
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.protocol.sampling import SamplingParams
 
-    eng = LLMEngine(model_dir, EngineConfig(tp=2, load_format="dummy", dtype="bfloat16", cache_max_entry_count=0.1,
-                                            tp_all_reduce=all_reduce, eager_mode=eager))
-    try:
-        prompts = [[1 + (7 * i + j) % 3000 for j in range(5 + 13 * i)] for i in range(6)]
-        for i, p in enumerate(prompts):
-            eng.add_request(p, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True), request_id=str(i))
-        out = {str(i): [] for i in range(len(prompts))}
-        while eng.has_work:
-            for o in eng.step():
-                if o.token is not None:
-                    out[o.request_id].append(o.token)
-        return [out[str(i)] for i in range(len(prompts))]
-    finally:
-        eng.close()
+faulthandler.dump_traceback_later(150, exit=True)  # a hang fails with every thread's stack
+eng = LLMEngine({model!r}, EngineConfig(tp=2, load_format="dummy", dtype="bfloat16", cache_max_entry_count=0.1,
+                                        tp_all_reduce={all_reduce!r}, eager_mode={eager!r}))
+prompts = [[1 + (7 * i + j) % 3000 for j in range(5 + 13 * i)] for i in range(6)]
+for i, p in enumerate(prompts):
+    eng.add_request(p, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True), request_id=str(i))
+out = {{str(i): [] for i in range(len(prompts))}}
+while eng.has_work:
+    for o in eng.step():
+        if o.token is not None:
+            out[o.request_id].append(o.token)
+eng.close()
+print("TOKENS", json.dumps([out[str(i)] for i in range(len(prompts))]), flush=True)
+"""
+
+
+def _greedy_tokens(model_dir: Path, all_reduce: str, eager: bool) -> list[list[int]]:
+    """Greedy tokens of six prompts of 5..70 tokens, from an engine in a process of its own: a
+    peer path maps its buffers once a process (``check_all_reduce``)."""
+    script = _GREEDY.format(model=str(model_dir), all_reduce=all_reduce, eager=eager)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=200,
+                         env={**os.environ, **MULTICAST_OFF})
+    lines = [line for line in run.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert run.returncode == 0 and lines, (run.stdout[-2000:], run.stderr[-4000:])
+    return json.loads(lines[-1][len("TOKENS "):])
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])

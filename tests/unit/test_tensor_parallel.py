@@ -465,3 +465,22 @@ def test_a_row_parallel_product_lands_in_its_fused_slot_without_a_copy(monkeypat
     assert isinstance(staged, PartialSum)
     assert staged.part.untyped_storage().data_ptr() != fused._slots[1].untyped_storage().data_ptr()
     assert torch.equal(fused._slots[1][:3 * 24 * 4].view(torch.float32).view(3, 24), want)
+
+
+
+def test_a_second_peer_path_engine_in_one_process_is_refused_not_waited_on(monkeypatch) -> None:
+    """torch's symmetric-memory rendezvous numbers its store keys with a count kept per process:
+    a process that set it up for an earlier engine and the fresh rank processes of the next wait
+    on different keys forever (two H200s, a second fused engine in one process). Every peer path
+    maps its buffers that way, so once one has, another is refused before any rank starts, with
+    the fix in the message; NCCL needs none and starts as often as asked."""
+    from conveyor.engine import peer_all_reduce
+
+    gpu = torch.device("cuda", 0)  # only checked, never touched
+    for kind in ("one_shot", "two_shot", "fused"):  # nothing set up yet: the first engine may
+        peer_all_reduce.check_all_reduce(kind, gpu, dtype=torch.bfloat16)
+    monkeypatch.setattr(peer_all_reduce, "_SYMMETRIC_MEMORY_GROUP", object())  # an earlier engine's
+    for kind in ("one_shot", "two_shot", "fused"):
+        with pytest.raises(EngineConfigError, match="fresh process"):
+            peer_all_reduce.check_all_reduce(kind, gpu, dtype=torch.bfloat16)
+    peer_all_reduce.check_all_reduce("nccl", gpu, dtype=torch.bfloat16)
