@@ -126,7 +126,9 @@ def test_a_tp2_server_whose_rank_dies_restarts_its_engine_and_still_stops_on_sig
         server.kill()
 
 
-def _greedy_tokens(model_dir: Path, all_reduce: str, eager: bool) -> list[list[int]]:
+def _greedy_tokens(model_dir: Path, all_reduce: str, eager: bool, logprobs: int | None = None) -> list[list[int]]:
+    """Each prompt's greedy tokens; with ``logprobs`` (which needs the whole row) every step
+    gathers the logits for the sampler, without them it takes the vocab-parallel argmax."""
     from conveyor.engine.config import EngineConfig
     from conveyor.engine.llm_engine import LLMEngine
     from conveyor.protocol.sampling import SamplingParams
@@ -135,8 +137,9 @@ def _greedy_tokens(model_dir: Path, all_reduce: str, eager: bool) -> list[list[i
                                             tp_all_reduce=all_reduce, eager_mode=eager))
     try:
         prompts = [[1 + (7 * i + j) % 3000 for j in range(5 + 13 * i)] for i in range(6)]
+        params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=logprobs)
         for i, p in enumerate(prompts):
-            eng.add_request(p, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True), request_id=str(i))
+            eng.add_request(p, params, request_id=str(i))
         out = {str(i): [] for i in range(len(prompts))}
         while eng.has_work:
             for o in eng.step():
@@ -153,3 +156,11 @@ def test_the_fused_all_reduce_gives_nccls_tokens(model_dir, eager) -> None:
     all-reduce then the norm, on the same random weights (the same seed on each rank): the same
     roundings in the same order, so the same greedy tokens, decode graphs and eager steps alike."""
     assert _greedy_tokens(model_dir, "fused", eager) == _greedy_tokens(model_dir, "nccl", eager)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_greedy_steps_pick_what_the_sampler_picks_on_the_gathered_logits(model_dir, eager) -> None:
+    """Each rank's argmax of its vocabulary shard, exchanged over NCCL after the graphs' replay
+    (engine/layers/vocab_argmax.py), against rank 0's sampler on the all-gathered bfloat16
+    logits of the same random weights: the same ids, bit for bit, ties and all."""
+    assert _greedy_tokens(model_dir, "nccl", eager) == _greedy_tokens(model_dir, "nccl", eager, logprobs=0)
