@@ -105,8 +105,8 @@ def plain_greedy(params: list[SamplingParams], num_generated: list[int]) -> bool
     tensor-parallel runner may decide from it before the forward (``vocab_parallel_greedy``):
     any ``bad_sequences`` or repetition penalty counts (``_ban`` / ``_penalize`` would look at
     the history; such rows make the engine read every step back anyway, so the shortcut buys
-    them little), and ``num_generated`` only grows from plan to sampling, which can only lift
-    ``min_new_tokens``' ban, never impose it."""
+    them little), and ``num_generated`` is the count before the step's own token, the same when
+    the step is planned and when it samples (``ModelRunner.launch``)."""
     for p, n in zip(params, num_generated):
         if not p.greedy or p.logprobs is not None or p.bad_token_ids or p.bad_sequences:
             return False
