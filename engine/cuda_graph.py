@@ -22,6 +22,15 @@ graph a step with no adapter token replays: it costs nothing more than without L
 with the adapter kernels reading static segment buffers (``kernels/lora.LoRASegments``: each
 row's slot, grouped; a padding segment has slot -1 and is skipped), which ``stage`` fills.
 
+Under tensor parallel (``split_head``) the graphs end at each rank's rows of the LM head's
+product (``model.head_shard``), before any collective on the vocabulary, and the step finishes
+after the replay: all-gathering the logits for the sampler, or, when every row is plain greedy,
+the vocab-parallel argmax (``layers/vocab_argmax.py``), as rank 0's plan says. The finish is a
+few small kernels and one collective; capturing both finishes instead would capture every size
+twice (twice the capture time, a second set of graphs and static outputs) to save those few
+launches. The split also gathers only the rows that sample, not the padding, and each graph's
+static output is this rank's rows in the weights' dtype, not the float32 vocabulary.
+
 The same class runs without graphs (``capture=False``): the model is then called eagerly on the
 padded static buffers, which lets the CPU tests exercise the padding logic.
 """
@@ -72,8 +81,10 @@ class DecodeGraphs:
         device: torch.device,
         capture: bool,
         lora_slots: int = 0,
+        split_head: bool = False,
     ) -> None:
         self.model = model
+        self.split_head = split_head
         self.device = device
         self.block_size = block_size
         self.max_seqlen_k = max_seqlen_k
@@ -203,12 +214,14 @@ class DecodeGraphs:
 
     def _forward(self, bs: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs])
-        return self.model.compute_logits(hidden)
+        return self.model.head_shard(hidden) if self.split_head else self.model.compute_logits(hidden)
 
     def run(self, bs: int, num_rows: int, fill=None) -> torch.Tensor:
         """Copy the staged inputs and replay (or, uncaptured, run) size ``bs``, with the LoRA
         kernels when the step staged adapter slots; returns the ``[num_rows, vocab]`` float32
-        logits. They live in a static buffer: consume them before the next call.
+        logits, or with ``split_head`` this rank's ``[num_rows, rows]`` of the LM head's product
+        (``model.logits_from_shard`` / ``argmax_from_shard`` finish them). They live in a static
+        buffer: consume them before the next call.
         ``fill(input_ids)``, when given, edits the device input ids after the copy (the runner
         writes pending tokens there from the previous step's ids)."""
         self._copy_inputs(bs)
@@ -261,7 +274,7 @@ class DecodeGraphs:
         """Free every graph (and their pool's memory); ``run`` is no longer possible. Without
         ``wait``, a replay still running is not waited for (after a tensor-parallel failure, one
         may wait on a dead peer forever; nothing reads what it writes)."""
-        if wait:
+        if wait and self.device.type == "cuda":  # the uncaptured buffers (CPU tests) have nothing in flight
             torch.cuda.synchronize(self.device)
         for graph in self._graphs.values():
             graph.reset()

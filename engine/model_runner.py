@@ -24,8 +24,12 @@ Tensor parallel: every rank holds a runner over its shard of the model (and cach
 the other ranks (``workers``, ``engine/tp_workers.py``), then executes it; the others
 ``follow`` the same plans. All ranks thus run the same kernels and meet in the same
 collectives; rank 0 alone samples and broadcasts the sampled ids, which the next step's pending
-inputs read on every rank. The cache holds this rank's kv heads, and ``num_blocks`` is the
-smallest rank's budget.
+inputs read on every rank. A step whose every row is plain greedy (``vocab_parallel_greedy``,
+decided by rank 0 and carried by the plan, so every rank runs the same collectives) gathers no
+logits and samples nothing: each rank takes the argmax of its vocabulary shard and the ranks
+exchange one (value, index) pair per row (``layers/vocab_argmax.py``), so every rank ends with
+the ids, which then need no broadcast. The cache holds this rank's kv heads, and
+``num_blocks`` is the smallest rank's budget.
 
 The cache's geometry is the model's ``KVCacheSpec`` (``kv_cache_spec``): kv heads, key and value
 widths, and whether the values are a view of the keys (multi-head latent attention's one latent
@@ -63,7 +67,7 @@ from .lora.manager import LoRAManager, pool_shape
 from .lora.checkpoint import read_peft_lora
 from .lora.segments import step_segments
 from .models import build_model
-from .sampler import DeviceSamples, Sampler
+from .sampler import DeviceSamples, Sampler, vocab_parallel_greedy
 from ..kernels.kv_layout import KVCacheSpec
 from ..protocol.sampling import SamplingParams
 from ..protocol.multimodal import ImageInput
@@ -308,6 +312,9 @@ class ModelRunner:
             device=self.device,
             capture=capture,
             lora_slots=self.lora.num_slots if self.lora is not None else 0,
+            # Under tensor parallel each step picks how its logits end (gathered, or the
+            # vocab-parallel argmax), so the graphs stop before either.
+            split_head=self.tp.active,
         )
 
     @torch.inference_mode()
@@ -633,23 +640,37 @@ class ModelRunner:
                     plan.logit_rows.append(end - 1)
                     sampling.append(item.seq)
         plan.num_sampled = len(sampling)
+        # Decided here, before the forward, from what does not change by sampling time
+        # (``plain_greedy``): the other ranks run the collectives the plan says.
+        plan.vocab_argmax = self.tp.active and bool(sampling) and vocab_parallel_greedy(
+            [s.params for s in sampling], [s.num_output_tokens for s in sampling])
         return plan, sampling
 
     def _execute(self, plan: StepPlan, prev_ids: torch.Tensor | None) -> torch.Tensor | None:
-        """Run a FORWARD or GRAPH plan on this rank; the logits of its ``logit_rows`` (None when
-        it has none)."""
+        """Run a FORWARD or GRAPH plan on this rank; the logits of its ``logit_rows``, or for a
+        ``vocab_argmax`` plan their argmax ids (on every rank); None when it has no such rows."""
         rows = plan.logit_rows
         if plan.kind == StepKind.GRAPH:
             self._page_in(plan)
             graphs = self.decode_graphs
             n = len(plan.input_ids)
             bs = graphs.stage(plan.input_ids, plan.positions, plan.block_tables, plan.rope_shifts, plan.lora_slots)
-            all_logits = graphs.run(bs, n, fill=lambda ids: self._gather_pending(ids, plan.pending, prev_ids))
+            out = graphs.run(bs, n, fill=lambda ids: self._gather_pending(ids, plan.pending, prev_ids))
             if not rows:
                 return None
-            return all_logits if len(rows) == n else all_logits[self._to_device(rows, torch.int64)]
+            out = out if len(rows) == n else out[self._to_device(rows, torch.int64)]
+            return self._finish_head(out, plan) if graphs.split_head else out
         hidden = self._forward(plan, prev_ids)
-        return self.model.compute_logits(hidden[self._to_device(rows, torch.int64)]) if rows else None
+        if not rows:
+            return None
+        return self._finish_head(self.model.head_shard(hidden[self._to_device(rows, torch.int64)]), plan)
+
+    def _finish_head(self, shard: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """The LM head's rows of this rank (``model.head_shard``) -> the step's logits, or for a
+        ``vocab_argmax`` plan their argmax ids."""
+        if plan.vocab_argmax:
+            return self.model.argmax_from_shard(shard)
+        return self.model.logits_from_shard(shard)
 
     def _send(self, plan: StepPlan) -> None:
         """Hand a plan to the other ranks (tensor parallel rank 0), before running it here."""
@@ -677,7 +698,7 @@ class ModelRunner:
         plan, sampling = self._plan(out, prev)
         self._begin_step(graph=plan.kind == StepKind.GRAPH)
         self._send(plan)
-        logits = self._execute(plan, prev.samples.token_ids if prev is not None and prev.samples else None)
+        head = self._execute(plan, prev.samples.token_ids if prev is not None and prev.samples else None)
         # Counted before after_forward, which (Scheduler.launched) counts this step's own token
         # as pending: min_new_tokens and bad_sequences need the tokens generated before it.
         generated = [s.num_output_tokens for s in sampling]
@@ -685,9 +706,23 @@ class ModelRunner:
         if not sampling:
             self._end_step()
             return LaunchedStep([], None)
+        if plan.vocab_argmax:  # ``head`` holds the ids themselves, already on every rank
+            assert bitmask is None, "a constrained row needs the whole row of logits"
+            samples = DeviceSamples(head)
+        else:
+            samples = self._sample(head, sampling, generated, bitmask)
+            self._share_samples(samples.token_ids, len(sampling))
+        self._end_step()
+        samples.start_copy()
+        return LaunchedStep(sampling, samples)
+
+    def _sample(self, logits: torch.Tensor, sampling: list[Sequence], generated: list[int],
+                bitmask: torch.Tensor | None) -> DeviceSamples:
+        """The sampler's choices for the rows of ``logits`` (``sampling``'s sequences, in order,
+        with ``generated`` tokens each before this one)."""
         if bitmask is not None and self.device.type == "cuda":  # pinned, so the copy does not wait
             bitmask = bitmask.pin_memory().to(self.device, non_blocking=True)
-        samples = self.sampler.sample(
+        return self.sampler.sample(
             logits,
             [s.params for s in sampling],
             [s.token_ids for s in sampling],
@@ -695,15 +730,12 @@ class ModelRunner:
             [s.sampling_seed for s in sampling],
             bitmask,
         )
-        self._share_samples(samples.token_ids, len(sampling))
-        self._end_step()
-        samples.start_copy()
-        return LaunchedStep(sampling, samples)
 
     @torch.inference_mode()
     def follow(self, plan: StepPlan, prev_ids: torch.Tensor | None) -> torch.Tensor | None:
         """Run rank 0's plan on this rank (tensor-parallel ranks 1..tp-1); returns the ids the
-        step sampled (broadcast by rank 0), which the next plan's pending inputs read."""
+        step sampled (broadcast by rank 0, or the vocab-parallel argmax's, which every rank
+        holds), which the next plan's pending inputs read."""
         if plan.kind == StepKind.ADAPTER:
             self._adapter_ops(plan.adapter_ops)
             return prev_ids
@@ -711,7 +743,9 @@ class ModelRunner:
             for _ in self._chunk_logits(self._forward(plan), len(plan.logit_rows)):
                 pass  # the LM head's all-gather needs every rank; only rank 0 scores
             return prev_ids
-        self._execute(plan, prev_ids)
+        result = self._execute(plan, prev_ids)
+        if plan.vocab_argmax:
+            return result
         return self._share_samples(None, plan.num_sampled) if plan.num_sampled else prev_ids
 
     def _chunk_logits(self, hidden: torch.Tensor, rows: int):

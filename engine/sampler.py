@@ -97,6 +97,31 @@ def _pair_mask(
     return mask
 
 
+def plain_greedy(params: list[SamplingParams], num_generated: list[int]) -> bool:
+    """Every row takes the plain argmax of its logits (after the output constraint's mask, when
+    the step has one): greedy, no logprobs, no repetition penalty, no ban that can apply.
+
+    Reads nothing that can change between planning a step and sampling it, so that the
+    tensor-parallel runner may decide from it before the forward (``vocab_parallel_greedy``):
+    any ``bad_sequences`` or repetition penalty counts (``_ban`` / ``_penalize`` would look at
+    the history; such rows make the engine read every step back anyway, so the shortcut buys
+    them little), and ``num_generated`` is the count before the step's own token, the same when
+    the step is planned and when it samples (``ModelRunner.launch``)."""
+    for p, n in zip(params, num_generated):
+        if not p.greedy or p.logprobs is not None or p.bad_token_ids or p.bad_sequences:
+            return False
+        if p.repetition_penalty != 1.0 or (p.stop_token_ids and n < p.min_new_tokens):
+            return False
+    return True
+
+
+def vocab_parallel_greedy(params: list[SamplingParams], num_generated: list[int]) -> bool:
+    """Whether a tensor-parallel step's tokens may be the vocab-parallel argmax of its logits
+    (``layers/vocab_argmax.py``: no gathered row, no sampler, the same ids): ``plain_greedy``,
+    and no row under an output constraint, whose mask needs the whole row."""
+    return plain_greedy(params, num_generated) and all(p.guide is None for p in params)
+
+
 class Sampler:
     """Picks the next token of every row of a batch in one call, each row with its own params.
 
@@ -127,8 +152,8 @@ class Sampler:
     ``sample`` never synchronizes with the device: per-row parameters are read on the host and
     moved without blocking, and no decision depends on tensor values; the caller reads the ids
     back when it needs them (``DeviceSamples.fetch``). Calling the sampler does both at once. A
-    batch that is all plain greedy (no penalty, no ban that applies, no logprobs) skips everything
-    but the argmax, with identical results.
+    batch that is all plain greedy (``plain_greedy``: no penalty, no ban that can apply, no
+    logprobs) skips everything but the argmax, with identical results.
     """
 
     def __call__(self, *args, **kwargs) -> SamplerOutput:
@@ -153,7 +178,7 @@ class Sampler:
         device = logits.device
         if token_bitmask is not None:
             logits = apply_token_bitmask(logits.to(torch.float32, copy=True), token_bitmask)
-        if self._plain_greedy(params, token_history, num_generated):
+        if plain_greedy(params, num_generated):
             # argmax over the raw logits equals the full path's: no penalty or ban applies, an
             # all -inf row gives token 0 either way, and float32 conversion keeps the order.
             return DeviceSamples(logits.argmax(dim=-1))
@@ -171,23 +196,6 @@ class Sampler:
             steps = _to_device([num_generated[i] for i in sampled], device, torch.int64)
             token_ids[rows] = seeded_race(probs, row_seeds, steps)
         return self._with_logprobs(token_ids, logits, params)
-
-    @staticmethod
-    def _plain_greedy(params: list[SamplingParams], history: list[list[int]], num_generated: list[int]) -> bool:
-        """Every row takes the plain argmax: greedy, no repetition penalty, no logprobs, no ban
-        that applies at this step (the same conditions ``_penalize`` / ``_ban`` test)."""
-        for i, p in enumerate(params):
-            if not p.greedy or p.logprobs is not None or p.bad_token_ids:
-                return False
-            if p.repetition_penalty != 1.0 and history[i]:
-                return False
-            if p.stop_token_ids and num_generated[i] < p.min_new_tokens:
-                return False
-            for seq in p.bad_sequences:
-                n = len(seq) - 1
-                if n >= 1 and num_generated[i] >= n and history[i][-n:] == seq[:-1]:
-                    return False
-        return True
 
     @staticmethod
     def _penalize(

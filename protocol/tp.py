@@ -31,9 +31,13 @@ class StepPlan(msgspec.Struct, tag=1, **_TAG):
     """One step's inputs. ``pending``: (input row, row of the previous step's sampled ids) for
     each input token still on the device; ``logit_rows``: the rows whose logits are computed;
     ``num_sampled``: how many ids rank 0 broadcasts after sampling (the next step's pending
-    inputs read them); ``centre_rows`` / ``new_centres``: a quantized cache's key centres
-    (``kernels/kv_cache.KeyCentring``). FORWARD/SCORE use every field; GRAPH only ``input_ids``, ``positions``,
-    ``block_tables``, ``pending``, ``logit_rows`` and ``num_sampled``."""
+    inputs read them); ``vocab_argmax``: every sampled row is plain greedy, so each rank takes
+    the argmax of its vocabulary shard and the ranks exchange (value, index) pairs instead: no
+    logits gathered, no sampler, no broadcast, every rank ends with the ids
+    (``engine/layers/vocab_argmax.py``); ``centre_rows`` / ``new_centres``: a quantized cache's
+    key centres (``kernels/kv_cache.KeyCentring``). FORWARD/SCORE use every field; GRAPH only
+    ``input_ids``, ``positions``, ``block_tables``, ``pending``, ``logit_rows``, ``num_sampled``
+    and ``vocab_argmax``."""
 
     kind: StepKind
     input_ids: list[int] = []
@@ -46,6 +50,7 @@ class StepPlan(msgspec.Struct, tag=1, **_TAG):
     pending: list[tuple[int, int]] = []
     logit_rows: list[int] = []
     num_sampled: int = 0
+    vocab_argmax: bool = False
     centre_rows: list[int] = []  # each token's sequence's first block: its key centre's row
     new_centres: list[tuple[int, int, int]] = []  # (first token, tokens, row) of sequences starting here
     # The images whose spans this step's chunks cover, and (input row, index in ``images``,

@@ -3,8 +3,9 @@ over the tensor-parallel ranks.
 
 Each rank keeps ``ceil(vocab / tp)`` rows (the last rank's tail past the vocabulary is zeros). The
 embedding looks up the ids that fall in its rows, zeros the others and all-reduces; the LM head
-computes its rows' logits and all-gathers them, so every rank holds the whole ``[N, vocab]``.
-With one rank both are the plain lookup and product.
+computes its rows' logits and all-gathers them, so every rank holds the whole ``[N, vocab]``, or,
+for a greedy step, takes their argmax with the other ranks' without gathering them
+(``vocab_argmax.py``). With one rank both are the plain lookup and product.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 from ...kernels.gemv import linear
 from ..distributed import tp_group
 from ..weight_loader import narrow
+from .vocab_argmax import vocab_parallel_argmax
 
 
 class VocabEmbedding(nn.Module):
@@ -79,8 +81,22 @@ class LMHead(VocabEmbedding):
 
     def forward(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (samplers want full-precision logits)."""
+        return self.gather(self.shard(hidden_rows))
+
+    def shard(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, rows]: this rank's rows of the logits, in the weight's dtype (the
+        whole vocabulary with one rank)."""
+        return linear(hidden_rows, self.weight)
+
+    def gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """[N, rows] of ``shard`` on every rank -> [N, vocab] float32, padding dropped. Gathered
+        before the conversion: the collective moves the weight's dtype, half float32's bytes."""
         tp = tp_group()
-        logits = linear(hidden_rows, self.weight)
         if tp.active:
-            logits = tp.all_gather(logits)[:, : self.vocab_size]
-        return logits.float()
+            shard = tp.all_gather(shard)[:, : self.vocab_size]
+        return shard.float()
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """[N, rows] this rank's float32 logits -> [N] int64: the argmax of the rows that
+        ``gather`` would give, the same on every rank, exchanging one pair per row instead."""
+        return vocab_parallel_argmax(logits, self.start, self.vocab_size, tp_group())

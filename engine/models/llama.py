@@ -296,10 +296,29 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (soft-capped where the family caps them: Gemma 2)."""
-        logits = self.lm_head(hidden_rows)
-        if self.final_softcap is not None:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        return self.logits_from_shard(self.head_shard(hidden_rows))
+
+    def head_shard(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, rows]: this rank's rows of the LM head's product, before any
+        collective (the decode graphs end here under tensor parallel, engine/cuda_graph.py); the
+        whole vocabulary at tp=1. ``logits_from_shard`` or ``argmax_from_shard`` finish it."""
+        return self.lm_head.shard(hidden_rows)
+
+    def logits_from_shard(self, shard: torch.Tensor) -> torch.Tensor:
+        """``head_shard``'s rows -> the [N, vocab] float32 logits ``compute_logits`` gives."""
+        return self._soft_capped(self.lm_head.gather(shard))
+
+    def argmax_from_shard(self, shard: torch.Tensor) -> torch.Tensor:
+        """``head_shard``'s rows -> [N] int64: the argmax of ``logits_from_shard``'s rows, bit for
+        bit, without gathering them (layers/vocab_argmax.py); a collective under tensor parallel.
+        The cap is taken on the shard, before the argmax: in float32 it can make distinct logits
+        equal, and the tie is then the lowest index's, as on the gathered row."""
+        return self.lm_head.argmax(self._soft_capped(shard.float()))
+
+    def _soft_capped(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.final_softcap is None:
+            return logits
+        return torch.tanh(logits / self.final_softcap) * self.final_softcap
 
     def attention_layers(self) -> list[Attention]:
         """Each layer's Attention in order, for the runner to assign ``k_cache``/``v_cache``."""

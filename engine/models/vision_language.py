@@ -1,7 +1,8 @@
 """What every vision-language model here shares (LLaVA, Qwen2-VL, InternVL, ...).
 
 The model runner drives one through ``embed_input_ids``, ``encode_images`` (the family's),
-``forward(..., inputs_embeds=...)``, ``compute_logits`` and ``attention_layers``; all but
+``forward(..., inputs_embeds=...)``, ``compute_logits`` (and its two halves: ``head_shard``, then
+``logits_from_shard`` or ``argmax_from_shard``) and ``attention_layers``; all but
 ``encode_images`` are its language model's. Loading splits a checkpoint in two: the language
 model's tensors go to its own ``load_weights`` (renamed by the family's ``_route``), the rest
 (tower, projector) load here by name, strictly.
@@ -66,6 +67,15 @@ class VisionLanguageModel(nn.Module):
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden_rows)
+
+    def head_shard(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        return self.language_model.head_shard(hidden_rows)
+
+    def logits_from_shard(self, shard: torch.Tensor) -> torch.Tensor:
+        return self.language_model.logits_from_shard(shard)
+
+    def argmax_from_shard(self, shard: torch.Tensor) -> torch.Tensor:
+        return self.language_model.argmax_from_shard(shard)
 
     def attention_layers(self) -> list:
         return self.language_model.attention_layers()

@@ -136,8 +136,9 @@ faulthandler.dump_traceback_later(150, exit=True)  # a hang fails with every thr
 eng = LLMEngine({model!r}, EngineConfig(tp=2, load_format="dummy", dtype="bfloat16", cache_max_entry_count=0.1,
                                         tp_all_reduce={all_reduce!r}, eager_mode={eager!r}))
 prompts = [[1 + (7 * i + j) % 3000 for j in range(5 + 13 * i)] for i in range(6)]
+params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs={logprobs!r})
 for i, p in enumerate(prompts):
-    eng.add_request(p, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True), request_id=str(i))
+    eng.add_request(p, params, request_id=str(i))
 out = {{str(i): [] for i in range(len(prompts))}}
 while eng.has_work:
     for o in eng.step():
@@ -148,10 +149,12 @@ print("TOKENS", json.dumps([out[str(i)] for i in range(len(prompts))]), flush=Tr
 """
 
 
-def _greedy_tokens(model_dir: Path, all_reduce: str, eager: bool) -> list[list[int]]:
-    """Greedy tokens of six prompts of 5..70 tokens, from an engine in a process of its own: a
-    peer path maps its buffers once a process (``check_all_reduce``)."""
-    script = _GREEDY.format(model=str(model_dir), all_reduce=all_reduce, eager=eager)
+def _greedy_tokens(model_dir: Path, all_reduce: str, eager: bool, logprobs: int | None = None) -> list[list[int]]:
+    """Greedy tokens of six prompts of 5..70 tokens, from an engine in a process of its own (a
+    peer path maps its buffers once a process: ``check_all_reduce``). With ``logprobs`` (which
+    needs the whole row) every step gathers the logits for the sampler; without them it takes
+    the vocab-parallel argmax."""
+    script = _GREEDY.format(model=str(model_dir), all_reduce=all_reduce, eager=eager, logprobs=logprobs)
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=200,
                          env={**os.environ, **MULTICAST_OFF})
     lines = [line for line in run.stdout.splitlines() if line.startswith("TOKENS ")]
@@ -165,3 +168,11 @@ def test_the_fused_all_reduce_gives_nccls_tokens(model_dir, eager) -> None:
     all-reduce then the norm, on the same random weights (the same seed on each rank): the same
     roundings in the same order, so the same greedy tokens, decode graphs and eager steps alike."""
     assert _greedy_tokens(model_dir, "fused", eager) == _greedy_tokens(model_dir, "nccl", eager)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_greedy_steps_pick_what_the_sampler_picks_on_the_gathered_logits(model_dir, eager) -> None:
+    """Each rank's argmax of its vocabulary shard, exchanged over NCCL after the graphs' replay
+    (engine/layers/vocab_argmax.py), against rank 0's sampler on the all-gathered bfloat16
+    logits of the same random weights: the same ids, bit for bit, ties and all."""
+    assert _greedy_tokens(model_dir, "nccl", eager) == _greedy_tokens(model_dir, "nccl", eager, logprobs=0)

@@ -18,6 +18,7 @@ import torch
 from conveyor.engine.tp_workers import TPWorkerError
 from conveyor.protocol import EngineConfigError
 from conveyor.protocol.sampling import SamplingParams
+from conveyor.protocol.tp import StepKind
 from conveyor.testing.waiting import wait_until
 
 from test_awq_engine import AWQ_CONFIG, GROUP as AWQ_GROUP, rtn_awq, write_models as write_awq_models
@@ -72,6 +73,89 @@ def test_tp_matches_tp1_logits_and_tokens(dense_dir, tp) -> None:
     (ref, ref_ppl), (got, got_ppl) = _run(dense_dir, 1), _run(dense_dir, tp)
     _same(ref, got)
     assert got_ppl == pytest.approx(ref_ppl, rel=1e-5)
+
+
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
+SAMPLED = SamplingParams(max_new_tokens=8, temperature=0.8, top_k=0, top_p=0.9, random_seed=7)
+
+
+def _tokens(eng, requests) -> dict[str, list[int]]:
+    """Each request's tokens (``requests``: (prompt, params) pairs), all batched."""
+    for i, (prompt, params) in enumerate(requests):
+        eng.add_request(prompt, params, request_id=f"r{i}")
+    tokens = {}
+    while eng.has_work:
+        for o in eng.step():
+            if o.token is not None:
+                tokens.setdefault(o.request_id, []).append(o.token)
+    return tokens
+
+
+def _watch(runner) -> tuple[list[tuple[StepKind, bool]], list[int]]:
+    """(the (kind, vocab_argmax) of every plan that samples, the sampler's calls) from now on."""
+    plans, calls = [], []
+    execute, sample = runner._execute, runner.sampler.sample
+
+    def recording(plan, prev_ids):
+        if plan.num_sampled:
+            plans.append((plan.kind, plan.vocab_argmax))
+        return execute(plan, prev_ids)
+
+    runner._execute = recording
+    runner.sampler.sample = lambda *a, **kw: (calls.append(1), sample(*a, **kw))[1]
+    return plans, calls
+
+
+def test_greedy_steps_exchange_shard_argmaxes_and_a_sampled_row_gathers_the_logits(dense_dir) -> None:
+    """tp=2: a step whose every row is plain greedy gathers no logits and runs no sampler (each
+    rank's argmax of its vocabulary shard, exchanged), with tp=1's tokens; overlapped, so the next
+    step's pending inputs read those ids on rank 1 too. A step with a sampled row gathers the
+    logits for rank 0's sampler, as before."""
+    greedy = [(p, GREEDY) for p in PROMPTS]
+    mixed = [(PROMPTS[0], GREEDY), (PROMPTS[2], SAMPLED)]
+    ref = engine(dense_dir, overlap_schedule=True)
+    try:
+        want_greedy, want_mixed = _tokens(ref, greedy), _tokens(ref, mixed)
+    finally:
+        ref.close()
+    eng = engine(dense_dir, tp=2, overlap_schedule=True)
+    try:
+        plans, calls = _watch(eng.runner)
+        assert _tokens(eng, greedy) == want_greedy
+        assert plans and all(argmax for _, argmax in plans) and not calls
+        plans.clear()
+        assert _tokens(eng, mixed) == want_mixed
+        assert plans and not any(argmax for _, argmax in plans) and len(calls) == len(plans)
+    finally:
+        eng.close()
+
+
+def test_the_decode_graphs_stop_at_the_head_s_shard_and_either_finish_follows(dense_dir) -> None:
+    """A process group of one rank (every collective runs, over gloo) and the decode graphs'
+    static buffers (uncaptured off the GPU): the graphs end at the LM head's shard, and each
+    decode step then takes the vocab-parallel argmax (all greedy) or gathers the logits for the
+    sampler (a sampled row), with the tokens of an engine without a process group."""
+    greedy = [(p, GREEDY) for p in PROMPTS]
+    mixed = [(PROMPTS[0], GREEDY), (PROMPTS[2], SAMPLED)]
+    ref = engine(dense_dir, overlap_schedule=True)
+    try:
+        want_greedy, want_mixed = _tokens(ref, greedy), _tokens(ref, mixed)
+        assert ref.runner.decode_graphs is None
+    finally:
+        ref.close()
+    eng = engine(dense_dir, process_group=True, overlap_schedule=True)
+    try:
+        eng.runner.decode_graphs = eng.runner._decode_graphs(capture=False)
+        eng.runner.use_cuda_graphs = True
+        assert eng.runner.decode_graphs.split_head
+        plans, _ = _watch(eng.runner)
+        assert _tokens(eng, greedy) == want_greedy
+        assert (StepKind.GRAPH, True) in plans and (StepKind.GRAPH, False) not in plans
+        plans.clear()
+        assert _tokens(eng, mixed) == want_mixed
+        assert (StepKind.GRAPH, False) in plans and (StepKind.GRAPH, True) not in plans
+    finally:
+        eng.close()
 
 
 def test_tp_with_prefix_cache_sessions_and_an_int8_cache(dense_dir) -> None:
@@ -384,9 +468,10 @@ def test_small_all_reduces_take_the_peer_path_and_large_ones_the_group() -> None
 @pytest.mark.parametrize("allreduce", ["nccl", "one_shot", "two_shot", "fused"])
 def test_the_nccl_path_at_world_size_1_runs_inside_the_decode_graphs(dense_dir, allreduce) -> None:
     """Tensor parallel's collectives (an all-reduce in every row-parallel layer and the embedding,
-    by NCCL or by peer reads, EngineConfig.tp_all_reduce; the LM head's all-gather, the sampled ids'
-    broadcast) captured in the decode CUDA graphs and replayed: the same tokens and logprobs as
-    the engine without a process group."""
+    by NCCL or by peer reads, EngineConfig.tp_all_reduce) captured in the decode CUDA graphs and
+    replayed, the LM head's all-gather and the sampled ids' broadcast (or, for greedy steps, the
+    vocab-parallel argmax's exchange) after them: the same tokens and logprobs as the engine
+    without a process group."""
     import torch.distributed as dist
 
     from conveyor.engine.config import EngineConfig
@@ -416,6 +501,11 @@ def test_the_nccl_path_at_world_size_1_runs_inside_the_decode_graphs(dense_dir, 
                                                         "end": lambda self: None})())
         got = _trace(eng)
         assert sum(replays) > 0  # decode steps replayed the graphs
+        # Without logprobs, every step is plain greedy: the graphs' shard, then the vocab-parallel
+        # argmax over NCCL, for the ids the sampler took on the gathered logits just now.
+        plans, calls = _watch(eng.runner)
+        assert _tokens(eng, [(p, SamplingParams(max_new_tokens=10, temperature=0.0)) for p in PROMPTS]) == got[0]
+        assert (StepKind.GRAPH, True) in plans and all(argmax for _, argmax in plans) and not calls
     finally:
         eng.close()
     assert not tp_group().active

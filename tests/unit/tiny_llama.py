@@ -43,10 +43,11 @@ def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], **config) -> 
     return path
 
 
-def engine(path: Path, **kw) -> LLMEngine:
-    """A CPU float32 engine on ``path`` with a small cache."""
+def engine(path: Path, process_group: bool = False, **kw) -> LLMEngine:
+    """A CPU float32 engine on ``path`` with a small cache (``process_group``: LLMEngine's)."""
     return LLMEngine(path, EngineConfig(device="cpu", dtype="float32", cache_max_entry_count=32, block_size=4,
-                                        max_batch_size=4, max_prefill_token_num=64, **kw))
+                                        max_batch_size=4, max_prefill_token_num=64, **kw),
+                     process_group=process_group)
 
 
 def greedy(eng: LLMEngine, prompt: list[int], n: int = 12) -> list[int]:
