@@ -195,8 +195,10 @@ fi
 #     default models/tokenizer, ignored by git: carry it; `cp $(python -m conveyor.default_model)/{tokenizer.json,
 #     tokenizer_config.json,config.json} models/tokenizer/`) and
 #     the tensor-parallel tests (the GPU ones at world size 1);
-#   sharegpt: the ShareGPT-shaped workload at tp=2, with every rank's step times (wait, host, GPU;
-#     engine/rank_timing.py); 70b: Llama-2-70B shape (too big for one GPU).
+#   sharegpt: the ShareGPT-shaped workload's first $TP2_PROMPTS (500) requests at tp=1, tp=2
+#     ($TP2_SHAREGPT_PATH, default fused), tp=1, tp=2, each with every rank's step times (wait, host,
+#     GPU; engine/rank_timing.py) and the engine's Python stacks (--stack-samples);
+#   70b: Llama-2-70B shape (too big for one GPU) with each path in $TP2_ALLREDUCE.
 if [ "$STAGE" = tp2 ]; then
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the device notes
   W=/tmp/tp2; mkdir -p $W; export BENCH_OUT=$W
@@ -221,10 +223,16 @@ if [ "$STAGE" = tp2 ]; then
     tests) part tests_2gpu 560 env CONVEYOR_TEST_MODEL="$(cd "${TP2_TOKENIZER:-models/tokenizer}" && pwd)" CONVEYOR_OFFLINE=1 \
              python3 -m pytest -q -p no:cacheprovider tests/integration/test_tp_two_gpus.py
            part tests 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_tensor_parallel.py ;;
-    sharegpt) part sharegpt 200 python3 -m benchmarks.profile_throughput \
-                --model llama2-7b --tp 2 --rank-timing $W/rank_timing --name tp2_sharegpt ;;
-    70b) part 70b 250 python3 -m benchmarks.profile_generation --model llama2-70b --tp 2 -b 1 -b 64 -c 128:512 \
-           -c 128:128 --name tp2_llama2_70b ;;
+    sharegpt) for tp in 1 2 1 2; do  # fp16, as the single-GPU table; tp=2 on $TP2_SHAREGPT_PATH (default fused)
+                k=$([ $tp = 2 ] && echo ${TP2_SHAREGPT_PATH:-fused} || echo nccl); n=$((${n:-0} + 1))
+                part sharegpt_tp${tp}_$n 150 python3 -m benchmarks.profile_throughput --model llama2-7b \
+                  --num-prompts ${TP2_PROMPTS:-500} --tp $tp --tp-all-reduce $k --rank-timing $W/rank_timing_tp${tp}_$n \
+                  --stack-samples $W/stacks_tp${tp}_$n --name tp${tp}_${k}_sharegpt_$n
+              done ;;
+    70b) for k in ${TP2_ALLREDUCE:-nccl fused}; do
+           part 70b_$k 250 python3 -m benchmarks.profile_generation --model llama2-70b --tp 2 -b 1 -b 64 -c 128:512 \
+             --tp-all-reduce $k --name tp2_${k}_llama2_70b
+         done ;;
   esac; done
 fi
 
