@@ -198,6 +198,8 @@ fi
 #   sharegpt: the ShareGPT-shaped workload's first $TP2_PROMPTS (500) requests at tp=1, tp=2
 #     ($TP2_SHAREGPT_PATH, default fused), tp=1, tp=2, each with every rank's step times (wait, host,
 #     GPU; engine/rank_timing.py) and the engine's Python stacks (--stack-samples);
+#   profile: a batch-1 and batch-64 decode step from its graph, kernel by kernel, at tp=1 and tp=2
+#     (rank 0's GPU; benchmarks/profile_step.py);
 #   70b: Llama-2-70B shape (too big for one GPU) with each path in $TP2_ALLREDUCE.
 if [ "$STAGE" = tp2 ]; then
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the device notes
@@ -229,6 +231,10 @@ if [ "$STAGE" = tp2 ]; then
                   --num-prompts ${TP2_PROMPTS:-500} --tp $tp --tp-all-reduce $k --rank-timing $W/rank_timing_tp${tp}_$n \
                   --stack-samples $W/stacks_tp${tp}_$n --name tp${tp}_${k}_sharegpt_$n
               done ;;
+    profile) for tp in 1 2; do  # where a decode step goes on rank 0's GPU, from its graph
+               part profile_tp$tp 150 python3 -m benchmarks.profile_step --model llama2-7b --dtype bfloat16 --decode-only \
+                 --tp $tp --tp-all-reduce $([ $tp = 2 ] && echo ${TP2_SHAREGPT_PATH:-fused} || echo nccl)
+             done ;;
     70b) for k in ${TP2_ALLREDUCE:-nccl fused}; do
            part 70b_$k 250 python3 -m benchmarks.profile_generation --model llama2-70b --tp 2 -b 1 -b 64 -c 128:512 \
              --tp-all-reduce $k --name tp2_${k}_llama2_70b
