@@ -35,8 +35,9 @@ PEER_ALLREDUCE_MAX_BYTES = 1 << 20  # [128, 4096] bf16: every decode batch up to
 # What torch's symmetric-memory all-reduce kernels are built for: no float16 (on the H200, torch
 # 2.11 answers '"one_shot_all_reduce" not implemented for 'Half'').
 _DTYPES = (torch.bfloat16, torch.float32)
-# The process group this process mapped peer buffers for (one_shot, two_shot, fused), if any.
-_SYMMETRIC_MEMORY_GROUP = None
+# Whether this process has mapped peer buffers through torch's symmetric memory (one_shot,
+# two_shot, fused) for some process group: it cannot for another (``check_all_reduce``).
+_SYMMETRIC_MEMORY_SET_UP = False
 
 
 def check_all_reduce(kind: str, device: torch.device, tensor_parallel: bool = True,
@@ -55,7 +56,7 @@ def check_all_reduce(kind: str, device: torch.device, tensor_parallel: bool = Tr
     if device.type != "cuda":
         raise EngineConfigError(f"tp_all_reduce={kind!r} reads peer GPUs' memory: it needs CUDA devices (the "
                                 f"engine is on {device}); use tp_all_reduce='nccl' (the process group's all-reduce)")
-    if _SYMMETRIC_MEMORY_GROUP is not None:
+    if _SYMMETRIC_MEMORY_SET_UP:
         # torch numbers a rendezvous's store keys with a count kept per process: this process
         # would wait on keys the new rank processes (counting from zero) never write (two H200s,
         # torch 2.11: a second fused engine in one process waited forever).
@@ -214,7 +215,7 @@ def symmetric_buffer(nbytes: int, group, device: torch.device):
     """A buffer of ``nbytes`` on ``device`` that every rank of ``group`` maps (torch symmetric
     memory; collective), and its handle (the peers' addresses). One process sets this up for one
     group only: ``check_all_reduce`` refuses a later group, which would hang (see there)."""
-    global _SYMMETRIC_MEMORY_GROUP
+    global _SYMMETRIC_MEMORY_SET_UP
     import torch.distributed._symmetric_memory as symm_mem
 
     name = group.group_name
@@ -223,7 +224,7 @@ def symmetric_buffer(nbytes: int, group, device: torch.device):
         enable(name)
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(buffer, group=name)
-    _SYMMETRIC_MEMORY_GROUP = group
+    _SYMMETRIC_MEMORY_SET_UP = True
     return buffer, handle
 
 

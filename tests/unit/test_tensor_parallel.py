@@ -569,7 +569,7 @@ def test_a_second_peer_path_engine_in_one_process_is_refused_not_waited_on(monke
     gpu = torch.device("cuda", 0)  # only checked, never touched
     for kind in ("one_shot", "two_shot", "fused"):  # nothing set up yet: the first engine may
         peer_all_reduce.check_all_reduce(kind, gpu, dtype=torch.bfloat16)
-    monkeypatch.setattr(peer_all_reduce, "_SYMMETRIC_MEMORY_GROUP", object())  # an earlier engine's
+    monkeypatch.setattr(peer_all_reduce, "_SYMMETRIC_MEMORY_SET_UP", True)  # by an earlier engine
     for kind in ("one_shot", "two_shot", "fused"):
         with pytest.raises(EngineConfigError, match="fresh process"):
             peer_all_reduce.check_all_reduce(kind, gpu, dtype=torch.bfloat16)
