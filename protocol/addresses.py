@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import random
 import socket
 import tempfile
 import uuid
@@ -22,12 +23,37 @@ from .. import envs
 from .security import CurveKeys, SecurityError
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the tensor-parallel rendezvous, test servers); another
-    process may take it before the caller binds it."""
+def free_port(offsets: tuple[int, ...] = (0,)) -> int:
+    """A TCP port ``p`` with ``p + o`` free on 127.0.0.1 now for every offset ``o`` (the
+    tensor-parallel rendezvous, test servers); another process may take it before the caller
+    binds it. Below the kernel's ephemeral range, never in it: a peer that connects before the
+    owner binds gets an ephemeral source port, and when that is the port itself the socket
+    connects to itself and holds it, so the owner's bind then fails with "Address already in
+    use" (CI: a tokenizer stage's reconnects took the engine's port while the engine loaded)."""
+    rng = random.Random()
+    high = _ephemeral_start() - max(offsets) - 1
+    while True:
+        port = rng.randrange(10000, high)
+        if all(_free(port + o) for o in offsets):
+            return port
+
+
+def _free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _ephemeral_start() -> int:
+    """The first port the kernel hands out as an outgoing connection's source port."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 @dataclass(frozen=True)

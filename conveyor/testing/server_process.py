@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,19 +19,7 @@ from ..protocol.addresses import free_port  # the tests import it from here too
 def free_base_port() -> int:
     """A base port for the tcp:// stages whose stage ports (base+1..3) and ingress reply port
     (base+10) are free on 127.0.0.1 too."""
-    while True:
-        base = free_port()
-        if base < 60000 and all(_port_free(base + i) for i in (1, 2, 3, 10)):
-            return base
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+    return free_port((0, 1, 2, 3, 10))
 
 
 def wait_stages_healthy(procs: dict[str, subprocess.Popen], url: str, timeout: float, what: str,
