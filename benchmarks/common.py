@@ -33,6 +33,12 @@ def add_tp_arguments(ap) -> None:
                     help="tensor parallel's path for decode-sized all-reduces (EngineConfig.tp_all_reduce)")
 
 
+def tp_fields(args) -> dict[str, Any]:
+    """What a record says of ``add_tp_arguments``' options: ``tp``, and the all-reduce path when
+    there is one to take (tp > 1)."""
+    return {"tp": args.tp, "tp_all_reduce": args.tp_all_reduce if args.tp > 1 else None}
+
+
 def gpu_name() -> str:
     """The device's name, or "cpu"."""
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -33,7 +33,7 @@ from statistics import mean
 import torch
 
 from conveyor.engine.config import KERNEL_MODES, parse_cache_size
-from benchmarks.common import add_tp_arguments, dummy_engine, percentile, random_prompt, record, save
+from benchmarks.common import add_tp_arguments, dummy_engine, percentile, random_prompt, record, save, tp_fields
 from conveyor.protocol.sampling import SamplingParams
 
 DEFAULT_BATCHES = (1, 16, 32, 64)
@@ -143,8 +143,8 @@ def main() -> None:
             records.append(record(
                 engine="conveyor", model=args.model, precision=args.dtype, benchmark="profile_generation",
                 batch=batch, input_len=input_len, output_len=output_len, model_format=args.model_format or "hf",
-                quant_policy=args.quant_policy, tp=args.tp, kv_blocks=engine.runner.num_blocks, kernels=args.kernels,
-                kv_tokens=engine.runner.num_blocks * engine.config.block_size,
+                quant_policy=args.quant_policy, **tp_fields(args), kv_blocks=engine.runner.num_blocks,
+                kernels=args.kernels, kv_tokens=engine.runner.num_blocks * engine.config.block_size,
                 cuda_graphs=bool(graphs and engine.runner.use_cuda_graphs), **r,
             ))
     path = save(records + baseline, args.name or f"profile_generation_{args.model}")

@@ -22,7 +22,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import add_tp_arguments, drain, dummy_engine, random_prompt, record, save
+from benchmarks.common import add_tp_arguments, drain, dummy_engine, random_prompt, record, save, tp_fields
 from benchmarks.dummy_model import param_count
 from conveyor.protocol.sampling import SamplingParams
 
@@ -130,8 +130,8 @@ def main() -> None:
         results.append(profile_steps(engine, "prefill 2048 tokens", 1))
         drain(engine)
     save([record(engine="conveyor", model=args.model, precision=args.dtype, benchmark="profile_step",
-                 quant_policy=args.quant_policy, model_format=args.model_format or "hf", tp=args.tp,
-                 tp_all_reduce=args.tp_all_reduce if args.tp > 1 else None, copy_tb_s=bw / 1e12,
+                 quant_policy=args.quant_policy, model_format=args.model_format or "hf", **tp_fields(args),
+                 copy_tb_s=bw / 1e12,
                  decode_floor_ms=floor_ms, steps=results)],
          f"profile_step_{args.model}" + (f"_kv{args.quant_policy}" if args.quant_policy else "")
          + (f"_{args.model_format}" if args.model_format not in (None, "hf") else "")

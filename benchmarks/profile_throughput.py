@@ -54,7 +54,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from conveyor.engine.config import parse_cache_size
-from benchmarks.common import StepTimer, add_tp_arguments, drain, dummy_engine, percentile, random_prompt, record, save
+from benchmarks.common import (StepTimer, add_tp_arguments, drain, dummy_engine, percentile, random_prompt, record,
+                               save, tp_fields)
 from benchmarks.gpu_monitor import GpuMonitor, GpuSample, summary
 from conveyor.engine.rank_timing import alloc_retries, busy_seconds, read_all, table
 from benchmarks.profile_step import kernel_table
@@ -336,9 +337,8 @@ def main() -> None:
         print(f"{k:>14}: {v:.3f}" if isinstance(v, float) else f"{k:>14}: {v}")
     print_timeline(step_samples, t0, gpu_samples, wall, split)
     rec = record(engine="conveyor", model=args.model, precision=args.dtype, benchmark="profile_throughput",
-                 batch=args.max_batch_size, quant_policy=args.quant_policy, tp=args.tp, dataset=args.dataset.name,
-                 tp_all_reduce=args.tp_all_reduce if args.tp > 1 else None,
-                 **result)
+                 batch=args.max_batch_size, quant_policy=args.quant_policy, **tp_fields(args),
+                 dataset=args.dataset.name, **result)
     path = save([rec], args.name or f"profile_throughput_{args.model}")
     print(f"saved {path}", flush=True)
     engine.close()  # every rank writes its step times (--rank-timing) as it stops

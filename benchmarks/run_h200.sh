@@ -210,6 +210,7 @@ if [ "$STAGE" = tp2 ]; then
     grep -v -E "^\s*$|Warning|warn\(" "$W/$name.log" | tail -${TAIL:-12}
     tar czf "${OUT:-/tmp/out}/tp2.tgz" -C $W .
   }
+  path_at() { [ "$1" = 2 ] && echo "${TP2_SHAREGPT_PATH:-fused}" || echo nccl; }  # the all-reduce path at tp=$1
   # bf16 (TP2_DTYPE): the one_shot / two_shot peer paths refuse fp16, which torch's kernels lack.
   G="python3 -m benchmarks.profile_generation --model llama2-7b --dtype ${TP2_DTYPE:-bfloat16}"
   for p in ${TP2_PARTS:-comm gen check}; do case $p in
@@ -226,14 +227,14 @@ if [ "$STAGE" = tp2 ]; then
              python3 -m pytest -q -p no:cacheprovider tests/integration/test_tp_two_gpus.py
            part tests 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_tensor_parallel.py ;;
     sharegpt) for tp in 1 2 1 2; do  # fp16, as the single-GPU table; tp=2 on $TP2_SHAREGPT_PATH (default fused)
-                k=$([ $tp = 2 ] && echo ${TP2_SHAREGPT_PATH:-fused} || echo nccl); n=$((${n:-0} + 1))
+                k=$(path_at $tp); n=$((${n:-0} + 1))
                 part sharegpt_tp${tp}_$n 150 python3 -m benchmarks.profile_throughput --model llama2-7b \
                   --num-prompts ${TP2_PROMPTS:-500} --tp $tp --tp-all-reduce $k --rank-timing $W/rank_timing_tp${tp}_$n \
                   --stack-samples $W/stacks_tp${tp}_$n --name tp${tp}_${k}_sharegpt_$n
               done ;;
     profile) for tp in 1 2; do  # where a decode step goes on rank 0's GPU, from its graph
                part profile_tp$tp 150 python3 -m benchmarks.profile_step --model llama2-7b --dtype bfloat16 --decode-only \
-                 --tp $tp --tp-all-reduce $([ $tp = 2 ] && echo ${TP2_SHAREGPT_PATH:-fused} || echo nccl)
+                 --tp $tp --tp-all-reduce $(path_at $tp)
              done ;;
     70b) for k in ${TP2_ALLREDUCE:-nccl fused}; do
            part 70b_$k 250 python3 -m benchmarks.profile_generation --model llama2-70b --tp 2 -b 1 -b 64 -c 128:512 \
