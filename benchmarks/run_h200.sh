@@ -187,16 +187,17 @@ fi
 #   nothing hangs; "sharegpt 70b tests" fit a second call):
 #   comm: the all-reduce across both GPUs (NCCL, the peer paths, and the fused all-reduce + norm
 #     against NCCL + add_rms_norm, per batch) and the step plan;
-#   gen: Llama-2-7B batch 1 128/512 and batch 64 128/128 at tp=1, tp=2 with each all-reduce path
-#     in $TP2_ALLREDUCE (default "nccl fused"), then tp=1 again (records tp<N>_<path>_b<B>);
+#   gen: Llama-2-7B batch 1 and 64, 128/512 and 128/128, at tp=1, tp=2 with each all-reduce path
+#     in $TP2_ALLREDUCE (default "nccl fused"), then tp=1 again, one process a run (the engine's
+#     start-up, not the cases, is most of a run's time; records tp<N>_<path>);
 #   check: a Llama-2-7B-shape checkpoint cut to 4 layers, tp=2 (NCCL, then fused) against tp=1 on
 #     the same weights;
 #   tests: the two-GPU tests (exits, SIGTERM, fused against NCCL; the tokenizer of $TP2_TOKENIZER,
 #     default models/tokenizer, ignored by git: carry it; `cp $(python -m conveyor.default_model)/{tokenizer.json,
 #     tokenizer_config.json,config.json} models/tokenizer/`) and
 #     the tensor-parallel tests (the GPU ones at world size 1);
-#   sharegpt: the ShareGPT-shaped workload's first $TP2_PROMPTS (500) requests at tp=1, tp=2
-#     ($TP2_SHAREGPT_PATH, default fused), tp=1, tp=2, each with every rank's step times (wait, host,
+#   sharegpt: the ShareGPT-shaped workload's first $TP2_PROMPTS (500) requests at the tp sizes of
+#     $TP2_SHAREGPT_RUNS (default "1 2 1 2"; tp=2 on $TP2_SHAREGPT_PATH, default fused), each with every rank's step times (wait, host,
 #     GPU; engine/rank_timing.py) and the engine's Python stacks (--stack-samples);
 #   profile: a batch-1 and batch-64 decode step from its graph, kernel by kernel, at tp=1 and tp=2
 #     (rank 0's GPU; benchmarks/profile_step.py);
@@ -217,8 +218,8 @@ if [ "$STAGE" = tp2 ]; then
     comm) part comm 150 python3 -m benchmarks.bench_tp_comm --world 2 ;;
     gen) for run in 1:nccl $(for k in ${TP2_ALLREDUCE:-nccl fused}; do echo 2:$k; done) 1:nccl_again; do
            tp=${run%%:*}; k=${run##*:}
-           part gen_tp${tp}_${k}_b1 75 $G -b 1 -c 128:512 --tp $tp --tp-all-reduce ${k%_again} --name tp${tp}_${k}_b1
-           part gen_tp${tp}_${k}_b64 75 $G -b 64 -c 128:128 --tp $tp --tp-all-reduce ${k%_again} --name tp${tp}_${k}_b64
+           part gen_tp${tp}_${k} 150 $G -b 1 -b 64 -c 128:512 -c 128:128 --tp $tp --tp-all-reduce ${k%_again} \
+             --name tp${tp}_${k}
          done ;;
     check) part check 150 python3 -m benchmarks.tp_correctness --model llama2-7b --layers 4 --tp 2
            part check_fused 150 python3 -m benchmarks.tp_correctness --model llama2-7b --layers 4 --tp 2 \
@@ -226,7 +227,7 @@ if [ "$STAGE" = tp2 ]; then
     tests) part tests_2gpu 560 env CONVEYOR_TEST_MODEL="$(cd "${TP2_TOKENIZER:-models/tokenizer}" && pwd)" CONVEYOR_OFFLINE=1 \
              python3 -m pytest -q -p no:cacheprovider tests/integration/test_tp_two_gpus.py
            part tests 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_tensor_parallel.py ;;
-    sharegpt) for tp in 1 2 1 2; do  # fp16, as the single-GPU table; tp=2 on $TP2_SHAREGPT_PATH (default fused)
+    sharegpt) for tp in ${TP2_SHAREGPT_RUNS:-1 2 1 2}; do  # fp16, as the single-GPU table; tp=2 on $TP2_SHAREGPT_PATH (default fused)
                 k=$(path_at $tp); n=$((${n:-0} + 1))
                 part sharegpt_tp${tp}_$n 150 python3 -m benchmarks.profile_throughput --model llama2-7b \
                   --num-prompts ${TP2_PROMPTS:-500} --tp $tp --tp-all-reduce $k --rank-timing $W/rank_timing_tp${tp}_$n \
