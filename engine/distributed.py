@@ -115,7 +115,7 @@ def init_tp(rank: int, size: int, init_method: str, device: torch.device, all_re
         raise EngineConfigError(
             "torch.distributed is already initialized in this process; tensor parallel needs its own "
             "process group: run the engine in a process of its own (conveyor serve api_server --tp N)")
-    check_all_reduce(all_reduce, device)
+    check_all_reduce(all_reduce, device, ranks=size)
     kind = all_reduce
     if device.type == "cuda":
         # Triton launches and CUDA graphs work on the current device, not the tensors': a rank on

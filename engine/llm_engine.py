@@ -91,7 +91,7 @@ class LLMEngine:
         try:
             tensor_parallel = config.tp > 1 or process_group
             # A wrong all-reduce path is refused here, before any rank starts.
-            check_all_reduce(config.tp_all_reduce, self.device, tensor_parallel, self.dtype)
+            check_all_reduce(config.tp_all_reduce, self.device, tensor_parallel, self.dtype, config.tp)
             if tensor_parallel:
                 self._start_tensor_parallel()
             self.runner = ModelRunner(self.model_path, self.model_config, config, self.device, self.dtype)

@@ -41,11 +41,12 @@ _SYMMETRIC_MEMORY_SET_UP = False
 
 
 def check_all_reduce(kind: str, device: torch.device, tensor_parallel: bool = True,
-                     dtype: torch.dtype | None = None) -> None:
+                     dtype: torch.dtype | None = None, ranks: int = 2) -> None:
     """Refuse the all-reduce path ``kind`` (``EngineConfig.tp_all_reduce``) for a rank on
-    ``device`` whose activations are ``dtype`` when it cannot run there: an unknown one, a peer
-    path off the GPU or for a dtype its kernels lack, and a peer path for an engine that runs no
-    all-reduce (``tensor_parallel`` False: tp=1 without a process group)."""
+    ``device`` whose activations are ``dtype`` in a group of ``ranks`` processes when it cannot
+    run there: an unknown one, a peer path off the GPU or for a dtype its kernels lack, a peer
+    path for an engine that runs no all-reduce (``tensor_parallel`` False: tp=1 without a process
+    group), and a peer path across processes after this process set one up for another group."""
     if kind not in TP_ALL_REDUCE_KINDS:
         raise EngineConfigError(f"tp_all_reduce={kind!r} is not one of {', '.join(TP_ALL_REDUCE_KINDS)}")
     if kind == "nccl":
@@ -56,10 +57,11 @@ def check_all_reduce(kind: str, device: torch.device, tensor_parallel: bool = Tr
     if device.type != "cuda":
         raise EngineConfigError(f"tp_all_reduce={kind!r} reads peer GPUs' memory: it needs CUDA devices (the "
                                 f"engine is on {device}); use tp_all_reduce='nccl' (the process group's all-reduce)")
-    if _SYMMETRIC_MEMORY_SET_UP:
+    if _SYMMETRIC_MEMORY_SET_UP and ranks > 1:
         # torch numbers a rendezvous's store keys with a count kept per process: this process
         # would wait on keys the new rank processes (counting from zero) never write (two H200s,
-        # torch 2.11: a second fused engine in one process waited forever).
+        # torch 2.11: a second fused engine in one process waited forever). A group of this
+        # process alone (tp=1 with a process group) reads the keys it writes.
         raise EngineConfigError(
             f"tp_all_reduce={kind!r} maps peer buffers through torch's symmetric memory, which an earlier engine "
             "in this process already set up, and cannot be set up again in the same process: start this engine in "

@@ -563,14 +563,17 @@ def test_a_second_peer_path_engine_in_one_process_is_refused_not_waited_on(monke
     a process that set it up for an earlier engine and the fresh rank processes of the next wait
     on different keys forever (two H200s, a second fused engine in one process). Every peer path
     maps its buffers that way, so once one has, another is refused before any rank starts, with
-    the fix in the message; NCCL needs none and starts as often as asked."""
+    the fix in the message; NCCL needs none and starts as often as asked, and a group of this
+    process alone (tp=1 with a process group, the world-size-1 graph test) reads its own keys."""
     from conveyor.engine import peer_all_reduce
 
     gpu = torch.device("cuda", 0)  # only checked, never touched
+    monkeypatch.setattr(peer_all_reduce, "_SYMMETRIC_MEMORY_SET_UP", False)  # (a GPU test may have)
     for kind in ("one_shot", "two_shot", "fused"):  # nothing set up yet: the first engine may
-        peer_all_reduce.check_all_reduce(kind, gpu, dtype=torch.bfloat16)
+        peer_all_reduce.check_all_reduce(kind, gpu, dtype=torch.bfloat16, ranks=2)
     monkeypatch.setattr(peer_all_reduce, "_SYMMETRIC_MEMORY_SET_UP", True)  # by an earlier engine
     for kind in ("one_shot", "two_shot", "fused"):
         with pytest.raises(EngineConfigError, match="fresh process"):
-            peer_all_reduce.check_all_reduce(kind, gpu, dtype=torch.bfloat16)
-    peer_all_reduce.check_all_reduce("nccl", gpu, dtype=torch.bfloat16)
+            peer_all_reduce.check_all_reduce(kind, gpu, dtype=torch.bfloat16, ranks=2)
+        peer_all_reduce.check_all_reduce(kind, gpu, dtype=torch.bfloat16, ranks=1)
+    peer_all_reduce.check_all_reduce("nccl", gpu, dtype=torch.bfloat16, ranks=2)
