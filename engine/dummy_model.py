@@ -263,11 +263,13 @@ def param_count(shape: str, active: bool = False) -> int:
     other weight count whole)."""
     import torch  # here: the stateless stages read SHAPES without importing torch
 
+    from .distributed import as_first_of
     from .layers.moe import FusedMoE
     from .model_config import ModelConfig
     from .models import build_model
 
-    model = build_model(ModelConfig.from_dict(shape_config(shape)), dtype=torch.bfloat16, device="meta")
+    with as_first_of(1):  # the whole model, also in a tensor-parallel rank (whose layers are split)
+        model = build_model(ModelConfig.from_dict(shape_config(shape)), dtype=torch.bfloat16, device="meta")
     total = sum(p.numel() for p in model.parameters())
     if active:
         for m in model.modules():

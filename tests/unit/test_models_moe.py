@@ -215,6 +215,17 @@ def test_param_count_total_and_active(shape: str, total: float, active: float) -
     assert param_count(shape, active=True) / 1e9 == pytest.approx(active, abs=0.01)
 
 
+def test_param_count_is_the_whole_model_inside_a_tensor_parallel_rank() -> None:
+    """A rank's layers are split; the count is still the model's (profile_step at tp=2 divided an
+    already-halved count by tp again: a floor of 0.82 ms for Llama-2-7B's 1.63 on two H200s)."""
+    from conveyor.engine.distributed import as_first_of
+    from conveyor.engine.dummy_model import param_count
+
+    whole = param_count("llama2-7b")
+    with as_first_of(2):
+        assert param_count("llama2-7b") == whole
+
+
 def test_router_holds_float32_weights_in_any_model_dtype(tiny) -> None:
     """The router's weight is float32 after a bf16 build and load (no cast per step), holding the
     checkpoint's values (the tiny checkpoint is float32: not rounded to the model's bf16)."""
