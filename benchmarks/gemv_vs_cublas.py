@@ -5,9 +5,13 @@ candidate configuration is checked against the reference, then timed as 50 back-
 launches between CUDA events (median of 5); reported in µs per call and in weight GB/s, plus
 the per-token sum over the 32 layers and the head.
 
-    python -m benchmarks.gemv_vs_cublas
+    python -m benchmarks.gemv_vs_cublas [--tp N]
+
+``--tp N``: the shapes one rank of N holds (qkv, gate_up and the head split by output features,
+o_proj and down by input features). Also prints each projection's fastest configuration.
 """
 
+import argparse
 import itertools
 
 import torch
@@ -18,7 +22,13 @@ from conveyor.kernels.gemv import gemv_ref, gemv_triton
 
 SHAPES = {"qkv": (12288, 4096), "o_proj": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
           "lm_head": (32000, 4096)}
+ROW_PARALLEL = ("o_proj", "down")  # split along K under tensor parallel; the others along N
 PER_TOKEN = {"qkv": 32, "o_proj": 32, "gate_up": 32, "down": 32, "lm_head": 1}
+
+
+def rank_shapes(tp: int) -> dict[str, tuple[int, int]]:
+    """(N, K) of each projection as one rank of ``tp`` holds it."""
+    return {name: (n, k // tp) if name in ROW_PARALLEL else (n // tp, k) for name, (n, k) in SHAPES.items()}
 
 
 def time_us(fn) -> float:
@@ -26,24 +36,29 @@ def time_us(fn) -> float:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, default=1, help="the shapes of one rank of this many")
+    args = ap.parse_args()
+    shapes = rank_shapes(args.tp)
     gen = torch.Generator(device="cuda").manual_seed(0)
     data = {}
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.float16, generator=gen) * 0.02
         x = torch.randn(1, k, device="cuda", dtype=torch.float16, generator=gen)
         data[name] = (x, w, gemv_ref(x, w))
     records = []
 
     def per_token(times: dict) -> float:
-        return sum(times[s] * PER_TOKEN[s] for s in SHAPES)
+        return sum(times[s] * PER_TOKEN[s] for s in shapes)
 
     cublas = {name: time_us(lambda x=x, w=w: F.linear(x, w)) for name, (x, w, _) in data.items()}
     for name, us in cublas.items():
-        n, k = SHAPES[name]
+        n, k = shapes[name]
         print(f"cublas {name:8s} {us:8.1f} us  {n * k * 2 / us / 1e3:7.0f} GB/s", flush=True)
     print(f"cublas per token: {per_token(cublas):.0f} us", flush=True)
     records.append(record(engine="cublas", model="llama2-7b", precision="float16", benchmark="gemv_vs_cublas",
-                          batch=1, config="F.linear", us=cublas, per_token_us=per_token(cublas)))
+                          batch=1, config="F.linear", us=cublas, per_token_us=per_token(cublas), tp=args.tp,
+                          shapes=shapes))
 
     configs = list(itertools.product((4, 8, 16), (256, 512, 1024), (2, 4, 8), (3,)))
     results = []
@@ -74,10 +89,20 @@ def main() -> None:
     for total, (bn, bk, warps, stages), times, worst in results:
         records.append(record(engine="conveyor", model="llama2-7b", precision="float16", benchmark="gemv_vs_cublas",
                               batch=1, config=f"bn{bn}_bk{bk}_w{warps}_s{stages}", us=times, per_token_us=total,
-                              rel_err=worst))
+                              rel_err=worst, tp=args.tp, shapes=shapes))
     best = results[0]
     print(f"best {best[1]}: {best[0]:.0f} us per token vs cublas {per_token(cublas):.0f}", flush=True)
-    print(f"saved {save(records, 'gemv_vs_cublas')}")
+    for name in shapes:  # each projection's own fastest, against the overall best's time for it
+        t, cfg = min((r[2][name], r[1]) for r in results)
+        print(f"{name:8s} {shapes[name]}: fastest {cfg} {t:.1f} us, overall best {best[2][name]:.1f} us, "
+              f"default (16, 1024, 8, 3) {_default_time(results, name)}", flush=True)
+    print(f"saved {save(records, 'gemv_vs_cublas' + (f'_tp{args.tp}' if args.tp > 1 else ''))}")
+
+
+def _default_time(results, name: str) -> str:
+    """The default configuration's time for ``name``, if it ran."""
+    times = [r[2][name] for r in results if r[1] == (16, 1024, 8, 3)]
+    return f"{times[0]:.1f} us" if times else "not run"
 
 
 if __name__ == "__main__":
