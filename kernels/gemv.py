@@ -124,15 +124,21 @@ def _gemv_kernel(
 
 def gemv_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    *, block_n: int = 16, block_k: int = 1024, num_warps: int = 8, num_stages: int = 3,
+    *, block_n: int | None = None, block_k: int = 1024, num_warps: int | None = None, num_stages: int = 3,
     lora: GemvLoRA | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton launcher for :func:`gemv_ref` (plus ``lora``'s delta, one row only), written into
     ``out`` ([M, N] of x's dtype, unit stride along N) when given; the keyword arguments are for
-    tuning (the defaults were the fastest of 39 configurations on an H100 over the Llama-2-7B
-    projections: ``benchmarks/gemv_vs_cublas.py``)."""
+    tuning. One row takes 4 features a program and 4 warps: replayed from CUDA graphs on an H200
+    (``benchmarks/gemv_vs_cublas.py [--tp 2]``) the Llama-2-7B projections took 3,275 µs a token
+    that way against 3,496 with 16 and 8 warps (1,762 against 1,963 for a rank of tp=2), within 1 %
+    of the fastest of 51 configurations. More rows keep 16 and 8 warps (not re-measured)."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x [M, K], weight [N, K]"
     m, k_dim = x.shape
+    if block_n is None:
+        block_n = 4 if m == 1 else 16
+    if num_warps is None:
+        num_warps = 4 if m == 1 else 8
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {m}"
     assert x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES, f"unsupported dtypes {x.dtype}, {weight.dtype}"
