@@ -7,10 +7,12 @@
 # benchmarks/results/h200/ and in $OUT. CONVEYOR_COMMIT names the commit measured.
 #
 # STAGE "tests": the GPU kernel tests and, when /tmp/smol.gguf is there, the real-model GPU test.
-#   The GGUF (94 MB) is over a call's 64 MiB: split it here into two ignored folders
-#   (`split -n 2 -d ~/.cache/conveyor/SmolLM2-135M-Instruct.gguf` into .diag/gguf_a/p, .diag/gguf_b/p),
-#   carry the first and `cp .diag/gguf_a/p /tmp/smol_a`, then at once (the machine stays warm ~30 s)
-#   carry the second and `cat /tmp/smol_a .diag/gguf_b/p > /tmp/smol.gguf` before this stage.
+#   The GGUF (98 MB) is over a call's 64 MiB (the tracked files, ~7 MB, and .whl, ~9 MB, count
+#   too): split it here into two ignored folders (`head -c 44000000 G > .diag/gguf_a/p` and
+#   `tail -c +44000001 G > .diag/gguf_b/p`, G = ~/.cache/conveyor/SmolLM2-135M-Instruct.gguf),
+#   carry .whl and the first and `cp .diag/gguf_a/p /tmp/smol_a`, then at once (the machine stays
+#   warm ~30 s; /tmp/site from the first call serves the second) carry the second alone and
+#   `cat /tmp/smol_a .diag/gguf_b/p > /tmp/smol.gguf` before this stage.
 # STAGE "ab BEFORE_DIR": batch-1 decode and the ShareGPT-shaped workload for the tree in
 #   BEFORE_DIR (an older commit, run the way that commit's own run_h100.sh ran it) and for this
 #   tree, alternating, in one call: a before/after comparison free of machine-to-machine spread.
