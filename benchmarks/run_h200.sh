@@ -6,7 +6,8 @@
 # dependencies: the image has torch, triton and transformers); results land in
 # benchmarks/results/h200/ and in $OUT. CONVEYOR_COMMIT names the commit measured.
 #
-# STAGE "tests": the GPU kernel tests and, when /tmp/smol.gguf is there, the real-model GPU test.
+# STAGE "tests": the GPU kernel tests (the dense and LoRA ones) and, when /tmp/smol.gguf is there,
+#   the real-model GPU test.
 #   The GGUF (98 MB) is over a call's 64 MiB (the tracked files, ~7 MB, and .whl, ~9 MB, count
 #   too): split it here into two ignored folders (`head -c 44000000 G > .diag/gguf_a/p` and
 #   `tail -c +44000001 G > .diag/gguf_b/p`, G = ~/.cache/conveyor/SmolLM2-135M-Instruct.gguf),
@@ -43,6 +44,7 @@ pytest_here() { timeout "$1" python3 -m pytest -q -p no:cacheprovider "${@:2}" 2
 
 if [ "$STAGE" = tests ]; then
   pytest_here 300 tests/unit/test_kernels.py tests/unit/test_sampling_kernel.py tests/unit/test_rotary.py
+  pytest_here 200 -m gpu tests/unit/test_kernels_lora.py  # the one-row GEMV's LoRA epilogue among them
   if [ -f /tmp/smol.gguf ]; then
     timeout 120 python3 -m conveyor.default_model --gguf /tmp/smol.gguf --dest /tmp/smol >/dev/null 2>&1
     CONVEYOR_TEST_MODEL=/tmp/smol CONVEYOR_OFFLINE=1 pytest_here 200 tests/integration/test_gpu_real_model.py
