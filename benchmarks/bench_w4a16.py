@@ -28,7 +28,6 @@ the fastest (for choosing ``gemv_config``/``gemm_config``'s defaults).
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import torch
 
 import importlib
 
+from benchmarks import common
 from benchmarks.common import cuda_time_us, record, save_to
 from conveyor.kernels._triton import cdiv
 from conveyor.kernels.w4a16 import GemmConfig, GemvConfig, dequantize_awq_ref
@@ -87,31 +87,8 @@ def layer_copies(k: int, n: int, copies: int) -> list[tuple[torch.Tensor, ...]]:
 
 
 def graph_time_us(calls: list[Callable[[], object]], samples: int) -> float:
-    """Median µs per call of ``calls`` captured back to back in one CUDA graph."""
-    for call in calls:  # compile, autotune-free warm-up, allocator warm-up
-        call()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
+    """Median µs per call of ``calls`` captured once each, back to back, in one CUDA graph."""
+    return common.graph_time_us(calls, samples, reps=len(calls))
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
