@@ -20,12 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import graph_time_us, record, save
-from conveyor.kernels.gemv import gemv_ref, gemv_triton
+from conveyor.kernels.gemv import ONE_ROW_TILE, gemv_ref, gemv_triton
 
 SHAPES = {"qkv": (12288, 4096), "o_proj": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
           "lm_head": (32000, 4096)}
 ROW_PARALLEL = ("o_proj", "down")  # split along K under tensor parallel; the others along N
 PER_TOKEN = {"qkv": 32, "o_proj": 32, "gate_up": 32, "down": 32, "lm_head": 1}
+DEFAULT = (ONE_ROW_TILE[0], 1024, ONE_ROW_TILE[1], 3)  # gemv_triton's one-row launch: (block_n, block_k, warps, stages)
 
 
 def rank_shapes(tp: int) -> dict[str, tuple[int, int]]:
@@ -48,6 +49,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, default=1, help="the shapes of one rank of this many")
     args = ap.parse_args()
+    if args.tp < 1 or any(n % args.tp or k % args.tp for n, k in SHAPES.values()):
+        ap.error(f"--tp {args.tp}: the Llama-2-7B projections split evenly over 1, 2, 4 or 8 ranks")
     shapes = rank_shapes(args.tp)
     gen = torch.Generator(device="cuda").manual_seed(0)
     data = {}
@@ -105,13 +108,13 @@ def main() -> None:
     for name in shapes:  # each projection's own fastest, against the overall best's time for it
         t, cfg = min((r[2][name], r[1]) for r in results)
         print(f"{name:8s} {shapes[name]}: fastest {cfg} {t:.1f} us, overall best {best[2][name]:.1f} us, "
-              f"default (4, 1024, 4, 3) {_default_time(results, name)}", flush=True)
+              f"default {DEFAULT} {_default_time(results, name)}", flush=True)
     print(f"saved {save(records, 'gemv_vs_cublas' + (f'_tp{args.tp}' if args.tp > 1 else ''))}")
 
 
 def _default_time(results, name: str) -> str:
     """The default configuration's time for ``name``, if it ran."""
-    times = [r[2][name] for r in results if r[1] == (4, 1024, 4, 3)]
+    times = [r[2][name] for r in results if r[1] == DEFAULT]
     return f"{times[0]:.1f} us" if times else "not run"
 
 

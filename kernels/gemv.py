@@ -27,6 +27,13 @@ MAX_ROWS = 4  # rows of x the kernel takes
 # cuBLAS's ~2.66 (batch-1 decode 182.1 vs 168.5 tok/s); at 4 rows a decode step took 10.6 ms,
 # far slower than cuBLAS (the four per-row reductions per tile cost more than the reads).
 LAYER_ROWS = 1
+# (output features a program, warps) of a launch: one row (every decode projection at batch 1),
+# and more. Replayed from CUDA graphs on an H200 (``benchmarks/gemv_vs_cublas.py [--tp 2]``) the
+# Llama-2-7B projections took 3,275 µs a token with the one-row tile against 3,496 with the other
+# (1,762 against 1,963 for a rank of tp=2), within 1 % of the fastest of 51 configurations; more
+# rows keep the tile picked on an H100 (not re-measured).
+ONE_ROW_TILE = (4, 4)
+ROWS_TILE = (16, 8)
 
 
 class GemvLoRA(NamedTuple):
@@ -129,16 +136,12 @@ def gemv_triton(
 ) -> torch.Tensor:
     """Triton launcher for :func:`gemv_ref` (plus ``lora``'s delta, one row only), written into
     ``out`` ([M, N] of x's dtype, unit stride along N) when given; the keyword arguments are for
-    tuning. One row takes 4 features a program and 4 warps: replayed from CUDA graphs on an H200
-    (``benchmarks/gemv_vs_cublas.py [--tp 2]``) the Llama-2-7B projections took 3,275 µs a token
-    that way against 3,496 with 16 and 8 warps (1,762 against 1,963 for a rank of tp=2), within 1 %
-    of the fastest of 51 configurations. More rows keep 16 and 8 warps (not re-measured)."""
+    tuning (``block_n`` and ``num_warps`` default to ``ONE_ROW_TILE`` or ``ROWS_TILE``)."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x [M, K], weight [N, K]"
     m, k_dim = x.shape
-    if block_n is None:
-        block_n = 4 if m == 1 else 16
-    if num_warps is None:
-        num_warps = 4 if m == 1 else 8
+    tile_n, tile_warps = ONE_ROW_TILE if m == 1 else ROWS_TILE
+    block_n = tile_n if block_n is None else block_n
+    num_warps = tile_warps if num_warps is None else num_warps
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {m}"
     assert x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES, f"unsupported dtypes {x.dtype}, {weight.dtype}"
