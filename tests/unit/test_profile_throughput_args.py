@@ -1,5 +1,5 @@
 """Benchmark arguments refused with the form they want: profile_throughput's --profile window,
-profile_restful_api's --workers."""
+profile_restful_api's --workers, gemv_vs_cublas's --tp."""
 
 import argparse
 
@@ -68,3 +68,19 @@ def test_a_stack_samples_directory_that_cannot_be_made_is_refused(monkeypatch, c
     with pytest.raises(SystemExit) as exc:
         profile_throughput.main()
     assert exc.value.code == 2 and "--stack-samples" in capsys.readouterr().err
+
+
+def test_gemv_vs_cublas_takes_one_ranks_shapes_and_refuses_a_tp_they_do_not_split_over(monkeypatch, capsys) -> None:
+    """``--tp 2``: qkv, gate_up and the head halve their outputs, o_proj and down their inputs;
+    ``--tp 3`` is refused before any GPU work, naming what splits."""
+    import sys
+
+    from benchmarks import gemv_vs_cublas
+
+    shapes = gemv_vs_cublas.rank_shapes(2)
+    assert shapes["qkv"] == (6144, 4096) and shapes["o_proj"] == (4096, 2048) and shapes["down"] == (4096, 5504)
+    for tp in ("3", "0"):
+        monkeypatch.setattr(sys, "argv", ["gemv_vs_cublas", "--tp", tp])
+        with pytest.raises(SystemExit):
+            gemv_vs_cublas.main()
+        assert "split evenly over 1, 2, 4 or 8 ranks" in capsys.readouterr().err
