@@ -8,6 +8,9 @@ For each projection (K, fused parts) and row count T, rank ``--rank`` adapters i
   (as ``engine/lora/segments.py`` builds them: one per adapter, ``max_len`` the longest);
 * ``graph``: the pair replayed from a CUDA graph (T <= 256), with the segments a decode graph
   passes: one per pool slot, the unused ones padding (slot -1), ``max_len`` = T;
+* at T = 1, ``gemv``: what a batch-1 decode step runs instead, replayed from a CUDA graph: the
+  one-row GEMV (``kernels/gemv.py``) alone, and the shrink then the GEMV adding the delta in its
+  epilogue (``GemvLoRA``), at its default tile and at each of ``--gemv-tiles`` (BLOCK_NxWARPS);
 * ``overhead`` = lora / base, and per T the whole decoder's linears (32 layers x 4 projections):
   ``base / (base + lora)``, the tok/s fraction the linears alone would leave (a lower bound:
   attention, norms and sampling add to both sides). The issue's targets: >= 0.85 at batch 1,
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import cycle_time_us, graph_time_us, record, save
 from conveyor.kernels._triton import sm_count
+from conveyor.kernels.gemv import GemvLoRA, gemv_triton
 from conveyor.kernels.lora import (
     LoRASegments,
     launch_plan,
@@ -86,6 +90,14 @@ def lora_pair(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     lora_expand_triton(y, lora_shrink_triton(x, a, seg), b, seg, parts)
 
 
+def gemv_epilogue(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg: LoRASegments,
+                  parts: tuple[int, ...], tile: tuple[int, int] | None = None) -> torch.Tensor:
+    """What a batch-1 decode step runs for an adapted linear: the shrink, then the one-row GEMV
+    adding the delta in its epilogue (``tile``: its (BLOCK_N, warps), None: gemv_triton's default)."""
+    kw = {} if tile is None else {"block_n": tile[0], "num_warps": tile[1]}
+    return gemv_triton(x, w, lora=GemvLoRA(seg, lora_shrink_triton(x, a, seg), b, parts), **kw)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
@@ -136,11 +148,33 @@ def bench_shape(name: str, k: int, parts: tuple[int, ...], rows: tuple[int, ...]
             r["graph_lora_us"] = graph_time_us([lambda a=a, b=b: lora_pair(x, y, a, b, gseg, parts)
                                                 for a, b in pools], args.rounds)
             r["graph_overhead"] = r["graph_lora_us"] / r["graph_base_us"]
+            if t == 1:
+                r.update(bench_gemv(x, ws, pools, gseg, parts, (ref - y).double(), args))
         records.append(r)
         print(format_row(r), flush=True)
     del ws, pools
     torch.cuda.empty_cache()
     return records
+
+
+def bench_gemv(x: torch.Tensor, ws: list[torch.Tensor], pools: list[tuple[torch.Tensor, torch.Tensor]],
+               seg: LoRASegments, parts: tuple[int, ...], delta: torch.Tensor,
+               args: argparse.Namespace) -> dict[str, Any]:
+    """One row from CUDA graphs: the plain GEMV, and the shrink + GEMV with the LoRA epilogue at
+    the default tile and each of ``args.gemv_tiles`` (each checked against the reference first)."""
+    a, b = pools[0]
+    r: dict[str, Any] = {"graph_gemv_base_us": graph_time_us([lambda w=w: gemv_triton(x, w) for w in ws], args.rounds)}
+    tiles: dict[str, float] = {}
+    for tile in [None, *args.gemv_tiles]:
+        err = rel_err(gemv_epilogue(x, ws[0], a, b, seg, parts, tile).double() - F.linear(x, ws[0]).double(), delta)
+        assert err < 2e-2, f"the GEMV's LoRA epilogue at tile {tile}: relative error {err:.1e}"
+        fns = [lambda w=w, p=p: gemv_epilogue(x, w, *p, seg, parts, tile) for w, p in zip(ws, pools * len(ws))]
+        tiles["default" if tile is None else f"{tile[0]}x{tile[1]}"] = graph_time_us(fns, args.rounds)
+    r["graph_gemv_lora_us"] = tiles.pop("default")
+    r["graph_gemv_overhead"] = r["graph_gemv_lora_us"] / r["graph_gemv_base_us"]
+    if tiles:
+        r["gemv_tiles_us"] = tiles
+    return r
 
 
 def format_row(r: dict[str, Any]) -> str:
@@ -150,6 +184,9 @@ def format_row(r: dict[str, Any]) -> str:
     if "graph_lora_us" in r:
         line += (f" | graph: base {r['graph_base_us']:7.1f} pair {r['graph_lora_us']:6.1f}"
                  f" ({r['graph_overhead']:.1%})")
+    if "graph_gemv_lora_us" in r:
+        line += (f" | gemv: base {r['graph_gemv_base_us']:6.1f} +lora {r['graph_gemv_lora_us']:6.1f}"
+                 + "".join(f" {k} {v:.1f}" for k, v in r.get("gemv_tiles_us", {}).items()))
     return line + f" | err {r['rel_err']:.1e}"
 
 
@@ -161,21 +198,34 @@ def summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if len(rs) != len(SHAPES):
             continue
         s: dict[str, Any] = {"T": t, "adapters": rs[0]["adapters"]}
-        for key in ("", "graph_"):
+        for key in ("", "graph_", "graph_gemv_"):
             if all(f"{key}lora_us" in r for r in rs):
                 base = LAYERS * sum(r[f"{key}base_us"] for r in rs)
-                lora = LAYERS * sum(r[f"{key}lora_us"] for r in rs)
+                # the GEMV's epilogue replaces the base product: its time is base plus delta
+                lora = LAYERS * sum(r[f"{key}lora_us"] - (r[f"{key}base_us"] if key == "graph_gemv_" else 0)
+                                    for r in rs)
                 s[f"{key}step_base_us"], s[f"{key}step_lora_us"] = base, lora
                 s[f"{key}linears_tok_s_fraction"] = base / (base + lora)
         if t in TARGETS:
             s["target"] = TARGETS[t]
         out.append(s)
         graph = s.get("graph_linears_tok_s_fraction")
+        gemv = s.get("graph_gemv_linears_tok_s_fraction")
         print(f"T={t:<5d} decoder linears: base {s['step_base_us'] / 1e3:7.2f} ms, +lora "
               f"{s['step_lora_us'] / 1e3:6.2f} ms -> {s['linears_tok_s_fraction']:.3f} of base tok/s"
               + (f" (graph {graph:.3f})" if graph is not None else "")
+              + (f" (graph, GEMV epilogue {gemv:.3f})" if gemv is not None else "")
               + (f"; target {TARGETS[t]}" if t in TARGETS else ""), flush=True)
     return out
+
+
+def tile_arg(text: str) -> tuple[int, int]:
+    """``16x8`` -> (16, 8): a GEMV tile, output features a program x warps."""
+    try:
+        block_n, warps = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a tile as BLOCK_NxWARPS, e.g. 16x8") from None
+    return block_n, warps
 
 
 def main() -> None:
@@ -188,6 +238,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timings")
+    parser.add_argument("--gemv-tiles", type=tile_arg, nargs="*", default=[],
+                        help="T=1: also time the GEMV's LoRA epilogue at these BLOCK_NxWARPS tiles, e.g. 4x4 16x8")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     rows = tuple(args.rows) if args.rows else QUICK_ROWS if args.quick else ROWS

@@ -34,6 +34,12 @@ LAYER_ROWS = 1
 # rows keep the tile picked on an H100 (not re-measured).
 ONE_ROW_TILE = (4, 4)
 ROWS_TILE = (16, 8)
+# One row with a LoRA epilogue (``GemvLoRA``): every program first reads the shrink's split-K
+# partials for its features, a fixed cost a program, so fewer, wider programs win. H200, Llama-2-7B's
+# four adapted projections replayed from CUDA graphs (`python -m benchmarks.bench_lora_kernels
+# --rows 1 --gemv-tiles 4x4 8x4 16x4 16x8 32x8`): 115 µs a layer at 16 x 8 against 278 at
+# ONE_ROW_TILE's 4 x 4 (the plain GEMVs: 101).
+LORA_ONE_ROW_TILE = (16, 8)
 
 
 class GemvLoRA(NamedTuple):
@@ -136,10 +142,11 @@ def gemv_triton(
 ) -> torch.Tensor:
     """Triton launcher for :func:`gemv_ref` (plus ``lora``'s delta, one row only), written into
     ``out`` ([M, N] of x's dtype, unit stride along N) when given; the keyword arguments are for
-    tuning (``block_n`` and ``num_warps`` default to ``ONE_ROW_TILE`` or ``ROWS_TILE``)."""
+    tuning (``block_n`` and ``num_warps`` default to ``ONE_ROW_TILE``, ``LORA_ONE_ROW_TILE`` or
+    ``ROWS_TILE``)."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x [M, K], weight [N, K]"
     m, k_dim = x.shape
-    tile_n, tile_warps = ONE_ROW_TILE if m == 1 else ROWS_TILE
+    tile_n, tile_warps = ROWS_TILE if m > 1 else ONE_ROW_TILE if lora is None else LORA_ONE_ROW_TILE
     block_n = tile_n if block_n is None else block_n
     num_warps = tile_warps if num_warps is None else num_warps
     n = weight.shape[0]

@@ -1,5 +1,5 @@
 """Benchmark arguments refused with the form they want: profile_throughput's --profile window,
-profile_restful_api's --workers, gemv_vs_cublas's --tp."""
+profile_restful_api's --workers, gemv_vs_cublas's --tp, bench_lora_kernels' --gemv-tiles."""
 
 import argparse
 
@@ -84,3 +84,12 @@ def test_gemv_vs_cublas_takes_one_ranks_shapes_and_refuses_a_tp_they_do_not_spli
         with pytest.raises(SystemExit):
             gemv_vs_cublas.main()
         assert "split evenly over 1, 2, 4 or 8 ranks" in capsys.readouterr().err
+
+
+def test_bench_lora_kernels_reads_gemv_tiles_as_block_n_by_warps() -> None:
+    from benchmarks.bench_lora_kernels import tile_arg
+
+    assert tile_arg("16x8") == (16, 8) and tile_arg("4X4") == (4, 4)
+    for text in ("16", "16x", "axb", "4x4x4"):
+        with pytest.raises(argparse.ArgumentTypeError, match="BLOCK_NxWARPS"):
+            tile_arg(text)
