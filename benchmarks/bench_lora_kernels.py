@@ -43,7 +43,6 @@ from conveyor.kernels.lora import (
     launch_plan,
     lora_expand_ref,
     lora_expand_triton,
-    lora_shrink,
     lora_shrink_ref,
     lora_shrink_triton,
 )
@@ -94,10 +93,9 @@ def lora_pair(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
 def gemv_epilogue(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg: LoRASegments,
                   parts: tuple[int, ...], tile: tuple[int, int] | None = None) -> torch.Tensor:
     """What a batch-1 decode step runs for an adapted linear: the shrink, then the one-row GEMV
-    adding the delta in its epilogue, started early on Hopper (programmatic dependent launch);
-    ``tile``: the GEMV's (BLOCK_N, warps), None: gemv_triton's default."""
+    adding the delta in its epilogue (``tile``: its (BLOCK_N, warps), None: gemv_triton's default)."""
     kw = {} if tile is None else {"block_n": tile[0], "num_warps": tile[1]}
-    return gemv_triton(x, w, lora=GemvLoRA(seg, lora_shrink(x, a, seg, pdl=True), b, parts), **kw)
+    return gemv_triton(x, w, lora=GemvLoRA(seg, lora_shrink_triton(x, a, seg), b, parts), **kw)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -70,8 +70,7 @@ def pdl_trigger(t: torch.Tensor) -> bool:
     ``PDL_TRIGGER``): on Hopper or later, compiled (not interpreted), with a Triton that has it.
     The call lets a kernel launched after it with programmatic dependent launch (the one-row
     GEMVs: the tensor-core W4A16 one, ``_cuda.launch(pdl=True)``, and the fp16 one,
-    ``gemv.gemv_triton``, and the LoRA shrink before a GEMV that adds its delta,
-    ``lora.lora_shrink(pdl=True)``) start and request its weights while this one runs;
+    ``gemv.gemv_triton``) start and request its weights while this one runs;
     that kernel waits (``griddepcontrol.wait``) for this one's writes before it reads them. With
     any other successor the call changes nothing."""
     return (gdc_launch_dependents is not None and not TRITON_INTERPRETED and t.is_cuda

@@ -79,13 +79,12 @@ def _gemv_kernel(
     if PDL:  # launched with programmatic dependent launch (gemv_triton): the kernel before may
         # still run. Its first weight slice (which nothing before writes) is requested now; x,
         # which that kernel writes, is read only after it has finished (gdc_wait).
-        tl.static_assert(M == 1, "the PDL prologue is written for one row")
+        tl.static_assert(M == 1 and LORA_SPLITS == 0, "the PDL prologue is written for one row, no LoRA")
         w_first = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
         gdc_wait()
         k_start = BLOCK_K
     if LORA_SPLITS > 0:  # one row's LoRA delta (its low-rank row times these columns' B rows), read
-        # before the weights stream so that its loads' latency hides behind theirs (with PDL, after
-        # the wait: the shrink just before writes the partials)
+        # before the weights stream so that its loads' latency hides behind theirs
         slot = tl.load(slot_ptr)
         on = n_mask[:, None] & (slot >= 0)
         part = (n >= bound1).to(tl.int32) + (n >= bound2).to(tl.int32)  # each column's fused part
@@ -161,9 +160,9 @@ def gemv_triton(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     assert out.shape == (m, n) and out.dtype == x.dtype and out.stride(-1) == 1, "out: [M, N] of x's dtype"
     lora_args, splits, rank = (x, x, x, 0, 0, n, n), 0, 16
-    # Programmatic dependent launch (Hopper): one row, after the norm / SiLU / merge kernels that
-    # trigger, or with a LoRA delta after the shrink (``lora_shrink(pdl=True)``) that does.
-    pdl = m == 1 and pdl_trigger(x)
+    # Programmatic dependent launch (Hopper): one row without a LoRA delta (whose partials the
+    # shrink kernel just before writes), where the norm / SiLU / merge kernels before it trigger.
+    pdl = m == 1 and lora is None and pdl_trigger(x)
     if lora is not None:
         assert m == 1 and lora.b.shape[1] == n, "a GEMV LoRA epilogue takes one row and the linear's outputs"
         bounds = [n, n]

@@ -36,8 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._triton import (FLOAT_DTYPES, TRITON_INTERPRETED, cdiv, gdc_launch_dependents, gdc_wait, jit, next_pow2,
-                      pdl_trigger, sm_count, tl, triton_takes)
+from ._triton import FLOAT_DTYPES, TRITON_INTERPRETED, cdiv, jit, next_pow2, sm_count, tl, triton_takes
 
 
 class LoRASegments(NamedTuple):
@@ -105,15 +104,10 @@ def _shrink_kernel(
     x_ptr, a_ptr, out_ptr, order_ptr, start_ptr, slot_ptr,
     N, K, k_per_split, n_blocks, stride_x, stride_a_slot, stride_a_row, stride_out_split, stride_out_row,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     # Grid: (segments, cdiv(max_len, BLOCK_M), split_k * n_blocks). Each program multiplies its
     # segment's BLOCK_M rows of x by BLOCK_N rows of the slot's A over one split of K, into its own
     # float32 partial product: no atomics, no zeroing.
-    if PDL:  # launched with programmatic dependent launch (lora_shrink_triton): the GEMV after it
-        # may start fetching its weights now; x, which the kernel before writes, waits for it.
-        gdc_launch_dependents()
-        gdc_wait()
     slot, count, rows, mask_m = _segment_rows(order_ptr, start_ptr, slot_ptr, BLOCK_M)
     if (slot < 0) | (tl.program_id(1) * BLOCK_M >= count):  # padding, or past this segment's rows
         return
@@ -237,13 +231,9 @@ def _rank_block(rank: int) -> int:
     return min(64, rank & -rank)
 
 
-def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, seg: LoRASegments, split_k: int | None = None,
-                       pdl: bool = False) -> torch.Tensor:
+def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, seg: LoRASegments, split_k: int | None = None) -> torch.Tensor:
     """Triton launcher for :func:`lora_shrink_ref` (float32 ``[split_k, T, N]`` partials; the
-    split count may come out lower than asked, so that no split is empty). ``pdl`` (Hopper,
-    ``_triton.pdl_trigger``): launched with programmatic dependent launch, and letting the kernel
-    after it launch at once: the one-row GEMV that adds the delta (``gemv.GemvLoRA``) then fetches
-    its weights while this kernel waits for x and runs."""
+    split count may come out lower than asked, so that no split is empty)."""
     t, k = x.shape
     n = a.shape[1]
     segments = seg.seg_slot.numel()
@@ -258,8 +248,7 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, seg: LoRASegments, spli
         _shrink_kernel[grid](x, a, out, seg.token_order, seg.seg_start, seg.seg_slot,
                              n, k, k_per, n_blocks, x.stride(0), a.stride(0), a.stride(1), out.stride(0),
                              out.stride(1), BLOCK_M=plan.block_m, BLOCK_N=plan.shrink_block_n, BLOCK_K=block_k,
-                             IEEE=_ieee_shrink(x.dtype), PDL=pdl, num_warps=plan.num_warps,
-                             **({"launch_pdl": True} if pdl else {}))
+                             IEEE=_ieee_shrink(x.dtype), num_warps=plan.num_warps)
     return out
 
 
@@ -335,14 +324,12 @@ def _seg_tensors(seg: LoRASegments) -> tuple[torch.Tensor, ...]:
     return seg.token_order, seg.seg_start, seg.seg_slot
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg: LoRASegments, split_k: int | None = None,
-                pdl: bool = False) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg: LoRASegments, split_k: int | None = None) -> torch.Tensor:
     """float32 partial products ``[split_k, T, N]``; summed over dim 0 they are ``x[t] @ a[slot]^T``
     for every row t in a segment (other rows undefined, never read). ``split_k`` None: the policy
-    (:func:`launch_plan`) picks. Triton on CUDA, else the reference. ``pdl``: the kernel after is
-    the one-row GEMV adding the delta (``lora_shrink_triton``'s ``pdl``, taken where the GPU has it)."""
+    (:func:`launch_plan`) picks. Triton on CUDA, else the reference."""
     if triton_takes("lora_shrink", (x, a, *_seg_tensors(seg)), _shrink_problem, x, a, seg):
-        return lora_shrink_triton(x, a, seg, split_k, pdl=pdl and pdl_trigger(x))
+        return lora_shrink_triton(x, a, seg, split_k)
     return lora_shrink_ref(x, a, seg, split_k)
 
 

@@ -137,7 +137,7 @@ class LoRASlots(nn.Module):
         if x2.device.type != "cuda" or x2.shape[0] > SIDE_STREAM_ROWS:
             return After(x2)  # after the base, in place (a prefill chunk: no second [T, out] activation)
         if self.fuse_gemv and x2.shape[0] == 1:
-            return GemvLoRA(segments, lora_shrink(x2, self.a, segments, pdl=True), self.b, self.part_sizes)
+            return GemvLoRA(segments, lora_shrink(x2, self.a, segments), self.b, self.part_sizes)
         main, side = torch.cuda.current_stream(x2.device), _side_stream(x2.device)
         # Allocated on the main stream (which frees it after the add that reads it last).
         delta = torch.empty(x2.shape[0], self.b.shape[1], dtype=self.b.dtype, device=x2.device)

@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_harness import (assert_close, check_after_the_norm, compiled_gpu, gpu, interp, ptx_of,
-                            run_interpreter_cases_in_child)
+from kernel_harness import assert_close, compiled_gpu, gpu, interp, run_interpreter_cases_in_child
 
 from conveyor.kernels.lora import (
     LaunchPlan,
@@ -209,44 +208,3 @@ def test_the_gemv_adds_one_rows_delta_in_its_epilogue(dtype, slot) -> None:
     ref = torch.nn.functional.linear(x, w)
     lora_expand_ref(ref, lora_shrink_ref(x, a, seg), b, seg, part_sizes)
     assert_close(out, ref, 1e-2)
-
-
-@gpu
-@compiled_gpu
-@pytest.mark.parametrize("k", [4096, 11008])
-def test_the_shrink_and_gemv_started_early_read_what_the_norm_and_shrink_wrote(k) -> None:
-    """Batch-1 decode with an adapter on Hopper: the shrink, launched with programmatic dependent
-    launch, lets the GEMV after it launch at once and waits for the norm before it reads x; the
-    GEMV fetches weights, then waits for the shrink's partials (``check_after_the_norm``: eager,
-    then replayed from one CUDA graph with new inputs)."""
-    from conveyor.kernels.gemv import GemvLoRA, gemv_triton
-
-    gen = torch.Generator().manual_seed(k)
-    part_sizes, rank = (4096, 1024, 1024), 16
-    _, a, b, _, _ = case(1, k, part_sizes, rank, 4, torch.float16, "cuda", gen)
-    w = (torch.randn(sum(part_sizes), k, generator=gen) * 0.02).half().cuda()
-    seg = segments([2], "cuda", padding=3)
-
-    def ref(x: torch.Tensor) -> torch.Tensor:
-        out = torch.nn.functional.linear(x.float(), w.float())
-        lora_expand_ref(out, lora_shrink_ref(x.float(), a.float(), seg), b.float(), seg, part_sizes)
-        return out
-
-    check_after_the_norm(lambda x: gemv_triton(x, w, lora=GemvLoRA(seg, lora_shrink(x, a, seg, pdl=True), b,
-                                                                    part_sizes)), ref, k, gen, 2e-2)
-
-
-def test_the_shrink_for_a_gemv_epilogue_triggers_its_successor_then_waits() -> None:
-    """The PDL shrink compiles for Hopper with the launch-dependents trigger before the wait (the
-    GEMV after it may start while it waits for x); without PDL it has neither."""
-    sig = {"x_ptr": "*fp16", "a_ptr": "*fp16", "out_ptr": "*fp32", "order_ptr": "*i32", "start_ptr": "*i32",
-           "slot_ptr": "*i32", "N": "i32", "K": "i32", "k_per_split": "i32", "n_blocks": "i32", "stride_x": "i32",
-           "stride_a_slot": "i32", "stride_a_row": "i32", "stride_out_split": "i32", "stride_out_row": "i32",
-           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "IEEE": "constexpr",
-           "PDL": "constexpr"}
-    consts = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128, "IEEE": False}
-    ptx = ptx_of("conveyor.kernels.lora", "_shrink_kernel", sig, {**consts, "PDL": True}, num_warps=4)
-    trigger, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
-    assert 0 <= trigger < wait, (trigger, wait)
-    assert "griddepcontrol" not in ptx_of("conveyor.kernels.lora", "_shrink_kernel", sig, {**consts, "PDL": False},
-                                          num_warps=4)
