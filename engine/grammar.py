@@ -27,14 +27,11 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..protocol.guided import Guide
-
-if TYPE_CHECKING:
-    from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -143,14 +140,14 @@ class GuideState:
         return bool(self.matcher.accept_token(token))
 
 
-def fill_token_bitmask(rows: list[Sequence], vocab_size: int) -> torch.Tensor | None:
-    """The step's mask, host side: int32 ``[len(rows), ceil(vocab / 32)]``, bit ``t % 32`` of word
-    ``t // 32`` set where row ``i`` may take token ``t``. Rows with no guide, or whose turn ended
-    (their token this step is discarded), allow everything. None when no row is constrained."""
-    guided = [(i, s.guide_state) for i, s in enumerate(rows) if s.guide_state is not None and not s.is_finished]
+def fill_token_bitmask(states: list[GuideState | None], vocab_size: int) -> torch.Tensor | None:
+    """The step's mask, host side, from each row's guide state: int32 ``[len(states), ceil(vocab /
+    32)]``, bit ``t % 32`` of word ``t // 32`` set where row ``i`` may take token ``t``. A row
+    without a state (None) allows everything. None when no row is constrained."""
+    guided = [(i, state) for i, state in enumerate(states) if state is not None]
     if not guided:
         return None
-    mask = torch.full((len(rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    mask = torch.full((len(states), (vocab_size + 31) // 32), -1, dtype=torch.int32)
     for i, state in guided:
         if not state.terminated:
             state.matcher.fill_next_token_bitmask(mask, i)

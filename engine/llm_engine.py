@@ -383,7 +383,9 @@ class LLMEngine:
             return None
         if self._inflight is not None:
             self._read_early += self._read_back()
-        return fill_token_bitmask(rows, self.model_config.vocab_size)
+        # A row whose turn ended (its token this step is discarded) allows everything.
+        states = [None if s.is_finished else s.guide_state for s in rows]
+        return fill_token_bitmask(states, self.model_config.vocab_size)
 
     @staticmethod
     def _needs_token_ids(step: LaunchedStep) -> bool:

@@ -95,7 +95,7 @@ def _ready(value=None, error=None) -> Future:
 
 
 def test_fill_token_bitmask_is_none_without_constrained_rows() -> None:
-    assert fill_token_bitmask([Sequence([1, 2], SamplingParams())], 64) is None
+    assert fill_token_bitmask([None, None], 64) is None
 
 
 def test_scheduler_passes_over_a_turn_whose_grammar_compiles() -> None:
