@@ -221,11 +221,14 @@ def summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def tile_arg(text: str) -> tuple[int, int]:
-    """``16x8`` -> (16, 8): a GEMV tile, output features a program x warps."""
+    """``16x8`` -> (16, 8): a GEMV tile, output features a program x warps, each a power of two
+    (Triton's block shapes and warp counts are)."""
     try:
         block_n, warps = (int(v) for v in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: give a tile as BLOCK_NxWARPS, e.g. 16x8") from None
+    if any(v < 1 or v & (v - 1) for v in (block_n, warps)):
+        raise argparse.ArgumentTypeError(f"{text!r}: BLOCK_N and WARPS are powers of two (BLOCK_NxWARPS, e.g. 16x8)")
     return block_n, warps
 
 

@@ -90,6 +90,6 @@ def test_bench_lora_kernels_reads_gemv_tiles_as_block_n_by_warps() -> None:
     from benchmarks.bench_lora_kernels import tile_arg
 
     assert tile_arg("16x8") == (16, 8) and tile_arg("4X4") == (4, 4)
-    for text in ("16", "16x", "axb", "4x4x4"):
+    for text in ("16", "16x", "axb", "4x4x4", "12x4", "0x4", "16x3", "-4x4"):
         with pytest.raises(argparse.ArgumentTypeError, match="BLOCK_NxWARPS"):
             tile_arg(text)
